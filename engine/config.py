@@ -1,0 +1,35 @@
+"""The engine's one frozen config, built at the edge (CLI, settings file) and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    backend: str = "native"  # a key of engine.backends.BACKENDS
+    model: str = "ragspeed-demo"  # a model-zoo name, a local path or a hub id
+    tokenizer: str | None = None  # defaults to the model's
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_model_len: int | None = None  # defaults to the model's context length
+    seed: int = 0
+
+    # Native engine: paged KV cache and scheduler.
+    block_size: int = 16
+    num_kv_cache_tokens: int | None = None  # pool size in tokens; None: from memory fraction
+    kv_cache_memory_fraction: float = 0.1  # of free host/device memory, when tokens unset
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+    quantization: str | None = None  # None | "int8"
+    speculative: str | None = None  # None | "ngram" | "draft"
+    draft_model: str | None = None
+    num_speculative_tokens: int = 4
+
+    # Remote (openai) backend.
+    upstreams: tuple[str, ...] = ()
+    upstream_api_key: str | None = None
+    upstream_model: str | None = None  # model name to send upstream; defaults to `model`
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 60.0

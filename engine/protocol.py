@@ -1,0 +1,112 @@
+"""The one protocol between the gateway and every engine backend (DESIGN.md, contract 2).
+
+Terms used across the engine:
+
+- *prompt tokens*: the token ids of the fully rendered prompt (chat template applied).
+- *static prefix*: the first `num_static_tokens` prompt tokens, the static system prompt. Only
+  this part is worth pre-warming and pinning; everything after it changes per request.
+- *cached tokens*: prompt tokens whose KV came from the prefix cache instead of a prefill.
+- *delta*: what one engine step adds to a request's output: token ids and the text they decode
+  to (never a split UTF-8 character).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    # Rendered prompt text; remote backends forward text, the native engine uses the ids.
+    prompt: str = ""
+    num_static_tokens: int = 0
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """One step's output for one request. The last delta has `finish_reason` set."""
+
+    text: str
+    token_ids: tuple[int, ...] = ()
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class EngineError(Exception):
+    """A request the engine refuses ("never"); the gateway maps it to an HTTP status."""
+
+    status_code = 400
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class PromptTooLongError(EngineError):
+    status_code = 400
+
+
+class UpstreamError(EngineError):
+    """An upstream server failed (502) or timed out (504)."""
+
+    status_code = 502
+
+
+class UpstreamTimeoutError(UpstreamError):
+    status_code = 504
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """What the gateway needs of a backend. Implementations are built by `engine.backends`."""
+
+    model_name: str
+    max_model_len: int
+
+    @property
+    def tokenizer(self) -> Any:
+        """A Hugging Face tokenizer of the target model (counts tokens, renders chat)."""
+
+    async def start(self) -> None:
+        """Load weights and start any background loop; ready after it returns."""
+
+    async def shutdown(self) -> None:
+        """Abort everything and release all resources."""
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        """Stream the request's deltas. Closing the iterator early aborts the request."""
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request and free everything it holds; unknown ids are ignored."""
+
+    async def warm(self, prefix_token_ids: tuple[int, ...], cache_salt: str | None = None) -> int:
+        """Prefill a static prefix into the cache; returns the number of tokens now cached."""
+
+    def stats(self) -> dict[str, float]:
+        """Numbers for /metrics: blocks in use, cache hits, and so on."""

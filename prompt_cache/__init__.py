@@ -1,0 +1,1 @@
+"""ragspeed prompt_cache."""

@@ -1,0 +1,1 @@
+"""ragspeed retrieval."""

@@ -1,0 +1,30 @@
+"""Suite-wide setup: offline, deterministic, heavy checks opt-in."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("RAGSPEED_SLOW") == "1":
+        return
+    skip_slow = pytest.mark.skip(reason="slow: set RAGSPEED_SLOW=1 to run")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip_slow)
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"{SHARED_DATA} not found (../shared/data beside the checkout)")
+    return SHARED_DATA
