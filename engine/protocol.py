@@ -54,6 +54,9 @@ class TokenDelta:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # Backends that stream text without token ids (remote upstreams) report the output token
+    # count here on the final delta; otherwise the gateway counts `token_ids`.
+    num_completion_tokens: int | None = None
 
 
 class EngineError(Exception):

@@ -1,0 +1,30 @@
+"""The registry of engine backends; every one implements `engine.protocol.EngineClient`.
+
+Backends are imported lazily: the vLLM one needs a GPU stack that most machines lack.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from engine.config import EngineConfig
+from engine.protocol import EngineClient
+
+# backend name -> "module:class"; each class is built as `cls(config)`.
+BACKENDS: dict[str, str] = {
+    "native": "engine.backends.native:NativeEngine",
+    "transformers": "engine.backends.transformers_backend:TransformersEngine",
+    "openai": "engine.backends.openai_backend:OpenAIEngine",
+    "vllm": "engine.backends.vllm:VLLMEngine",
+}
+
+
+def build_engine(config: EngineConfig) -> EngineClient:
+    target = BACKENDS.get(config.backend)
+    if target is None:
+        raise ValueError(
+            f"unknown engine backend {config.backend!r}; choose one of {', '.join(BACKENDS)}"
+        )
+    module_name, class_name = target.split(":")
+    engine_cls = getattr(importlib.import_module(module_name), class_name)
+    return engine_cls(config)

@@ -1,0 +1,184 @@
+"""The openai backend: forwards the assembled prompt to OpenAI-compatible upstream servers.
+
+Upstreams are vLLM, SGLang, TGI or another ragspeed. The gateway has already rendered the
+prompt (static system prompt first, compressed documents, history, question), so the request
+goes to the upstream's `/v1/completions` as text and streams back. Closing the stream (the
+client went away) closes the upstream connection, which makes the upstream abort too.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+from transformers import AutoConfig, AutoTokenizer
+
+from engine.config import EngineConfig
+from engine.model_zoo import resolve_model
+from engine.protocol import (
+    EngineError,
+    GenerationRequest,
+    SamplingParams,
+    TokenDelta,
+    UpstreamError,
+    UpstreamTimeoutError,
+)
+
+_UNKNOWN_CONTEXT = 1 << 20  # the upstream enforces its own limit
+
+
+def upstream_base_url(url: str) -> str:
+    """`http://host:8000`, `http://host:8000/` and `http://host:8000/v1` all mean the same."""
+    url = url.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+def completion_body(model: str, request: GenerationRequest) -> dict[str, Any]:
+    sampling: SamplingParams = request.sampling
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": request.prompt,
+        "max_tokens": sampling.max_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    # vLLM-style extensions, sent only when they differ from the defaults.
+    if sampling.top_k:
+        body["top_k"] = sampling.top_k
+    if sampling.min_p:
+        body["min_p"] = sampling.min_p
+    if sampling.seed is not None:
+        body["seed"] = sampling.seed
+    if sampling.stop:
+        body["stop"] = list(sampling.stop)
+    if sampling.stop_token_ids:
+        body["stop_token_ids"] = list(sampling.stop_token_ids)
+    if sampling.ignore_eos:
+        body["ignore_eos"] = True
+    if request.cache_salt:
+        body["cache_salt"] = request.cache_salt
+    return body
+
+
+def _error_message(response_body: bytes) -> str:
+    try:
+        error = json.loads(response_body)["error"]
+        return error["message"] if isinstance(error, dict) else str(error)
+    except (ValueError, KeyError, TypeError):
+        return response_body.decode("utf-8", "replace")[:500]
+
+
+class OpenAIEngine:
+    def __init__(self, config: EngineConfig):
+        if not config.upstreams:
+            raise ValueError("the openai engine needs at least one upstream URL (--upstream)")
+        self.config = config
+        self.model_name = config.model
+        self.upstream_model = config.upstream_model or config.model
+        self.max_model_len = config.max_model_len or _UNKNOWN_CONTEXT
+        self._base_urls = [upstream_base_url(u) for u in config.upstreams]
+        self._next_upstream = itertools.cycle(range(len(self._base_urls)))
+        self._client: httpx.AsyncClient | None = None
+        self._tokenizer: Any = None
+        self._counters = {"requests_total": 0.0, "upstream_errors_total": 0.0}
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    async def start(self) -> None:
+        source = self.config.tokenizer or resolve_model(self.config.model)
+        self._tokenizer = AutoTokenizer.from_pretrained(source)
+        if not self.config.max_model_len and Path(source, "config.json").is_file():
+            model_config = AutoConfig.from_pretrained(source)
+            self.max_model_len = getattr(model_config, "max_position_embeddings", _UNKNOWN_CONTEXT)
+        timeout = httpx.Timeout(
+            connect=self.config.connect_timeout_s,
+            read=self.config.read_timeout_s,
+            write=self.config.read_timeout_s,
+            pool=self.config.connect_timeout_s,
+        )
+        headers = {}
+        if self.config.upstream_api_key:
+            headers["Authorization"] = f"Bearer {self.config.upstream_api_key}"
+        self._client = httpx.AsyncClient(timeout=timeout, headers=headers)
+
+    async def shutdown(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+    async def abort(self, request_id: str) -> None:
+        """Aborting is closing the stream: the consumer of `generate()` does it."""
+
+    async def warm(self, prefix_token_ids: tuple[int, ...], cache_salt: str | None = None) -> int:
+        return 0
+
+    def stats(self) -> dict[str, float]:
+        return dict(self._counters)
+
+    def _pick_upstream(self, request: GenerationRequest) -> str:
+        return self._base_urls[next(self._next_upstream)]
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        assert self._client is not None, "start() first"
+        self._counters["requests_total"] += 1
+        base_url = self._pick_upstream(request)
+        body = completion_body(self.upstream_model, request)
+        try:
+            async with self._client.stream("POST", f"{base_url}/completions", json=body) as response:
+                if response.status_code != 200:
+                    raise self._status_error(base_url, response.status_code, await response.aread())
+                async for delta in self._parse_stream(response):
+                    yield delta
+        except httpx.TimeoutException as exc:
+            self._counters["upstream_errors_total"] += 1
+            raise UpstreamTimeoutError(
+                f"upstream {base_url} timed out ({type(exc).__name__})", code="upstream_timeout"
+            ) from exc
+        except httpx.HTTPError as exc:
+            self._counters["upstream_errors_total"] += 1
+            raise UpstreamError(
+                f"upstream {base_url} failed: {type(exc).__name__}: {exc}", code="upstream_error"
+            ) from exc
+
+    def _status_error(self, base_url: str, status: int, body: bytes) -> EngineError:
+        message = f"upstream {base_url} answered {status}: {_error_message(body)}"
+        if 400 <= status < 500:
+            error = EngineError(message, code="upstream_rejected")
+            error.status_code = status
+            return error
+        self._counters["upstream_errors_total"] += 1
+        return UpstreamError(message, code="upstream_error")
+
+    async def _parse_stream(self, response: httpx.Response) -> AsyncIterator[TokenDelta]:
+        finish: str | None = None
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[len("data:"):].strip()
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            usage = chunk.get("usage")
+            if usage:  # the last chunk with include_usage: no choices, only counts
+                details = usage.get("prompt_tokens_details") or {}
+                yield TokenDelta(
+                    text="",
+                    finish_reason=finish or "stop",
+                    num_prompt_tokens=usage.get("prompt_tokens", 0),
+                    num_cached_tokens=details.get("cached_tokens") or 0,
+                    num_completion_tokens=usage.get("completion_tokens", 0),
+                )
+                return
+            for choice in chunk.get("choices", []):
+                # The finish reason is held back for the usage chunk that follows it.
+                finish = choice.get("finish_reason") or finish
+                if choice.get("text"):
+                    yield TokenDelta(text=choice["text"])
+        yield TokenDelta(text="", finish_reason=finish or "stop")

@@ -1,0 +1,70 @@
+"""Prometheus metrics of one gateway, on a registry of its own (no module-global state).
+
+Latencies are labelled by model and A/B arm; the engine's own figures (KV blocks, prefix cache
+hits) are read from `EngineClient.stats()` at scrape time.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+_LABELS = ("model", "arm")
+
+
+class _EngineStatsCollector:
+    def __init__(self, stats: Callable[[], dict[str, float]], model: str):
+        self._stats, self._model = stats, model
+
+    def collect(self):
+        try:
+            stats = self._stats()
+        except Exception:  # an engine still loading has no stats yet
+            stats = {}
+        for key, value in sorted(stats.items()):
+            name = "ragspeed_engine_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
+            family = GaugeMetricFamily(name, f"engine statistic {key}", labels=["model"])
+            family.add_metric([self._model], float(value))
+            yield family
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("ragspeed_time_to_first_token_seconds", "Time to first token.",
+                              _LABELS, buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("ragspeed_time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request.",
+                              _LABELS, buckets=_TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("ragspeed_e2e_request_latency_seconds", "End-to-end request latency.",
+                             _LABELS, buckets=_LATENCY_BUCKETS, registry=r)
+        self.stage = Histogram("ragspeed_stage_seconds", "Time spent in each pipeline stage.",
+                               (*_LABELS, "stage"), buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("ragspeed_prompt_tokens", "Prompt tokens sent to the engine.",
+                                     _LABELS, registry=r)
+        self.cached_tokens = Counter("ragspeed_cached_prompt_tokens",
+                                     "Prompt tokens served from the prefix cache.", _LABELS, registry=r)
+        self.generation_tokens = Counter("ragspeed_generation_tokens", "Generated tokens.",
+                                         _LABELS, registry=r)
+        self.requests = Counter("ragspeed_requests", "Finished requests by outcome.",
+                                (*_LABELS, "outcome"), registry=r)
+        self.in_flight = Gauge("ragspeed_requests_in_flight", "Requests being served now.",
+                               _LABELS, registry=r)
+        self.compression_fallbacks = Counter(
+            "ragspeed_compression_failures", "Compressions that failed open (prompt sent uncompressed).",
+            _LABELS, registry=r)
+        self.documents_tokens = Counter("ragspeed_document_tokens",
+                                        "Document tokens before and after compression.",
+                                        (*_LABELS, "phase"), registry=r)
+
+    def watch_engine(self, stats: Callable[[], dict[str, float]], model: str) -> None:
+        self.registry.register(_EngineStatsCollector(stats, model))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,157 @@
+"""Segments of a RAG request and the prompt layout of DESIGN.md (contract 1).
+
+A request is split into four segments:
+
+- *static system prompt*: the system messages, minus any documents found in them. It is the same
+  for every request of an application, so it goes first and its KV blocks are reused.
+- *documents*: the `documents` field, plus any text between the document markers in a message.
+  Only this segment is ever compressed.
+- *history*: earlier turns of the conversation.
+- *question*: the last user message, minus its documents.
+
+The prompt is `[static system prompt][documents][history][question]`, rendered through the
+model's chat template; documents are appended to the system turn so that any template works.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.protocol import ChatMessage, DocumentIn
+
+
+@dataclass(frozen=True)
+class Document:
+    id: str
+    text: str
+    title: str = ""
+
+
+@dataclass(frozen=True)
+class Turn:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class Segments:
+    static_system_prompt: str
+    documents: tuple[Document, ...]
+    history: tuple[Turn, ...]
+    question: str
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str
+    token_ids: tuple[int, ...]
+    num_static_tokens: int  # leading tokens shared with the static system prompt alone
+
+
+def _document(text: str, title: str = "", doc_id: str | None = None) -> Document:
+    doc_id = doc_id or hashlib.sha1(f"{title}\n{text}".encode()).hexdigest()[:16]
+    return Document(id=doc_id, text=text.strip(), title=title.strip())
+
+
+def extract_documents(text: str, start: str, end: str) -> tuple[str, list[Document]]:
+    """Cut every `start ... end` span out of `text`; an unclosed start runs to the end."""
+    documents, rest, pos = [], [], 0
+    while (i := text.find(start, pos)) >= 0:
+        rest.append(text[pos:i])
+        j = text.find(end, i + len(start))
+        body_end, pos = (len(text), len(text)) if j < 0 else (j, j + len(end))
+        body = text[i + len(start):body_end]
+        if body.strip():
+            documents.append(_document(body))
+    rest.append(text[pos:])
+    return "".join(rest).strip(), documents
+
+
+def split_segments(
+    messages: Sequence[ChatMessage],
+    documents: Sequence[str | DocumentIn] | None,
+    *,
+    start_marker: str,
+    end_marker: str,
+) -> Segments:
+    docs = [
+        _document(d) if isinstance(d, str) else _document(d.text, d.title, d.id)
+        for d in documents or ()
+    ]
+    system_parts: list[str] = []
+    turns: list[Turn] = []
+    for i, message in enumerate(messages):
+        text, found = extract_documents(message.text, start_marker, end_marker)
+        docs.extend(found)
+        if message.role in ("system", "developer") and not turns:
+            if text:
+                system_parts.append(text)
+        else:
+            role = "system" if message.role == "developer" else message.role
+            turns.append(Turn(role=role, content=text))
+    question = ""
+    if turns and turns[-1].role == "user":
+        question = turns.pop().content
+    unique = {d.id: d for d in docs if d.text}
+    return Segments(
+        static_system_prompt="\n\n".join(system_parts),
+        documents=tuple(unique.values()),
+        history=tuple(turns),
+        question=question,
+    )
+
+
+def render_documents(documents: Sequence[Document]) -> str:
+    blocks = []
+    for i, doc in enumerate(documents, start=1):
+        header = f"[{i}] {doc.title}".rstrip()
+        blocks.append(f"{header}\n{doc.text}")
+    return "Documents:\n\n" + "\n\n".join(blocks)
+
+
+def _render(tokenizer: Any, turns: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(
+            turns, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+    # A model without a chat template (a base model): a plain transcript.
+    lines = [f"{t['role'].capitalize()}: {t['content']}" for t in turns]
+    if add_generation_prompt:
+        lines.append("Assistant:")
+    return "\n\n".join(lines)
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    # The chat template already holds any BOS token, so none is added again.
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def assemble_prompt(tokenizer: Any, segments: Segments, documents: Sequence[Document]) -> Prompt:
+    system = segments.static_system_prompt
+    if documents:
+        system = f"{system}\n\n{render_documents(documents)}" if system else render_documents(documents)
+    turns = [{"role": "system", "content": system}] if system else []
+    turns += [{"role": t.role, "content": t.content} for t in segments.history]
+    if segments.question or not segments.history:
+        turns.append({"role": "user", "content": segments.question})
+    text = _render(tokenizer, turns, add_generation_prompt=True)
+    token_ids = _encode(tokenizer, text)
+    num_static = 0
+    if segments.static_system_prompt:
+        static_text = _render(
+            tokenizer, [{"role": "system", "content": segments.static_system_prompt}], False
+        )
+        num_static = _common_prefix_length(_encode(tokenizer, static_text), token_ids)
+    return Prompt(text=text, token_ids=tuple(token_ids), num_static_tokens=num_static)
+
+
+def _common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,130 @@
+"""Wire models: the OpenAI chat-completions and completions schemas plus ragspeed's extensions.
+
+Extensions follow vLLM where vLLM has one (`documents`, `cache_salt`, `top_k`, `min_p`,
+`usage.prompt_tokens_details.cached_tokens`); ragspeed's own per-request options live in one
+`ragspeed` object, which the openai SDK sends through `extra_body`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class DocumentIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    text: str
+    title: str = ""
+    id: str | None = None
+
+
+class CompressionOptions(_Strict):
+    method: str | None = Field(None, description="Compressor name; default: the server's.")
+    rate: float | None = Field(None, gt=0, le=1, description="Keep this share of document tokens.")
+    target_tokens: int | None = Field(None, ge=1, description="Keep about this many document tokens.")
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> CompressionOptions:
+        if self.rate is not None and self.target_tokens is not None:
+            raise ValueError("give either rate or target_tokens, not both")
+        return self
+
+
+class RetrievalOptions(_Strict):
+    collection: str
+    top_k: int = Field(5, ge=1, le=100)
+    mode: Literal["dense", "bm25", "hybrid"] = "hybrid"
+
+
+class RagspeedOptions(_Strict):
+    system_prompt: str | None = Field(None, description="Name of a registered static system prompt.")
+    compression: CompressionOptions | Literal[False] | None = None
+    retrieval: RetrievalOptions | None = None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1, description="0 or -1 disables top-k.")
+    min_p: float = Field(0.0, ge=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = Field(1, ge=1)
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    cache_salt: str | None = Field(None, min_length=1)
+
+    @field_validator("n")
+    @classmethod
+    def _single_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("only n=1 is supported")
+        return n
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, stop: str | list[str] | None) -> list[str]:
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(stops) > 16:
+            raise ValueError("at most 16 stop strings")
+        return stops
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    documents: list[str | DocumentIn] | None = None
+    ragspeed: RagspeedOptions | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int]
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt: Any) -> Any:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise ValueError("only one prompt per request is supported")
+            return prompt[0]
+        if isinstance(prompt, list) and not prompt:
+            raise ValueError("prompt is empty")
+        return prompt

@@ -1,0 +1,1 @@
+"""Thin HTTP routers; the work happens in gateway.pipeline and gateway.streaming."""

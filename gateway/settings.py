@@ -1,0 +1,125 @@
+"""Settings: the only place that reads environment variables and the config file.
+
+Precedence, highest first: command-line flags, `RAGSPEED_*` environment variables, the config
+file (YAML or TOML, `--config`), the defaults below. Every field is one documented option.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from engine.config import EngineConfig
+
+
+class ConfigError(ValueError):
+    """A configuration file or option that cannot be used; the message names the culprit."""
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RAGSPEED_", extra="forbid", frozen=True)
+
+    # Server
+    host: str = Field("127.0.0.1", description="Address to listen on.")
+    port: int = Field(8000, ge=0, le=65535, description="Port to listen on (0: any free port).")
+    log_level: str = Field("info", description="Log level: debug, info, warning, error.")
+
+    # Model and engine
+    model: str = Field("ragspeed-demo", description="Model: a zoo name (ragspeed-demo, bench-135m, bench-0.5b), a local HF-format folder or a hub id.")
+    served_model_name: str | None = Field(None, description="Model name clients use; default: the --model value.")
+    engine: str = Field("native", description="Engine backend: native, transformers, openai or vllm.")
+    tokenizer: str | None = Field(None, description="Tokenizer path or id; default: the model's.")
+    device: str = Field("cpu", description="Device for embedded engines: cpu or cuda.")
+    dtype: str = Field("float32", description="Compute dtype for embedded engines.")
+    max_model_len: int | None = Field(None, ge=16, description="Context length; default: the model's.")
+    block_size: int = Field(16, ge=1, description="Tokens per KV cache block (native engine).")
+    num_kv_cache_tokens: int | None = Field(None, ge=1, description="KV cache pool size in tokens (native); default: from kv_cache_memory_fraction.")
+    kv_cache_memory_fraction: float = Field(0.1, gt=0, le=1, description="Share of free memory for the KV cache when num_kv_cache_tokens is unset.")
+    max_num_seqs: int = Field(32, ge=1, description="Most requests in one batch (native).")
+    max_num_batched_tokens: int = Field(512, ge=1, description="Token budget of one engine step: decodes plus prefill chunks (native).")
+    enable_prefix_caching: bool = Field(True, description="Reuse the KV of shared prompt prefixes (native).")
+    quantization: str | None = Field(None, description="Weight quantization: none or int8 (native).")
+    speculative: str | None = Field(None, description="Speculative decoding: ngram or draft (native).")
+    draft_model: str | None = Field(None, description="Draft model for --speculative draft.")
+    num_speculative_tokens: int = Field(4, ge=1, description="Draft tokens proposed per step.")
+
+    # Remote upstreams (engine=openai)
+    upstreams: list[str] = Field(default_factory=list, description="OpenAI-compatible upstream base URLs (engine=openai).")
+    upstream_api_key: str | None = Field(None, description="Bearer key sent to upstreams.")
+    upstream_model: str | None = Field(None, description="Model name sent upstream; default: --model.")
+    connect_timeout_s: float = Field(5.0, gt=0, description="Upstream connect timeout, seconds.")
+    read_timeout_s: float = Field(60.0, gt=0, description="Upstream read timeout between chunks, seconds.")
+
+    # Requests
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none.")
+    document_start_marker: str = Field("<document>", min_length=1, description="Marks the start of a document inside a message, for clients that cannot send `documents`.")
+    document_end_marker: str = Field("</document>", min_length=1, description="Marks the end of a document inside a message.")
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            backend=self.engine,
+            model=self.model,
+            tokenizer=self.tokenizer,
+            device=self.device,
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            num_kv_cache_tokens=self.num_kv_cache_tokens,
+            kv_cache_memory_fraction=self.kv_cache_memory_fraction,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_prefix_caching=self.enable_prefix_caching,
+            quantization=self.quantization,
+            speculative=self.speculative,
+            draft_model=self.draft_model,
+            num_speculative_tokens=self.num_speculative_tokens,
+            upstreams=tuple(self.upstreams),
+            upstream_api_key=self.upstream_api_key,
+            upstream_model=self.upstream_model,
+            connect_timeout_s=self.connect_timeout_s,
+            read_timeout_s=self.read_timeout_s,
+        )
+
+    @property
+    def model_id(self) -> str:
+        """The name this server answers to in `model` fields."""
+        return self.served_model_name or self.model
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found")
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"config file {path} is not valid {path.suffix.lstrip('.') or 'YAML'}: {exc}") from exc
+    data = data or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of option names to values")
+    data = {key.replace("-", "_"): value for key, value in data.items()}
+    unknown = sorted(set(data) - set(Settings.model_fields))
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown option(s) {', '.join(unknown)}")
+    return data
+
+
+def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Settings:
+    """Defaults < config file < environment < `overrides` (CLI flags; None means unset)."""
+    values = read_config_file(config_file) if config_file else {}
+    try:
+        from_env = Settings()
+        values.update({k: getattr(from_env, k) for k in from_env.model_fields_set})
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return Settings(**values)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
+        )
+        raise ConfigError(f"invalid settings: {problems}") from exc

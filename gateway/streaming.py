@@ -1,0 +1,145 @@
+"""Response bodies for chat and text completions, streamed as SSE or returned whole.
+
+Streams are primed: the first engine delta is awaited before the response starts, so a request
+the engine refuses still gets a proper HTTP error status. A client that disconnects cancels the
+stream; closing the engine's iterator then aborts the request and frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from engine.protocol import TokenDelta
+from gateway.pipeline import Generation
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What differs between chat and text completions on the wire."""
+
+    object_name: str  # "chat.completion" or "text_completion"
+    chat: bool
+
+    def content(self, text: str) -> dict[str, Any]:
+        return {"delta": {"content": text}} if self.chat else {"text": text}
+
+    def whole(self, text: str) -> dict[str, Any]:
+        return {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+
+    @property
+    def chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+
+CHAT = Shape("chat.completion", chat=True)
+TEXT = Shape("text_completion", chat=False)
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
+
+
+def timing_headers(gen: Generation) -> dict[str, str]:
+    headers = {
+        "x-ragspeed-request-id": gen.prepared.request_id,
+        "x-ragspeed-arm": gen.prepared.arm,
+        "x-ragspeed-prompt-tokens": str(len(gen.prepared.generation.prompt_token_ids)),
+    }
+    for stage, seconds in gen.prepared.timer.seconds.items():
+        headers[f"x-ragspeed-{stage.replace('_', '-')}-ms"] = f"{seconds * 1000:.3f}"
+    if gen.ttft_s is not None:
+        headers["x-ragspeed-ttft-ms"] = f"{gen.ttft_s * 1000:.3f}"
+    if gen.num_cached_tokens:
+        headers["x-ragspeed-cached-tokens"] = str(gen.num_cached_tokens)
+    return headers
+
+
+async def _until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def complete(gen: Generation, shape: Shape, request: Request) -> JSONResponse:
+    """Run the request to its end; abort it if the client goes away first."""
+
+    async def drain() -> None:
+        async for _ in gen.deltas():
+            pass
+
+    work = asyncio.ensure_future(drain())
+    watch = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()  # the client left: closing the generator aborts the request
+    await asyncio.gather(work, return_exceptions=True)
+    if work.cancelled():
+        return JSONResponse({}, status_code=499)
+    work.result()  # re-raise engine errors for the error handlers
+    body = {
+        "id": f"{'chatcmpl' if shape.chat else 'cmpl'}-{gen.prepared.request_id}",
+        "object": shape.object_name,
+        "created": int(time.time()),
+        "model": gen.pipeline.settings.model_id,
+        "choices": [{"index": 0, **shape.whole(gen.text), "finish_reason": gen.finish_reason,
+                     "logprobs": None}],
+        "usage": gen.usage(),
+        "ragspeed": gen.ragspeed_fields(),
+    }
+    return JSONResponse(body, headers=timing_headers(gen))
+
+
+async def stream(gen: Generation, shape: Shape, include_usage: bool) -> StreamingResponse:
+    deltas = gen.deltas()
+    try:
+        first = await anext(deltas)  # engine errors surface here, before any byte is sent
+    except StopAsyncIteration:
+        first = None
+    except BaseException:
+        await deltas.aclose()
+        raise
+    base = {
+        "id": f"{'chatcmpl' if shape.chat else 'cmpl'}-{gen.prepared.request_id}",
+        "object": shape.chunk_object,
+        "created": int(time.time()),
+        "model": gen.pipeline.settings.model_id,
+    }
+
+    def chunk(choice: dict[str, Any] | None, **extra: Any) -> bytes:
+        return _sse({**base, "choices": [] if choice is None else [{"index": 0, **choice}], **extra})
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            if shape.chat:
+                yield chunk({"delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+            pending: list[TokenDelta] = [first] if first is not None else []
+            while True:
+                for delta in pending:
+                    if delta.text:
+                        yield chunk({**shape.content(delta.text), "finish_reason": None})
+                try:
+                    pending = [await anext(deltas)]
+                except StopAsyncIteration:
+                    break
+            final = shape.content("") if shape.chat else {"text": ""}
+            if shape.chat:
+                final = {"delta": {}}
+            yield chunk({**final, "finish_reason": gen.finish_reason}, ragspeed=gen.ragspeed_fields())
+            if include_usage:
+                yield chunk(None, usage=gen.usage())
+            yield b"data: [DONE]\n\n"
+        finally:
+            await deltas.aclose()  # aborts the engine request if the client went away
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={
+        **timing_headers(gen), "cache-control": "no-cache", "x-accel-buffering": "no"})

@@ -1,0 +1,40 @@
+"""Stop strings over split deltas, and detokenisation that never splits a UTF-8 character."""
+
+from __future__ import annotations
+
+from transformers import AutoTokenizer
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.model_zoo import resolve_model
+from engine.stop import StopStringMatcher
+
+
+def test_stop_string_split_across_deltas():
+    matcher = StopStringMatcher(["\nUser:"])
+    emitted = [matcher.feed(t) for t in ("Hello", " world\n", "Us", "er: more")]
+    assert emitted == ["Hello", " world", "", ""]
+    assert matcher.stopped and matcher.flush() == ""
+
+
+def test_partial_stop_released_when_it_cannot_match():
+    matcher = StopStringMatcher(["STOP"])
+    assert matcher.feed("abcST") == "abc"
+    assert matcher.feed("ay") == "STay"
+    assert matcher.feed("S") == ""
+    assert matcher.flush() == "S" and not matcher.stopped
+
+
+def test_no_stop_strings_passes_through():
+    matcher = StopStringMatcher([])
+    assert matcher.feed("abc") == "abc" and matcher.flush() == ""
+
+
+def test_detokenizer_never_splits_utf8_characters():
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("ragspeed-demo"))
+    text = "Röntgen won 🎉 in 1901 — 東京"
+    prompt_ids = tokenizer.encode("Answer:", add_special_tokens=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+    pieces = [detok.add([t]) for t in ids]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) + detok.flush() == tokenizer.decode(ids)

@@ -1,0 +1,56 @@
+"""Real servers for the gateway tests: a tiny seeded Llama served by `ragspeed serve`."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from engine.model_zoo import resolve_model
+from gateway.launcher import ServerProcess
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "chat_template.jinja")
+
+
+def build_tiny_llama(out_dir: Path, seed: int = 0) -> Path:
+    """A 2-layer Llama with random weights and the demo model's tokenizer and chat template."""
+    demo = Path(resolve_model("ragspeed-demo"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in _TOKENIZER_FILES:
+        if (demo / name).is_file():
+            shutil.copy(demo / name, out_dir / name)
+    tokenizer = AutoTokenizer.from_pretrained(out_dir)
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    LlamaForCausalLM(config).save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def transformers_server(tiny_model):
+    with ServerProcess(["--engine", "transformers", "--model", str(tiny_model),
+                        "--served-model-name", "tiny"]) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def gateway_server(transformers_server, tiny_model):
+    """A ragspeed gateway whose engine is the `openai` backend, forwarding to a second ragspeed."""
+    with ServerProcess(["--engine", "openai", "--model", str(tiny_model), "--served-model-name",
+                        "tiny-via-gateway", "--upstream", transformers_server.url,
+                        "--upstream-model", "tiny"]) as server:
+        yield server
