@@ -1,1 +1,41 @@
-"""ragspeed compression."""
+"""ragspeed compression: question-aware context compression under a token budget.
+
+    from compression import Document, build_compressor
+    compressor = build_compressor("coarse-to-fine")
+    result = compressor.compress(question, documents, tokenizer=tok, rate=0.25)
+"""
+
+from compression.base import (
+    CompressedDocument,
+    CompressionError,
+    CompressionResult,
+    Compressor,
+    Document,
+    DocumentLike,
+    Tokenizer,
+    count_tokens,
+)
+
+__all__ = [
+    "CompressedDocument",
+    "CompressionError",
+    "CompressionResult",
+    "Compressor",
+    "Document",
+    "DocumentLike",
+    "Tokenizer",
+    "count_tokens",
+]
+
+from compression.policy import CompressionPolicy, PolicyOutcome, apply_policy, break_even_tokens  # noqa: E402
+from compression.registry import COMPRESSORS, DEFAULT_METHOD, build_compressor  # noqa: E402
+
+__all__ += [
+    "COMPRESSORS",
+    "DEFAULT_METHOD",
+    "CompressionPolicy",
+    "PolicyOutcome",
+    "apply_policy",
+    "break_even_tokens",
+    "build_compressor",
+]

@@ -1,0 +1,1 @@
+"""Scorers: turn (question, texts) into relevance scores. Encoders cache by content hash."""
