@@ -102,12 +102,19 @@ COMPRESSORS: dict[str, Callable[[dict[str, Any]], Compressor]] = {
 }
 
 
+# Options a caller may offer to any method (a shared embedding cache, the output order); a
+# method that has no use for them ignores them.
+_OFFERED_TO_ALL = ("cache", "order")
+
+
 def build_compressor(method: str = DEFAULT_METHOD, **options: Any) -> Compressor:
     """A compressor by name. Unknown methods and unknown options are errors naming them."""
     factory = COMPRESSORS.get(method)
     if factory is None:
         raise CompressionError(f"unknown compression method {method!r}; known: {sorted(COMPRESSORS)}", "method")
     compressor = factory(options)  # factories pop what they use
+    for offered in _OFFERED_TO_ALL:
+        options.pop(offered, None)
     if options:
         raise CompressionError(f"unknown options for {method!r}: {sorted(options)}", "options")
     return compressor

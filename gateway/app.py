@@ -14,31 +14,56 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from engine.backends import build_engine
+from gateway.compress import CompressionStage
 from gateway.errors import install_error_handlers
+from gateway.experiments import ArmError, ArmHintsMiddleware, build_live_experiment
+from gateway.limits import AdmissionMiddleware, AdmissionQueue, BodyLimitMiddleware, Rejections
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import Pipeline
-from gateway.routes import openai, ops
-from gateway.settings import Settings
+from gateway.routes import experiments, openai, ops
+from gateway.security import KeyRing, SecurityMiddleware, warn_if_exposed
+from gateway.settings import ConfigError, Settings
 
 logger = logging.getLogger("ragspeed.gateway")
 
 
 def create_app(settings: Settings) -> FastAPI:
+    keyring = KeyRing(settings.api_keys, settings.admin_key_hashes)
+    rejections = Rejections()
+    experiment = None
+    if settings.experiment:
+        try:
+            experiment = build_live_experiment(settings.experiment, settings.model_dump())
+        except ArmError as exc:
+            raise ConfigError(f"experiment: {exc}") from exc
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state = app.state
         state.settings = settings
         state.started_at = int(time.time())
+        warn_if_exposed(settings.host, keyring, logger)
         state.metrics = GatewayMetrics()
+        state.metrics.registry.register(rejections.counter)
         state.engine = build_engine(settings.engine_config())
         state.engine_ready, state.engine_error = False, None
-        state.pipeline = Pipeline(settings=settings, engine=state.engine, metrics=state.metrics)
+        # A/B arms with `engine` overrides get an engine of their own, started with the main one.
+        state.experiment = experiment
+        arm_engines = {arm.name: build_engine(settings.model_copy(update=dict(arm.engine)).engine_config())
+                       for arm in (experiment.spec.arms if experiment else ()) if arm.engine}
+        state.pipeline = Pipeline(settings=settings, engine=state.engine, metrics=state.metrics,
+                                  experiment=experiment, arm_engines=arm_engines)
         state.metrics.watch_engine(state.engine.stats, settings.model_id)
 
         async def load() -> None:
             t0 = time.perf_counter()
             try:
                 await state.engine.start()
+                for arm_engine in arm_engines.values():
+                    await arm_engine.start()
+                compress = CompressionStage(settings, state.engine.tokenizer)
+                await asyncio.to_thread(compress.warm)
+                state.pipeline.compress = compress
             except Exception as exc:
                 state.engine_error = f"{type(exc).__name__}: {exc}"
                 logger.exception("engine %s failed to start", settings.engine)
@@ -54,11 +79,23 @@ def create_app(settings: Settings) -> FastAPI:
             loading.cancel()
             await asyncio.gather(loading, return_exceptions=True)
             await state.engine.shutdown()
+            for arm_engine in arm_engines.values():
+                await arm_engine.shutdown()
 
     app = FastAPI(title="ragspeed", version=_version(), lifespan=lifespan)
     install_error_handlers(app)
+    # Outermost last: auth first (no body read for a bad key), then the body, read whole and
+    # size-checked before admission (a slow upload must not hold a generation slot), then admission.
+    app.add_middleware(AdmissionMiddleware, queue=AdmissionQueue(
+        settings.max_concurrent_requests, settings.max_queued_requests, settings.queue_timeout_s),
+        rejections=rejections)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes, rejections=rejections)
+    app.add_middleware(SecurityMiddleware, keyring=keyring, rejections=rejections)
+    if experiment is not None:
+        app.add_middleware(ArmHintsMiddleware)
     app.include_router(openai.router)
     app.include_router(ops.router)
+    app.include_router(experiments.router)
     return app
 
 

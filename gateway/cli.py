@@ -77,8 +77,12 @@ def serve(config_file: str | None, **flags: Any) -> None:
         raise click.UsageError(str(exc)) from exc
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
-                log_level=settings.log_level, timeout_graceful_shutdown=10)
+    try:
+        app = create_app(settings)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from exc
+    uvicorn.run(app, host=settings.host, port=settings.port,
+                log_level=settings.log_level, timeout_graceful_shutdown=settings.shutdown_drain_s)
 
 
 @cli.command()
@@ -144,6 +148,9 @@ _MOUNTS = (
     (eval_group, "compression.cli", "eval_app", "compression"),
     (eval_group, "retrieval.cli", "eval_app", "retrieval"),
     (cli, "retrieval.cli", "index_app", "index"),
+    (bench, "gateway.loadtest", "bench_load", "load"),
+    (cli, "gateway.security", "keys", "keys"),
+    (cli, "gateway.ab.cli", "ab", "ab"),
 )
 
 

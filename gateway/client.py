@@ -48,6 +48,7 @@ class Compression:
     compressed_tokens: int
     ms: float
     failed: bool
+    skipped_reason: str | None = None
 
     @property
     def ratio(self) -> float:

@@ -14,11 +14,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from jinja2 import TemplateError
+
 from engine.protocol import EngineClient, GenerationRequest, PromptTooLongError, SamplingParams, TokenDelta
 from gateway.errors import APIError
+from gateway.experiments import LiveExperiment, current_hints
+from gateway.limits import DeadlineExceeded, next_before
 from gateway.metrics import GatewayMetrics
 from gateway.prompt import Document, Prompt, Segments, assemble_prompt, split_segments
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from gateway.security import Principal, current_principal
 from gateway.settings import Settings
 
 DEFAULT_ARM = "default"
@@ -44,7 +49,8 @@ class CompressionReport:
     original_tokens: int
     compressed_tokens: int
     seconds: float
-    failed: bool = False
+    failed: bool = False  # the compressor raised; the documents went through uncompressed
+    skipped_reason: str | None = None  # e.g. below the break-even length
 
 
 @dataclass
@@ -54,12 +60,15 @@ class PreparedRequest:
     timer: StageTimer
     compression: CompressionReport | None = None
     arm: str = DEFAULT_ARM
+    principal: Principal | None = None  # the authenticated caller; None with auth off
+    engine: EngineClient | None = None  # the A/B arm's own engine; None: the pipeline's
+    return_prompt: bool = False  # echo the prompt as sent in `ragspeed.prompt`
 
 
 # Compression and retrieval plug in as callables the app builds in its lifespan:
-#   compress(question, documents, options) -> (documents, CompressionReport | None)
+#   compress(segments, documents, options) -> (documents, CompressionReport | None)
 #   retrieve(question, options) -> documents
-Compress = Callable[[str, tuple[Document, ...], Any], tuple[tuple[Document, ...], CompressionReport | None]]
+Compress = Callable[[Segments, tuple[Document, ...], Any], tuple[tuple[Document, ...], CompressionReport | None]]
 Retrieve = Callable[[str, Any], list[Document]]
 
 
@@ -77,6 +86,21 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None, default_max_to
     )
 
 
+def _reject_lone_surrogates(value: Any, path: str) -> None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, f"'{path}' holds a lone UTF-16 surrogate, which is not valid Unicode",
+                           param=path or None) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _reject_lone_surrogates(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _reject_lone_surrogates(item, f"{path}.{index}")
+
+
 @dataclass
 class Pipeline:
     settings: Settings
@@ -84,6 +108,8 @@ class Pipeline:
     metrics: GatewayMetrics
     compress: Compress | None = None
     retrieve: Retrieve | None = None
+    experiment: LiveExperiment | None = None  # live A/B arms; None: every request is DEFAULT_ARM
+    arm_engines: dict[str, EngineClient] = field(default_factory=dict)  # arms that own an engine
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.settings.model_id:
@@ -92,6 +118,11 @@ class Pipeline:
 
     async def prepare_chat(self, req: ChatCompletionRequest) -> PreparedRequest:
         self.check_model(req.model)
+        self.check_input(req)
+        arm = self.experiment.assign(req.user, current_hints()) if self.experiment is not None else None
+        if arm is not None:
+            req = arm.apply(req)  # the arm's per-request options win over the client's
+        engine = self.arm_engines.get(arm.name, self.engine) if arm is not None else self.engine
         timer = StageTimer()
         with timer.stage("segments"):
             segments = split_segments(
@@ -106,18 +137,50 @@ class Pipeline:
                 raise APIError(400, "retrieval is not enabled on this server", param="ragspeed.retrieval")
             with timer.stage("retrieval"):
                 documents = documents + tuple(self.retrieve(segments.question, options.retrieval))
+        if len(documents) > self.settings.max_documents:
+            raise APIError(400, f"the request has {len(documents)} documents; the limit is "
+                                f"{self.settings.max_documents} (max_documents)", param="documents",
+                           code="too_many_documents")
         report = None
         if documents and self.compress is not None and (options is None or options.compression is not False):
             with timer.stage("compression"):
-                documents, report = self.compress(
-                    segments.question, documents, options.compression if options else None)
+                documents, report = await asyncio.to_thread(
+                    self.compress, segments, documents, options.compression if options else None)
+            if report is not None:
+                self._count_compression(report, arm.name if arm is not None else DEFAULT_ARM)
         with timer.stage("prompt"):
-            prompt = assemble_prompt(self.engine.tokenizer, segments, documents)
+            try:
+                prompt = assemble_prompt(engine.tokenizer, segments, documents)
+            except TemplateError as exc:  # e.g. a role the model's chat template does not know
+                raise APIError(400, f"the model's chat template rejects these messages: {exc}",
+                               param="messages", code="invalid_messages") from None
         max_tokens = req.max_completion_tokens or req.max_tokens
-        return self._prepared(req, prompt, timer, max_tokens, report)
+        prepared = self._prepared(req, prompt, timer, max_tokens, report, engine)
+        if arm is not None:
+            prepared.arm, prepared.engine = arm.name, (engine if engine is not self.engine else None)
+        prepared.return_prompt = bool(options and options.return_prompt)
+        return prepared
+
+    def _count_compression(self, report: CompressionReport, arm: str) -> None:
+        labels = {"model": self.settings.model_id, "arm": arm}
+        self.metrics.documents_tokens.labels(**labels, phase="original").inc(report.original_tokens)
+        self.metrics.documents_tokens.labels(**labels, phase="compressed").inc(report.compressed_tokens)
+        if report.failed:
+            self.metrics.compression_fallbacks.labels(**labels).inc()
+
+    def check_input(self, req: _SamplingFields) -> None:
+        """What the schema cannot say: text that is valid JSON but not valid Unicode (a lone
+        surrogate cannot be tokenized), token ids outside the vocabulary, seeds torch refuses."""
+        _reject_lone_surrogates(req.model_dump(exclude_none=True), "")
+        vocab = len(self.engine.tokenizer)
+        if any(not 0 <= t < vocab for t in req.stop_token_ids or ()):
+            raise APIError(400, f"stop_token_ids must lie in [0, {vocab})", param="stop_token_ids")
+        if req.seed is not None and not -(2**63) <= req.seed < 2**64:
+            raise APIError(400, "seed must be a 64-bit integer", param="seed")
 
     def prepare_completion(self, req: CompletionRequest) -> PreparedRequest:
         self.check_model(req.model)
+        self.check_input(req)
         timer = StageTimer()
         with timer.stage("prompt"):
             if isinstance(req.prompt, str):
@@ -133,9 +196,10 @@ class Pipeline:
         return self._prepared(req, prompt, timer, req.max_tokens, None)
 
     def _prepared(self, req: _SamplingFields, prompt: Prompt, timer: StageTimer,
-                  max_tokens: int | None, report: CompressionReport | None) -> PreparedRequest:
+                  max_tokens: int | None, report: CompressionReport | None,
+                  engine: EngineClient | None = None) -> PreparedRequest:
         sampling = sampling_params(req, max_tokens, self.settings.default_max_tokens)
-        limit = self.engine.max_model_len
+        limit = (engine or self.engine).max_model_len
         if len(prompt.token_ids) + sampling.max_tokens > limit:
             param = "max_tokens" if len(prompt.token_ids) < limit else "messages"
             raise APIError(
@@ -145,6 +209,15 @@ class Pipeline:
                 param=param, code="context_length_exceeded")
         if not prompt.token_ids:
             raise APIError(400, "the prompt is empty", param="prompt")
+        max_prompt_tokens = self.settings.max_prompt_tokens
+        if max_prompt_tokens is not None and len(prompt.token_ids) > max_prompt_tokens:
+            raise APIError(400, f"the prompt has {len(prompt.token_ids)} tokens; the limit is "
+                                f"{max_prompt_tokens} (max_prompt_tokens)",
+                           param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+                           code="prompt_too_long")
+        principal = current_principal()
+        if principal is not None:
+            principal.admit_tokens(len(prompt.token_ids))  # 429 while the key's token budget is spent
         request_id = uuid.uuid4().hex
         generation = GenerationRequest(
             request_id=request_id,
@@ -152,9 +225,10 @@ class Pipeline:
             sampling=sampling,
             prompt=prompt.text,
             num_static_tokens=prompt.num_static_tokens,
-            cache_salt=req.cache_salt,
+            # A tenant's salt always wins over the client's: tenants never share or time a cache.
+            cache_salt=principal.cache_salt if principal is not None else req.cache_salt,
         )
-        return PreparedRequest(request_id, generation, timer, report)
+        return PreparedRequest(request_id, generation, timer, report, principal=principal)
 
 
 @dataclass
@@ -194,8 +268,17 @@ class Generation:
         outcome = "error"
         self._engine_start = time.perf_counter()
         counted_ids = 0
+        timeout_s = self.pipeline.settings.request_timeout_s
+        deadline = None  # event-loop time; the deadline counts from the request's arrival
+        if timeout_s is not None:
+            deadline = asyncio.get_running_loop().time() + timeout_s - (self._engine_start - timer.start)
+        engine_stream = (self.prepared.engine or self.pipeline.engine).generate(self.prepared.generation)
         try:
-            async for delta in self.pipeline.engine.generate(self.prepared.generation):
+            while True:
+                try:
+                    delta = await next_before(engine_stream, deadline, timeout_s)
+                except StopAsyncIteration:
+                    break
                 now = time.perf_counter()
                 if self.ttft_s is None and (delta.token_ids or delta.text or delta.finish_reason):
                     self.ttft_s = now - timer.start
@@ -215,10 +298,16 @@ class Generation:
         except PromptTooLongError:
             outcome = "rejected"
             raise
+        except DeadlineExceeded:
+            outcome = "deadline"  # the engine stream was cancelled: its request is aborted
+            raise
         except (GeneratorExit, asyncio.CancelledError):
             outcome = "aborted"  # the client went away; closing the engine stream aborts it
             raise
         finally:
+            await engine_stream.aclose()
+            if self.prepared.principal is not None:
+                self.prepared.principal.charge_tokens(self.num_completion_tokens)
             metrics.in_flight.labels(**labels).dec()
             metrics.requests.labels(**labels, outcome=outcome).inc()
             if outcome not in ("error", "rejected"):
@@ -240,6 +329,8 @@ class Generation:
         if self.tpot_s is not None:
             metrics.tpot.labels(**labels).observe(self.tpot_s)
         metrics.e2e.labels(**labels).observe(self.e2e_s)
+        if self.pipeline.experiment is not None:
+            self.pipeline.experiment.observe(self.prepared.arm, self.ttft_s, self.tpot_s, self.e2e_s)
         metrics.prompt_tokens.labels(**labels).inc(self.num_prompt_tokens)
         metrics.cached_tokens.labels(**labels).inc(self.num_cached_tokens)
         metrics.generation_tokens.labels(**labels).inc(self.num_completion_tokens)
@@ -256,6 +347,8 @@ class Generation:
             "tpot_ms": round(self.tpot_s * 1000, 3) if self.tpot_s is not None else None,
             "num_static_tokens": self.prepared.generation.num_static_tokens,
         }
+        if self.prepared.return_prompt:
+            out["prompt"] = self.prepared.generation.prompt
         report = self.prepared.compression
         if report is not None:
             out["compression"] = {
@@ -264,6 +357,7 @@ class Generation:
                 "compressed_tokens": report.compressed_tokens,
                 "ms": round(report.seconds * 1000, 3),
                 "failed": report.failed,
+                "skipped_reason": report.skipped_reason,
             }
         return out
 

@@ -67,6 +67,8 @@ class RagspeedOptions(_Strict):
     system_prompt: str | None = Field(None, description="Name of a registered static system prompt.")
     compression: CompressionOptions | Literal[False] | None = None
     retrieval: RetrievalOptions | None = None
+    return_prompt: bool = Field(False, description="Return the prompt as sent to the engine (after "
+                                "compression) in the response's `ragspeed.prompt`; for A/B quality checks.")
 
 
 class StreamOptions(BaseModel):

@@ -15,6 +15,7 @@ from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine.config import EngineConfig
+from gateway.security import ApiKeyEntry, KeyHash
 
 
 class ConfigError(ValueError):
@@ -54,11 +55,37 @@ class Settings(BaseSettings):
     upstream_model: str | None = Field(None, description="Model name sent upstream; default: --model.")
     connect_timeout_s: float = Field(5.0, gt=0, description="Upstream connect timeout, seconds.")
     read_timeout_s: float = Field(60.0, gt=0, description="Upstream read timeout between chunks, seconds.")
+    upstream_max_retries: int = Field(2, ge=0, description="Retries, with jitter, of an upstream request that failed to connect (nothing sent yet).")
+    upstream_circuit_failures: int = Field(5, ge=1, description="Failures in a row that open an upstream's circuit breaker.")
+    upstream_circuit_reset_s: float = Field(30.0, gt=0, description="Seconds an open circuit waits before one trial request.")
+
+    # Compression of the documents (per request: `ragspeed.compression`)
+    compression_method: str | None = Field(None, description="Default compressor for every request: coarse-to-fine, fast, bm25, first-docs, llmlingua2, identity; none: only when a request asks.")
+    compression_rate: float = Field(0.25, gt=0, le=1, description="Default share of document tokens to keep (0.25 = 4x).")
+    compression_target_tokens: int | None = Field(None, ge=1, description="Default prompt-token target instead of a rate.")
+    compression_min_document_tokens: int = Field(256, ge=0, description="Break-even: documents shorter than this go through uncompressed.")
+    compression_order: str = Field("original", description="Order of kept documents: original, or edges (most relevant first and last).")
+    compression_cache_entries: int = Field(100_000, ge=0, description="Sentence embeddings kept in the content-hash cache.")
 
     # Requests
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none.")
     document_start_marker: str = Field("<document>", min_length=1, description="Marks the start of a document inside a message, for clients that cannot send `documents`.")
     document_end_marker: str = Field("</document>", min_length=1, description="Marks the end of a document inside a message.")
+    experiment: str | None = Field(None, description="Live A/B experiment: a YAML file of weighted arms (see gateway/experiments.py).")
+
+    # Security (gateway/security.py): auth is off while no key is configured
+    api_keys: list[ApiKeyEntry] = Field(default_factory=list, description="API keys as {hash, tenant, requests_per_minute, tokens_per_minute}; on the command line 'sha256:<hex>,tenant=NAME,requests_per_minute=N,tokens_per_minute=N'.")
+    admin_key_hashes: list[KeyHash] = Field(default_factory=list, description="sha256:<hex> hashes of admin keys (needed for /v1/prompts, /v1/collections, /v1/experiments).")
+
+    # Limits (gateway/limits.py)
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest request body, bytes (413 above).")
+    max_documents: int = Field(64, ge=1, description="Most documents per request, sent plus retrieved (400 above).")
+    max_prompt_tokens: int | None = Field(None, ge=1, description="Most prompt tokens per request (400 above); default: the model's context.")
+    max_concurrent_requests: int = Field(64, ge=1, description="Generation requests served at once; more wait in the queue.")
+    max_queued_requests: int = Field(256, ge=0, description="Requests waiting for a slot; 429 when the queue is full.")
+    queue_timeout_s: float = Field(30.0, gt=0, description="Longest wait for a slot, seconds (429 after).")
+    request_timeout_s: float | None = Field(600.0, gt=0, description="Deadline of one request from its arrival, seconds: then it is aborted and its KV blocks freed (504, or finish_reason abort once streaming).")
+    shutdown_drain_s: float = Field(10.0, ge=0, description="On SIGTERM: seconds to let in-flight requests finish before aborting them.")
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -83,6 +110,9 @@ class Settings(BaseSettings):
             upstream_model=self.upstream_model,
             connect_timeout_s=self.connect_timeout_s,
             read_timeout_s=self.read_timeout_s,
+            upstream_max_retries=self.upstream_max_retries,
+            upstream_circuit_failures=self.upstream_circuit_failures,
+            upstream_circuit_reset_s=self.upstream_circuit_reset_s,
         )
 
     @property

@@ -18,6 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.protocol import TokenDelta
+from gateway.limits import DeadlineExceeded
 from gateway.pipeline import Generation
 
 
@@ -130,6 +131,9 @@ async def stream(gen: Generation, shape: Shape, include_usage: bool) -> Streamin
                 try:
                     pending = [await anext(deltas)]
                 except StopAsyncIteration:
+                    break
+                except DeadlineExceeded:  # the status is sent: end the stream as aborted
+                    gen.finish_reason = "abort"
                     break
             final = shape.content("") if shape.chat else {"text": ""}
             if shape.chat:

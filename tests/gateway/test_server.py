@@ -160,12 +160,12 @@ def test_bad_input_gets_openai_style_error(transformers_server, body, status, pa
 
 
 def test_prompt_longer_than_context_is_refused(transformers_server):
-    long_text = "word " * 3000
+    long_text = "word " * 6000
     response = httpx.post(f"{transformers_server.url}/v1/chat/completions",
                           json={"messages": [{"role": "user", "content": long_text}], "max_tokens": 4})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "messages"
-    assert "1024" in response.json()["error"]["message"]
+    assert "4096" in response.json()["error"]["message"]
 
 
 def test_models_health_and_metrics(transformers_server, client):
