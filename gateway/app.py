@@ -15,12 +15,13 @@ from fastapi import FastAPI
 
 from engine.backends import build_engine
 from gateway.compress import CompressionStage
+from gateway.retrieval_service import RetrievalService
 from gateway.errors import install_error_handlers
 from gateway.experiments import ArmError, ArmHintsMiddleware, build_live_experiment
 from gateway.limits import AdmissionMiddleware, AdmissionQueue, BodyLimitMiddleware, Rejections
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import Pipeline
-from gateway.routes import experiments, openai, ops
+from gateway.routes import collections, experiments, openai, ops
 from gateway.security import KeyRing, SecurityMiddleware, warn_if_exposed
 from gateway.settings import ConfigError, Settings
 
@@ -54,6 +55,8 @@ def create_app(settings: Settings) -> FastAPI:
         state.pipeline = Pipeline(settings=settings, engine=state.engine, metrics=state.metrics,
                                   experiment=experiment, arm_engines=arm_engines)
         state.metrics.watch_engine(state.engine.stats, settings.model_id)
+        state.retrieval = RetrievalService(settings)
+        state.pipeline.retrieve = state.retrieval
 
         async def load() -> None:
             t0 = time.perf_counter()
@@ -96,6 +99,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(openai.router)
     app.include_router(ops.router)
     app.include_router(experiments.router)
+    app.include_router(collections.router)
     return app
 
 

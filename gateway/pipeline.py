@@ -136,7 +136,8 @@ class Pipeline:
             if self.retrieve is None:
                 raise APIError(400, "retrieval is not enabled on this server", param="ragspeed.retrieval")
             with timer.stage("retrieval"):
-                documents = documents + tuple(self.retrieve(segments.question, options.retrieval))
+                retrieved = await asyncio.to_thread(self.retrieve, segments.question, options.retrieval)
+                documents = documents + tuple(retrieved)
         if len(documents) > self.settings.max_documents:
             raise APIError(400, f"the request has {len(documents)} documents; the limit is "
                                 f"{self.settings.max_documents} (max_documents)", param="documents",

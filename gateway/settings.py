@@ -67,6 +67,10 @@ class Settings(BaseSettings):
     compression_order: str = Field("original", description="Order of kept documents: original, or edges (most relevant first and last).")
     compression_cache_entries: int = Field(100_000, ge=0, description="Sentence embeddings kept in the content-hash cache.")
 
+    # Retrieval (collections for `ragspeed.retrieval`)
+    collections_dir: str = Field(".ragspeed/collections", description="Folder of persisted document collections (loaded on first use).")
+    embedding_model: str | None = Field(None, description="sentence-transformers model for retrieval; default: the bundled all-MiniLM-L6-v2.")
+
     # Requests
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none.")
     document_start_marker: str = Field("<document>", min_length=1, description="Marks the start of a document inside a message, for clients that cannot send `documents`.")

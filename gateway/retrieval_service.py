@@ -1,0 +1,56 @@
+"""Gateway-side retrieval: the collection store behind `/v1/collections` and `ragspeed.retrieval`.
+
+The store (and the embedding model it needs) is built on first use, so a server that never
+retrieves never loads it. Store calls are synchronous; routes run them in a worker thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from gateway.errors import APIError
+from gateway.prompt import Document
+from gateway.protocol import RetrievalOptions
+from gateway.settings import Settings
+
+T = TypeVar("T")
+
+
+class RetrievalService:
+    def __init__(self, settings: Settings):
+        self._settings = settings
+        self._store: Any = None
+        self._lock = threading.Lock()
+
+    @property
+    def store(self) -> Any:
+        with self._lock:
+            if self._store is None:
+                from retrieval import CollectionStore, SentenceTransformerEmbedder
+
+                embedder = SentenceTransformerEmbedder(self._settings.embedding_model)
+                self._store = CollectionStore(self._settings.collections_dir, embedder)
+            return self._store
+
+    def call(self, method: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run a store method, mapping retrieval errors onto HTTP errors."""
+        from retrieval.errors import CollectionNotFound, CorruptCollectionError, RetrievalError
+
+        try:
+            return method(*args, **kwargs)
+        except CollectionNotFound as exc:
+            raise APIError(404, str(exc), param="collection", code="collection_not_found") from None
+        except CorruptCollectionError as exc:
+            raise APIError(503, str(exc), param="collection", code="collection_corrupt") from None
+        except RetrievalError as exc:
+            raise APIError(400, getattr(exc, "message", str(exc)), param=getattr(exc, "param", None)) from None
+
+    def __call__(self, question: str, options: RetrievalOptions) -> list[Document]:
+        """The pipeline's retrieval stage: the question's top hits as prompt documents."""
+        if not question.strip():
+            raise APIError(400, "retrieval needs a question (the last user message is empty)",
+                           param="messages")
+        hits = self.call(self.store.query, options.collection, question, options.top_k, options.mode)
+        return [Document(id=h.document.id, text=h.document.text, title=h.document.title) for h in hits]
