@@ -1,0 +1,86 @@
+"""`ragspeed models ...` (the model zoo) and `ragspeed train-demo`; mounted by gateway/cli.py.
+
+Command logic lives in plain functions returning dicts (`build_model`, `list_zoo`,
+`run_train_demo`); the typer commands print them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from engine.model_zoo import BENCH_MODELS, ZOO_NAMES, build_bench_model, list_models
+
+models_app = typer.Typer(help=f"The model zoo: {', '.join(ZOO_NAMES)}.", no_args_is_help=True)
+
+
+def _folder_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def build_model(name: str, out: Path | None = None, cache_dir: Path | None = None) -> dict[str, Any]:
+    if name not in BENCH_MODELS:
+        raise ValueError(f"name: {name!r} is not a bench model; choose one of {', '.join(BENCH_MODELS)}")
+    started = time.perf_counter()
+    out_dir = build_bench_model(name, out, cache_dir=cache_dir)
+    return {
+        "name": name,
+        "path": str(out_dir),
+        "build_seconds": round(time.perf_counter() - started, 2),
+        "size_bytes": _folder_size(out_dir),
+    }
+
+
+def list_zoo(cache_dir: Path | None = None) -> list[dict[str, Any]]:
+    return list_models(cache_dir)
+
+
+@models_app.command("build")
+def build_command(
+    name: str = typer.Argument(..., help=f"A bench model: {', '.join(BENCH_MODELS)}."),
+    out: Optional[Path] = typer.Option(None, help="Folder to write (default: $RAGSPEED_CACHE_DIR/<name> or ~/.cache/ragspeed/models/<name>)."),
+) -> None:
+    """Build a benchmark model (real architecture, seeded random weights) in HF format."""
+    try:
+        result = build_model(name, out)
+    except ValueError as error:
+        raise typer.BadParameter(str(error), param_hint="NAME") from error
+    typer.echo(f"{result['name']}: {result['path']} ({result['size_bytes'] / 1e6:.1f} MB, {result['build_seconds']:.1f} s)")
+
+
+@models_app.command("list")
+def list_command(as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table.")) -> None:
+    """List the zoo's models, where they live and whether they are built."""
+    rows = list_zoo()
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    for row in rows:
+        state = f"{row['size_bytes'] / 1e6:.1f} MB" if row["available"] else "not built"
+        typer.echo(f"{row['name']:<14} {row['kind']:<8} {state:<10} {row['path']}\n{'':<24}{row['description']}")
+
+
+def run_train_demo(out: Path, data_dir: Path, minutes: float, seed: int, max_steps: int | None, threads: int | None) -> dict[str, Any]:
+    from engine.training.demo import train_demo  # torch and transformers load only when training
+
+    return train_demo(out, data_dir=data_dir, minutes=minutes, seed=seed, max_steps=max_steps, num_threads=threads)
+
+
+def train_demo(
+    out: Optional[Path] = typer.Option(None, help="Output folder (default: engine/assets/ragspeed-demo, replaced)."),
+    data_dir: Optional[Path] = typer.Option(None, help="Folder with wiki_passages.txt and wikitext2_raw_test.txt (default: ../shared/data)."),
+    minutes: float = typer.Option(20.0, min=0.1, help="Training time budget in minutes (the learning rate decays over it)."),
+    seed: int = typer.Option(0, help="Seed of the data split, examples, and weights."),
+    max_steps: Optional[int] = typer.Option(None, min=1, help="Stop after this many steps, if sooner than the budget."),
+    threads: Optional[int] = typer.Option(None, min=1, help="torch threads (default 1: fastest on a shared CPU)."),
+) -> None:
+    """Train the bundled demo model (tokenizer, tiny Llama, model card) from ../shared/data."""
+    from engine.training.demo import DEFAULT_DATA_DIR, DEMO_MODEL_DIR
+
+    figures = run_train_demo(out or DEMO_MODEL_DIR, data_dir or DEFAULT_DATA_DIR, minutes, seed, max_steps, threads)
+    figures.pop("losses", None)
+    typer.echo(json.dumps(figures, indent=2))

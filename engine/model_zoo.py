@@ -1,0 +1,287 @@
+"""Named models that need no hub: the bundled demo model and the benchmark models.
+
+- *bundled*: committed under engine/assets/ (the demo model, trained by `ragspeed train-demo`).
+- *bench*: a real architecture (SmolLM2-135M or Qwen2.5-0.5B shape) with seeded random weights,
+  built on first use into a cache folder and saved in HF format, so every engine loads it like
+  any checkpoint. Speed does not depend on the weights' values.
+
+Bench models reuse the demo tokenizer (4,096 tokens): every id it produces is below the bench
+vocab sizes. Embedding rows of ids the tokenizer lacks are zeros, so with tied embeddings those
+ids get logit 0 and greedy decoding (whose maximum over the tokenizer's 4,096 random logits is
+well above 0) emits only ids the tokenizer can decode. Sampling can still draw such an id; it
+decodes to empty text. transformers 5 loads the tokenizer of a qwen2 config as Qwen2Tokenizer
+whatever tokenizer_config.json says: same vocabulary and merges, Qwen's pre-tokenizer (digits
+split one by one) and an added "<|endoftext|>" (id 4096).
+
+`resolve_model(name_or_path)` maps a zoo name to a local folder, builds it if needed, and
+returns anything else unchanged (a local path, or a hub id for users with network).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+ASSETS_DIR = Path(__file__).resolve().parent / "assets"
+DEMO_MODEL_NAME = "ragspeed-demo"
+CACHE_DIR_ENV = "RAGSPEED_CACHE_DIR"
+# Files copied from the demo model into every bench model.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+_COMPLETE_MARKER = "model.safetensors"  # written last by save_pretrained's callers below
+
+
+def default_cache_dir() -> Path:
+    """`$RAGSPEED_CACHE_DIR` if set, else ~/.cache/ragspeed/models; models live in <dir>/<name>."""
+    configured = os.environ.get(CACHE_DIR_ENV)
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "ragspeed" / "models"
+
+
+class ZooModel(Protocol):
+    name: str
+
+    def local_dir(self, cache_dir: Path) -> Path:
+        """Where the model's files are (or will be once materialised)."""
+
+    def materialize(self, cache_dir: Path) -> Path:
+        """Make sure the files exist; return their folder."""
+
+    def describe(self) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class BundledModel:
+    name: str
+    path: Path
+    description: str
+
+    def local_dir(self, cache_dir: Path) -> Path:
+        return self.path
+
+    def materialize(self, cache_dir: Path) -> Path:
+        if not (self.path / "config.json").is_file():
+            raise FileNotFoundError(f"bundled model {self.name!r} is missing from {self.path}; run `ragspeed train-demo`")
+        return self.path
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": "bundled", "description": self.description}
+
+
+@dataclass(frozen=True)
+class BenchModelSpec:
+    """A benchmark model: one HF config family, its shape, and how to draw its weights."""
+
+    name: str
+    model_type: str  # a transformers model type: "llama", "qwen2"
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool = True
+    description: str = ""
+    seed: int = 0
+    init_std: float = 0.02  # small, so logits stay finite and not saturated (fp32)
+
+    def local_dir(self, cache_dir: Path) -> Path:
+        return cache_dir / self.name
+
+    def materialize(self, cache_dir: Path) -> Path:
+        out_dir = self.local_dir(cache_dir)
+        if (out_dir / _COMPLETE_MARKER).is_file():
+            return out_dir
+        return build_bench_model(self, out_dir)
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": "bench", "description": self.description}
+
+    def hf_config(self, *, bos_token_id: int, eos_token_id: int, pad_token_id: int):
+        from transformers import AutoConfig
+
+        return AutoConfig.for_model(
+            self.model_type,
+            hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            intermediate_size=self.intermediate_size,
+            vocab_size=self.vocab_size,
+            max_position_embeddings=self.max_position_embeddings,
+            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+            rms_norm_eps=self.rms_norm_eps,
+            tie_word_embeddings=self.tie_word_embeddings,
+            initializer_range=self.init_std,
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            dtype="float32",
+        )
+
+
+BENCH_MODELS: dict[str, BenchModelSpec] = {
+    spec.name: spec
+    for spec in (
+        BenchModelSpec(
+            name="bench-135m",
+            model_type="llama",  # LlamaForCausalLM, as SmolLM2-135M
+            hidden_size=576,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            intermediate_size=1536,
+            vocab_size=49152,
+            max_position_embeddings=8192,
+            rope_theta=100000.0,
+            rms_norm_eps=1e-5,
+            description="SmolLM2-135M shape (Llama), seeded random weights, fp32",
+        ),
+        BenchModelSpec(
+            name="bench-0.5b",
+            model_type="qwen2",  # Qwen2ForCausalLM: q/k/v projections carry a bias
+            hidden_size=896,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            intermediate_size=4864,
+            vocab_size=151936,
+            max_position_embeddings=32768,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            description="Qwen2.5-0.5B shape (Qwen2), seeded random weights, fp32",
+        ),
+    )
+}
+
+ZOO: dict[str, ZooModel] = {
+    DEMO_MODEL_NAME: BundledModel(
+        name=DEMO_MODEL_NAME,
+        path=ASSETS_DIR / DEMO_MODEL_NAME,
+        description="tiny Llama trained by `ragspeed train-demo` (8 layers, 4k-token BPE), bundled",
+    ),
+    **BENCH_MODELS,
+}
+ZOO_NAMES: tuple[str, ...] = tuple(ZOO)
+
+
+def resolve_model(name_or_path: str, *, cache_dir: Path | None = None) -> str:
+    """A local folder for a zoo name (building a bench model on first use); anything else as is."""
+    if not isinstance(name_or_path, str) or not name_or_path:
+        raise ValueError(f"model must be a non-empty string, got {name_or_path!r}")
+    entry = ZOO.get(name_or_path)
+    if entry is None:
+        return name_or_path  # a local path or a hub id
+    return str(entry.materialize(cache_dir or default_cache_dir()))
+
+
+def _init_weights(model, std: float, seed: int, num_live_tokens: int) -> None:
+    """Seeded N(0, std) for matrices and embeddings, zeros for biases, ones for norms; explicit so
+    the weights do not depend on a transformers release's own init."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # tied lm_head appears once, as embed_tokens
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, std, generator=generator)
+        model.get_input_embeddings().weight[num_live_tokens:].zero_()
+
+
+def build_bench_model(
+    spec_or_name: BenchModelSpec | str,
+    out_dir: Path | str | None = None,
+    *,
+    overrides: Mapping[str, Any] | None = None,
+    cache_dir: Path | None = None,
+) -> Path:
+    """Build a bench model in HF format into `out_dir` (default: the cache folder), atomically:
+    written to a temporary folder beside it, then renamed. `overrides` replaces spec fields (tests
+    build tiny models of the same families). Returns the folder."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    if isinstance(spec_or_name, BenchModelSpec):
+        spec = spec_or_name
+    elif spec_or_name in BENCH_MODELS:
+        spec = BENCH_MODELS[spec_or_name]
+    else:
+        raise ValueError(f"name: unknown bench model {spec_or_name!r}; choose one of {', '.join(BENCH_MODELS)}")
+    if overrides:
+        known = {f.name for f in fields(BenchModelSpec)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ValueError(f"overrides: unknown fields {unknown}; known: {sorted(known)}")
+        spec = replace(spec, **overrides)
+    out_dir = Path(out_dir) if out_dir is not None else spec.local_dir(cache_dir or default_cache_dir())
+
+    tokenizer_dir = ZOO[DEMO_MODEL_NAME].materialize(Path())
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    if len(tokenizer) > spec.vocab_size:
+        raise ValueError(f"vocab_size: {spec.vocab_size} is smaller than the demo tokenizer's {len(tokenizer)} tokens")
+    config = spec.hf_config(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    started = time.perf_counter()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _init_weights(model, spec.init_std, spec.seed, num_live_tokens=len(tokenizer))
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    try:
+        staging.chmod(0o755)
+        model.save_pretrained(str(staging), safe_serialization=True)
+        GenerationConfig(
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+        ).save_pretrained(str(staging))
+        for file_name in TOKENIZER_FILES:
+            if (tokenizer_dir / file_name).is_file():
+                shutil.copy2(tokenizer_dir / file_name, staging / file_name)
+        (staging / "ragspeed_bench.json").write_text(_spec_json(spec, time.perf_counter() - started))
+        try:
+            staging.rename(out_dir)
+        except OSError:
+            if not (out_dir / _COMPLETE_MARKER).is_file():
+                # A stale, incomplete folder: replace it.
+                shutil.rmtree(out_dir, ignore_errors=True)
+                staging.rename(out_dir)
+            # else: another process finished the same build first; keep its copy.
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out_dir
+
+
+def _spec_json(spec: BenchModelSpec, build_seconds: float) -> str:
+    import json
+
+    return json.dumps({"spec": asdict(spec), "build_seconds": round(build_seconds, 2)}, indent=2, sort_keys=True) + "\n"
+
+
+def list_models(cache_dir: Path | None = None) -> list[dict[str, Any]]:
+    """One row per zoo name: kind, description, folder, and whether its files exist."""
+    cache_dir = cache_dir or default_cache_dir()
+    rows = []
+    for entry in ZOO.values():
+        local_dir = entry.local_dir(cache_dir)
+        rows.append(
+            {
+                **entry.describe(),
+                "path": str(local_dir),
+                "available": (local_dir / _COMPLETE_MARKER).is_file(),
+                "size_bytes": sum(f.stat().st_size for f in local_dir.iterdir() if f.is_file()) if local_dir.is_dir() else 0,
+            }
+        )
+    return rows
