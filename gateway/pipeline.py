@@ -110,6 +110,7 @@ class Pipeline:
     retrieve: Retrieve | None = None
     experiment: LiveExperiment | None = None  # live A/B arms; None: every request is DEFAULT_ARM
     arm_engines: dict[str, EngineClient] = field(default_factory=dict)  # arms that own an engine
+    prompts: Any = None  # gateway.routes.prompts.PromptService: `ragspeed.system_prompt` names
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.settings.model_id:
@@ -131,6 +132,10 @@ class Pipeline:
                 end_marker=self.settings.document_end_marker,
             )
         options = req.ragspeed
+        if options and options.system_prompt:
+            if self.prompts is None:
+                raise APIError(400, "this server has no prompt registry", param="ragspeed.system_prompt")
+            segments = self.prompts.apply(segments, options.system_prompt)
         documents = segments.documents
         if options and options.retrieval:
             if self.retrieve is None:
@@ -186,7 +191,7 @@ class Pipeline:
         with timer.stage("prompt"):
             if isinstance(req.prompt, str):
                 text = req.prompt
-                token_ids = self.engine.tokenizer.encode(text)
+                token_ids = self.engine.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
             else:
                 vocab = len(self.engine.tokenizer)
                 if any(not 0 <= t < vocab for t in req.prompt):

@@ -119,6 +119,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int]
+    # vLLM's extension: a prompt already rendered through a chat template holds its BOS token.
+    add_special_tokens: bool = True
 
     @field_validator("prompt")
     @classmethod

@@ -4,13 +4,22 @@ Upstreams are vLLM, SGLang, TGI or another ragspeed. The gateway has already ren
 prompt (static system prompt first, compressed documents, history, question), so the request
 goes to the upstream's `/v1/completions` as text and streams back. Closing the stream (the
 client went away) closes the upstream connection, which makes the upstream abort too.
+
+Failures: a request that failed to connect (nothing was sent, so it is safe to repeat) is
+retried on the next upstream after a jittered backoff, up to `upstream_max_retries` times.
+Each upstream has a circuit breaker: `upstream_circuit_failures` failures in a row (connect
+errors, timeouts, 5xx) open it, and requests skip that upstream until, `upstream_circuit_reset_s`
+later, one trial request is let through (half-open): success closes it, failure reopens it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
-from collections.abc import AsyncIterator
+import random
+import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +38,37 @@ from engine.protocol import (
 )
 
 _UNKNOWN_CONTEXT = 1 << 20  # the upstream enforces its own limit
+_BACKOFF_BASE_S = 0.05  # retry k sleeps uniform(0, base * 2**k), capped: "full jitter"
+_BACKOFF_CAP_S = 2.0
+
+
+class CircuitBreaker:
+    """closed → open after `failure_threshold` failures in a row → half-open after `reset_s`
+    (one trial request at a time) → closed on a success, open again on a failure."""
+
+    def __init__(self, failure_threshold: int, reset_s: float, clock: Callable[[], float] = time.monotonic):
+        self.failure_threshold, self.reset_s, self._clock = failure_threshold, reset_s, clock
+        self.state = "closed"
+        self.num_failures = 0
+        self._changed_at = 0.0  # when it opened, or when the current trial began
+
+    def allow(self) -> bool:
+        if self.state == "closed":
+            return True
+        now = self._clock()
+        if now - self._changed_at < self.reset_s:
+            return False  # open and cooling down, or a trial is in flight
+        # The wait is over (or a trial never reported back, e.g. its client left): one trial.
+        self.state, self._changed_at = "half_open", now
+        return True
+
+    def record_success(self) -> None:
+        self.state, self.num_failures = "closed", 0
+
+    def record_failure(self) -> None:
+        self.num_failures += 1
+        if self.state == "half_open" or self.num_failures >= self.failure_threshold:
+            self.state, self._changed_at = "open", self._clock()
 
 
 def upstream_base_url(url: str) -> str:
@@ -47,6 +87,8 @@ def completion_body(model: str, request: GenerationRequest) -> dict[str, Any]:
         "top_p": sampling.top_p,
         "stream": True,
         "stream_options": {"include_usage": True},
+        # The gateway rendered the prompt through the chat template, BOS included.
+        "add_special_tokens": False,
     }
     # vLLM-style extensions, sent only when they differ from the defaults.
     if sampling.top_k:
@@ -86,7 +128,10 @@ class OpenAIEngine:
         self._next_upstream = itertools.cycle(range(len(self._base_urls)))
         self._client: httpx.AsyncClient | None = None
         self._tokenizer: Any = None
-        self._counters = {"requests_total": 0.0, "upstream_errors_total": 0.0}
+        self._breakers = {url: CircuitBreaker(config.upstream_circuit_failures, config.upstream_circuit_reset_s)
+                          for url in self._base_urls}
+        self._jitter = random.Random()
+        self._counters = {"requests_total": 0.0, "upstream_errors_total": 0.0, "upstream_retries_total": 0.0}
 
     @property
     def tokenizer(self) -> Any:
@@ -120,40 +165,69 @@ class OpenAIEngine:
         return 0
 
     def stats(self) -> dict[str, float]:
-        return dict(self._counters)
+        open_circuits = sum(b.state != "closed" for b in self._breakers.values())
+        return {**self._counters, "upstream_circuits_open": float(open_circuits)}
 
     def _pick_upstream(self, request: GenerationRequest) -> str:
-        return self._base_urls[next(self._next_upstream)]
+        """The next upstream, round robin, whose circuit lets a request through."""
+        for _ in range(len(self._base_urls)):
+            base_url = self._base_urls[next(self._next_upstream)]
+            if self._breakers[base_url].allow():
+                return base_url
+        error = UpstreamError(f"every upstream's circuit is open after repeated failures; retry in "
+                              f"{self.config.upstream_circuit_reset_s:g} s", code="upstream_unavailable")
+        error.status_code = 503
+        raise error
+
+    def _failed(self, base_url: str) -> None:
+        self._counters["upstream_errors_total"] += 1
+        self._breakers[base_url].record_failure()
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         assert self._client is not None, "start() first"
         self._counters["requests_total"] += 1
-        base_url = self._pick_upstream(request)
         body = completion_body(self.upstream_model, request)
-        try:
-            async with self._client.stream("POST", f"{base_url}/completions", json=body) as response:
-                if response.status_code != 200:
-                    raise self._status_error(base_url, response.status_code, await response.aread())
-                async for delta in self._parse_stream(response):
-                    yield delta
-        except httpx.TimeoutException as exc:
-            self._counters["upstream_errors_total"] += 1
-            raise UpstreamTimeoutError(
-                f"upstream {base_url} timed out ({type(exc).__name__})", code="upstream_timeout"
-            ) from exc
-        except httpx.HTTPError as exc:
-            self._counters["upstream_errors_total"] += 1
-            raise UpstreamError(
-                f"upstream {base_url} failed: {type(exc).__name__}: {exc}", code="upstream_error"
-            ) from exc
+        for attempt in range(self.config.upstream_max_retries + 1):
+            base_url = self._pick_upstream(request)
+            try:
+                async with self._client.stream("POST", f"{base_url}/completions", json=body) as response:
+                    if response.status_code != 200:
+                        raise self._status_error(base_url, response.status_code, await response.aread())
+                    self._breakers[base_url].record_success()
+                    async for delta in self._parse_stream(response):
+                        yield delta
+                return
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                # Nothing reached the upstream, so repeating the request is safe.
+                self._failed(base_url)
+                if attempt < self.config.upstream_max_retries:
+                    self._counters["upstream_retries_total"] += 1
+                    cap = min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2 ** attempt)
+                    await asyncio.sleep(self._jitter.uniform(0, cap))
+                    continue
+                error_cls = UpstreamTimeoutError if isinstance(exc, httpx.ConnectTimeout) else UpstreamError
+                raise error_cls(
+                    f"upstream {base_url} failed: {type(exc).__name__}: {exc} "
+                    f"(after {attempt + 1} attempts)", code="upstream_error") from exc
+            except httpx.TimeoutException as exc:
+                self._failed(base_url)
+                raise UpstreamTimeoutError(
+                    f"upstream {base_url} timed out ({type(exc).__name__})", code="upstream_timeout"
+                ) from exc
+            except httpx.HTTPError as exc:
+                self._failed(base_url)
+                raise UpstreamError(
+                    f"upstream {base_url} failed: {type(exc).__name__}: {exc}", code="upstream_error"
+                ) from exc
 
     def _status_error(self, base_url: str, status: int, body: bytes) -> EngineError:
         message = f"upstream {base_url} answered {status}: {_error_message(body)}"
         if 400 <= status < 500:
+            self._breakers[base_url].record_success()  # the upstream is up; the request was bad
             error = EngineError(message, code="upstream_rejected")
             error.status_code = status
             return error
-        self._counters["upstream_errors_total"] += 1
+        self._failed(base_url)
         return UpstreamError(message, code="upstream_error")
 
     async def _parse_stream(self, response: httpx.Response) -> AsyncIterator[TokenDelta]:
