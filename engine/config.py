@@ -33,3 +33,6 @@ class EngineConfig:
     upstream_model: str | None = None  # model name to send upstream; defaults to `model`
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 60.0
+    upstream_max_retries: int = 2  # retries of requests that failed to connect (nothing sent)
+    upstream_circuit_failures: int = 5  # failures in a row that open an upstream's circuit
+    upstream_circuit_reset_s: float = 30.0  # open circuit's wait before one trial request
