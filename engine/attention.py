@@ -1,0 +1,170 @@
+"""Attention that reads K and V through block tables of the paged KV cache.
+
+Terms: a *slot* is one token's place in the pool (`block_id * block_size + offset`); a
+request's *context* is every token whose K/V is in the cache when its queries attend (cached
+prefix, earlier chunks and this step's tokens). The flat batch puts all decode tokens first
+(one query each), then each prefill chunk as a contiguous span of queries.
+
+The CPU path (also the reference for any CUDA kernel) gathers each request's context blocks out
+of the pool (whole blocks: few, contiguous copies) and calls SDPA:
+- decodes: one batched SDPA call; the query heads of a KV head are grouped as rows
+  (`[num_decodes, num_kv_heads, group, head_dim]`), which needs neither a repeat of K/V nor a
+  causal mask, only a padding mask when context lengths differ;
+- prefill chunks: one SDPA call each, with a causal mask shifted by the chunk's start (queries at
+  positions `start .. start + n` see keys `0 .. start + i`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class PrefillSpan:
+    query_start: int  # index of the chunk's first token in the flat batch
+    query_end: int
+    block_table: torch.Tensor  # [num_blocks] blocks holding the chunk's whole context
+    context_len: int  # keys the chunk attends to: cached prefix, earlier chunks, itself
+    mask: torch.Tensor | None  # [num_queries, context_len] 0 / -inf, None when plainly causal
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Built once per step by the model runner, shared by all layers."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V is written
+    num_decodes: int
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks], padded with block 0
+    decode_context_len: int  # the longest decode context (gathered keys are cut there)
+    # [num_decodes, 1, 1, decode_context_len] 0 / -inf; None when all contexts are equally long
+    decode_mask: torch.Tensor | None
+    prefills: tuple[PrefillSpan, ...]
+    block_size: int
+
+
+def _padded_tables(tables: list[list[int]], num_blocks: int, device) -> torch.Tensor:
+    rows = [t[:num_blocks] + [0] * (num_blocks - len(t[:num_blocks])) for t in tables]
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def causal_mask(num_queries: int, context_len: int, device: torch.device | str) -> torch.Tensor:
+    """[num_queries, context_len] bool: query i (at position context_len - num_queries + i)
+    sees keys up to and including its own position."""
+    offset = context_len - num_queries
+    rows = torch.arange(num_queries, device=device).unsqueeze(1)
+    cols = torch.arange(context_len, device=device).unsqueeze(0)
+    return cols <= rows + offset
+
+
+def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask as 0 / -inf in the compute dtype, converted once per step, not per layer."""
+    zeros = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return zeros.masked_fill_(~mask, float("-inf"))
+
+
+def build_metadata(
+    decode_tables: list[list[int]],
+    decode_context_lens: list[int],
+    prefill_tables: list[list[int]],
+    prefill_context_lens: list[int],
+    prefill_num_queries: list[int],
+    slot_mapping: list[int],
+    block_size: int,
+    device: torch.device | str,
+    dtype: torch.dtype = torch.float32,
+) -> AttentionMetadata:
+    num_decodes = len(decode_tables)
+    decode_tables_t = decode_mask = None
+    max_len = 0
+    if num_decodes:
+        max_len = max(decode_context_lens)
+        decode_tables_t = _padded_tables(decode_tables, -(-max_len // block_size), device)
+        if min(decode_context_lens) != max_len:
+            lens = torch.tensor(decode_context_lens, device=device)
+            cols = torch.arange(max_len, device=device)
+            valid = (cols.unsqueeze(0) < lens.unsqueeze(1)).view(num_decodes, 1, 1, max_len)
+            decode_mask = additive(valid, dtype)
+    prefills = []
+    start = num_decodes
+    for table, context_len, num_queries in zip(
+        prefill_tables, prefill_context_lens, prefill_num_queries
+    ):
+        table_t = _padded_tables([table], -(-context_len // block_size), device)[0]
+        # SDPA's is_causal aligns the diagonal top-left: right only without a cached prefix.
+        mask = None
+        if num_queries != context_len:
+            mask = additive(causal_mask(num_queries, context_len, device), dtype)
+        prefills.append(PrefillSpan(start, start + num_queries, table_t, context_len, mask))
+        start += num_queries
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
+        num_decodes=num_decodes,
+        decode_block_tables=decode_tables_t,
+        decode_context_len=max_len,
+        decode_mask=decode_mask,
+        prefills=tuple(prefills),
+        block_size=block_size,
+    )
+
+
+def gather_context(
+    cache: torch.Tensor, block_tables: torch.Tensor, block_size: int, context_len: int
+) -> torch.Tensor:
+    """cache [num_slots, kv_heads, D], block_tables [n, blocks] -> [n, context_len, kv_heads, D].
+
+    Whole blocks are copied (index_select on the block axis: few, contiguous copies), then the
+    padding past the longest context is cut off.
+    """
+    num_slots, num_kv_heads, head_dim = cache.shape
+    blocks = cache.view(num_slots // block_size, block_size, num_kv_heads, head_dim)
+    n, num_blocks = block_tables.shape
+    gathered = blocks.index_select(0, block_tables.view(-1))
+    return gathered.view(n, num_blocks * block_size, num_kv_heads, head_dim)[:, :context_len]
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Write this step's K/V into the pool, attend; returns [num_tokens, num_heads * head_dim]."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    block_size = meta.block_size
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    nd = meta.num_decodes
+    if nd == num_tokens and nd:
+        out = None  # decodes only: SDPA's output is the result
+    else:
+        out = q.new_empty(num_tokens, num_heads, head_dim)
+    if nd:
+        group = num_heads // num_kv_heads
+        qd = q[:nd].reshape(nd, num_kv_heads, group, head_dim)
+        ctx = meta.decode_context_len
+        kd = gather_context(k_cache, meta.decode_block_tables, block_size, ctx).transpose(1, 2)
+        vd = gather_context(v_cache, meta.decode_block_tables, block_size, ctx).transpose(1, 2)
+        # [nd, kv_heads, group, D]: each KV head's query heads as rows, no K/V repeat needed
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
+        if out is None:
+            return od.reshape(num_tokens, num_heads * head_dim)
+        out[:nd] = od.reshape(nd, num_heads, head_dim)
+    for span in meta.prefills:
+        table = span.block_table.unsqueeze(0)
+        # [1, kv_heads, context_len, D]
+        kp = gather_context(k_cache, table, block_size, span.context_len).transpose(1, 2)
+        vp = gather_context(v_cache, table, block_size, span.context_len).transpose(1, 2)
+        qp = q[span.query_start : span.query_end].transpose(0, 1).unsqueeze(0)
+        op = F.scaled_dot_product_attention(
+            qp, kp, vp, attn_mask=span.mask, is_causal=span.mask is None, scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )  # [1, num_heads, n, head_dim]
+        out[span.query_start : span.query_end] = op[0].transpose(0, 1)
+    return out.view(num_tokens, num_heads * head_dim)

@@ -1,0 +1,231 @@
+"""The native engine behind `EngineClient`: an asyncio front over `LLMEngine` on a thread.
+
+The engine thread owns the `LLMEngine` (model, KV pool, scheduler, block manager); nothing else
+touches them. The event loop talks to it through a command queue (add, abort, stop) and gets
+deltas back through `loop.call_soon_threadsafe` into one asyncio queue per request. The thread
+drains the commands before every step, so an abort (or a consumer closing its stream) frees the
+request's blocks within one step. Torch releases the GIL in its kernels, so the event loop stays
+responsive while a step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, StepOutput
+from engine.protocol import EngineError, GenerationRequest, SamplingParams, TokenDelta
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Add:
+    request: GenerationRequest
+    sink: asyncio.Queue
+    prefill_only: bool = False
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Call:
+    """Run `fn(llm_engine)` on the engine thread (block manager and KV pool are its alone)."""
+
+    fn: Any
+    future: asyncio.Future
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+_STOP = object()
+
+
+class NativeEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_name = config.model
+        self.max_model_len = config.max_model_len or 0
+        self._engine: LLMEngine | None = None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, asyncio.Queue] = {}  # touched by the engine thread only
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._warm_ids = itertools.count()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def tokenizer(self) -> Any:
+        return None if self._engine is None else self._engine.tokenizer
+
+    @property
+    def engine(self) -> LLMEngine:
+        if self._engine is None:
+            raise EngineError("the native engine is not started", code="engine_not_ready")
+        return self._engine
+
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._engine = await asyncio.to_thread(LLMEngine, self.config)
+        self.max_model_len = self._engine.max_model_len
+        self._thread = threading.Thread(target=self._run, name="ragspeed-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        if self._thread is None:
+            return
+        self._commands.put(_STOP)
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _deliver(self, out: StepOutput) -> None:
+        sink = self._sinks.get(out.request_id)
+        if sink is None:
+            return
+        if out.delta.finish_reason is not None:
+            del self._sinks[out.request_id]
+        self._loop.call_soon_threadsafe(sink.put_nowait, out.delta)
+
+    def _handle(self, command: Any) -> bool:
+        """Apply one command; False on stop."""
+        engine = self._engine
+        if command is _STOP:
+            return False
+        if isinstance(command, _Add):
+            try:
+                engine.add_request(command.request, prefill_only=command.prefill_only)
+            except BaseException as exc:  # refused: hand the error to the waiting consumer
+                self._loop.call_soon_threadsafe(command.sink.put_nowait, exc)
+                return True
+            self._sinks[command.request.request_id] = command.sink
+        elif isinstance(command, _Call):
+            try:
+                result, error = command.fn(engine), None
+            except Exception as exc:  # handed to the caller, the engine keeps running
+                result, error = None, exc
+            self._loop.call_soon_threadsafe(_settle, command.future, result, error)
+        elif isinstance(command, _Abort):
+            out = engine.abort(command.request_id)
+            if out is not None:
+                self._deliver(out)
+        return True
+
+    def _run(self) -> None:
+        engine = self._engine
+        running = True
+        with torch.inference_mode():
+            while running:
+                # Block for work only when idle; otherwise take what arrived and step.
+                if not engine.has_unfinished():
+                    running = self._handle(self._commands.get())
+                while running:
+                    try:
+                        command = self._commands.get_nowait()
+                    except queue.Empty:
+                        break
+                    running = self._handle(command)
+                if not running or not engine.has_unfinished():
+                    continue
+                try:
+                    outputs = engine.step()
+                except BaseException as exc:  # a failed step fails every request, frees all
+                    logger.exception("engine step failed")
+                    self._fail_all(exc)
+                    continue
+                for out in outputs:
+                    self._deliver(out)
+            for request_id in list(self._sinks):
+                out = engine.abort(request_id)
+                if out is not None:
+                    self._deliver(out)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        engine = self._engine
+        for request_id, sink in list(self._sinks.items()):
+            engine.abort(request_id)
+            self._loop.call_soon_threadsafe(sink.put_nowait, exc)
+        self._sinks.clear()
+
+    # ------------------------------------------------------------------ EngineClient
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        engine = self.engine
+        engine.validate(request)  # raises before anything is queued
+        sink: asyncio.Queue = asyncio.Queue()
+        self._commands.put(_Add(request, sink))
+        finished = False
+        try:
+            while True:
+                item = await sink.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.finish_reason is not None:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:  # the consumer went away: free the blocks within one step
+                self._commands.put(_Abort(request.request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    async def warm(self, prefix_token_ids: tuple[int, ...], cache_salt: str | None = None) -> int:
+        """Prefill the prefix (no sampling) so its full blocks enter the prefix cache; returns the
+        number of its tokens now cached (0 with prefix caching off)."""
+        engine = self.engine
+        if not engine.config.enable_prefix_caching or not prefix_token_ids:
+            return 0
+        request = GenerationRequest(
+            request_id=f"warm-{next(self._warm_ids)}",
+            prompt_token_ids=tuple(prefix_token_ids),
+            sampling=SamplingParams(max_tokens=1, temperature=0.0),
+            cache_salt=cache_salt,
+        )
+        engine.validate(request, prefill_only=True)
+        sink: asyncio.Queue = asyncio.Queue()
+        self._commands.put(_Add(request, sink, prefill_only=True))
+        while True:
+            item = await sink.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finish_reason is not None:
+                return item.num_cached_tokens  # counted on the engine thread
+
+    async def call(self, fn: Any) -> Any:
+        """`fn(llm_engine)` run on the engine thread between steps; its result or exception."""
+        self.engine  # raises while not started
+        future = asyncio.get_running_loop().create_future()
+        self._commands.put(_Call(fn, future))
+        return await future
+
+    def stats(self) -> dict[str, float]:
+        if self._engine is None:
+            return {}
+        return self._engine.stats()

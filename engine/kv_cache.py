@@ -1,0 +1,94 @@
+"""The paged KV cache's tensors: one preallocated pool of fixed-size blocks for all layers.
+
+Layout: `[2 (K, V), num_layers, num_blocks, block_size, num_kv_heads, head_dim]`. Attention
+sees each layer's K (or V) as `[num_blocks * block_size, num_kv_heads, head_dim]`, indexed by
+slot (`block_id * block_size + offset`). Which blocks belong to whom is the
+`KVCacheManager`'s business; this module only owns memory and sizes it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.models.arch import ModelArch
+
+
+class PoolTooSmallError(ValueError):
+    """The KV cache pool cannot hold even one request of the maximum length."""
+
+
+class KVCachePool:
+    def __init__(
+        self,
+        arch: ModelArch,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.kv = torch.zeros(
+            2, arch.num_layers, num_blocks, block_size, arch.num_kv_heads, arch.head_dim,
+            dtype=dtype, device=device,
+        )
+        flat = self.kv.view(2, arch.num_layers, num_blocks * block_size, arch.num_kv_heads, -1)
+        # Per-layer views, built once: the layer loop zips over them, no indexing per step.
+        self.k_caches: list[torch.Tensor] = list(flat[0].unbind(0))
+        self.v_caches: list[torch.Tensor] = list(flat[1].unbind(0))
+
+    @property
+    def num_bytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+
+def available_memory_bytes(device: torch.device | str) -> int:
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo; set num_kv_cache_tokens")
+
+
+def plan_num_blocks(
+    arch: ModelArch,
+    *,
+    block_size: int,
+    dtype: torch.dtype,
+    max_model_len: int,
+    num_kv_cache_tokens: int | None,
+    memory_fraction: float,
+    device: torch.device | str,
+) -> int:
+    """Blocks in the pool: from a token count, or a fraction of the free memory. Raises
+    PoolTooSmallError, with the numbers, when one request of `max_model_len` would not fit."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    bytes_per_token = arch.kv_bytes_per_token * torch.tensor([], dtype=dtype).element_size()
+    if num_kv_cache_tokens is not None:
+        if num_kv_cache_tokens < 1:
+            raise ValueError(f"num_kv_cache_tokens must be >= 1, got {num_kv_cache_tokens}")
+        num_blocks = num_kv_cache_tokens // block_size
+        source = f"num_kv_cache_tokens={num_kv_cache_tokens}"
+    else:
+        if not 0.0 < memory_fraction <= 1.0:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {memory_fraction}")
+        budget = int(available_memory_bytes(device) * memory_fraction)
+        num_blocks = budget // (bytes_per_token * block_size)
+        source = (
+            f"kv_cache_memory_fraction={memory_fraction} of free memory = {budget / 2**20:.0f} MiB"
+            f" at {bytes_per_token} bytes per token"
+        )
+    needed = -(-max_model_len // block_size)
+    if num_blocks < needed:
+        raise PoolTooSmallError(
+            f"KV cache pool too small: {source} gives {num_blocks} blocks of {block_size} tokens "
+            f"({num_blocks * block_size} tokens), but one request of max_model_len={max_model_len} "
+            f"tokens needs {needed} blocks ({needed * block_size} tokens); raise "
+            f"num_kv_cache_tokens or kv_cache_memory_fraction, or lower max_model_len"
+        )
+    return num_blocks

@@ -1,0 +1,259 @@
+"""The native engine's synchronous core: admit requests, run steps, emit deltas.
+
+One `step()` = schedule (continuous batching, chunked prefill, preemption) -> one forward pass
+over the flat batch -> sample the requests whose chunk reached their last token -> append,
+detokenize, check stops -> finished requests give their blocks back at once. Everything here
+runs on one thread; `engine.backends.native` drives it from a background thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache import KVCachePool, plan_num_blocks
+from engine.loader import LoadedModel, load_model, resolve_model_path
+from engine.model_runner import ModelRunner
+from engine.protocol import EngineError, GenerationRequest, PromptTooLongError, TokenDelta
+from engine.quant import resident_weight_bytes, unquantized_weight_bytes
+from engine.request import Request
+from engine.sampler import Sampler
+from engine.sampling import SamplingState, validate_sampling
+from engine.scheduler import Scheduler
+from prompt_cache.manager import KVCacheManager
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    request_id: str
+    delta: TokenDelta
+
+
+class LLMEngine:
+    def __init__(
+        self, config: EngineConfig, *, loaded: LoadedModel | None = None, tokenizer: Any = None
+    ):
+        self.config = config
+        self.device = torch.device(config.device)
+        if loaded is None:
+            path = resolve_model_path(config.model)
+            loaded = load_model(
+                path,
+                device=config.device,
+                dtype=config.dtype,
+                quantization=config.quantization,
+                max_model_len=config.max_model_len,
+            )
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(config.tokenizer or loaded.path))
+        self.loaded = loaded
+        self.tokenizer = tokenizer
+        self.arch = loaded.arch
+        self.model_name = config.model
+        self.max_model_len = loaded.rotary.freqs_cis.shape[0]
+        self.eos_token_ids = loaded.eos_token_ids
+        dtype = loaded.model.embed_tokens.dtype
+        num_blocks = plan_num_blocks(
+            self.arch,
+            block_size=config.block_size,
+            dtype=dtype,
+            max_model_len=self.max_model_len,
+            num_kv_cache_tokens=config.num_kv_cache_tokens,
+            memory_fraction=config.kv_cache_memory_fraction,
+            device=config.device,
+        )
+        self.kv_pool = KVCachePool(self.arch, num_blocks, config.block_size, dtype, config.device)
+        self.manager = KVCacheManager(
+            num_blocks,
+            config.block_size,
+            enable_caching=config.enable_prefix_caching,
+            extra_key=f"{loaded.path.resolve()}|{dtype}",
+        )
+        self.scheduler = Scheduler(
+            self.manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )
+        self.runner = ModelRunner(loaded.model, loaded.rotary, self.kv_pool, config.device)
+        self.sampler = Sampler(config.device, seed=config.seed)
+        self.num_steps = 0
+        self.num_prompt_tokens_total = 0
+        self.num_generation_tokens_total = 0
+        logger.info(
+            "native engine: %s (%s), KV pool %d blocks x %d tokens (%.0f MiB)",
+            config.model, self.arch.family, num_blocks, config.block_size,
+            self.kv_pool.num_bytes / 2**20,
+        )
+
+    # ------------------------------------------------------------------ requests
+
+    def validate(self, request: GenerationRequest, *, prefill_only: bool = False) -> None:
+        """Raise EngineError for a request the engine can never serve. Thread-safe."""
+        num_prompt = len(request.prompt_token_ids)
+        if num_prompt == 0:
+            raise EngineError("the prompt is empty", param="messages")
+        vocab = self.arch.vocab_size
+        if any(not 0 <= t < vocab for t in request.prompt_token_ids):
+            raise EngineError(f"prompt token ids must be in [0, {vocab})", param="messages")
+        max_tokens = 0 if prefill_only else request.sampling.max_tokens
+        if not prefill_only:
+            validate_sampling(request.sampling, vocab)
+        if num_prompt + max_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                f"model's context of {self.max_model_len} tokens",
+                param="messages" if num_prompt >= self.max_model_len else "max_tokens",
+                code="context_length_exceeded",
+            )
+
+    def add_request(self, request: GenerationRequest, *, prefill_only: bool = False) -> None:
+        self.validate(request, prefill_only=prefill_only)
+        if self.scheduler.get(request.request_id) is not None:
+            raise EngineError(
+                f"request_id {request.request_id!r} is already running", param="request_id"
+            )
+        state = SamplingState.create(request.sampling, self.eos_token_ids, self.device)
+        detokenizer = None
+        if not prefill_only:
+            detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
+        self.scheduler.add(
+            Request(request, state, detokenizer=detokenizer, prefill_only=prefill_only)
+        )
+
+    def abort(self, request_id: str) -> StepOutput | None:
+        """Stop a request and free its blocks now; unknown ids are ignored (None)."""
+        request = self.scheduler.get(request_id)
+        if request is None:
+            return None
+        self.scheduler.finish(request, "abort")
+        return StepOutput(request_id, TokenDelta(text="", finish_reason="abort"))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ steps
+
+    def step(self) -> list[StepOutput]:
+        output = self.scheduler.schedule()
+        if output.is_empty:
+            return []
+        self.num_steps += 1
+        logits = self.runner.execute(output)
+        self.scheduler.update_computed(output)
+        results: list[StepOutput] = []
+        sampling = [c.request for c in output.chunks if c.samples]
+        if logits is not None:
+            tokens = self.sampler(logits, [r.sampling for r in sampling])
+            for request, token in zip(sampling, tokens):
+                results.append(self._append_token(request, token))
+        for chunk in output.prefills:
+            request = chunk.request
+            if request.prefill_only and request.num_computed_tokens == request.num_tokens:
+                self.scheduler.finish(request, "stop")
+                # warm(): report how much of the prefix is now cached (its blocks stay cached).
+                num_cached = self.num_cached_prefix_tokens(
+                    request.prompt_token_ids, request.cache_salt
+                )
+                delta = TokenDelta(
+                    text="", finish_reason="stop", num_prompt_tokens=request.num_prompt_tokens,
+                    num_cached_tokens=num_cached,
+                )
+                results.append(StepOutput(request.request_id, delta))
+        return results
+
+    def _first_delta(
+        self, request: Request, text: str, token_ids: tuple[int, ...], finish: str | None
+    ) -> TokenDelta:
+        first = not request.first_delta_sent
+        request.first_delta_sent = True
+        if first:
+            self.num_prompt_tokens_total += request.num_prompt_tokens
+        return TokenDelta(
+            text=text,
+            token_ids=token_ids,
+            finish_reason=finish,
+            num_prompt_tokens=request.num_prompt_tokens if first else 0,
+            num_cached_tokens=max(request.num_cached_tokens, 0) if first else 0,
+        )
+
+    def _append_token(self, request: Request, token: int) -> StepOutput:
+        request.all_token_ids.append(token)
+        self.num_generation_tokens_total += 1
+        params = request.sampling.params
+        finish: str | None = None
+        text = ""
+        if token in request.sampling.stop_token_ids:
+            finish = "stop"  # the stop token's text is not part of the output
+        else:
+            text = request.stop_matcher.feed(request.detokenizer.add([token]))
+            if request.stop_matcher.stopped:
+                finish = "stop"
+        if finish is None and (
+            request.num_output_tokens >= params.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
+            finish = "length"
+        if finish is not None:
+            if not request.stop_matcher.stopped:
+                text += request.stop_matcher.feed(request.detokenizer.flush())
+                text += request.stop_matcher.flush()
+            self.scheduler.finish(request, finish)
+        return StepOutput(request.request_id, self._first_delta(request, text, (token,), finish))
+
+    # ------------------------------------------------------------------ helpers
+
+    def num_cached_prefix_tokens(
+        self, token_ids: list[int] | tuple[int, ...], cache_salt: str | None
+    ) -> int:
+        """Tokens of `token_ids` (full blocks, the last one included) now in the prefix cache."""
+        # get_computed_blocks leaves the last token to compute: a sentinel makes it count them all.
+        _, num_cached = self.manager.get_computed_blocks(
+            list(token_ids) + [0], cache_salt, record_stats=False
+        )
+        return num_cached
+
+    def stats(self) -> dict[str, float]:
+        cache = self.manager.stats()
+        return {
+            "num_blocks_total": float(self.manager.num_blocks),
+            "num_blocks_free": float(self.manager.num_free_blocks),
+            "num_blocks_used": float(self.manager.num_blocks - self.manager.num_free_blocks),
+            "kv_cache_usage": float(self.manager.usage),
+            "prefix_cache_queries_tokens": float(cache.queries_tokens),
+            "prefix_cache_hits_tokens": float(cache.hits_tokens),
+            "prefix_cache_cached_blocks": float(cache.num_cached_blocks),
+            "num_requests_running": float(len(self.scheduler.running)),
+            "num_requests_waiting": float(len(self.scheduler.waiting)),
+            "num_preemptions": float(self.scheduler.num_preemptions),
+            "num_steps": float(self.num_steps),
+            "prompt_tokens_total": float(self.num_prompt_tokens_total),
+            "generation_tokens_total": float(self.num_generation_tokens_total),
+            "weight_bytes": float(resident_weight_bytes(self.loaded.model)),
+            "weight_bytes_unquantized": float(unquantized_weight_bytes(self.loaded.model)),
+        }
+
+    def generate(self, requests: list[GenerationRequest]) -> dict[str, dict[str, Any]]:
+        """Run requests to completion (tests, benchmarks): id -> token_ids, text, finish_reason."""
+        results: dict[str, dict[str, Any]] = {}
+        for request in requests:
+            self.add_request(request)
+            results[request.request_id] = {"token_ids": [], "text": "", "finish_reason": None}
+        while self.has_unfinished():
+            for out in self.step():
+                entry = results[out.request_id]
+                entry["token_ids"].extend(out.delta.token_ids)
+                entry["text"] += out.delta.text
+                if out.delta.finish_reason is not None:
+                    entry["finish_reason"] = out.delta.finish_reason
+                if out.delta.num_prompt_tokens:
+                    entry["num_cached_tokens"] = out.delta.num_cached_tokens
+        return results

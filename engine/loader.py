@@ -1,0 +1,267 @@
+"""Load Hugging Face-format checkpoints (config.json + safetensors + tokenizer) into `DecoderLM`.
+
+One code path for every supported family; a family is a row of `FAMILIES`, found by the
+config's `architectures` or `model_type`. Weights are read from every `*.safetensors` file of
+the folder (sharded checkpoints too), converted to the compute dtype, and fused at load:
+Q, K, V into one projection (Q and K rows permuted for the one-op rotation, see
+`engine.models.rotary`), gate and up into another. Half-precision checkpoints are computed in
+fp32 on CPU: this CPU has no fast bf16/fp16 matrix products.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from engine.models.arch import ModelArch
+from engine.models.decoder import DecoderLM
+from engine.models.rotary import RotaryEmbedding, permute_heads
+from engine.quant import check_quantization
+
+logger = logging.getLogger(__name__)
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture is not one the native engine implements."""
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str
+    architectures: tuple[str, ...]
+    model_types: tuple[str, ...]
+    qkv_bias: bool = False  # bias on Q, K, V regardless of config.attention_bias
+    qk_norm: bool = False
+
+
+FAMILIES: dict[str, ModelFamily] = {
+    family.name: family
+    for family in (
+        ModelFamily("llama", ("LlamaForCausalLM",), ("llama",)),
+        ModelFamily("mistral", ("MistralForCausalLM",), ("mistral",)),
+        ModelFamily("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), qkv_bias=True),
+        ModelFamily("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), qk_norm=True),
+    )
+}
+
+
+@dataclass
+class LoadedModel:
+    model: DecoderLM
+    rotary: RotaryEmbedding
+    arch: ModelArch
+    max_model_len: int  # the model's own context limit (sliding window included)
+    eos_token_ids: tuple[int, ...]
+    path: Path
+
+
+def find_family(hf_config: Any) -> ModelFamily:
+    architectures = tuple(getattr(hf_config, "architectures", None) or ())
+    model_type = getattr(hf_config, "model_type", None)
+    for family in FAMILIES.values():
+        if set(architectures) & set(family.architectures) or model_type in family.model_types:
+            return family
+    supported = ", ".join(a for f in FAMILIES.values() for a in f.architectures)
+    raise UnsupportedModelError(
+        f"model architecture {list(architectures) or model_type!r} is not supported by the native "
+        f"engine; supported: {supported} (use backend 'transformers' for others)"
+    )
+
+
+def arch_from_config(hf_config: Any, family: ModelFamily) -> ModelArch:
+    num_heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    attention_bias = bool(getattr(hf_config, "attention_bias", False))
+    return ModelArch(
+        family=family.name,
+        vocab_size=hf_config.vocab_size,
+        hidden_size=hf_config.hidden_size,
+        num_layers=hf_config.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+        head_dim=head_dim,
+        intermediate_size=hf_config.intermediate_size,
+        rms_norm_eps=hf_config.rms_norm_eps,
+        max_position_embeddings=hf_config.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        qkv_bias=family.qkv_bias or attention_bias,
+        o_bias=attention_bias,
+        mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+        qk_norm=family.qk_norm,
+    )
+
+
+def context_limit(hf_config: Any) -> int:
+    """The longest context the checkpoint serves exactly: sliding-window attention is not
+    implemented, so a window shorter than the positions caps the context."""
+    limit = hf_config.max_position_embeddings
+    window = getattr(hf_config, "sliding_window", None)
+    layer_types = getattr(hf_config, "layer_types", None) or ()
+    uses_window = "sliding_attention" in layer_types or (
+        getattr(hf_config, "model_type", "") == "mistral"
+    )
+    if window and uses_window:
+        limit = min(limit, window)
+    return limit
+
+
+def rope_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling, with transformers' rope_scaling variants."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (theta**exponents), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    init = ROPE_INIT_FUNCTIONS.get(rope_type)
+    if init is None:
+        raise UnsupportedModelError(
+            f"rope type {rope_type!r} is not supported; supported: default, "
+            + ", ".join(ROPE_INIT_FUNCTIONS)
+        )
+    inv_freq, attention_scaling = init(hf_config, "cpu")
+    return inv_freq, float(attention_scaling)
+
+
+def compute_dtype(requested: str, device: str) -> torch.dtype:
+    dtype = getattr(torch, requested, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype {requested!r} is not a torch dtype (e.g. 'float32', 'bfloat16')")
+    if torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        logger.info("computing in float32 on CPU instead of %s (no fast half matmuls here)", dtype)
+        return torch.float32
+    return dtype
+
+
+def read_safetensors(path: Path, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+    return tensors
+
+
+def load_weights(model: DecoderLM, tensors: dict[str, torch.Tensor]) -> None:
+    """Assemble the fused projections from HF weight names."""
+    arch = model.arch
+
+    def take(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise KeyError(f"checkpoint lacks weight {name!r}")
+        return tensors.pop(name)
+
+    def maybe(name: str) -> torch.Tensor | None:
+        return tensors.pop(name, None)
+
+    model.embed_tokens = take("model.embed_tokens.weight")
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        layer.input_layernorm.weight = take(p + "input_layernorm.weight")
+        layer.post_attention_layernorm.weight = take(p + "post_attention_layernorm.weight")
+        attn = layer.self_attn
+        q_w = permute_heads(take(p + "self_attn.q_proj.weight"), arch.num_heads, arch.head_dim)
+        k_w = permute_heads(take(p + "self_attn.k_proj.weight"), arch.num_kv_heads, arch.head_dim)
+        v_w = take(p + "self_attn.v_proj.weight")
+        qkv_bias = None
+        if arch.qkv_bias:
+            q_b = permute_heads(take(p + "self_attn.q_proj.bias"), arch.num_heads, arch.head_dim)
+            k_b = permute_heads(
+                take(p + "self_attn.k_proj.bias"), arch.num_kv_heads, arch.head_dim
+            )
+            qkv_bias = torch.cat([q_b, k_b, take(p + "self_attn.v_proj.bias")])
+        attn.qkv_proj.load(torch.cat([q_w, k_w, v_w]), qkv_bias)
+        attn.o_proj.load(
+            take(p + "self_attn.o_proj.weight"),
+            take(p + "self_attn.o_proj.bias") if arch.o_bias else None,
+        )
+        if arch.qk_norm:
+            q_n = permute_heads(take(p + "self_attn.q_norm.weight"), 1, arch.head_dim)
+            k_n = permute_heads(take(p + "self_attn.k_norm.weight"), 1, arch.head_dim)
+            attn.qk_norm_weight = torch.cat(
+                [q_n.expand(arch.num_heads, -1), k_n.expand(arch.num_kv_heads, -1)]
+            ).contiguous()
+        mlp = layer.mlp
+        gate_up_bias = None
+        if arch.mlp_bias:
+            gate_up_bias = torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")])
+        mlp.gate_up_proj.load(
+            torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
+            gate_up_bias,
+        )
+        down_bias = take(p + "mlp.down_proj.bias") if arch.mlp_bias else None
+        mlp.down_proj.load(take(p + "mlp.down_proj.weight"), down_bias)
+    model.norm.weight = take("model.norm.weight")
+    lm_head = maybe("lm_head.weight")
+    if lm_head is None or arch.tie_word_embeddings:
+        # Tied: the LM head is the embedding; it keeps its own transposed copy for fast GEMV.
+        lm_head = model.embed_tokens
+    model.lm_head.load(lm_head)
+    leftovers = [n for n in tensors if "rotary_emb" not in n]
+    if leftovers:
+        logger.warning("ignored %d checkpoint tensors, e.g. %s", len(leftovers), leftovers[:3])
+
+
+def resolve_model_path(name: str) -> Path:
+    """A local folder, a model-zoo name, or (with network) a hub id, to a local folder."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    try:
+        from engine.model_zoo import resolve_model
+    except ImportError:  # the zoo is optional for this module
+        resolve_model = None
+    if resolve_model is not None:
+        return Path(resolve_model(name))
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(name))
+
+
+def load_model(
+    path: str | Path,
+    *,
+    device: str = "cpu",
+    dtype: str = "float32",
+    quantization: str | None = None,
+    max_model_len: int | None = None,
+) -> LoadedModel:
+    """`max_model_len` (default: the model's limit) sizes the rotation table; it may not exceed
+    the model's own limit."""
+    from transformers import AutoConfig, GenerationConfig
+
+    path = Path(path)
+    hf_config = AutoConfig.from_pretrained(path)
+    family = find_family(hf_config)
+    arch = arch_from_config(hf_config, family)
+    check_quantization(quantization, device)  # before reading weights: lists what runs here
+    torch_dtype = compute_dtype(dtype, device)
+    model = DecoderLM(arch, quantization=quantization)
+    load_weights(model, read_safetensors(path, torch_dtype, device))
+    inv_freq, attention_scaling = rope_inv_freq(hf_config, arch.head_dim)
+    limit = context_limit(hf_config)
+    if max_model_len is not None and max_model_len > limit:
+        raise ValueError(
+            f"max_model_len={max_model_len} exceeds the model's context of {limit} tokens"
+        )
+    max_model_len = max_model_len or limit
+    rotary = RotaryEmbedding(inv_freq, max_model_len, attention_scaling, device)
+    eos: Any = None
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:
+        pass
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    eos_ids = (eos,) if isinstance(eos, int) else tuple(eos or ())
+    return LoadedModel(model.eval(), rotary, arch, max_model_len, eos_ids, path)

@@ -1,0 +1,69 @@
+"""Build a step's flat batch from the scheduler's chunks, run the model, return logits.
+
+The flat batch: decode tokens first (one per request), then each prefill chunk's tokens. For
+every token: its id, its position and its slot (where its K/V goes). Only the chunks that
+reach their request's last token get logits (`[num_sampling_chunks, vocab]`, in chunk order).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import build_metadata
+from engine.kv_cache import KVCachePool
+from engine.models.decoder import DecoderLM
+from engine.models.rotary import RotaryEmbedding
+from engine.scheduler import SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: DecoderLM,
+        rotary: RotaryEmbedding,
+        kv_pool: KVCachePool,
+        device: torch.device | str,
+    ):
+        self.model = model
+        self.rotary = rotary
+        self.kv_pool = kv_pool
+        self.block_size = kv_pool.block_size
+        self.device = torch.device(device)
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> torch.Tensor | None:
+        """Run one step; logits of the sampling chunks, or None when none samples."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        sample_index: list[int] = []
+        for chunk in output.chunks:
+            start, end = chunk.start, chunk.context_len
+            table = chunk.block_table
+            input_ids.extend(chunk.request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if chunk.samples:
+                sample_index.append(len(input_ids) - 1)
+        meta = build_metadata(
+            decode_tables=[list(c.block_table) for c in output.decodes],
+            decode_context_lens=[c.context_len for c in output.decodes],
+            prefill_tables=[list(c.block_table) for c in output.prefills],
+            prefill_context_lens=[c.context_len for c in output.prefills],
+            prefill_num_queries=[c.num_tokens for c in output.prefills],
+            slot_mapping=slot_mapping,
+            block_size=bs,
+            device=self.device,
+            dtype=self.kv_pool.kv.dtype,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model(
+            ids, self.rotary.lookup(pos), self.kv_pool.k_caches, self.kv_pool.v_caches, meta
+        )  # [num_tokens, hidden_size]
+        if not sample_index:
+            return None
+        if len(sample_index) < len(input_ids):
+            hidden = hidden[torch.tensor(sample_index, device=self.device)]
+        return self.model.compute_logits(hidden)  # [num_sampling_chunks, vocab]

@@ -1,0 +1,1 @@
+"""Decoder-only transformer models computed on a flat batch of tokens over a paged KV cache."""

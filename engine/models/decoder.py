@@ -1,0 +1,161 @@
+"""One decoder-only transformer for the Llama, Qwen2, Qwen3 and Mistral families.
+
+The families differ only in flags of `ModelArch` (QKV bias, Q/K norm, tied embeddings), so one
+code path serves them all. The model works on a flat batch: every scheduled token of every
+request in one `[num_tokens, hidden_size]` tensor, prefill chunks and decodes alike; only
+attention looks at request boundaries, through `AttentionMetadata`.
+
+Hot-path rules (per-op overhead dominates small models on CPU): fused QKV and gate-up
+projections, one rotary op for Q and K together, the residual add fused into the norm's
+bookkeeping, rotations looked up once per step, no dictionaries in the layer loop.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata, paged_attention
+from engine.models.arch import ModelArch
+from engine.models.linear import build_linear
+from engine.models.rotary import apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.size = (size,)
+        self.eps = eps
+        self.weight = torch.ones(size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.size, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch, quantization: str | None):
+        super().__init__()
+        self.num_heads = arch.num_heads
+        self.num_kv_heads = arch.num_kv_heads
+        self.head_dim = arch.head_dim
+        self.q_size = arch.q_size
+        self.kv_size = arch.kv_size
+        self.scale = arch.head_dim**-0.5
+        self.eps = arch.rms_norm_eps
+        self.qkv_proj = build_linear(
+            arch.hidden_size, arch.q_size + 2 * arch.kv_size, bias=arch.qkv_bias,
+            quantization=quantization,
+        )
+        self.o_proj = build_linear(
+            arch.q_size, arch.hidden_size, bias=arch.o_bias, quantization=quantization
+        )
+        # Qwen3: one weight row per Q head then per K head, so Q and K are normed in one op.
+        self.qk_norm_weight: torch.Tensor | None = None  # [num_heads + num_kv_heads, head_dim]
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden_size]
+        freqs_cis: torch.Tensor,  # [num_tokens, 1, head_dim/2]
+        k_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
+        qk = qkv[:, : self.q_size + self.kv_size].view(
+            num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
+        )
+        if self.qk_norm_weight is not None:
+            qk = F.rms_norm(qk, (self.head_dim,), None, self.eps) * self.qk_norm_weight
+        qk = apply_rotary(qk, freqs_cis)
+        q = qk[:, : self.num_heads]  # [num_tokens, num_heads, head_dim]
+        k = qk[:, self.num_heads :]  # [num_tokens, num_kv_heads, head_dim]
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out)  # out: [num_tokens, num_heads * head_dim]
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelArch, quantization: str | None):
+        super().__init__()
+        self.intermediate_size = arch.intermediate_size
+        self.gate_up_proj = build_linear(
+            arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias,
+            quantization=quantization,
+        )
+        self.down_proj = build_linear(
+            arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias,
+            quantization=quantization,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size]
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, quantization: str | None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(arch, quantization)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = MLP(arch, quantization)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        freqs_cis: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # `residual` carries the stream; `hidden` is the last sublayer's output not yet added.
+        residual = hidden if residual is None else hidden.add_(residual)
+        hidden = self.self_attn(
+            self.input_layernorm(residual), freqs_cis, k_cache, v_cache, meta
+        )
+        residual = hidden.add_(residual)
+        hidden = self.mlp(self.post_attention_layernorm(residual))
+        return hidden, residual
+
+
+class DecoderLM(nn.Module):
+    def __init__(self, arch: ModelArch, quantization: str | None = None):
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens: torch.Tensor | None = None  # [vocab_size, hidden_size]
+        self.layers = nn.ModuleList(
+            DecoderLayer(arch, quantization) for _ in range(arch.num_layers)
+        )
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        # Quantized too: a tied head quantizes its own copy; the embedding lookup stays fp.
+        self.lm_head = build_linear(
+            arch.hidden_size, arch.vocab_size, quantization=quantization
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        freqs_cis: torch.Tensor,  # [num_tokens, 1, head_dim/2], RotaryEmbedding.lookup(positions)
+        k_caches: list[torch.Tensor],  # per layer [num_slots, num_kv_heads, head_dim]
+        v_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Final hidden states of every token: [num_tokens, hidden_size]."""
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        residual = None
+        for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
+            hidden, residual = layer(hidden, residual, freqs_cis, k_cache, v_cache, meta)
+        return self.norm(hidden.add_(residual))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [num_sequences, hidden_size] -> fp32 logits [num_sequences, vocab_size]."""
+        return self.lm_head(hidden).float()
+
+    @property
+    def num_weight_bytes_per_token(self) -> int:
+        """Weight bytes one decode step reads: every projection and the LM head."""
+        return sum(m.num_weight_bytes for m in self.modules() if hasattr(m, "num_weight_bytes"))

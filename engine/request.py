@@ -1,0 +1,71 @@
+"""A request inside the native engine, from admission to finish.
+
+Terms: `all_token_ids` is prompt + output so far; `num_computed_tokens` counts the leading
+tokens whose KV is in the request's blocks. A request *needs a prefill* while
+`num_computed_tokens < num_tokens - 1` (more than the one new token of a decode is missing);
+the step that computes its last missing token samples the next token. After preemption by
+recompute, the output so far becomes part of what is prefilled again.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.protocol import GenerationRequest
+from engine.sampling import SamplingState
+from engine.stop import StopStringMatcher
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    def __init__(
+        self,
+        request: GenerationRequest,
+        sampling: SamplingState,
+        *,
+        detokenizer: IncrementalDetokenizer | None,
+        prefill_only: bool = False,
+    ):
+        self.request_id = request.request_id
+        self.prompt_token_ids = list(request.prompt_token_ids)
+        self.all_token_ids = list(request.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.cache_salt = request.cache_salt
+        self.sampling = sampling
+        self.prefill_only = prefill_only  # warm(): fill the prefix cache, sample nothing
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until then
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self.detokenizer = detokenizer
+        self.stop_matcher = StopStringMatcher(sampling.params.stop)
+        self.first_delta_sent = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

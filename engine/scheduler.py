@@ -1,0 +1,215 @@
+"""Continuous batching with chunked prefill under one token budget per step (vLLM v1 style).
+
+Each step:
+1. Running requests get their tokens first, decodes before prefill chunks, each in arrival
+   order, within `max_num_batched_tokens`. When the pool cannot give a request its next block,
+   the latest-arrived running request is preempted by recompute: its blocks are freed and it
+   goes back to the FRONT of the waiting queue, to be prefilled again (prompt + output so far)
+   later; if the one that needs the block is itself the latest, it is the one preempted.
+2. If nothing was preempted, waiting requests are admitted strictly first-come first-served
+   (the head of the queue blocks those behind it, so nobody starves) while the budget, the
+   pool and `max_num_seqs` allow, starting from their prefix-cache hit.
+
+The scheduler talks to the `KVCacheManager` only: block ids, never the pool's tensors.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.request import Request, RequestStatus
+from prompt_cache.manager import KVCacheManager
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Tokens `start .. start + num_tokens` of a request's `all_token_ids`, computed this step."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    block_table: tuple[int, ...]
+
+    @property
+    def context_len(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the request's last token, so the step samples after it."""
+        return self.context_len == self.request.num_tokens and not self.request.prefill_only
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    decodes: tuple[ScheduledChunk, ...]  # chunks of one token, first in the flat batch
+    prefills: tuple[ScheduledChunk, ...]
+    preempted: tuple[str, ...] = ()
+
+    @property
+    def chunks(self) -> tuple[ScheduledChunk, ...]:
+        return self.decodes + self.prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.decodes) + sum(c.num_tokens for c in self.prefills)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+class Scheduler:
+    def __init__(
+        self,
+        manager: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ):
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        self.manager = manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._arrival: dict[str, int] = {}  # request id -> admission order, for FCFS
+        self._next_arrival = 0
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ queue
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self._arrival:
+            raise ValueError(f"request_id {request.request_id!r} is already in the engine")
+        self._arrival[request.request_id] = self._next_arrival
+        self._next_arrival += 1
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get(self, request_id: str) -> Request | None:
+        for request in self.running:
+            if request.request_id == request_id:
+                return request
+        for request in self.waiting:
+            if request.request_id == request_id:
+                return request
+        return None
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Take a request out of the engine and give its blocks back, at once."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        else:
+            return
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.manager.free(request.request_id)
+        self._arrival.pop(request.request_id, None)
+
+    # ------------------------------------------------------------------ steps
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.manager.free(request.request_id)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        arrival = self._arrival
+        scheduled: dict[str, ScheduledChunk] = {}
+        preempted: list[str] = []
+
+        by_arrival = sorted(self.running, key=lambda r: arrival[r.request_id])
+        decodes = [r for r in by_arrival if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in by_arrival if r.num_tokens - r.num_computed_tokens > 1]
+        for request in decodes + prefills:
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            total = request.num_computed_tokens + num_new
+            while self.manager.allocate_slots(request.request_id, total) is None:
+                victim = max(self.running, key=lambda r: arrival[r.request_id])
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                undone = scheduled.pop(victim.request_id, None)
+                if undone is not None:
+                    budget += undone.num_tokens
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            scheduled[request.request_id] = self._chunk(request, num_new)
+            budget -= num_new
+
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+        ):
+            request = self.waiting[0]
+            computed_blocks, num_cached = self.manager.get_computed_blocks(
+                request.all_token_ids,
+                request.cache_salt,
+                record_stats=request.num_preemptions == 0 and not request.prefill_only,
+            )
+            num_new = min(request.num_tokens - num_cached, budget)
+            if (
+                self.manager.allocate_slots(
+                    request.request_id, num_cached + num_new, computed_blocks
+                )
+                is None
+            ):
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            self.running.append(request)
+            scheduled[request.request_id] = self._chunk(request, num_new)
+            budget -= num_new
+
+        chunks = sorted(scheduled.values(), key=lambda c: arrival[c.request.request_id])
+        return SchedulerOutput(
+            decodes=tuple(c for c in chunks if c.num_tokens == 1),
+            prefills=tuple(c for c in chunks if c.num_tokens > 1),
+            preempted=tuple(preempted),
+        )
+
+    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        return ScheduledChunk(
+            request=request,
+            start=request.num_computed_tokens,
+            num_tokens=num_new,
+            block_table=tuple(self.manager.block_table(request.request_id)),
+        )
+
+    def update_computed(self, output: SchedulerOutput) -> None:
+        """After the model ran the step: the chunks' KV is written; cache the full blocks."""
+        for chunk in output.chunks:
+            request = chunk.request
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens = chunk.context_len
+            self.manager.cache_blocks(
+                request.request_id,
+                request.all_token_ids,
+                request.num_computed_tokens,
+                request.cache_salt,
+            )

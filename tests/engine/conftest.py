@@ -1,0 +1,66 @@
+"""Tiny seeded checkpoints of each family, built once per session, and engines over them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from tests.engine.tiny_models import build_tiny_checkpoint
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+SEEDS = {"llama": 1, "qwen2": 2, "qwen3": 3, "mistral": 4}
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("tiny")
+    return {f: build_tiny_checkpoint(f, root / f, seed=SEEDS[f]) for f in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def hf_models(tiny_checkpoints) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    return {
+        f: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()
+        for f, p in tiny_checkpoints.items()
+    }
+
+
+_HF_CACHE: dict[tuple, list[int]] = {}
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers `generate()`, greedy, EOS ignored: the reference token ids (memoized: the
+    same prompts serve several scheduling modes)."""
+    key = (id(model), tuple(prompt), max_new_tokens)
+    if key not in _HF_CACHE:
+        _HF_CACHE[key] = _hf_greedy(model, prompt, max_new_tokens)
+    return _HF_CACHE[key]
+
+
+def _hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=1,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def make_engine(path, **overrides) -> LLMEngine:
+    kwargs = dict(model=str(path), max_model_len=256, num_kv_cache_tokens=4096, block_size=8)
+    kwargs.update(overrides)
+    return LLMEngine(EngineConfig(**kwargs))
+
+
+def assert_all_blocks_free(engine: LLMEngine) -> None:
+    engine.manager.check_invariants()
+    assert engine.manager.num_free_blocks == engine.manager.num_blocks
+    assert not engine.has_unfinished()
