@@ -1,0 +1,65 @@
+"""int8 linear on x86 CPUs: fbgemm's dynamic quantization, weights prepacked once at load.
+
+`torch.ops.quantized.linear_dynamic` quantizes the activations per tensor (min/max of the whole
+`[num_tokens, in_features]` input) to uint8 on the fly, multiplies by the prepacked int8 weight
+with int32 accumulation, and rescales to fp32 with the per-row weight scales and the bias.
+At batch 1 it reads a quarter of fp32's bytes and runs about 9x faster here (DESIGN.md).
+
+`reduce_range=False`: the full 8-bit activation range. fbgemm's AVX2 kernel may saturate its
+16-bit pair sums in rare worst cases; the quality gates (perplexity, top-1 agreement) measure
+what that costs, and `reduce_range=True` ran 4x slower here.
+
+Per-tensor activation scales mean a token's result depends slightly on the other tokens in
+its batch: greedy outputs are deterministic for a given schedule, not bitwise batch-invariant.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from engine.quant.per_channel import Int8Weight
+
+# Quantized CPU engines whose linear_prepack / linear_dynamic run fbgemm kernels.
+FBGEMM_ENGINES = ("x86", "fbgemm")
+
+
+def fbgemm_available() -> bool:
+    return any(e in torch.backends.quantized.supported_engines for e in FBGEMM_ENGINES)
+
+
+class FbgemmInt8Kernel:
+    """Packs one int8 weight (and its fp32 bias) for `linear_dynamic`; runs it."""
+
+    device_type = "cpu"
+    name = "fbgemm dynamic int8"
+
+    @staticmethod
+    def available() -> bool:
+        return fbgemm_available()
+
+    def __init__(self, weight: Int8Weight, bias: torch.Tensor | None):
+        out_features = weight.qweight.shape[0]
+        if torch.backends.quantized.engine not in FBGEMM_ENGINES:
+            # The process-wide quantized engine picks the packing; keep it, choose ours.
+            torch.backends.quantized.engine = next(
+                e for e in FBGEMM_ENGINES if e in torch.backends.quantized.supported_engines
+            )
+        with warnings.catch_warnings():
+            # torch >= 2.10 flags quantized tensor creation as deprecated; the ops still run.
+            warnings.simplefilter("ignore", UserWarning)
+            qweight = torch._make_per_channel_quantized_tensor(
+                weight.qweight.cpu(),
+                weight.scales.cpu().double(),
+                torch.zeros(out_features, dtype=torch.long),
+                0,
+            )
+            self.packed = torch.ops.quantized.linear_prepack(
+                qweight, None if bias is None else bias.float().cpu().contiguous()
+            )
+        self.num_weight_bytes = weight.num_bytes + (0 if bias is None else bias.numel() * 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x fp32 [num_tokens, in_features] -> fp32 [num_tokens, out_features]."""
+        return torch.ops.quantized.linear_dynamic(x, self.packed, False)

@@ -1,0 +1,93 @@
+"""Quality of a quantized model against its unquantized twin, on real text.
+
+Both models score the same windows of token ids (each window one prefill from position 0):
+- *perplexity*: `exp(mean NLL)` of every next token of every window;
+- *ppl increase*: `ppl_quantized / ppl_reference - 1` (a fraction: 0.02 is 2%);
+- *top-1 agreement*: the fraction of positions where both models' argmax next token is the same.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import build_metadata
+from engine.kv_cache import KVCachePool
+from engine.loader import LoadedModel
+
+
+@dataclass(frozen=True)
+class QualityReport:
+    num_windows: int
+    num_predictions: int  # next tokens scored per model
+    ppl_reference: float
+    ppl_quantized: float
+    ppl_increase: float
+    top1_agreement: float
+
+
+@torch.inference_mode()
+def window_logits(
+    loaded: LoadedModel, token_ids: list[int], block_size: int = 16
+) -> torch.Tensor:
+    """fp32 logits [len(token_ids), vocab] of one sequence: one prefill through paged attention."""
+    n = len(token_ids)
+    num_blocks = -(-n // block_size)
+    device = loaded.model.embed_tokens.device
+    dtype = loaded.model.embed_tokens.dtype
+    pool = KVCachePool(loaded.arch, num_blocks, block_size, dtype, device)
+    meta = build_metadata(
+        decode_tables=[], decode_context_lens=[],
+        prefill_tables=[list(range(num_blocks))], prefill_context_lens=[n],
+        prefill_num_queries=[n], slot_mapping=list(range(n)),
+        block_size=block_size, device=device, dtype=dtype,
+    )
+    positions = torch.arange(n, device=device)
+    hidden = loaded.model(
+        torch.tensor(token_ids, device=device), loaded.rotary.lookup(positions),
+        pool.k_caches, pool.v_caches, meta,
+    )  # [n, hidden_size]
+    return loaded.model.compute_logits(hidden)  # [n, vocab]
+
+
+def text_windows(
+    tokenizer, text_path: str | Path, *, window: int, num_windows: int, max_chars: int = 400_000
+) -> list[list[int]]:
+    """`num_windows` consecutive windows of `window` token ids from the start of a text file."""
+    if window < 2 or num_windows < 1:
+        raise ValueError(f"window must be >= 2 and num_windows >= 1, got {window}, {num_windows}")
+    text = Path(text_path).read_text(encoding="utf-8")[:max_chars]
+    ids = tokenizer.encode(text, add_special_tokens=False, verbose=False)  # no length warning
+    if len(ids) < window * num_windows:
+        raise ValueError(
+            f"{text_path} gives {len(ids)} tokens, fewer than {num_windows} windows of {window}"
+        )
+    return [ids[i * window : (i + 1) * window] for i in range(num_windows)]
+
+
+def compare_quality(
+    reference: LoadedModel, quantized: LoadedModel, windows: list[list[int]]
+) -> QualityReport:
+    nll_ref = nll_quant = 0.0
+    agree = total = 0
+    for ids in windows:
+        targets = torch.tensor(ids[1:])
+        ref = window_logits(reference, ids)[:-1]  # [n - 1, vocab]: predictions of ids[1:]
+        quant = window_logits(quantized, ids)[:-1].to(ref.device)
+        nll_ref += F.cross_entropy(ref, targets.to(ref.device), reduction="sum").item()
+        nll_quant += F.cross_entropy(quant, targets.to(ref.device), reduction="sum").item()
+        agree += (ref.argmax(-1) == quant.argmax(-1)).sum().item()
+        total += len(ids) - 1
+    ppl_ref, ppl_quant = math.exp(nll_ref / total), math.exp(nll_quant / total)
+    return QualityReport(
+        num_windows=len(windows),
+        num_predictions=total,
+        ppl_reference=ppl_ref,
+        ppl_quantized=ppl_quant,
+        ppl_increase=ppl_quant / ppl_ref - 1,
+        top1_agreement=agree / total,
+    )

@@ -1,0 +1,129 @@
+"""Quantized linear kinds, by `EngineConfig.quantization` name, and what this hardware runs.
+
+A *kind* is what `engine.models.linear.build_linear` builds for a quantization name: an empty
+module of primitives (`in_features, out_features, bias`) that gets its float weights once, by
+`load`, and quantizes and packs them there. A *kernel* is one device's implementation of a kind;
+the kind picks it by the weight's device type when it loads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from engine.quant.fbgemm_int8 import FbgemmInt8Kernel
+from engine.quant.per_channel import quantize_per_channel
+from engine.quant.weight_only_int8 import WeightOnlyInt8Kernel
+
+
+class QuantizationUnavailableError(ValueError):
+    """An unknown quantization name, or one this hardware cannot run."""
+
+
+class Int8Kernel(Protocol):
+    name: str
+    num_weight_bytes: int
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+def _cpu_kernel(weight, bias, dtype) -> Int8Kernel:
+    return FbgemmInt8Kernel(quantize_per_channel(weight), bias)
+
+
+def _cuda_kernel(weight, bias, dtype) -> Int8Kernel:
+    return WeightOnlyInt8Kernel(quantize_per_channel(weight), bias, dtype)
+
+
+# device type -> (is it runnable here, build a kernel from (fp weight, bias, activation dtype))
+INT8_KERNELS: dict[str, tuple[Callable[[], bool], Callable[..., Int8Kernel]]] = {
+    "cpu": (FbgemmInt8Kernel.available, _cpu_kernel),
+    "cuda": (WeightOnlyInt8Kernel.available, _cuda_kernel),
+}
+
+
+class Int8Linear(nn.Module):
+    """Per-output-channel symmetric int8 weights; `y = x @ W.T + b` through a device kernel."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.has_bias = bias
+        self.kernel: Int8Kernel | None = None
+
+    def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(
+                f"weight of shape {tuple(weight.shape)} does not fit a linear "
+                f"{self.in_features} -> {self.out_features}"
+            )
+        if self.has_bias != (bias is not None):
+            raise ValueError(f"linear expects bias={self.has_bias}, got {bias is not None}")
+        check_quantization("int8", weight.device)
+        _, build = INT8_KERNELS[weight.device.type]
+        self.kernel = build(weight, bias, weight.dtype)
+
+    @property
+    def num_weight_bytes(self) -> int:
+        """Bytes read per forward: int8 weights, fp32 scales and the bias."""
+        assert self.kernel is not None, "load() first"
+        return self.kernel.num_weight_bytes
+
+    @property
+    def num_params(self) -> int:
+        return self.in_features * self.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [num_tokens, in_features] -> [num_tokens, out_features]."""
+        return self.kernel.forward(x)
+
+    def extra_repr(self) -> str:
+        kernel = "unloaded" if self.kernel is None else self.kernel.name
+        return f"{self.in_features} -> {self.out_features}, bias={self.has_bias}, {kernel}"
+
+
+# quantization name -> linear kind; merged into engine.models.linear.LINEAR_KINDS.
+QUANT_KINDS: dict[str, type[nn.Module]] = {"int8": Int8Linear}
+
+# quantization name -> device type -> is it runnable here.
+_RUNNABLE: dict[str, dict[str, Callable[[], bool]]] = {
+    "int8": {device: available for device, (available, _) in INT8_KERNELS.items()},
+}
+
+
+def available_quantizations(device: str | torch.device = "cpu") -> list[str | None]:
+    """Quantization names this process can run on `device` (None: unquantized)."""
+    device_type = torch.device(device).type
+    runnable = [
+        name for name, devices in _RUNNABLE.items()
+        if device_type in devices and devices[device_type]()
+    ]
+    return [None, *runnable]
+
+
+def check_quantization(name: str | None, device: str | torch.device = "cpu") -> None:
+    """Raise QuantizationUnavailableError, listing what runs here, unless `name` runs on
+    `device`."""
+    available = available_quantizations(device)
+    if name in available:
+        return
+    listed = ", ".join("none" if n is None else repr(n) for n in available)
+    device_type = torch.device(device).type
+    if name not in _RUNNABLE:
+        raise QuantizationUnavailableError(
+            f"unknown quantization {name!r}; available on {device_type}: {listed}"
+        )
+    detail = ""
+    if name == "int8" and device_type == "cpu":
+        detail = (
+            " (needs torch's fbgemm/x86 quantized engine; this build has "
+            f"{list(torch.backends.quantized.supported_engines)})"
+        )
+    raise QuantizationUnavailableError(
+        f"quantization {name!r} cannot run on {device_type} here{detail}; "
+        f"available on {device_type}: {listed}"
+    )
