@@ -143,6 +143,8 @@ def eval_group() -> None:
 _MOUNTS = (
     (bench, "gateway.bench", "bench_gateway", "gateway"),
     (bench, "engine.bench", "bench_engine_command", "engine"),
+    (bench, "engine.bench_cache", "bench_cache_command", "cache"),
+    (bench, "engine.bench_quant", "bench_quant", "quant"),
     (cli, "engine.cli", "models_app", "models"),
     (cli, "engine.cli", "train_demo", "train-demo"),
     (eval_group, "compression.cli", "eval_app", "compression"),
@@ -155,30 +157,38 @@ _MOUNTS = (
 
 
 def _mount() -> None:
-    import typer
-
     for group, module_name, attr, name in _MOUNTS:
-        try:
-            target = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError):
-            continue
-        if isinstance(target, typer.Typer):
-            command = typer.main.get_command(target)
-            if isinstance(command, click.Group) and group is eval_group and len(command.commands) == 1:
-                command = next(iter(command.commands.values()))
-        elif isinstance(target, click.Command):
-            command = target
-        else:
-            command = typer.main.get_command(_single(target))
-        group.add_command(command, name)
+        target = getattr(importlib.import_module(module_name), attr)
+        if not isinstance(target, click.Command):
+            prefix = "ragspeed" if group is cli else f"ragspeed {group.name}"
+            target = _delegate(target, name, prefix)
+        group.add_command(target, name)
 
 
-def _single(function):
+def _delegate(target: Any, name: str, prefix: str) -> click.Command:
+    """Typer ships its own copy of click, so a typer app cannot join this click group as it is:
+    a thin click command hands its raw arguments to the typer app, which parses them, prints
+    its own help and errors, and exits."""
     import typer
 
-    app = typer.Typer()
-    app.command()(function)
-    return app
+    app = target
+    if not isinstance(app, typer.Typer):
+        app = typer.Typer()
+        app.command(name=name)(target)
+    command = typer.main.get_command(app)
+    subcommands = getattr(command, "commands", {})
+    if len(subcommands) == 1 and name in subcommands:  # an app holding just this one command
+        command = subcommands[name]
+
+    @click.pass_context
+    def run(ctx: click.Context) -> None:
+        command.main(args=list(ctx.args), prog_name=f"{prefix} {name}")
+
+    return click.Command(
+        name, callback=run, add_help_option=False, help=command.help,
+        short_help=getattr(command, "short_help", None),
+        context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    )
 
 
 def main() -> None:
