@@ -35,4 +35,5 @@ class EngineConfig:
     read_timeout_s: float = 60.0
     upstream_max_retries: int = 2  # retries of requests that failed to connect (nothing sent)
     upstream_circuit_failures: int = 5  # failures in a row that open an upstream's circuit
-    upstream_circuit_reset_s: float = 30.0  # open circuit's wait before one trial request
+    upstream_circuit_reset_s: float = 30.0
+    upstream_affinity: bool = True  # same static prefix -> same upstream (backends/routing.py)  # open circuit's wait before one trial request

@@ -21,7 +21,7 @@ from gateway.experiments import ArmError, ArmHintsMiddleware, build_live_experim
 from gateway.limits import AdmissionMiddleware, AdmissionQueue, BodyLimitMiddleware, Rejections
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import Pipeline
-from gateway.routes import collections, experiments, openai, ops
+from gateway.routes import collections, experiments, openai, ops, prompts
 from gateway.security import KeyRing, SecurityMiddleware, warn_if_exposed
 from gateway.settings import ConfigError, Settings
 
@@ -57,6 +57,8 @@ def create_app(settings: Settings) -> FastAPI:
         state.metrics.watch_engine(state.engine.stats, settings.model_id)
         state.retrieval = RetrievalService(settings)
         state.pipeline.retrieve = state.retrieval
+        state.prompts = prompts.PromptService(state.engine, settings.prompt_cache_dir)
+        state.pipeline.prompts = state.prompts
 
         async def load() -> None:
             t0 = time.perf_counter()
@@ -64,6 +66,7 @@ def create_app(settings: Settings) -> FastAPI:
                 await state.engine.start()
                 for arm_engine in arm_engines.values():
                     await arm_engine.start()
+                await state.prompts.start()  # restore the pinned prompts saved before a restart
                 compress = CompressionStage(settings, state.engine.tokenizer)
                 await asyncio.to_thread(compress.warm)
                 state.pipeline.compress = compress
@@ -100,6 +103,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(ops.router)
     app.include_router(experiments.router)
     app.include_router(collections.router)
+    app.include_router(prompts.router)
     return app
 
 

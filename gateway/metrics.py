@@ -10,7 +10,7 @@ import re
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
@@ -30,6 +30,36 @@ class _EngineStatsCollector:
             name = "ragspeed_engine_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
             family = GaugeMetricFamily(name, f"engine statistic {key}", labels=["model"])
             family.add_metric([self._model], float(value))
+            yield family
+
+
+class _PrefixCacheCollector:
+    """The prefix cache's counters (in tokens, monotonic in the engine) as Prometheus counters,
+    and its usage as a gauge; engines without a prefix cache export nothing."""
+
+    def __init__(self, stats: Callable[[], dict[str, float]], model: str):
+        self._stats, self._model = stats, model
+
+    def collect(self):
+        try:
+            stats = self._stats()
+        except Exception:
+            stats = {}
+        for key, name, doc in (
+            ("prefix_cache_queries_tokens", "ragspeed_prefix_cache_queries",
+             "Prompt tokens looked up in the prefix cache."),
+            ("prefix_cache_hits_tokens", "ragspeed_prefix_cache_hits",
+             "Prompt tokens found in the prefix cache (their prefill skipped)."),
+        ):
+            if key in stats:
+                family = CounterMetricFamily(name, doc, labels=["model"])
+                family.add_metric([self._model], float(stats[key]))
+                yield family
+        if "kv_cache_usage" in stats:
+            family = GaugeMetricFamily("ragspeed_prefix_cache_usage",
+                                       "Share of KV cache blocks in use (running requests and pins).",
+                                       labels=["model"])
+            family.add_metric([self._model], float(stats["kv_cache_usage"]))
             yield family
 
 
@@ -65,6 +95,7 @@ class GatewayMetrics:
 
     def watch_engine(self, stats: Callable[[], dict[str, float]], model: str) -> None:
         self.registry.register(_EngineStatsCollector(stats, model))
+        self.registry.register(_PrefixCacheCollector(stats, model))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -44,6 +44,7 @@ class Settings(BaseSettings):
     max_num_seqs: int = Field(32, ge=1, description="Most requests in one batch (native).")
     max_num_batched_tokens: int = Field(512, ge=1, description="Token budget of one engine step: decodes plus prefill chunks (native).")
     enable_prefix_caching: bool = Field(True, description="Reuse the KV of shared prompt prefixes (native).")
+    prompt_cache_dir: str | None = Field(".ragspeed/prompts", description="Folder where registered prompts' pinned KV is saved and restored from at start-up (native); none: not persisted.")
     quantization: str | None = Field(None, description="Weight quantization: none or int8 (native).")
     speculative: str | None = Field(None, description="Speculative decoding: ngram or draft (native).")
     draft_model: str | None = Field(None, description="Draft model for --speculative draft.")
@@ -58,6 +59,7 @@ class Settings(BaseSettings):
     upstream_max_retries: int = Field(2, ge=0, description="Retries, with jitter, of an upstream request that failed to connect (nothing sent yet).")
     upstream_circuit_failures: int = Field(5, ge=1, description="Failures in a row that open an upstream's circuit breaker.")
     upstream_circuit_reset_s: float = Field(30.0, gt=0, description="Seconds an open circuit waits before one trial request.")
+    upstream_affinity: bool = Field(True, description="Send requests with the same static prefix to the same upstream (consistent hashing with bounded load), so its prefix cache hits.")
 
     # Compression of the documents (per request: `ragspeed.compression`)
     compression_method: str | None = Field(None, description="Default compressor for every request: coarse-to-fine, fast, bm25, first-docs, llmlingua2, identity; none: only when a request asks.")
@@ -117,6 +119,7 @@ class Settings(BaseSettings):
             upstream_max_retries=self.upstream_max_retries,
             upstream_circuit_failures=self.upstream_circuit_failures,
             upstream_circuit_reset_s=self.upstream_circuit_reset_s,
+            upstream_affinity=self.upstream_affinity,
         )
 
     @property

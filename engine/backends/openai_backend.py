@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 from transformers import AutoConfig, AutoTokenizer
 
+from engine.backends.routing import AffinityRouter
 from engine.config import EngineConfig
 from engine.model_zoo import resolve_model
 from engine.protocol import (
@@ -131,6 +132,9 @@ class OpenAIEngine:
         self._breakers = {url: CircuitBreaker(config.upstream_circuit_failures, config.upstream_circuit_reset_s)
                           for url in self._base_urls}
         self._jitter = random.Random()
+        # Same static prefix -> same upstream, so its prefix cache hits (engine/backends/routing.py).
+        self._router = (AffinityRouter(self._base_urls, block_size=config.block_size)
+                        if config.upstream_affinity and len(self._base_urls) > 1 else None)
         self._counters = {"requests_total": 0.0, "upstream_errors_total": 0.0, "upstream_retries_total": 0.0}
 
     @property
@@ -168,8 +172,15 @@ class OpenAIEngine:
         open_circuits = sum(b.state != "closed" for b in self._breakers.values())
         return {**self._counters, "upstream_circuits_open": float(open_circuits)}
 
-    def _pick_upstream(self, request: GenerationRequest) -> str:
-        """The next upstream, round robin, whose circuit lets a request through."""
+    def _pick_upstream(self, request: GenerationRequest, exclude: tuple[str, ...] = ()) -> str:
+        """The static prefix's upstream (affinity on, skipping `exclude`: those this request
+        already failed on), else the next upstream, round robin, whose circuit lets it through."""
+        if self._router is not None:
+            key = self._router.key(request.prompt_token_ids, request.num_static_tokens, request.cache_salt)
+            if key is not None:
+                routed = self._router.pick(key, lambda u: self._breakers[u].allow(), exclude)
+                if routed is not None:
+                    return routed
         for _ in range(len(self._base_urls)):
             base_url = self._base_urls[next(self._next_upstream)]
             if self._breakers[base_url].allow():
@@ -187,8 +198,12 @@ class OpenAIEngine:
         assert self._client is not None, "start() first"
         self._counters["requests_total"] += 1
         body = completion_body(self.upstream_model, request)
+        tried: tuple[str, ...] = ()
         for attempt in range(self.config.upstream_max_retries + 1):
-            base_url = self._pick_upstream(request)
+            base_url = self._pick_upstream(request, tried)
+            tried += (base_url,)
+            if self._router is not None:
+                self._router.acquire(base_url)
             try:
                 async with self._client.stream("POST", f"{base_url}/completions", json=body) as response:
                     if response.status_code != 200:
@@ -219,6 +234,9 @@ class OpenAIEngine:
                 raise UpstreamError(
                     f"upstream {base_url} failed: {type(exc).__name__}: {exc}", code="upstream_error"
                 ) from exc
+            finally:
+                if self._router is not None:
+                    self._router.release(base_url)
 
     def _status_error(self, base_url: str, status: int, body: bytes) -> EngineError:
         message = f"upstream {base_url} answered {status}: {_error_message(body)}"

@@ -1,0 +1,89 @@
+"""Pinned prefixes saved to safetensors and restored into a fresh engine: no prefill paid, same
+greedy tokens; a changed model or tokenizer, or a corrupt file, is refused with a log line."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.prefix_store import (
+    PinnedPrefix,
+    PrefixStore,
+    engine_fingerprint,
+    export_kv,
+    pin_prefix,
+    restore_prefix,
+)
+from engine.protocol import GenerationRequest, SamplingParams
+from tests.engine.conftest import make_engine
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+PREFIX = tuple(range(20, 62))  # 42 tokens: 5 full blocks of 8
+
+
+def _save(engine, directory, name="support", salt=None):
+    engine.generate([GenerationRequest("warm", PREFIX + (5,), GREEDY, cache_salt=salt)])
+    block_ids = pin_prefix(engine, PREFIX, salt)
+    store = PrefixStore(directory, engine_fingerprint(engine))
+    store.save(PinnedPrefix(name, PREFIX, block_ids, "the text", salt), export_kv(engine, block_ids))
+    return store, block_ids
+
+
+def test_restored_prefix_is_a_hit_with_the_same_tokens(tiny_checkpoints, tmp_path):
+    source = make_engine(tiny_checkpoints["llama"])
+    _, block_ids = _save(source, tmp_path, salt="tenant-a")
+    assert len(block_ids) == 5
+    expected = source.generate([GenerationRequest("e", PREFIX + (7, 8), GREEDY)])["e"]["token_ids"]
+
+    fresh = make_engine(tiny_checkpoints["llama"])
+    store = PrefixStore(tmp_path, engine_fingerprint(fresh))
+    [(saved, kv)] = store.load_all()
+    assert (saved.name, saved.token_ids, saved.text, saved.cache_salt) == (
+        "support", PREFIX, "the text", "tenant-a")
+    assert tuple(kv.shape) == (2, 2, 5, 8, 2, 16)
+    pinned = restore_prefix(fresh, saved.token_ids, kv, saved.cache_salt)
+    assert len(pinned) == 5 and fresh.manager.num_pinned_blocks == 5
+    fresh.manager.check_invariants()
+
+    computed = []
+    execute = fresh.runner.execute
+    fresh.runner.execute = lambda out: (computed.append(out.num_tokens), execute(out))[1]
+    out = fresh.generate([GenerationRequest("r", PREFIX + (7, 8), GREEDY, cache_salt="tenant-a")])["r"]
+    assert out["num_cached_tokens"] == 40
+    assert computed[0] == 4  # only 44 - 40 prompt tokens prefilled
+    # Salted KV equals unsalted KV (the salt only changes hashes), so the tokens agree.
+    assert out["token_ids"] == expected
+    # Another tenant does not hit the restored blocks.
+    other = fresh.generate([GenerationRequest("o", PREFIX + (7, 8), GREEDY, cache_salt="tenant-b")])["o"]
+    assert other["num_cached_tokens"] == 0
+
+
+def test_changed_model_or_corrupt_file_is_refused_with_a_log_line(tiny_checkpoints, tmp_path, caplog):
+    source = make_engine(tiny_checkpoints["llama"])
+    _save(source, tmp_path)
+    other_model = make_engine(tiny_checkpoints["mistral"], block_size=8)
+    with caplog.at_level(logging.WARNING, logger="prompt_cache.store"):
+        assert PrefixStore(tmp_path, engine_fingerprint(other_model)).load_all() == []
+    assert "fingerprint mismatch" in caplog.text
+
+    fingerprint = engine_fingerprint(source)
+    assert PrefixStore(tmp_path, {**fingerprint, "tokenizer": "0" * 64}).load_all() == []
+
+    tensor_file = tmp_path / "support.safetensors"
+    data = bytearray(tensor_file.read_bytes())
+    data[-5] ^= 0xFF
+    tensor_file.write_bytes(bytes(data))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="prompt_cache.store"):
+        assert PrefixStore(tmp_path, fingerprint).load_all() == []
+    assert "checksum mismatch" in caplog.text
+
+
+def test_restore_with_no_room_returns_none_and_changes_nothing(tiny_checkpoints, tmp_path):
+    engine = make_engine(tiny_checkpoints["llama"], num_kv_cache_tokens=256, max_model_len=240)
+    engine.add_request(GenerationRequest("hog", tuple(range(100, 300)), GREEDY))
+    engine.step()  # 200 tokens hold 25 of the 32 blocks
+    kv = torch.zeros(2, 2, 10, 8, 2, 16)
+    assert restore_prefix(engine, tuple(range(80)), kv, None) is None
+    engine.manager.check_invariants()

@@ -1,0 +1,121 @@
+"""The static prompt registry against real servers: register, pin, use, list, delete; restart
+restores the pinned prefix (first request is a hit); a corrupt file is refused with a log line;
+tenants never share blocks; engines without a prefix cache substitute text and pin nothing."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from gateway.launcher import ServerProcess
+
+SYSTEM = ("You are the support assistant of the Example Company. Answer briefly, cite the "
+          "documents you use, and say so when they do not hold the answer. ") * 6
+
+
+def native_server(model, prompt_dir) -> ServerProcess:
+    return ServerProcess(["--engine", "native", "--model", str(model), "--served-model-name", "tiny",
+                          "--block-size", "16", "--max-model-len", "1024",
+                          "--num-kv-cache-tokens", "4096", "--prompt-cache-dir", str(prompt_dir)])
+
+
+def chat(url, question, *, prompt=None, system=None, salt=None, status=200):
+    body = {"model": "tiny", "max_tokens": 4, "temperature": 0,
+            "messages": ([{"role": "system", "content": system}] if system else [])
+            + [{"role": "user", "content": question}]}
+    if prompt is not None:
+        body["ragspeed"] = {"system_prompt": prompt}
+    if salt is not None:
+        body["cache_salt"] = salt
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == status, response.text
+    return response.json()
+
+
+def cached_tokens(body) -> int:
+    return body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def metric(url, name) -> float:
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_register_use_restart_and_corrupt_file(tiny_model, tmp_path):
+    prompt_dir = tmp_path / "prompts"
+    with native_server(tiny_model, prompt_dir) as server:
+        url = server.url
+        created = httpx.post(f"{url}/v1/prompts", json={"name": "support", "text": SYSTEM})
+        assert created.status_code == 201, created.text
+        info = created.json()
+        assert info["num_tokens"] > 100
+        pinned = info["pinned_tokens"]
+        assert pinned == info["num_tokens"] // 16 * 16 and pinned > 0
+        assert httpx.post(f"{url}/v1/prompts", json={"name": "support", "text": "x"}).status_code == 400
+        assert httpx.post(f"{url}/v1/prompts", json={"name": "../x", "text": "x"}).status_code == 400
+
+        first = chat(url, "Where is my parcel?", prompt="support")
+        assert cached_tokens(first) == pinned
+        # The same text sent inline hits the same blocks (unsalted).
+        assert cached_tokens(chat(url, "And my refund?", system=SYSTEM)) == pinned
+        # Another tenant (salt) with the same system prompt never shares a block.
+        assert cached_tokens(chat(url, "Where is my parcel?", prompt="support", salt="tenant-b")) == 0
+        assert cached_tokens(chat(url, "Where is my refund?", prompt="support", salt="tenant-b")) > 0
+
+        error = chat(url, "q", prompt="support", system="other", status=400)
+        assert error["error"]["param"] == "ragspeed.system_prompt"
+        assert chat(url, "q", prompt="nope", status=400)["error"]["code"] == "prompt_not_found"
+
+        listed = httpx.get(f"{url}/v1/prompts").json()["data"]
+        assert [(p["name"], p["hit_count"], p["pinned_tokens"]) for p in listed] == [("support", 3, pinned)]
+        assert httpx.get(f"{url}/v1/prompts/support").json()["hit_count"] == 3
+        assert httpx.get(f"{url}/v1/prompts/nope").status_code == 404
+        assert httpx.delete(f"{url}/v1/prompts/nope").status_code == 404
+        assert metric(url, "ragspeed_prefix_cache_hits_total") >= 2 * pinned
+        assert metric(url, "ragspeed_prefix_cache_queries_total") > metric(url, "ragspeed_prefix_cache_hits_total")
+        assert 0 < metric(url, "ragspeed_prefix_cache_usage") < 1
+    assert sorted(p.name for p in prompt_dir.iterdir()) == ["support.safetensors", "support.safetensors.json"]
+
+    with native_server(tiny_model, prompt_dir) as server:
+        url = server.url
+        listed = httpx.get(f"{url}/v1/prompts").json()["data"]
+        assert [(p["name"], p["hit_count"], p["pinned_tokens"]) for p in listed] == [("support", 0, pinned)]
+        restarted = chat(url, "Where is my parcel?", prompt="support")
+        assert cached_tokens(restarted) == pinned  # the first request after a restart is a hit
+        assert restarted["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+        assert metric(url, "ragspeed_prefix_cache_hits_total") == pinned
+
+    tensor_file = prompt_dir / "support.safetensors"
+    data = bytearray(tensor_file.read_bytes())
+    data[-3] ^= 0xFF
+    tensor_file.write_bytes(bytes(data))
+    with native_server(tiny_model, prompt_dir) as server:
+        assert httpx.get(f"{server.url}/v1/prompts").json()["data"] == []
+        assert "refusing saved prefix" in server.log_tail(20000)
+        assert cached_tokens(chat(server.url, "Where is my parcel?", system=SYSTEM)) == 0
+        # Registering again replaces the corrupt file; deleting removes it.
+        assert httpx.post(f"{server.url}/v1/prompts", json={"name": "support", "text": SYSTEM}).status_code == 201
+        assert httpx.delete(f"{server.url}/v1/prompts/support").json()["deleted"] is True
+    assert list(prompt_dir.iterdir()) == []
+
+
+def test_engines_without_prefix_cache_substitute_text_and_pin_nothing(transformers_server):
+    url = transformers_server.url
+    created = httpx.post(f"{url}/v1/prompts", json={"name": "plain", "text": SYSTEM, "tenant": "acme"})
+    assert created.status_code == 201, created.text
+    assert (created.json()["pinned_tokens"], created.json()["salted"]) == (0, True)
+    try:
+        body = chat(url, "Where is my parcel?", prompt="plain")
+        assert body["ragspeed"]["num_static_tokens"] > 100
+        assert cached_tokens(body) == 0
+    finally:
+        assert httpx.delete(f"{url}/v1/prompts/plain").status_code == 200
+
+
+@pytest.mark.parametrize("body", [{"name": "a", "text": ""}, {"name": "a"},
+                                  {"name": "a", "text": "t", "tenant": "x", "cache_salt": "y"}])
+def test_bad_register_bodies_are_400(transformers_server, body):
+    response = httpx.post(f"{transformers_server.url}/v1/prompts", json=body)
+    assert response.status_code == 400, response.text
