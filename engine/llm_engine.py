@@ -24,7 +24,8 @@ from engine.quant import resident_weight_bytes, unquantized_weight_bytes
 from engine.request import Request
 from engine.sampler import Sampler
 from engine.sampling import SamplingState, validate_sampling
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledChunk, Scheduler
+from engine.spec_decode import build_speculator
 from prompt_cache.manager import KVCacheManager
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(loaded.model, loaded.rotary, self.kv_pool, config.device)
         self.sampler = Sampler(config.device, seed=config.seed)
+        self.speculator = build_speculator(config, self)  # None unless config.speculative
         self.num_steps = 0
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
@@ -143,6 +145,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ steps
 
     def step(self) -> list[StepOutput]:
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, self.max_model_len)
         output = self.scheduler.schedule()
         if output.is_empty:
             return []
@@ -151,7 +155,9 @@ class LLMEngine:
         self.scheduler.update_computed(output)
         results: list[StepOutput] = []
         sampling = [c.request for c in output.chunks if c.samples]
-        if logits is not None:
+        if logits is not None and any(c.draft_token_ids for c in output.chunks):
+            results.extend(self._sample_speculative(output.chunks, logits))
+        elif logits is not None:
             tokens = self.sampler(logits, [r.sampling for r in sampling])
             for request, token in zip(sampling, tokens):
                 results.append(self._append_token(request, token))
@@ -168,6 +174,47 @@ class LLMEngine:
                     num_cached_tokens=num_cached,
                 )
                 results.append(StepOutput(request.request_id, delta))
+        return results
+
+    def _sample_speculative(
+        self, chunks: tuple[ScheduledChunk, ...], logits: torch.Tensor
+    ) -> list[StepOutput]:
+        """A step with draft tokens: logits [num_sampling_rows, vocab] hold one row per plain
+        sampling chunk and 1 + k rows per decode with k drafts (engine.model_runner)."""
+        plain: list[tuple[ScheduledChunk, int]] = []
+        spec: list[tuple[ScheduledChunk, int]] = []
+        row = 0
+        for chunk in (c for c in chunks if c.samples):
+            (spec if chunk.draft_token_ids else plain).append((chunk, row))
+            row += 1 + len(chunk.draft_token_ids)
+        new_tokens: dict[str, list[int]] = {}
+        if plain:
+            rows = torch.tensor([r for _, r in plain], device=logits.device)
+            sampled = self.sampler(logits[rows], [c.request.sampling for c, _ in plain])
+            new_tokens.update({c.request.request_id: [t] for (c, _), t in zip(plain, sampled)})
+        for chunk, first in spec:
+            rows_k = logits[first : first + 1 + len(chunk.draft_token_ids)]  # [1 + k, vocab]
+            new_tokens[chunk.request.request_id] = self.speculator.verify(
+                chunk.request, chunk.draft_token_ids, rows_k, self.sampler.generator
+            )
+        results: list[StepOutput] = []
+        for chunk, _ in sorted(plain + spec, key=lambda item: item[1]):
+            request = chunk.request
+            tokens = new_tokens[request.request_id]
+            for token in tokens:
+                results.append(self._append_token(request, token))
+                if request.is_finished:
+                    break
+            request.spec_token_ids = []
+            if chunk.draft_token_ids and not request.is_finished:
+                # The accepted drafts' KV was written by this step: commit them. The rejected
+                # ones' slots are overwritten later; blocks wholly beyond the tokens are freed.
+                request.num_computed_tokens += len(tokens) - 1
+                self.manager.cache_blocks(
+                    request.request_id, request.all_token_ids, request.num_computed_tokens,
+                    request.cache_salt,
+                )
+                self.manager.trim(request.request_id, request.num_tokens)
         return results
 
     def _first_delta(
@@ -239,6 +286,7 @@ class LLMEngine:
             "generation_tokens_total": float(self.num_generation_tokens_total),
             "weight_bytes": float(resident_weight_bytes(self.loaded.model)),
             "weight_bytes_unquantized": float(unquantized_weight_bytes(self.loaded.model)),
+            **(self.speculator.metrics() if self.speculator is not None else {}),
         }
 
     def generate(self, requests: list[GenerationRequest]) -> dict[str, dict[str, Any]]:

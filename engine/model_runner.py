@@ -2,7 +2,8 @@
 
 The flat batch: decode tokens first (one per request), then each prefill chunk's tokens. For
 every token: its id, its position and its slot (where its K/V goes). Only the chunks that
-reach their request's last token get logits (`[num_sampling_chunks, vocab]`, in chunk order).
+reach their request's last token get logits (`[num_sampling_rows, vocab]`, in chunk order): one
+row each, or 1 + k rows for a decode carrying k draft tokens (its last token and every draft).
 """
 
 from __future__ import annotations
@@ -41,11 +42,14 @@ class ModelRunner:
         for chunk in output.chunks:
             start, end = chunk.start, chunk.context_len
             table = chunk.block_table
-            input_ids.extend(chunk.request.all_token_ids[start:end])
+            drafts = chunk.draft_token_ids
+            input_ids.extend(chunk.request.all_token_ids[start : end - len(drafts)])
+            input_ids.extend(drafts)
             positions.extend(range(start, end))
             slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if chunk.samples:
-                sample_index.append(len(input_ids) - 1)
+                last = len(input_ids) - 1
+                sample_index.extend(range(last - len(drafts), last + 1))
         meta = build_metadata(
             decode_tables=[list(c.block_table) for c in output.decodes],
             decode_context_lens=[c.context_len for c in output.decodes],
@@ -66,4 +70,4 @@ class ModelRunner:
             return None
         if len(sample_index) < len(input_ids):
             hidden = hidden[torch.tensor(sample_index, device=self.device)]
-        return self.model.compute_logits(hidden)  # [num_sampling_chunks, vocab]
+        return self.model.compute_logits(hidden)  # [num_sampling_rows, vocab]

@@ -47,6 +47,8 @@ class Request:
         self.detokenizer = detokenizer
         self.stop_matcher = StopStringMatcher(sampling.params.stop)
         self.first_delta_sent = False
+        # Draft tokens proposed for this step (engine.spec_decode); never part of all_token_ids.
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

@@ -6,6 +6,9 @@ Each step:
    the latest-arrived running request is preempted by recompute: its blocks are freed and it
    goes back to the FRONT of the waiting queue, to be prefilled again (prompt + output so far)
    later; if the one that needs the block is itself the latest, it is the one preempted.
+   A decode carrying draft tokens (`request.spec_token_ids`, engine.spec_decode) is scheduled
+   as 1 + k queries when the budget and the pool allow, else as a plain decode: drafts are
+   trimmed to the budget and never cause a preemption.
 2. If nothing was preempted, waiting requests are admitted strictly first-come first-served
    (the head of the queue blocks those behind it, so nobody starves) while the budget, the
    pool and `max_num_seqs` allow, starting from their prefix-cache hit.
@@ -28,23 +31,34 @@ class ScheduledChunk:
 
     request: Request
     start: int
-    num_tokens: int
+    num_tokens: int  # query tokens, draft tokens included
     block_table: tuple[int, ...]
+    # Speculative decoding: draft tokens queried after the request's last token (a decode of
+    # 1 + k queries, verified by engine.spec_decode); their KV is written but not committed.
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def context_len(self) -> int:
         return self.start + self.num_tokens
 
     @property
+    def num_real_tokens(self) -> int:
+        """Query tokens that are in `all_token_ids` (all but the drafts)."""
+        return self.num_tokens - len(self.draft_token_ids)
+
+    @property
     def samples(self) -> bool:
         """Whether this chunk reaches the request's last token, so the step samples after it."""
-        return self.context_len == self.request.num_tokens and not self.request.prefill_only
+        return (
+            self.start + self.num_real_tokens == self.request.num_tokens
+            and not self.request.prefill_only
+        )
 
 
 @dataclass(frozen=True)
 class SchedulerOutput:
     decodes: tuple[ScheduledChunk, ...]  # chunks of one token, first in the flat batch
-    prefills: tuple[ScheduledChunk, ...]
+    prefills: tuple[ScheduledChunk, ...]  # chunks of several queries (decodes with drafts too)
     preempted: tuple[str, ...] = ()
 
     @property
@@ -141,6 +155,12 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            # A decode's drafts ride along while budget and pool allow; they never preempt.
+            drafts = request.spec_token_ids[: budget - num_new] if request in decodes else []
+            if drafts and self.manager.allocate_slots(
+                request.request_id, request.num_tokens + len(drafts)
+            ) is None:
+                drafts = []
             total = request.num_computed_tokens + num_new
             while self.manager.allocate_slots(request.request_id, total) is None:
                 victim = max(self.running, key=lambda r: arrival[r.request_id])
@@ -153,8 +173,8 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 continue
-            scheduled[request.request_id] = self._chunk(request, num_new)
-            budget -= num_new
+            scheduled[request.request_id] = self._chunk(request, num_new + len(drafts), drafts)
+            budget -= num_new + len(drafts)
 
         while (
             not preempted
@@ -192,12 +212,15 @@ class Scheduler:
             preempted=tuple(preempted),
         )
 
-    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+    def _chunk(
+        self, request: Request, num_new: int, drafts: list[int] | tuple[int, ...] = ()
+    ) -> ScheduledChunk:
         return ScheduledChunk(
             request=request,
             start=request.num_computed_tokens,
             num_tokens=num_new,
             block_table=tuple(self.manager.block_table(request.request_id)),
+            draft_token_ids=tuple(drafts),
         )
 
     def update_computed(self, output: SchedulerOutput) -> None:
@@ -206,7 +229,8 @@ class Scheduler:
             request = chunk.request
             if request.status is not RequestStatus.RUNNING:
                 continue
-            request.num_computed_tokens = chunk.context_len
+            # Drafts' KV is written but uncommitted: the engine counts the accepted ones.
+            request.num_computed_tokens = chunk.start + chunk.num_real_tokens
             self.manager.cache_blocks(
                 request.request_id,
                 request.all_token_ids,

@@ -145,6 +145,7 @@ _MOUNTS = (
     (bench, "engine.bench", "bench_engine_command", "engine"),
     (bench, "engine.bench_cache", "bench_cache_command", "cache"),
     (bench, "engine.bench_quant", "bench_quant", "quant"),
+    (bench, "engine.bench_spec", "bench_spec", "spec"),
     (cli, "engine.cli", "models_app", "models"),
     (cli, "engine.cli", "train_demo", "train-demo"),
     (eval_group, "compression.cli", "eval_app", "compression"),

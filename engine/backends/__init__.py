@@ -18,12 +18,20 @@ BACKENDS: dict[str, str] = {
     "vllm": "engine.backends.vllm:VLLMEngine",
 }
 
+# Backends that implement EngineConfig.speculative (the others refuse it at start-up).
+SPECULATIVE_BACKENDS = ("native", "vllm")
+
 
 def build_engine(config: EngineConfig) -> EngineClient:
     target = BACKENDS.get(config.backend)
     if target is None:
         raise ValueError(
             f"unknown engine backend {config.backend!r}; choose one of {', '.join(BACKENDS)}"
+        )
+    if config.speculative is not None and config.backend not in SPECULATIVE_BACKENDS:
+        raise ValueError(
+            f"speculative={config.speculative!r} needs a backend with speculative decoding"
+            f" ({', '.join(SPECULATIVE_BACKENDS)}); backend {config.backend!r} has none"
         )
     module_name, class_name = target.split(":")
     engine_cls = getattr(importlib.import_module(module_name), class_name)

@@ -1,0 +1,84 @@
+"""The engine-side glue: propose drafts before a step, verify them after the forward pass.
+
+`propose` sets `request.spec_token_ids` on running decode requests (the scheduler schedules
+them as 1 + k query tokens when the budget and the pool allow, else drops them); `verify` turns
+a request's 1 + k rows of logits into the tokens to append, and feeds the controller and the
+counters.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import EngineConfig
+from engine.request import Request
+from engine.spec_decode.controller import AdaptiveController
+from engine.spec_decode.proposer import Proposer, build_proposer
+from engine.spec_decode.rejection import verify_greedy, verify_sampled
+from engine.spec_decode.stats import SpecStats
+
+
+class Speculator:
+    def __init__(self, proposer: Proposer, controller: AdaptiveController):
+        self.proposer = proposer
+        self.controller = controller
+        self.stats = SpecStats()
+
+    def propose(self, running: list[Request], max_model_len: int) -> None:
+        decodes = [
+            r for r in running
+            if not r.prefill_only and r.num_tokens - r.num_computed_tokens == 1
+        ]
+        allowed = self.controller.batch_allows(len(decodes))
+        if decodes and not allowed:
+            self.stats.num_steps_switched_off += 1
+        for request in decodes:
+            request.spec_token_ids = []
+            if not allowed:
+                continue
+            # Appending accepted + 1 tokens must stay within max_tokens and the context.
+            room = min(
+                request.sampling.params.max_tokens - request.num_output_tokens - 1,
+                max_model_len - request.num_tokens,
+            )
+            k = min(self.controller.num_tokens(request), room)
+            if k > 0:
+                request.spec_token_ids = self.proposer.propose(request.all_token_ids, k)
+
+    def verify(
+        self,
+        request: Request,
+        draft_token_ids: tuple[int, ...],
+        logits: torch.Tensor,
+        generator: torch.Generator,
+    ) -> list[int]:
+        """logits [1 + k, vocab] -> the tokens to append (1 .. k + 1 of them)."""
+        if request.sampling.params.greedy:
+            tokens = verify_greedy(logits, draft_token_ids)
+        else:
+            tokens = verify_sampled(
+                logits, draft_token_ids, request.sampling, request.sampling.generator or generator
+            )
+        num_accepted = len(tokens) - 1
+        self.stats.record(len(draft_token_ids), num_accepted)
+        self.controller.observe(request, len(draft_token_ids), num_accepted)
+        return tokens
+
+    def metrics(self) -> dict[str, float]:
+        return self.stats.as_dict(self.proposer.name)
+
+
+def build_speculator(config: EngineConfig, engine=None) -> Speculator | None:
+    """None when speculation is off (the default)."""
+    if config.speculative is None:
+        return None
+    proposer = build_proposer(config, engine)
+    k = config.num_speculative_tokens
+    # A quarter of the step budget: 128 query tokens by default, batch 25 at k = 4. Measured on
+    # the demo model (2 CPU cores, greedy RAG prompts, acceptance ~0.96), always-on speculation
+    # still gave 1.8x at batch 16; bigger models reach their compute knee sooner, and requests
+    # whose drafts miss lower their own k (controller.py).
+    controller = AdaptiveController(
+        k, max_verify_tokens=max(1 + k, config.max_num_batched_tokens // 4)
+    )
+    return Speculator(proposer, controller)
