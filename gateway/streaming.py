@@ -17,7 +17,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from engine.protocol import TokenDelta
+from engine.protocol import EngineError, TokenDelta
+from gateway.errors import error_body
 from gateway.limits import DeadlineExceeded
 from gateway.pipeline import Generation
 
@@ -135,9 +136,11 @@ async def stream(gen: Generation, shape: Shape, include_usage: bool) -> Streamin
                 except DeadlineExceeded:  # the status is sent: end the stream as aborted
                     gen.finish_reason = "abort"
                     break
-            final = shape.content("") if shape.chat else {"text": ""}
-            if shape.chat:
-                final = {"delta": {}}
+                except EngineError as exc:  # failed after the status was sent: say so in-stream
+                    yield _sse(error_body(exc.status_code, exc.message, exc.param, exc.code))
+                    yield b"data: [DONE]\n\n"
+                    return
+            final = {"delta": {}} if shape.chat else {"text": ""}
             yield chunk({**final, "finish_reason": gen.finish_reason}, ragspeed=gen.ragspeed_fields())
             if include_usage:
                 yield chunk(None, usage=gen.usage())

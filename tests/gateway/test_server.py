@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 
@@ -247,3 +248,41 @@ def test_upstream_down_is_502_and_hung_is_504(tiny_model):
             assert "timed out" in response.json()["error"]["message"]
     finally:
         hung.close()
+
+
+def _dying_upstream() -> tuple[socket.socket, int]:
+    """An upstream that starts a stream, sends one token, then drops the connection."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)
+
+    def serve():
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return
+            conn.recv(65536)
+            chunk = b'data: {"choices": [{"index": 0, "text": "Hello", "finish_reason": null}]}\n\n'
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                         + f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return sock, sock.getsockname()[1]
+
+
+def test_upstream_failing_mid_stream_ends_with_an_error_event(tiny_model):
+    dying, port = _dying_upstream()
+    try:
+        with ServerProcess(["--engine", "openai", "--model", str(tiny_model),
+                            "--upstream", f"http://127.0.0.1:{port}"]) as gateway:
+            with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", timeout=30, json={
+                    "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True}) as response:
+                assert response.status_code == 200
+                lines = [line for line in response.iter_lines() if line.startswith("data:")]
+            assert '"Hello"' in lines[1]
+            assert "upstream" in json.loads(lines[-2][5:])["error"]["message"]
+            assert lines[-1] == "data: [DONE]"
+    finally:
+        dying.close()
