@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 
-from compression.base import (
-    CompressedDocument,
-    CompressionResult,
-    DocumentLike,
-    Tokenizer,
-    as_documents,
-    count_tokens,
-)
+from compression.base import CompressionResult, DocumentLike, Tokenizer
 from compression.budget import resolve_budget
-from compression.sentences import split_sentences
+from compression.policy import passthrough
 
 
 class IdentityCompressor:
@@ -31,12 +25,7 @@ class IdentityCompressor:
         protected_tokens: int = 0,
     ) -> CompressionResult:
         start = time.perf_counter()
-        docs = as_documents(documents)
-        out = []
-        for doc in docs:
-            n = count_tokens(tokenizer, doc.text)
-            units = tuple(split_sentences(doc.text))
-            out.append(CompressedDocument(doc.id, doc.title, doc.text, units, tuple(range(len(units))), n, n))
-        total = sum(d.num_original_tokens for d in out)
-        budget = resolve_budget(total, rate=rate, target_tokens=target_tokens, protected_tokens=protected_tokens)
-        return CompressionResult(self.name, tuple(out), total, total, time.perf_counter() - start, budget)
+        result = passthrough(self.name, documents, tokenizer, 0.0)
+        budget = resolve_budget(result.num_original_tokens, rate=rate, target_tokens=target_tokens,
+                                protected_tokens=protected_tokens)
+        return dataclasses.replace(result, elapsed_s=time.perf_counter() - start, budget_tokens=budget)
