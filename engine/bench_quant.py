@@ -30,7 +30,7 @@ from engine.bench import (
     _NativeContender,
     _random_prompt,
     _TransformersContender,
-    measure_read_bandwidth,
+    BandwidthProbe,
 )
 from engine.config import EngineConfig
 
@@ -49,7 +49,7 @@ def run_bench_quant(
     with_transformers: bool = True,
     text: str = DEFAULT_TEXT,
     quality_window: int = 128,
-    quality_windows: int = 4,
+    quality_windows: int = 16,
     seed: int = 0,
 ) -> dict[str, Any]:
     """Measure int8 vs fp32 (and transformers); print a table, return flat JSON."""
@@ -89,7 +89,7 @@ def run_bench_quant(
     vocab = engines["fp32"].arch.vocab_size
     gen = torch.Generator().manual_seed(seed)
 
-    bandwidth = measure_read_bandwidth()
+    probe = BandwidthProbe()
     results: dict[str, Any] = {
         "model": model,
         "threads": threads,
@@ -97,7 +97,6 @@ def run_bench_quant(
         "prompt_len": prompt_len,
         "output_len": output_len,
         "repeats": repeats,
-        "read_bandwidth_gb_s": bandwidth / 1e9,
     }
     with torch.inference_mode():
         for contender in contenders.values():  # warm-up: prefill and decode paths once
@@ -115,6 +114,8 @@ def run_bench_quant(
             ]
             results[f"{name}_ttft_{ttft_prompt_len}_ms"] = statistics.median(ttfts) * 1e3
 
+    results.update(probe.finish())
+    bandwidth = probe.bandwidth
     for name, engine in engines.items():
         stats = engine.stats()
         results[f"{name}_weight_bytes"] = int(stats["weight_bytes"])

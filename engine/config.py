@@ -14,6 +14,7 @@ class EngineConfig:
     dtype: str = "float32"
     max_model_len: int | None = None  # defaults to the model's context length
     seed: int = 0
+    num_threads: int | None = None  # CPU threads of the forward pass; None: torch's count
 
     # Native engine: paged KV cache and scheduler.
     block_size: int = 16

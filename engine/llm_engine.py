@@ -18,7 +18,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCachePool, plan_num_blocks
 from engine.loader import LoadedModel, load_model, resolve_model_path
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, cpu_threads
 from engine.protocol import EngineError, GenerationRequest, PromptTooLongError, TokenDelta
 from engine.quant import resident_weight_bytes, unquantized_weight_bytes
 from engine.request import Request
@@ -43,15 +43,17 @@ class LLMEngine:
     ):
         self.config = config
         self.device = torch.device(config.device)
+        num_threads = config.num_threads or torch.get_num_threads()
         if loaded is None:
             path = resolve_model_path(config.model)
-            loaded = load_model(
-                path,
-                device=config.device,
-                dtype=config.dtype,
-                quantization=config.quantization,
-                max_model_len=config.max_model_len,
-            )
+            with cpu_threads(num_threads):  # dense weights are sliced per thread at load
+                loaded = load_model(
+                    path,
+                    device=config.device,
+                    dtype=config.dtype,
+                    quantization=config.quantization,
+                    max_model_len=config.max_model_len,
+                )
         if tokenizer is None:
             from transformers import AutoTokenizer
 
@@ -84,7 +86,9 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
-        self.runner = ModelRunner(loaded.model, loaded.rotary, self.kv_pool, config.device)
+        self.runner = ModelRunner(
+            loaded.model, loaded.rotary, self.kv_pool, config.device, num_threads=num_threads
+        )
         self.sampler = Sampler(config.device, seed=config.seed)
         self.speculator = build_speculator(config, self)  # None unless config.speculative
         self.num_steps = 0

@@ -37,6 +37,7 @@ class Settings(BaseSettings):
     tokenizer: str | None = Field(None, description="Tokenizer path or id; default: the model's.")
     device: str = Field("cpu", description="Device for embedded engines: cpu or cuda.")
     dtype: str = Field("float32", description="Compute dtype for embedded engines.")
+    num_threads: int | None = Field(None, ge=1, description="CPU threads of the native engine's forward pass; default: torch's (one per core). 1 on a CPU shared with other jobs.")
     max_model_len: int | None = Field(None, ge=16, description="Context length; default: the model's.")
     block_size: int = Field(16, ge=1, description="Tokens per KV cache block (native engine).")
     num_kv_cache_tokens: int | None = Field(None, ge=1, description="KV cache pool size in tokens (native); default: from kv_cache_memory_fraction.")
@@ -100,6 +101,7 @@ class Settings(BaseSettings):
             tokenizer=self.tokenizer,
             device=self.device,
             dtype=self.dtype,
+            num_threads=self.num_threads,
             max_model_len=self.max_model_len,
             block_size=self.block_size,
             num_kv_cache_tokens=self.num_kv_cache_tokens,
