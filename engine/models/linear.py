@@ -18,27 +18,38 @@ from torch import nn
 from engine.quant import QUANT_KINDS
 
 
-class DenseLinear(nn.Module):
-    """`y = x @ W.T + b` with the weight kept in the compute dtype, split by output columns.
+def onednn_available(device: torch.device) -> bool:
+    return device.type == "cpu" and torch.backends.mkldnn.is_available()
 
-    Layout `[num_partitions, in_features, out_features / num_partitions]` (W.T cut into column
-    slices, the last padded with zero columns): one `bmm` multiplies the slices side by side,
-    one per CPU thread, and each slice streams its rows contiguously. A batch-1 decode step is
-    bound by reading these weights, and MKL runs a one-row `mm` on a single thread; the slices
-    put every core's bandwidth to work. Measured on the 2-core development CPU over bench-135m's
-    121 matrices (fp32, 538 MB): 1 token 32.2 -> 21.5 ms, 5 tokens 77.4 -> 41.9 ms, 16 tokens
-    94.3 -> 60.2 ms, 256 tokens 391 -> 336 ms. The `[in, out]` orientation itself streams about
-    twice as fast as `[out, in]` at batch 1 (12 vs 6 GB/s on a 113 MB LM head).
-    `num_partitions` is the torch thread count at load (1 on GPUs: one `mm`).
+
+class DenseLinear(nn.Module):
+    """`y = x @ W.T + b` with the weight kept in the compute dtype.
+
+    On CPU the weight is prepacked once, at load, into oneDNN's blocked layout
+    (`torch.ops.mkldnn._reorder_linear_weight`, the same ops torch.compile's CPU backend
+    emits) and multiplied by `torch.ops.mkldnn._linear_pointwise`. MKL's `mm` repacks the
+    weight on every call when a product has a few rows, which makes decode batches and
+    speculative verification (1 + k rows) cost several times a one-row product; the packed
+    weight does not. Measured on the 2-core development CPU over bench-135m's 121 matrices
+    (fp32, 538 MB, two threads), per product of all of them: 1 row 31.4 -> 22.5 ms, 5 rows
+    78.4 -> 18.6 ms, 16 rows 97.5 -> 31.2 ms, 256 rows 391 -> 275 ms. The packing's batch-size
+    hint (256) fits all of these; the one-row product also reads with both cores, which MKL's
+    does not.
+
+    Elsewhere (GPUs, builds without oneDNN) `W.T` is kept contiguous (`[in, out]`) for `mm`.
     """
+
+    PACKING_BATCH_HINT = 256
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         self.has_bias = bias
-        self.weight: torch.Tensor | None = None  # [num_partitions, in_features, padded_out / P]
+        self.packed: torch.Tensor | None = None  # oneDNN layout of W [out, in], CPU
+        self.weight_t: torch.Tensor | None = None  # [in_features, out_features], elsewhere
         self.bias: torch.Tensor | None = None  # [out_features]
+        self.element_size = 0
 
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         if tuple(weight.shape) != (self.out_features, self.in_features):
@@ -48,25 +59,19 @@ class DenseLinear(nn.Module):
             )
         if self.has_bias != (bias is not None):
             raise ValueError(f"linear expects bias={self.has_bias}, got {bias is not None}")
-        parts = torch.get_num_threads() if weight.device.type == "cpu" else 1
-        parts = max(1, min(parts, self.out_features))
-        width = -(-self.out_features // parts)  # columns per slice
-        padded = weight.new_zeros(parts * width, self.in_features)
-        padded[: self.out_features] = weight
-        # [P * width, in] -> [P, width, in] -> [P, in, width]
-        self.weight = padded.view(parts, width, self.in_features).transpose(1, 2).contiguous()
+        self.element_size = weight.element_size()
         self.bias = None if bias is None else bias.contiguous()
-
-    @property
-    def num_partitions(self) -> int:
-        assert self.weight is not None
-        return self.weight.shape[0]
+        if onednn_available(weight.device):
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(
+                weight.contiguous(), self.PACKING_BATCH_HINT
+            )
+        else:
+            self.weight_t = weight.t().contiguous()
 
     @property
     def num_weight_bytes(self) -> int:
-        """Bytes read per forward: what a token costs in memory bandwidth (padding excluded)."""
-        assert self.weight is not None
-        return self.num_params * self.weight.element_size()
+        """Bytes read per forward: what a token costs in memory bandwidth."""
+        return self.num_params * self.element_size
 
     @property
     def num_params(self) -> int:
@@ -74,16 +79,13 @@ class DenseLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, in_features] -> [num_tokens, out_features]."""
-        parts, _, width = self.weight.shape
-        if parts == 1:
-            y = torch.mm(x, self.weight[0])
-        else:
-            # [P, num_tokens, width] -> [num_tokens, P * width]: slice p holds columns p*width..
-            y = torch.bmm(x.expand(parts, *x.shape), self.weight)
-            y = y.transpose(0, 1).reshape(x.shape[0], parts * width)
-        if parts * width != self.out_features:
-            y = y[:, : self.out_features]
-        return y if self.bias is None else y.add_(self.bias)
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(
+                x.contiguous(), self.packed, self.bias, "none", [], ""
+            )
+        if self.bias is None:
+            return torch.mm(x, self.weight_t)
+        return torch.addmm(self.bias, x, self.weight_t)
 
 
 # quantization name (EngineConfig.quantization) -> linear kind.
