@@ -1,4 +1,4 @@
-"""`ragspeed bench spec`: speculative decoding (prompt lookup) in the native engine, on and off.
+"""`ragspeed bench spec`: speculative decoding (prompt lookup, draft model) in the native engine.
 
 Figures (one run; warm-up first; medians of `repeats` runs; JSON keys in brackets), greedy:
 - batch 1, extractive RAG prompts from nq_dev.jsonl (the documents, then an instruction to
@@ -7,11 +7,17 @@ Figures (one run; warm-up first; medians of `repeats` runs; JSON keys in bracket
   the median over prompts and repeats [plain_decode_tokens_per_s, ngram_decode_tokens_per_s,
   ngram_speedup = ngram / plain], acceptance rate and mean accepted length [ngram_acceptance,
   ngram_mean_accepted_length], and whether both gave the same tokens [outputs_identical].
-- batch 16 of the same prompts at once, adaptive speculation on (the default controller):
+- batch 1, wiki-style prompts (the first 64 tokens of held-out passages of the demo's split, as
+  plain text to continue), without speculation and with the draft model (`--draft-model`,
+  default the distilled demo draft), side by side: [draft_plain_decode_tokens_per_s,
+  draft_decode_tokens_per_s, draft_speedup = draft / plain], acceptance and mean accepted
+  length over the timed runs [draft_acceptance, draft_mean_accepted_length], and
+  [draft_outputs_identical].
+- batch 16 of the RAG prompts at once, adaptive speculation on (the default controller):
   output tokens/s over the whole run [batch16_plain_tokens_per_s, batch16_ngram_tokens_per_s,
   batch16_ratio = ngram / plain].
 A *ratio* or *speedup* divides the speculative contender's rate by the plain one's.
-Targets (issue 6): ngram_speedup >= 2; batch16_ratio >= 0.95.
+Targets (issue 6): ngram_speedup >= 2; draft_speedup >= 1.5; batch16_ratio >= 0.95.
 """
 
 from __future__ import annotations
@@ -56,6 +62,35 @@ def rag_prompts(data_path: Path, tokenizer, num_prompts: int, num_documents: int
     return prompts
 
 
+def wiki_prompts(data_dir: Path, tokenizer, num_prompts: int, num_tokens: int) -> list[tuple]:
+    """Plain-text prompts: bos + the first `num_tokens` tokens of held-out wiki passages (the
+    demo model's and the draft's held-out split, so neither was trained on them)."""
+    from engine.training.corpus import load_corpus
+    from engine.training.distill import text_prompts
+
+    passages = load_corpus(data_dir, seed=0).heldout_passages
+    prompts = text_prompts(tokenizer, passages, num_tokens)[:num_prompts]
+    if not prompts:
+        raise click.BadParameter(f"no held-out passages in {data_dir}", param_hint="--data")
+    return prompts
+
+
+def _median_rates(contenders: dict, prompts: list[tuple], max_tokens: int, repeats: int):
+    """Batch-1 decode rate per (prompt, repeat), the contenders alternating; whether every
+    contender gave the first one's tokens."""
+    rates: dict[str, list[float]] = {name: [] for name in contenders}
+    identical = True
+    for _ in range(repeats):
+        for prompt in prompts:
+            outs = []
+            for name, contender in contenders.items():
+                ((ids, times),) = contender.run([prompt], max_tokens)
+                outs.append(ids)
+                rates[name].append((len(ids) - 1) / (times[-1] - times[0]))
+            identical &= all(ids == outs[0] for ids in outs)
+    return {name: statistics.median(r) for name, r in rates.items()}, identical
+
+
 class _Contender:
     def __init__(self, engine):
         self.engine = engine
@@ -92,9 +127,14 @@ def run_bench_spec(
     num_speculative_tokens: int = 4,
     repeats: int = 3,
     threads: int = 2,
+    draft_model: str | Path | None = None,
+    wiki_prompt_tokens: int = 64,
 ) -> dict[str, Any]:
     from engine.llm_engine import LLMEngine
     from engine.loader import load_model, resolve_model_path
+    from engine.training.distill import DRAFT_MODEL_DIR
+
+    draft_model = str(draft_model or DRAFT_MODEL_DIR)
 
     torch.set_num_threads(threads)
     base = EngineConfig(model=model, num_kv_cache_tokens=32 * 1024, max_model_len=4096)
@@ -102,9 +142,16 @@ def run_bench_spec(
     plain = LLMEngine(base, loaded=loaded)
     spec_config = replace(base, speculative="ngram", num_speculative_tokens=num_speculative_tokens)
     ngram = LLMEngine(spec_config, loaded=loaded, tokenizer=plain.tokenizer)
+    draft_config = replace(
+        base, speculative="draft", draft_model=draft_model,
+        num_speculative_tokens=num_speculative_tokens,
+    )
+    draft = LLMEngine(draft_config, loaded=loaded, tokenizer=plain.tokenizer)
     prompts = rag_prompts(data_path, plain.tokenizer, max(num_prompts, 16), num_documents)
+    wiki = wiki_prompts(data_path.parent, plain.tokenizer, num_prompts, wiki_prompt_tokens)
     contenders = {"plain": _Contender(plain), "ngram": _Contender(ngram)}
-    for engine in (plain, ngram):
+    draft_contenders = {"plain": contenders["plain"], "draft": _Contender(draft)}
+    for engine in (plain, ngram, draft):
         # Touch every page of the KV pool now: first writes fault pages in, which would
         # otherwise be timed (the free list hands out never-used blocks before reused ones).
         engine.kv_pool.kv.fill_(0.0)
@@ -112,20 +159,21 @@ def run_bench_spec(
         for prompt in prompts[:num_prompts]:
             c.run([prompt], max_tokens)
         c.run(prompts[:16], 4)
+    for prompt in wiki:
+        draft_contenders["draft"].run([prompt], max_tokens)
 
     # batch 1: one decode rate per (prompt, repeat), the contenders alternating; medians
     # (robust to the stalls other processes cause on a shared machine)
-    rates: dict[str, list[float]] = {"plain": [], "ngram": []}
-    identical = True
-    for _ in range(repeats):
-        for prompt in prompts[:num_prompts]:
-            outs = {}
-            for name, contender in contenders.items():
-                ((ids, times),) = contender.run([prompt], max_tokens)
-                outs[name] = ids
-                rates[name].append((len(ids) - 1) / (times[-1] - times[0]))
-            identical &= outs["plain"] == outs["ngram"]
+    rates, identical = _median_rates(contenders, prompts[:num_prompts], max_tokens, repeats)
     spec_stats = ngram.stats()
+
+    # batch 1, wiki prompts: plain against the draft model; acceptance over the timed runs only
+    before = draft.stats()
+    draft_rates, draft_identical = _median_rates(draft_contenders, wiki, max_tokens, repeats)
+    after = draft.stats()
+    num_drafted = after["spec_draft_tokens"] - before["spec_draft_tokens"]
+    num_accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    num_verified = after["spec_verifications"] - before["spec_verifications"]
 
     # batch 16: adaptive speculation against none, whole-run output rate
     batch: dict[str, list[float]] = {"plain": [], "ngram": []}
@@ -135,7 +183,7 @@ def run_bench_spec(
             outs = contender.run(prompts[:16], batch_max_tokens)
             batch[name].append(sum(len(ids) for ids, _ in outs) / (time.perf_counter() - start))
 
-    plain_rate, ngram_rate = statistics.median(rates["plain"]), statistics.median(rates["ngram"])
+    plain_rate, ngram_rate = rates["plain"], rates["ngram"]
     b_plain, b_ngram = statistics.median(batch["plain"]), statistics.median(batch["ngram"])
     return {
         "model": model,
@@ -149,6 +197,15 @@ def run_bench_spec(
         "ngram_acceptance": spec_stats["spec_acceptance_rate"],
         "ngram_mean_accepted_length": spec_stats["spec_mean_accepted_length"],
         "outputs_identical": identical,
+        "draft_model": draft_model,
+        "num_wiki_prompts": len(wiki),
+        "mean_wiki_prompt_tokens": statistics.mean(len(p) for p in wiki),
+        "draft_plain_decode_tokens_per_s": draft_rates["plain"],
+        "draft_decode_tokens_per_s": draft_rates["draft"],
+        "draft_speedup": draft_rates["draft"] / draft_rates["plain"],
+        "draft_acceptance": num_accepted / num_drafted if num_drafted else 0.0,
+        "draft_mean_accepted_length": num_accepted / num_verified if num_verified else 0.0,
+        "draft_outputs_identical": draft_identical,
         "batch16_plain_tokens_per_s": b_plain,
         "batch16_ngram_tokens_per_s": b_ngram,
         "batch16_ratio": b_ngram / b_plain,
@@ -165,6 +222,14 @@ def print_table(r: dict[str, Any]) -> None:
           f"  (target >= 2)")
     print(f"  acceptance {r['ngram_acceptance']:.3f}, mean accepted length"
           f" {r['ngram_mean_accepted_length']:.2f}, outputs identical: {r['outputs_identical']}")
+    print(f"batch 1 ({r['num_wiki_prompts']} wiki prompts of"
+          f" ~{r['mean_wiki_prompt_tokens']:.0f} tokens, draft {Path(r['draft_model']).name}):")
+    print(f"  decode tokens/s   plain {r['draft_plain_decode_tokens_per_s']:8.1f}"
+          f"   draft {r['draft_decode_tokens_per_s']:8.1f}   speedup {r['draft_speedup']:.2f}x"
+          f"  (target >= 1.5)")
+    print(f"  acceptance {r['draft_acceptance']:.3f}, mean accepted length"
+          f" {r['draft_mean_accepted_length']:.2f}, outputs identical:"
+          f" {r['draft_outputs_identical']}")
     print(f"batch 16 (adaptive):  plain {r['batch16_plain_tokens_per_s']:8.1f} tokens/s"
           f"   ngram {r['batch16_ngram_tokens_per_s']:8.1f}   ratio {r['batch16_ratio']:.2f}"
           f"  (target >= 0.95)")
@@ -179,14 +244,17 @@ def print_table(r: dict[str, Any]) -> None:
 @click.option("--num-speculative-tokens", default=4, show_default=True, type=click.IntRange(1))
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(1))
 @click.option("--threads", default=2, show_default=True, type=click.IntRange(1))
+@click.option("--draft-model", default=None, type=click.Path(exists=True, file_okay=False),
+              help="draft model folder  [default: engine/assets/ragspeed-demo-draft]")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
               help="write the flat JSON figures here")
 def bench_spec(model, data_path, num_prompts, max_tokens, num_speculative_tokens, repeats,
-               threads, json_path) -> None:
-    """Prompt-lookup speculative decoding on and off: batch-1 speedup, batch-16 ratio."""
+               threads, draft_model, json_path) -> None:
+    """Speculative decoding on and off: prompt lookup and draft model at batch 1, batch-16 ratio."""
     result = run_bench_spec(
         model, data_path, num_prompts=num_prompts, max_tokens=max_tokens,
         num_speculative_tokens=num_speculative_tokens, repeats=repeats, threads=threads,
+        draft_model=draft_model,
     )
     print_table(result)
     if json_path:

@@ -1,7 +1,8 @@
-"""`ragspeed models ...` (the model zoo) and `ragspeed train-demo`; mounted by gateway/cli.py.
+"""`ragspeed models ...` (the model zoo), `ragspeed train-demo` and `ragspeed train-draft`;
+mounted by gateway/cli.py.
 
 Command logic lives in plain functions returning dicts (`build_model`, `list_zoo`,
-`run_train_demo`); the typer commands print them.
+`run_train_demo`, `run_train_draft`); the typer commands print them.
 """
 
 from __future__ import annotations
@@ -82,5 +83,46 @@ def train_demo(
     from engine.training.demo import DEFAULT_DATA_DIR, DEMO_MODEL_DIR
 
     figures = run_train_demo(out or DEMO_MODEL_DIR, data_dir or DEFAULT_DATA_DIR, minutes, seed, max_steps, threads)
+    figures.pop("losses", None)
+    typer.echo(json.dumps(figures, indent=2))
+
+
+def run_train_draft(
+    target: Path, out: Path, data_dir: Path, minutes: float, seed: int, max_steps: int | None,
+    threads: int | None, num_layers: int = 2, command: str | None = None,
+) -> dict[str, Any]:
+    from engine.training.distill import DistillRecipe, distill_draft  # torch loads only here
+
+    return distill_draft(
+        target, out, data_dir=data_dir, minutes=minutes, seed=seed, max_steps=max_steps,
+        num_threads=threads, recipe=DistillRecipe(num_hidden_layers=num_layers), command=command,
+    )
+
+
+def train_draft(
+    target: Optional[Path] = typer.Option(None, help="Target model folder (default: engine/assets/ragspeed-demo)."),
+    out: Optional[Path] = typer.Option(None, help="Output folder (default: engine/assets/ragspeed-demo-draft, replaced)."),
+    data_dir: Optional[Path] = typer.Option(None, help="Folder with wiki_passages.txt and wikitext2_raw_test.txt (default: ../shared/data)."),
+    minutes: float = typer.Option(12.0, min=0.1, help="Time budget in minutes for the target's continuations and the distillation."),
+    seed: int = typer.Option(0, help="Seed of the prompts, sampling, data order and weights."),
+    max_steps: Optional[int] = typer.Option(None, min=1, help="Stop after this many steps, if sooner than the budget."),
+    threads: Optional[int] = typer.Option(None, min=1, help="torch threads (default 1: fastest on a shared CPU)."),
+    num_layers: int = typer.Option(2, min=1, max=4, help="Draft layers (initialised from the target's first and last)."),
+) -> None:
+    """Distil a small draft model from the demo model (knowledge distillation), with a model card."""
+    from engine.training.demo import DEFAULT_DATA_DIR, DEMO_MODEL_DIR
+    from engine.training.distill import DRAFT_MODEL_DIR
+
+    options = {
+        "--target": target, "--out": out, "--data-dir": data_dir, "--max-steps": max_steps,
+        "--threads": threads, "--num-layers": num_layers if num_layers != 2 else None,
+    }
+    command = f"ragspeed train-draft --minutes {minutes:g} --seed {seed}" + "".join(
+        f" {name} {value}" for name, value in options.items() if value is not None
+    )
+    figures = run_train_draft(
+        target or DEMO_MODEL_DIR, out or DRAFT_MODEL_DIR, data_dir or DEFAULT_DATA_DIR, minutes,
+        seed, max_steps, threads, num_layers, command,
+    )
     figures.pop("losses", None)
     typer.echo(json.dumps(figures, indent=2))

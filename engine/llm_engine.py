@@ -91,6 +91,8 @@ class LLMEngine:
         )
         self.sampler = Sampler(config.device, seed=config.seed)
         self.speculator = build_speculator(config, self)  # None unless config.speculative
+        if self.speculator is not None:
+            self.scheduler.release_hooks.append(self.speculator.release)
         self.num_steps = 0
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0

@@ -19,6 +19,7 @@ The scheduler talks to the `KVCacheManager` only: block ids, never the pool's te
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.request import Request, RequestStatus
@@ -94,6 +95,9 @@ class Scheduler:
         self._arrival: dict[str, int] = {}  # request id -> admission order, for FCFS
         self._next_arrival = 0
         self.num_preemptions = 0
+        # Called with a request whose blocks were just freed (finished, aborted, preempted):
+        # a draft-model proposer frees its own KV blocks too (engine.spec_decode).
+        self.release_hooks: list[Callable[[Request], None]] = []
 
     # ------------------------------------------------------------------ queue
 
@@ -128,12 +132,16 @@ class Scheduler:
         request.finish_reason = reason
         self.manager.free(request.request_id)
         self._arrival.pop(request.request_id, None)
+        for hook in self.release_hooks:
+            hook(request)
 
     # ------------------------------------------------------------------ steps
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.manager.free(request.request_id)
+        for hook in self.release_hooks:
+            hook(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1

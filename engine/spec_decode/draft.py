@@ -1,0 +1,283 @@
+"""Draft-model proposer: a small model with the target's tokenizer and its own paged KV cache.
+
+The draft lives in the engine process beside the target: its own `KVCachePool` and a
+`KVCacheManager` with prefix caching off (draft KV is never shared). Per request it keeps
+`num_computed` (leading tokens of the request's `all_token_ids` whose draft KV is in its blocks)
+and `pending` (the drafts it fed after them last time: KV written, not yet verified).
+
+One `propose_batch` call, for all running decodes of the step:
+1. *rollback* of the last verification: pending drafts the target accepted (equal to the
+   request's next tokens) become computed; the blocks beyond them are freed (`manager.trim`;
+   stale slots in the last kept block are overwritten by the catch-up);
+2. *catch-up*: one flat forward over each request's tokens the draft has not seen (the first
+   time the whole prompt, as a prefill; then usually the last accepted draft and the bonus or
+   recovered token); the greedy argmax at each request's last token is draft 1;
+3. k - 1 decode steps, every request still drafting in one flat batch per step: drafts 2 .. k.
+   The last draft is never fed, so the draft's KV reaches `num_tokens + k - 1` at most.
+
+Drafts are greedy, so the proposal q is a point mass on the draft: exactly the case the
+rejection sampler (rejection.py) handles, "accept x with probability p(x), else draw from p
+without x", which keeps the target's distribution for temperature > 0 (and greedy output
+identical). A draft pool too full for a request's blocks means no drafts for it this step: the
+draft never preempts anything. `release` (the scheduler's hook on finish, abort and preemption)
+frees all of a request's draft blocks; a preempted request catches up from scratch later.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Sequence
+
+import torch
+
+from engine.attention import build_metadata
+from engine.config import EngineConfig
+from engine.kv_cache import KVCachePool
+from engine.loader import LoadedModel, load_model, resolve_model_path
+from engine.model_runner import cpu_threads
+from engine.protocol import EngineError
+from prompt_cache.manager import KVCacheManager
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _DraftState:
+    num_computed: int = 0  # leading request tokens with draft KV
+    pending: list[int] = field(default_factory=list)  # drafts fed after them, unverified
+
+
+class _Drafting(NamedTuple):
+    """A request drafting this call."""
+
+    index: int  # in the batch
+    state: _DraftState
+    block_table: list[int]
+    num_tokens: int  # the request's tokens; draft 1 goes at this position
+    k: int  # drafts wanted
+
+
+class DraftProposer:
+    name = "draft"
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device | str,
+        vocab_size: int | None = None,
+        min_confidence: float = 0.0,
+        num_threads: int | None = None,
+    ):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.rotary = loaded.rotary
+        self.max_model_len = loaded.rotary.freqs_cis.shape[0]
+        # Drafts must be ids of the target's vocabulary (embedding tables may be padded).
+        self.vocab_size = min(loaded.arch.vocab_size, vocab_size or loaded.arch.vocab_size)
+        self.block_size = block_size
+        self.device = torch.device(device)
+        # A request stops drafting after a draft the draft model gives less than this
+        # probability: later drafts would rarely be accepted, and each costs a draft step.
+        self.min_confidence = min_confidence
+        # The target's forward thread count (engine.model_runner), for the draft's steps too.
+        self.num_threads = num_threads or torch.get_num_threads()
+        dtype = loaded.model.embed_tokens.dtype
+        self.pool = KVCachePool(loaded.arch, num_blocks, block_size, dtype, device)
+        self.manager = KVCacheManager(num_blocks, block_size, enable_caching=False)
+        self._states: dict[str, _DraftState] = {}
+
+    def release(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+        self.manager.free(request_id)
+
+    @torch.inference_mode()
+    def propose_batch(self, requests: Sequence, num_tokens: Sequence[int]) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in requests]
+        active: list[_Drafting] = []
+        chunks: list[tuple[list[int], int, list[int]]] = []  # (token ids, start, block table)
+        for index, (request, k) in enumerate(zip(requests, num_tokens)):
+            tokens = request.all_token_ids
+            request_id = request.request_id
+            state = self._states.setdefault(request_id, _DraftState())
+            num_computed = state.num_computed
+            for draft in state.pending:  # rollback: keep the accepted drafts' KV only
+                if num_computed >= len(tokens) or tokens[num_computed] != draft:
+                    break
+                num_computed += 1
+            # The last token is always fed again: its logits give draft 1.
+            num_computed = min(num_computed, len(tokens) - 1)
+            state.num_computed, state.pending = num_computed, []
+            if self.manager.has_request(request_id):
+                self.manager.trim(request_id, num_computed)
+            needed = len(tokens) + k - 1
+            if (
+                needed > self.max_model_len
+                or self.manager.allocate_slots(request_id, needed) is None
+            ):
+                continue  # the draft pool is full: no drafts for this request, nothing preempted
+            table = self.manager.block_table(request_id)
+            active.append(_Drafting(index, state, table, len(tokens), k))
+            chunks.append((tokens[num_computed:], num_computed, table))
+        if not active:
+            return drafts
+
+        with cpu_threads(self.num_threads):
+            self._draft(active, chunks, drafts)
+        for a in active:
+            a.state.num_computed = a.num_tokens
+            a.state.pending = drafts[a.index][:-1]  # the fed drafts (the last one is not fed)
+        return drafts
+
+    def _draft(
+        self,
+        active: list[_Drafting],
+        chunks: list[tuple[list[int], int, list[int]]],
+        drafts: list[list[int]],
+    ) -> None:
+        """Greedy draft steps: `chunks` (the catch-up) gives draft 1 of every active request,
+        then one flat decode step per further draft; appends to `drafts` in place."""
+        going = active
+        for step in range(max(a.k for a in active)):
+            if step:  # requests still drafting feed their latest draft: one flat batch
+                chunks = [
+                    ([drafts[a.index][-1]], a.num_tokens + step - 1, a.block_table) for a in going
+                ]
+            new_tokens, confidences = self._forward(chunks)
+            for a, token in zip(going, new_tokens):
+                drafts[a.index].append(token)
+            going = [
+                a for a, confidence in zip(going, confidences)
+                if a.k > step + 1 and confidence >= self.min_confidence
+            ]
+            if not going:
+                break
+
+    def _forward(
+        self, chunks: list[tuple[list[int], int, list[int]]]
+    ) -> tuple[list[int], list[float]]:
+        """One flat forward of the draft over `chunks` (token ids, first position, block table);
+        returns the greedy next token after each chunk's last token and its probability under
+        the draft, in the order given."""
+        bs = self.block_size
+        # Flat batch: one-token chunks (decodes) first, then the longer ones (prefills).
+        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i][0]) > 1)
+        num_decodes = sum(1 for i in order if len(chunks[i][0]) == 1)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        last_rows: list[int] = []
+        for i in order:
+            token_ids, start, table = chunks[i]
+            end = start + len(token_ids)
+            input_ids.extend(token_ids)
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            last_rows.append(len(input_ids) - 1)
+        decodes, prefills = order[:num_decodes], order[num_decodes:]
+        meta = build_metadata(
+            decode_tables=[chunks[i][2] for i in decodes],
+            decode_context_lens=[chunks[i][1] + 1 for i in decodes],
+            prefill_tables=[chunks[i][2] for i in prefills],
+            prefill_context_lens=[chunks[i][1] + len(chunks[i][0]) for i in prefills],
+            prefill_num_queries=[len(chunks[i][0]) for i in prefills],
+            slot_mapping=slots,
+            block_size=bs,
+            device=self.device,
+            dtype=self.pool.kv.dtype,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model(
+            ids, self.rotary.lookup(pos), self.pool.k_caches, self.pool.v_caches, meta
+        )  # [num_tokens, hidden_size]
+        if len(last_rows) < len(input_ids):
+            hidden = hidden[torch.tensor(last_rows, device=self.device)]
+        logits = self.model.compute_logits(hidden)[:, : self.vocab_size]  # [num_chunks, vocab]
+        if self.min_confidence > 0.0:
+            best, next_ids = logits.softmax(dim=-1).max(dim=-1)
+            probs = best.tolist()
+        else:
+            next_ids, probs = logits.argmax(dim=-1), [1.0] * len(chunks)
+        next_tokens = next_ids.tolist()
+        tokens, confidences = [0] * len(chunks), [0.0] * len(chunks)
+        for row, i in enumerate(order):
+            tokens[i], confidences[i] = next_tokens[row], probs[row]
+        return tokens, confidences
+
+
+# ---------------------------------------------------------------------- start-up checks
+
+
+def tokenizer_mismatch(target: Any, draft: Any) -> str | None:
+    """Why two tokenizers would give different token ids (vocabulary or special tokens), or
+    None when they agree."""
+    target_vocab, draft_vocab = target.get_vocab(), draft.get_vocab()
+    if target_vocab != draft_vocab:
+        differing = sorted(
+            t for t in set(target_vocab) | set(draft_vocab)
+            if target_vocab.get(t) != draft_vocab.get(t)
+        )
+        return (
+            f"vocabularies differ ({len(target_vocab)} vs {len(draft_vocab)} tokens; "
+            f"{len(differing)} tokens differ, e.g. {differing[:3]})"
+        )
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        if getattr(target, name, None) != getattr(draft, name, None):
+            return f"{name} differs ({getattr(target, name, None)} vs {getattr(draft, name, None)})"
+    target_special = dict(zip(target.all_special_tokens, target.all_special_ids))
+    draft_special = dict(zip(draft.all_special_tokens, draft.all_special_ids))
+    if target_special != draft_special:
+        return f"special tokens differ ({target_special} vs {draft_special})"
+    return None
+
+
+def build_draft_proposer(config: EngineConfig, engine) -> DraftProposer:
+    """Load `config.draft_model` like the target (device, dtype, quantization), check that it
+    shares the target's tokenizer, and give it a pool of as many tokens as the target's."""
+    from transformers import AutoTokenizer
+
+    name = config.draft_model
+    try:
+        path = resolve_model_path(name)
+        draft_tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as error:
+        raise EngineError(
+            f"draft model {name!r}: cannot load its tokenizer ({error})", param="draft_model"
+        ) from error
+    mismatch = tokenizer_mismatch(engine.tokenizer, draft_tokenizer)
+    if mismatch is not None:
+        raise EngineError(
+            f"draft model {name!r} does not share the tokenizer of the target model"
+            f" {config.model!r}: {mismatch}; a draft must use the target's tokenizer",
+            param="draft_model",
+        )
+    num_threads = engine.runner.num_threads
+    try:
+        with cpu_threads(num_threads):  # dense weights are sliced per thread at load
+            loaded = load_model(
+                path,
+                device=config.device,
+                dtype=config.dtype,
+                quantization=config.quantization,
+                max_model_len=engine.max_model_len,
+            )
+    except ValueError as error:
+        raise EngineError(f"draft model {name!r}: {error}", param="draft_model") from error
+    proposer = DraftProposer(
+        loaded,
+        num_blocks=engine.kv_pool.num_blocks,
+        block_size=config.block_size,
+        device=config.device,
+        vocab_size=engine.arch.vocab_size,
+        num_threads=num_threads,
+    )
+    logger.info(
+        "draft model %s (%d layers), KV pool %d blocks x %d tokens (%.0f MiB)",
+        name, loaded.arch.num_layers, proposer.pool.num_blocks, config.block_size,
+        proposer.pool.num_bytes / 2**20,
+    )
+    return proposer

@@ -1,0 +1,293 @@
+"""Speculative decoding with a draft model: identical greedy output, both pools freed, bad input,
+and a tiny distillation run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.backends import build_engine
+from engine.config import EngineConfig
+from engine.loader import load_model
+from engine.protocol import EngineError, GenerationRequest, SamplingParams
+from engine.spec_decode import DraftProposer
+from tests.engine.conftest import assert_all_blocks_free, make_engine
+from tests.engine.tiny_models import build_tiny_checkpoint, build_tokenizer
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from a second thread, and two OpenMP threads on a CPU shared
+    with other jobs can spin-wait for each other (measured 100x slower under load)."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+PROMPTS = [tuple(range(10 + 7 * i, 10 + 7 * i + 5 + 9 * i)) for i in range(8)]  # 5 .. 68 tokens
+
+
+@pytest.fixture(scope="module")
+def drafts(tiny_checkpoints, tmp_path_factory) -> dict:
+    """Draft checkpoints for the tiny llama target (same tokenizer): 'self' is the target itself
+    (every draft accepted), 'half' is its first layer only (some accepted), 'other' a different
+    random model (most rejected)."""
+    root = tmp_path_factory.mktemp("drafts")
+    target = tiny_checkpoints["llama"]
+    # The target truncated to its first layer (same embeddings, final norm and LM head).
+    half = shutil.copytree(target, root / "half")
+    config = json.loads((half / "config.json").read_text())
+    (half / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
+    weights = load_file(str(target / "model.safetensors"))
+    save_file(
+        {k: v for k, v in weights.items() if "layers.1." not in k},
+        str(half / "model.safetensors"), metadata={"format": "pt"},
+    )
+    other = build_tiny_checkpoint("llama", root / "other", seed=7)
+    return {"self": target, "half": half, "other": other}
+
+
+def assert_both_pools_free(engine) -> None:
+    assert_all_blocks_free(engine)
+    draft = engine.speculator.proposer
+    draft.manager.check_invariants()
+    assert draft.manager.num_free_blocks == draft.manager.num_blocks
+    assert not draft._states
+
+
+def _run(path, prompts, draft_path=None, params=GREEDY, **overrides):
+    speculative = dict(speculative="draft", draft_model=str(draft_path)) if draft_path else {}
+    engine = make_engine(path, **speculative, **overrides)
+    if engine.speculator is not None:
+        engine.speculator.controller.max_verify_tokens = 1000  # speculate in every batch
+    requests = [GenerationRequest(f"r{i}", p, params) for i, p in enumerate(prompts)]
+    out = engine.generate(requests)
+    if engine.speculator is not None:
+        assert_both_pools_free(engine)
+    else:
+        assert_all_blocks_free(engine)
+    return [out[f"r{i}"]["token_ids"] for i in range(len(prompts))], engine
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_checkpoints):
+    outs, _ = _run(tiny_checkpoints["llama"], PROMPTS)
+    return outs
+
+
+@pytest.mark.parametrize("draft", ["self", "half", "other"])
+def test_greedy_single_and_batched_identical_to_plain_decoding(
+    tiny_checkpoints, drafts, plain, draft
+):
+    path = tiny_checkpoints["llama"]
+    single, engine = _run(path, [PROMPTS[3]], drafts[draft])
+    assert single == [plain[3]]
+    batched, engine = _run(path, PROMPTS, drafts[draft])
+    assert batched == plain
+    stats = engine.stats()
+    assert stats["spec_draft_draft_tokens"] == stats["spec_draft_tokens"] > 0
+    if draft == "self":
+        assert stats["spec_acceptance_rate"] == 1.0
+        assert engine.num_steps < 24 // 5 * 2 + 6  # 5 tokens per verification, k = 4
+    elif draft == "half":
+        assert 0.0 < stats["spec_acceptance_rate"] < 1.0
+
+
+def test_greedy_identical_with_chunked_prefill_preemption_and_prefix_caching(
+    tiny_checkpoints, drafts, plain
+):
+    path, draft = tiny_checkpoints["llama"], drafts["half"]
+    chunked, engine = _run(path, PROMPTS, draft, max_num_batched_tokens=16)
+    assert chunked == plain and engine.stats()["spec_accepted_tokens"] > 0
+    # 24 blocks x 8 tokens cannot hold 8 requests of up to ~92 tokens: preemption
+    tight, engine = _run(path, PROMPTS, draft, num_kv_cache_tokens=192, max_model_len=128)
+    assert tight == plain and engine.scheduler.num_preemptions > 0
+    assert engine.stats()["spec_accepted_tokens"] > 0
+    # prefix caching: the same prompts twice on one engine, the second round hits the cache
+    engine = make_engine(path, speculative="draft", draft_model=str(draft))
+    for round_ in range(2):
+        out = engine.generate(
+            [GenerationRequest(f"c{round_}{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
+        )
+        assert [out[f"c{round_}{i}"]["token_ids"] for i in range(8)] == plain
+    assert out["c17"]["num_cached_tokens"] > 0
+    assert_both_pools_free(engine)
+
+
+def test_draft_pool_exhausted_means_no_drafts_not_preemption(tiny_checkpoints, drafts, plain):
+    path = tiny_checkpoints["llama"]
+    engine = make_engine(path, speculative="draft", draft_model=str(drafts["self"]))
+    engine.speculator.controller.max_verify_tokens = 1000
+    # 12 blocks x 8 tokens: room for the drafts of one or two requests at a time
+    engine.speculator.proposer = DraftProposer(
+        load_model(drafts["self"], max_model_len=256), num_blocks=12, block_size=8, device="cpu"
+    )
+    out = engine.generate([GenerationRequest(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)])
+    assert [out[f"r{i}"]["token_ids"] for i in range(8)] == plain
+    assert engine.scheduler.num_preemptions == 0
+    stats = engine.stats()
+    assert 0 < stats["spec_verifications"] < stats["generation_tokens_total"] - 8
+    assert_both_pools_free(engine)
+
+
+def test_low_confidence_ends_a_draft_early(tiny_checkpoints, drafts, plain):
+    path = tiny_checkpoints["llama"]
+    counts = []
+    for min_confidence in (0.0, 0.5):
+        engine = make_engine(path, speculative="draft", draft_model=str(drafts["half"]))
+        engine.speculator.controller.adaptive = False  # k = 4 whenever the draft is confident
+        engine.speculator.proposer = DraftProposer(
+            load_model(drafts["half"], max_model_len=256), num_blocks=512, block_size=8,
+            device="cpu", min_confidence=min_confidence,
+        )
+        out = engine.generate(
+            [GenerationRequest(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
+        )
+        assert [out[f"r{i}"]["token_ids"] for i in range(8)] == plain
+        stats = engine.stats()
+        counts.append(stats["spec_draft_tokens"] / stats["spec_verifications"])
+        assert_both_pools_free(engine)
+    assert counts[0] > 3.5 and 1.0 <= counts[1] < 0.8 * counts[0], counts
+
+
+def test_abort_frees_the_draft_blocks(tiny_checkpoints, drafts):
+    engine = make_engine(
+        tiny_checkpoints["llama"], speculative="draft", draft_model=str(drafts["half"])
+    )
+    for i, prompt in enumerate(PROMPTS[:3]):
+        engine.add_request(GenerationRequest(f"a{i}", prompt, GREEDY))
+    for _ in range(4):
+        engine.step()
+    draft = engine.speculator.proposer
+    assert draft.manager.num_free_blocks < draft.manager.num_blocks
+    for i in range(3):
+        assert engine.abort(f"a{i}").delta.finish_reason == "abort"
+    assert_both_pools_free(engine)
+
+
+def test_seeded_sampling_is_reproducible(tiny_checkpoints, drafts):
+    params = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
+    path, draft = tiny_checkpoints["llama"], drafts["half"]
+    first, engine = _run(path, PROMPTS[:4], draft, params)
+    again, _ = _run(path, PROMPTS[:4], draft, params)
+    assert again == first and [len(ids) for ids in first] == [20] * 4
+    assert engine.stats()["spec_accepted_tokens"] > 0
+
+
+def test_draft_with_another_tokenizer_fails_at_start_up(tiny_checkpoints, tmp_path):
+    path = tiny_checkpoints["llama"]
+    bad = build_tiny_checkpoint("llama", tmp_path / "bad", seed=2)
+    build_tokenizer(vocab_size=300).save_pretrained(bad)  # fewer merges: other ids
+    with pytest.raises(EngineError, match="does not share the tokenizer") as err:
+        make_engine(path, speculative="draft", draft_model=str(bad))
+    assert err.value.param == "draft_model"
+    assert str(bad) in str(err.value) and str(path) in str(err.value)
+    assert "vocabularies differ" in str(err.value)
+    # same vocabulary, another eos token
+    shutil.copy(path / "tokenizer.json", bad / "tokenizer.json")
+    tokenizer = build_tokenizer()
+    tokenizer.eos_token = "<s>"
+    tokenizer.save_pretrained(bad)
+    with pytest.raises(EngineError, match="eos_token_id differs"):
+        make_engine(path, speculative="draft", draft_model=str(bad))
+    with pytest.raises(EngineError, match="needs a draft model"):
+        make_engine(path, speculative="draft")
+    for backend in ("transformers", "openai"):
+        config = EngineConfig(backend=backend, model=str(path), speculative="draft",
+                              draft_model=str(path))
+        with pytest.raises(ValueError, match=f"backend '{backend}' has none"):
+            build_engine(config)
+
+
+# ---------------------------------------------------------------- distillation
+
+
+@pytest.fixture(scope="module")
+def tiny_demo_target(tmp_path_factory):
+    """A 2-layer Llama with the demo tokenizer (4,096 tokens, chat template), random weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.model_zoo import resolve_model
+
+    demo = resolve_model("ragspeed-demo")
+    path = tmp_path_factory.mktemp("tiny-demo")
+    config = LlamaConfig(
+        vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        initializer_range=0.2,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                 "generation_config.json"):
+        shutil.copy(f"{demo}/{name}", path / name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def small_data(shared_data, tmp_path_factory):
+    """40 passages and the first 3 WikiText articles of ../shared/data."""
+    path = tmp_path_factory.mktemp("data")
+    lines = (shared_data / "wiki_passages.txt").read_text().splitlines()
+    (path / "wiki_passages.txt").write_text("\n".join(lines[:40]) + "\n")
+    articles, kept = 0, []
+    for line in (shared_data / "wikitext2_raw_test.txt").read_text().splitlines():
+        if line.startswith(" = ") and not line.startswith(" = = "):
+            articles += 1
+        if articles > 3:
+            break
+        kept.append(line)
+    (path / "wikitext2_raw_test.txt").write_text("\n".join(kept) + "\n")
+    return path
+
+
+def test_tiny_distillation_writes_a_loadable_draft_and_lowers_the_kd_loss(
+    tiny_demo_target, small_data, tmp_path
+):
+    from engine.training.distill import DistillRecipe, TrainingConfig, distill_draft
+
+    recipe = DistillRecipe(
+        num_hidden_layers=1, init_from_layers=(0,), seq_len=128, batch_size=2, prompt_tokens=16,
+        max_new_tokens=16, max_chat_passages=1, generation_batch=8, num_eval_prompts=4,
+        training=TrainingConfig(learning_rate=1e-2, min_learning_rate=1e-3, warmup_steps=2,
+                                log_every=5, num_threads=1),
+    )
+    out = tmp_path / "draft"
+    figures = distill_draft(
+        tiny_demo_target, out, data_dir=small_data, minutes=1.0, max_steps=30, recipe=recipe,
+        log=lambda _: None,
+    )
+    assert figures["steps"] == 30 and figures["num_continuations"] > 0
+    assert figures["final_kd_loss"] < 0.8 * figures["first_kd_loss"]
+    assert 0.0 <= figures["heldout_greedy_agreement"] <= 1.0
+    assert sorted(p.name for p in out.iterdir()) == [
+        "README.md", "chat_template.jinja", "config.json", "generation_config.json",
+        "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+    ]
+    assert "final KD loss" in (out / "README.md").read_text()
+    # the folder serves as a draft of its target
+    engine = make_engine(tiny_demo_target, speculative="draft", draft_model=str(out))
+    assert engine.speculator.proposer.loaded.arch.num_layers == 1
+    request = GenerationRequest("d", (1, 100, 200, 300), GREEDY)
+    result = engine.generate([request])
+    plain = make_engine(tiny_demo_target).generate([request])
+    assert result["d"]["token_ids"] == plain["d"]["token_ids"]
+    assert_both_pools_free(engine)
+
+
+@pytest.mark.slow
+def test_bench_spec_runs_the_draft_contender(shared_data):
+    from engine.bench_spec import run_bench_spec
+
+    result = run_bench_spec(
+        data_path=shared_data / "nq_dev.jsonl", num_prompts=2, max_tokens=16,
+        batch_max_tokens=4, repeats=1,
+    )
+    assert result["draft_outputs_identical"] is True
+    assert result["draft_acceptance"] > 0 and result["draft_speedup"] > 0
