@@ -9,6 +9,7 @@ runs on one thread; `engine.backends.native` drives it from a background thread.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,7 @@ from engine.quant import resident_weight_bytes, unquantized_weight_bytes
 from engine.request import Request
 from engine.sampler import Sampler
 from engine.sampling import SamplingState, validate_sampling
-from engine.scheduler import ScheduledChunk, Scheduler
+from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from engine.spec_decode import build_speculator
 from prompt_cache.manager import KVCacheManager
 
@@ -151,11 +152,22 @@ class LLMEngine:
     # ------------------------------------------------------------------ steps
 
     def step(self) -> list[StepOutput]:
+        start = time.perf_counter()
         if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running, self.max_model_len)
+            self.speculator.propose(
+                self.scheduler.running, self.max_model_len,
+                num_waiting=len(self.scheduler.waiting),
+            )
         output = self.scheduler.schedule()
         if output.is_empty:
             return []
+        results = self._run_step(output)
+        if self.speculator is not None and all(c.num_real_tokens == 1 for c in output.chunks):
+            # A step of decodes only: its cost tells the controller whether speculating pays.
+            self.speculator.observe_step(time.perf_counter() - start)
+        return results
+
+    def _run_step(self, output: SchedulerOutput) -> list[StepOutput]:
         self.num_steps += 1
         logits = self.runner.execute(output)
         self.scheduler.update_computed(output)

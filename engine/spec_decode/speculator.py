@@ -24,6 +24,9 @@ class Speculator:
         self.proposer = proposer
         self.controller = controller
         self.stats = SpecStats()
+        # The latest propose(): its decodes and whether they speculated, for observe_step().
+        self._num_decodes = 0
+        self._speculated = False
 
     @property
     def proposer(self) -> Proposer:
@@ -37,32 +40,53 @@ class Speculator:
     def release(self, request: Request) -> None:
         self._proposer.release(request.request_id)
 
-    def propose(self, running: list[Request], max_model_len: int) -> None:
+    def propose(self, running: list[Request], max_model_len: int, *, num_waiting: int = 0) -> None:
         decodes = [
             r for r in running
             if not r.prefill_only and r.num_tokens - r.num_computed_tokens == 1
         ]
-        allowed = self.controller.batch_allows(len(decodes))
+        if num_waiting or len(decodes) < len(running):
+            # Prompts wait or are being prefilled: drafts would take the step's token budget
+            # from them (decodes are scheduled first), delaying their first tokens.
+            for request in decodes:
+                request.spec_token_ids = []
+            self._num_decodes = 0
+            return
+        # Every decode's k is asked for each step (that counts its pauses down), before the
+        # step decides whether to speculate at all.
+        wanted = [self.controller.num_tokens(r) for r in decodes]
+        allowed = self.controller.batch_allows(decodes, wanted)
+        within_cap = self.controller.batch_allows_at_most(len(decodes))
+        self._num_decodes, self._speculated = len(decodes), allowed
         if decodes and not allowed:
             self.stats.num_steps_switched_off += 1
         batch: list[Request] = []
         num_tokens: list[int] = []
-        for request in decodes:
+        for request, k in zip(decodes, wanted):
             request.spec_token_ids = []
-            if not allowed:
+            # Seeded sampling must give the same text for the same seed, and verification
+            # draws random numbers differently from plain sampling: such requests cannot follow
+            # a switch that depends on measured times, only the hard cap.
+            if not (allowed or (within_cap and _seeded_sampling(request))):
                 continue
             # Appending accepted + 1 tokens must stay within max_tokens and the context.
             room = min(
                 request.sampling.params.max_tokens - request.num_output_tokens - 1,
                 max_model_len - request.num_tokens,
             )
-            k = min(self.controller.num_tokens(request), room)
+            k = min(k, room)
             if k > 0:
                 batch.append(request)
                 num_tokens.append(k)
+        if not allowed and batch:
+            self._num_decodes = 0  # a mixed step measures neither way
         if batch:
             for request, drafts in zip(batch, self._proposer.propose_batch(batch, num_tokens)):
                 request.spec_token_ids = drafts
+
+    def observe_step(self, seconds: float) -> None:
+        """A step of decodes only (no prefill chunk) took `seconds`, proposing included."""
+        self.controller.observe_step(self._num_decodes, self._speculated, seconds)
 
     def verify(
         self,
@@ -85,6 +109,11 @@ class Speculator:
 
     def metrics(self) -> dict[str, float]:
         return self.stats.as_dict(self.proposer.name)
+
+
+def _seeded_sampling(request: Request) -> bool:
+    params = request.sampling.params
+    return not params.greedy and params.seed is not None
 
 
 def build_speculator(config: EngineConfig, engine=None) -> Speculator | None:

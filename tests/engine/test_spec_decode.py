@@ -64,7 +64,31 @@ def test_adaptive_controller_follows_acceptance_and_pauses_after_misses():
     assert controller.num_tokens(request) == 3
     controller.observe(request, 3, 0)  # second miss in a row: pause 3 steps
     assert [controller.num_tokens(request) for _ in range(4)] == [0, 0, 0, 2]
-    assert controller.batch_allows(4) and not controller.batch_allows(5)  # 5 * (1 + 4) > 20
+    assert controller.batch_allows_at_most(4) and not controller.batch_allows_at_most(5)
+    assert not controller.batch_allows([R() for _ in range(5)], [4] * 5)  # 5 * (1 + 4) > 20
+
+
+def test_controller_speculates_while_the_measured_costs_say_it_pays():
+    controller = AdaptiveController(4, max_verify_tokens=100, explore_every=1, smoothing=0.5)
+
+    class R:
+        pass
+
+    batch = [R() for _ in range(8)]  # fresh requests: acceptance 1.0, 1 + 4 tokens expected
+    # unmeasured: speculation first, then plain decoding, then whichever yields more
+    assert controller.batch_allows(batch, [4] * 8) is True
+    controller.observe_step(8, True, seconds=0.030)
+    assert controller.batch_allows(batch, [4] * 8) is False
+    controller.observe_step(8, False, seconds=0.010)
+    # 8 * 5 tokens / 30 ms beats 8 tokens / 10 ms; every (1 x 8)th decision explores
+    assert [controller.batch_allows(batch, [4] * 8) for _ in range(8)] == [True] * 7 + [False]
+    for request in batch:  # nothing accepted: 1 token per verification, speculation loses
+        controller.observe(request, 4, 0)
+        controller.observe(request, 4, 0)
+    assert controller.batch_allows(batch, [0] * 8) is False  # paused: 1 token each
+    controller.observe_step(8, True, seconds=0.100)
+    assert controller.batch_allows([R()], [4]) is True  # another batch size is measured on its own
+    assert AdaptiveController(4, max_verify_tokens=10, adaptive=False).batch_allows([R()] * 50, [4] * 50)
 
 
 # ---------------------------------------------------------------- greedy: identical output
