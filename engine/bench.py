@@ -7,8 +7,9 @@ Figures (all from one run, after a warm-up, medians of `repeats` runs; JSON keys
   measured on `transformers_requests` of them) [native_tokens_per_s, transformers_tokens_per_s,
   throughput_ratio]. Output tokens only.
 - time per output token at batch 1 [tpot_ms, transformers_tpot_ms] against the bandwidth bound:
-  weight bytes read per token / read bandwidth measured here, before and after the contenders,
-  the higher of the two [tpot_bound_ms, read_bandwidth_gb_s].
+  weight bytes read per token / read bandwidth measured here, 9 reads before and 9 after the
+  contenders, their median [tpot_bound_ms, read_bandwidth_gb_s; the spread in
+  read_bandwidth_{first,last,min,max}_gb_s].
 - time to first token of a `ttft_prompt_len`-token prompt [ttft_2048_ms] against the FLOP bound:
   FLOPs (projections, attention, one LM-head row) / fp32 GEMM rate measured here
   [ttft_2048_bound_ms].
@@ -31,42 +32,45 @@ from engine.config import EngineConfig
 from engine.protocol import GenerationRequest, SamplingParams
 
 
-def measure_read_bandwidth(num_bytes: int = 512 * 2**20, repeats: int = 9) -> float:
-    """Bytes per second of a streaming read (a sum over a tensor far larger than the caches),
-    with the threads torch runs on: the median of `repeats` reads."""
+def read_bandwidth_samples(num_bytes: int = 512 * 2**20, repeats: int = 9) -> list[float]:
+    """Bytes per second of `repeats` streaming reads (a sum over a tensor far larger than the
+    caches), with the threads torch runs on."""
     data = torch.ones(num_bytes // 4, dtype=torch.float32)
     data.sum()
-    times = []
+    samples = []
     for _ in range(repeats):
         start = time.perf_counter()
         data.sum()
-        times.append(time.perf_counter() - start)
-    return num_bytes / statistics.median(times)
+        samples.append(num_bytes / (time.perf_counter() - start))
+    return samples
 
 
 class BandwidthProbe:
     """Read bandwidth measured before and after the contenders of a benchmark.
 
-    Other processes on a shared machine lower a single probe at random (17 to 52 GB/s were seen
-    from run to run on the development CPU); the bound uses the highest of the probes, so
-    load can only make the bound stricter, never looser.
+    Single reads on the development CPU spread widely with two threads (31 to 55 GB/s within
+    one run, against 25 GB/s steady on one thread), so the bound uses the median of all the
+    reads of both probes, and the JSON keeps the spread.
     """
 
     def __init__(self):
-        self.readings = [measure_read_bandwidth()]
+        self.first = read_bandwidth_samples()
+        self.last: list[float] = []
 
     def finish(self) -> dict[str, float]:
-        """Probe again; the JSON figures (GB/s) of every probe and the one the bound uses."""
-        self.readings.append(measure_read_bandwidth())
+        """Probe again; the JSON figures (GB/s)."""
+        self.last = read_bandwidth_samples()
         return {
             "read_bandwidth_gb_s": self.bandwidth / 1e9,
-            "read_bandwidth_first_gb_s": self.readings[0] / 1e9,
-            "read_bandwidth_last_gb_s": self.readings[-1] / 1e9,
+            "read_bandwidth_first_gb_s": statistics.median(self.first) / 1e9,
+            "read_bandwidth_last_gb_s": statistics.median(self.last) / 1e9,
+            "read_bandwidth_min_gb_s": min(self.first + self.last) / 1e9,
+            "read_bandwidth_max_gb_s": max(self.first + self.last) / 1e9,
         }
 
     @property
     def bandwidth(self) -> float:
-        return max(self.readings)
+        return statistics.median(self.first + self.last)
 
 
 def measure_gemm_rate(m: int = 2048, k: int = 1024, n: int = 2048, repeats: int = 5) -> float:

@@ -9,8 +9,14 @@ At batch 1 it reads a quarter of fp32's bytes and runs about 9x faster here (DES
 16-bit pair sums in rare worst cases; the quality gates (perplexity, top-1 agreement) measure
 what that costs, and `reduce_range=True` ran 4x slower here.
 
-Per-tensor activation scales mean a token's result depends slightly on the other tokens in
-its batch: greedy outputs are deterministic for a given schedule, not bitwise batch-invariant.
+Per-tensor activation scales would let one token with large activations coarsen the
+quantization of every other token of a prefill chunk or batch (on the demo model, top-1
+agreement with fp32 fell to 96.7% over 128-token windows). So a product of several rows first
+divides each row by its largest magnitude and multiplies each output row back: exact in real
+arithmetic (the product is linear; the bias is added after), and every row then spans the
+quantization range (agreement 97.6-98.3%, perplexity within 0.05%). A token's result still
+depends slightly on the other rows: greedy outputs are deterministic for a given schedule, not
+bitwise batch-invariant.
 """
 
 from __future__ import annotations
@@ -55,11 +61,15 @@ class FbgemmInt8Kernel:
                 torch.zeros(out_features, dtype=torch.long),
                 0,
             )
-            self.packed = torch.ops.quantized.linear_prepack(
-                qweight, None if bias is None else bias.float().cpu().contiguous()
-            )
+            self.packed = torch.ops.quantized.linear_prepack(qweight, None)
+        self.bias = None if bias is None else bias.float().cpu().contiguous()
         self.num_weight_bytes = weight.num_bytes + (0 if bias is None else bias.numel() * 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x fp32 [num_tokens, in_features] -> fp32 [num_tokens, out_features]."""
-        return torch.ops.quantized.linear_dynamic(x, self.packed, False)
+        if x.shape[0] == 1:
+            y = torch.ops.quantized.linear_dynamic(x, self.packed, False)
+        else:  # rows normalised to max |x| = 1, then scaled back (see the module docstring)
+            row_max = x.abs().amax(dim=1, keepdim=True).clamp_min_(torch.finfo(x.dtype).tiny)
+            y = torch.ops.quantized.linear_dynamic(x / row_max, self.packed, False).mul_(row_max)
+        return y if self.bias is None else y.add_(self.bias)
