@@ -19,7 +19,8 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCachePool, plan_num_blocks
 from engine.loader import LoadedModel, load_model, resolve_model_path
-from engine.model_runner import ModelRunner, cpu_threads
+from engine.model_runner import ModelRunner
+from engine.threads import cpu_threads
 from engine.protocol import EngineError, GenerationRequest, PromptTooLongError, TokenDelta
 from engine.quant import resident_weight_bytes, unquantized_weight_bytes
 from engine.request import Request

@@ -6,18 +6,15 @@ reach their request's last token get logits (`[num_sampling_rows, vocab]`, in ch
 row each, or 1 + k rows for a decode carrying k draft tokens (its last token and every draft).
 
 Threads (CPU): the forward pass runs on `num_threads` torch threads (EngineConfig.num_threads,
-by default torch's count when the engine was built), set around each step and restored after,
-so the engine thread does not depend on who set what before. Dense weights are split into one
-column slice per thread at load (engine.models.linear.DenseLinear): a one-token step then reads
-the weights with every core. On a CPU shared with other jobs, one thread is faster: each
-parallel op waits for a descheduled thread there (a batch-1 bench-135m step took 120-150 ms on
-two threads while another process held the second core, 44 ms on one).
+by default torch's count when the engine was built), set around each step and restored after;
+a step of at most SMALL_STEP_TOKENS tokens runs its small ops on one thread and only its linear
+products on `num_threads` (engine.threads says why). On a CPU shared with other jobs, one
+thread in all is faster: each parallel op waits for a descheduled thread there (a batch-1
+bench-135m step took 120-150 ms on two threads while another process held the second core,
+44 ms on one).
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 
@@ -26,20 +23,11 @@ from engine.kv_cache import KVCachePool
 from engine.models.decoder import DecoderLM
 from engine.models.rotary import RotaryEmbedding
 from engine.scheduler import SchedulerOutput
+from engine.threads import cpu_threads
 
 
-@contextmanager
-def cpu_threads(num_threads: int) -> Iterator[None]:
-    """Run the block on `num_threads` torch threads, then restore the previous count."""
-    previous = torch.get_num_threads()
-    if num_threads == previous:
-        yield
-        return
-    torch.set_num_threads(num_threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
+# Steps of at most this many tokens run their small ops on one thread (engine.threads).
+SMALL_STEP_TOKENS = 16
 
 
 class ModelRunner:
@@ -90,7 +78,8 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        with cpu_threads(self.num_threads):
+        small = self.device.type == "cpu" and len(input_ids) <= SMALL_STEP_TOKENS
+        with cpu_threads(1 if small else self.num_threads):
             hidden = self.model(
                 ids, self.rotary.lookup(pos), self.kv_pool.k_caches, self.kv_pool.v_caches, meta
             )  # [num_tokens, hidden_size]

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from engine.quant import QUANT_KINDS
+from engine.threads import linear_threads
 
 
 def onednn_available(device: torch.device) -> bool:
@@ -60,6 +61,7 @@ class DenseLinear(nn.Module):
         if self.has_bias != (bias is not None):
             raise ValueError(f"linear expects bias={self.has_bias}, got {bias is not None}")
         self.element_size = weight.element_size()
+        self.num_threads = torch.get_num_threads()  # the engine's, at load (engine.threads)
         self.bias = None if bias is None else bias.contiguous()
         if onednn_available(weight.device):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(
@@ -80,8 +82,9 @@ class DenseLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, in_features] -> [num_tokens, out_features]."""
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(
-                x.contiguous(), self.packed, self.bias, "none", [], ""
+            return linear_threads(
+                self.num_threads, torch.ops.mkldnn._linear_pointwise,
+                x.contiguous(), self.packed, self.bias, "none", [], "",
             )
         if self.bias is None:
             return torch.mm(x, self.weight_t)

@@ -17,6 +17,7 @@ from torch import nn
 from engine.quant.fbgemm_int8 import FbgemmInt8Kernel
 from engine.quant.per_channel import quantize_per_channel
 from engine.quant.weight_only_int8 import WeightOnlyInt8Kernel
+from engine.threads import linear_threads
 
 
 class QuantizationUnavailableError(ValueError):
@@ -66,6 +67,7 @@ class Int8Linear(nn.Module):
         check_quantization("int8", weight.device)
         _, build = INT8_KERNELS[weight.device.type]
         self.kernel = build(weight, bias, weight.dtype)
+        self.num_threads = torch.get_num_threads()  # the engine's, at load (engine.threads)
 
     @property
     def num_weight_bytes(self) -> int:
@@ -79,7 +81,9 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, in_features] -> [num_tokens, out_features]."""
-        return self.kernel.forward(x)
+        if x.device.type != "cpu":
+            return self.kernel.forward(x)
+        return linear_threads(self.num_threads, self.kernel.forward, x)
 
     def extra_repr(self) -> str:
         kernel = "unloaded" if self.kernel is None else self.kernel.name

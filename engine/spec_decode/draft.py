@@ -35,7 +35,7 @@ from engine.attention import build_metadata
 from engine.config import EngineConfig
 from engine.kv_cache import KVCachePool
 from engine.loader import LoadedModel, load_model, resolve_model_path
-from engine.model_runner import cpu_threads
+from engine.threads import cpu_threads
 from engine.protocol import EngineError
 from prompt_cache.manager import KVCacheManager
 

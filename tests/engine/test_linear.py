@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model_runner import cpu_threads
+from engine.threads import cpu_threads
 from engine.models import linear as linear_module
 from engine.models.linear import DenseLinear
 
