@@ -48,7 +48,7 @@ class LLMEngine:
         num_threads = config.num_threads or torch.get_num_threads()
         if loaded is None:
             path = resolve_model_path(config.model)
-            with cpu_threads(num_threads):  # dense weights are sliced per thread at load
+            with cpu_threads(num_threads):  # linear kinds keep the thread count of their load
                 loaded = load_model(
                     path,
                     device=config.device,

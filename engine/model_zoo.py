@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 DEMO_MODEL_NAME = "ragspeed-demo"
+DEMO_DRAFT_MODEL_NAME = "ragspeed-demo-draft"
 CACHE_DIR_ENV = "RAGSPEED_CACHE_DIR"
 # Files copied from the demo model into every bench model.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -166,6 +167,11 @@ ZOO: dict[str, ZooModel] = {
         name=DEMO_MODEL_NAME,
         path=ASSETS_DIR / DEMO_MODEL_NAME,
         description="tiny Llama trained by `ragspeed train-demo` (8 layers, 4k-token BPE), bundled",
+    ),
+    DEMO_DRAFT_MODEL_NAME: BundledModel(
+        name=DEMO_DRAFT_MODEL_NAME,
+        path=ASSETS_DIR / DEMO_DRAFT_MODEL_NAME,
+        description="2-layer draft distilled from ragspeed-demo by `ragspeed train-draft`, bundled",
     ),
     **BENCH_MODELS,
 }

@@ -48,7 +48,7 @@ class Settings(BaseSettings):
     prompt_cache_dir: str | None = Field(".ragspeed/prompts", description="Folder where registered prompts' pinned KV is saved and restored from at start-up (native); none: not persisted.")
     quantization: str | None = Field(None, description="Weight quantization: none or int8 (native).")
     speculative: str | None = Field(None, description="Speculative decoding: ngram or draft (native).")
-    draft_model: str | None = Field(None, description="Draft model for --speculative draft.")
+    draft_model: str | None = Field(None, description="Draft model for --speculative draft: a zoo name (ragspeed-demo-draft), a local folder or a hub id; same tokenizer as the model.")
     num_speculative_tokens: int = Field(4, ge=1, description="Draft tokens proposed per step.")
 
     # Remote upstreams (engine=openai)

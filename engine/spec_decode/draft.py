@@ -257,7 +257,7 @@ def build_draft_proposer(config: EngineConfig, engine) -> DraftProposer:
         )
     num_threads = engine.runner.num_threads
     try:
-        with cpu_threads(num_threads):  # dense weights are sliced per thread at load
+        with cpu_threads(num_threads):  # linear kinds keep the thread count of their load
             loaded = load_model(
                 path,
                 device=config.device,

@@ -26,7 +26,7 @@ TINY = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "nu
 
 
 def test_zoo_names():
-    assert ZOO_NAMES == ("ragspeed-demo", "bench-135m", "bench-0.5b")
+    assert ZOO_NAMES == ("ragspeed-demo", "ragspeed-demo-draft", "bench-135m", "bench-0.5b")
     assert BENCH_MODELS["bench-135m"].vocab_size == 49152
     assert BENCH_MODELS["bench-0.5b"].num_key_value_heads == 2
 
