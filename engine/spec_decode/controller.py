@@ -2,19 +2,19 @@
 
 Per request: an EWMA of its acceptance rate (accepted / drafted per verification) sets
 k = ceil(ewma * max_k) in [1, max_k]; a new request starts from the proposer's recent
-acceptance over all requests (1.0 before any verification). After `miss_limit` verifications in a row that accepted
-nothing, the request pauses speculation for `retry_after` steps, then retries (one more miss
-pauses it again at once).
+acceptance over all requests (1.0 before any verification). After `miss_limit` verifications
+in a row that accepted nothing, the request pauses speculation for `retry_after` steps, then
+retries (one more miss pauses it again at once).
 
 Per step: verification multiplies the target's work by (1 + k) per decode; at small batches
 a step is overhead-bound and the extra queries are nearly free, at large ones they are not, and
 proposing and verifying cost time per request besides. What a step costs is measured, not
 modelled: per batch size (decodes in a step) the controller keeps the median wall time of the
 latest decode-only steps with speculation and without (a median: one step stalled by a page
-fault or another process must not switch speculation for long). What a step yields is estimated per request:
-with acceptance a and k drafts, 1 + a + a^2 + ... + a^k tokens. A step speculates when that
-yield over the speculative cost beats one token per decode over the plain cost; a batch size
-not yet measured both ways is measured (speculation first), and every
+fault or another process must not switch speculation for long). What a step yields is
+estimated per request: with acceptance a and k drafts, 1 + a + a^2 + ... + a^k tokens. A
+step speculates when that yield over the speculative cost beats one token per decode over the
+plain cost; a batch size not yet measured both ways is measured (speculation first), and every
 (`explore_every` x batch size)-th step at a batch size runs the other way, to keep both costs
 fresh and to let requests whose drafts started to pay show it. A hard cap remains: no
 speculation when `num_decodes * (1 + max_k)` exceeds `max_verify_tokens`.

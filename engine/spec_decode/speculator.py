@@ -40,7 +40,9 @@ class Speculator:
     def release(self, request: Request) -> None:
         self._proposer.release(request.request_id)
 
-    def propose(self, running: list[Request], max_model_len: int, *, num_waiting: int = 0) -> None:
+    def propose(
+        self, running: list[Request], max_model_len: int, *, num_waiting: int = 0
+    ) -> None:
         decodes = [
             r for r in running
             if not r.prefill_only and r.num_tokens - r.num_computed_tokens == 1
