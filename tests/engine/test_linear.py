@@ -50,3 +50,23 @@ def test_cpu_threads_restores_the_previous_count():
     with cpu_threads(1):
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_engine_num_threads_reaches_the_linears_and_greedy_output_does_not_change(
+    tiny_checkpoints, num_threads
+):
+    from engine.protocol import GenerationRequest, SamplingParams
+    from tests.engine.conftest import make_engine
+
+    before = torch.get_num_threads()
+    engine = make_engine(tiny_checkpoints["llama"], num_threads=num_threads)
+    assert torch.get_num_threads() == before  # the load's thread count was restored
+    assert engine.runner.num_threads == num_threads
+    assert engine.loaded.model.layers[0].mlp.down_proj.num_threads == num_threads
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    out = engine.generate([GenerationRequest("r", (5, 9, 14, 3), params)])["r"]["token_ids"]
+    reference = make_engine(tiny_checkpoints["llama"]).generate(
+        [GenerationRequest("r", (5, 9, 14, 3), params)]
+    )["r"]["token_ids"]
+    assert out == reference and len(out) == 8
