@@ -204,7 +204,7 @@ def load_weights(model: DecoderLM, tensors: dict[str, torch.Tensor]) -> None:
     model.norm.weight = take("model.norm.weight")
     lm_head = maybe("lm_head.weight")
     if lm_head is None or arch.tie_word_embeddings:
-        # Tied: the LM head is the embedding; it keeps its own transposed copy for fast GEMV.
+        # Tied: the LM head is the embedding; it keeps its own packed copy (linear kinds pack).
         lm_head = model.embed_tokens
     model.lm_head.load(lm_head)
     leftovers = [n for n in tensors if "rotary_emb" not in n]

@@ -1,11 +1,12 @@
 """The one place where the engine builds linear layers.
 
 Every projection of the model (fused QKV, output, fused gate-up, down, LM head) is built by
-`build_linear`, so a quantized kind (per-output-channel int8 through
-`torch.ops.quantized.linear_dynamic`, a later task) only has to register one class here.
+`build_linear`, so a quantized kind (per-output-channel int8, engine.quant) only has to
+register one class here.
 
 A linear kind is built empty from primitives and then given its float weights once by `load`,
-which is where a quantized kind would pack them.
+which is where it packs them (oneDNN's layout for the dense kind on CPU, int8 for the
+quantized one) and records the thread count its products run on (engine.threads).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class DenseLinear(nn.Module):
         self.weight_t: torch.Tensor | None = None  # [in_features, out_features], elsewhere
         self.bias: torch.Tensor | None = None  # [out_features]
         self.element_size = 0
+        self.num_threads = 1  # set by load: the engine's thread count (engine.threads)
 
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         if tuple(weight.shape) != (self.out_features, self.in_features):
@@ -61,7 +63,7 @@ class DenseLinear(nn.Module):
         if self.has_bias != (bias is not None):
             raise ValueError(f"linear expects bias={self.has_bias}, got {bias is not None}")
         self.element_size = weight.element_size()
-        self.num_threads = torch.get_num_threads()  # the engine's, at load (engine.threads)
+        self.num_threads = torch.get_num_threads()
         self.bias = None if bias is None else bias.contiguous()
         if onednn_available(weight.device):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(

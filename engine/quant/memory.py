@@ -2,7 +2,7 @@
 
 Counted: the embedding table, every linear kind's weights (`num_weight_bytes`: int8 rows plus
 scales for a quantized kind), the norms' weights. A tied LM head counts twice: it keeps its own
-copy (transposed fp32, or int8) beside the embedding lookup's table.
+copy (fp32 prepacked for oneDNN, or int8) beside the embedding lookup's table.
 """
 
 from __future__ import annotations

@@ -55,6 +55,7 @@ class Int8Linear(nn.Module):
         self.out_features = out_features
         self.has_bias = bias
         self.kernel: Int8Kernel | None = None
+        self.num_threads = 1  # set by load: the engine's thread count (engine.threads)
 
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         if tuple(weight.shape) != (self.out_features, self.in_features):
@@ -67,7 +68,7 @@ class Int8Linear(nn.Module):
         check_quantization("int8", weight.device)
         _, build = INT8_KERNELS[weight.device.type]
         self.kernel = build(weight, bias, weight.dtype)
-        self.num_threads = torch.get_num_threads()  # the engine's, at load (engine.threads)
+        self.num_threads = torch.get_num_threads()
 
     @property
     def num_weight_bytes(self) -> int:
