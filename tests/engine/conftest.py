@@ -60,6 +60,12 @@ def make_engine(path, **overrides) -> LLMEngine:
     return LLMEngine(EngineConfig(**kwargs))
 
 
+def speculate_every_step(engine: LLMEngine) -> None:
+    """Pin the step-level switch on (per-request k still adapts): tests of the speculative
+    mechanism must not depend on the step times the controller measures."""
+    engine.speculator.controller.batch_allows = lambda decodes, num_tokens: True
+
+
 def assert_all_blocks_free(engine: LLMEngine) -> None:
     engine.manager.check_invariants()
     assert engine.manager.num_free_blocks == engine.manager.num_blocks

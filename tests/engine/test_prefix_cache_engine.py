@@ -7,7 +7,7 @@ import pytest
 
 from engine.prefix_store import pin_prefix, unpin_prefix
 from engine.protocol import GenerationRequest, SamplingParams
-from tests.engine.conftest import hf_greedy, make_engine
+from tests.engine.conftest import hf_greedy, make_engine, speculate_every_step
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 SHARED = tuple(range(10, 50))  # 40 tokens: 5 full blocks of 8
@@ -118,6 +118,7 @@ def test_pinned_blocks_survive_eviction_and_unpin_releases_them(tiny_checkpoints
 def test_draft_tokens_never_enter_the_cache(tiny_checkpoints):
     # A repetitive prompt makes the n-gram proposer draft; rejected drafts must leave no block.
     engine = make_engine(tiny_checkpoints["llama"], speculative="ngram", num_speculative_tokens=4)
+    speculate_every_step(engine)
     plain = make_engine(tiny_checkpoints["llama"], enable_prefix_caching=False)
     prompt = tuple(range(10, 22)) * 4
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)

@@ -11,7 +11,7 @@ from engine.protocol import EngineError, GenerationRequest, SamplingParams
 from engine.sampling import SamplingState
 from engine.spec_decode import AdaptiveController, NgramProposer, verify_greedy, verify_sampled
 from engine.spec_decode.rejection import target_probs
-from tests.engine.conftest import assert_all_blocks_free, make_engine
+from tests.engine.conftest import assert_all_blocks_free, make_engine, speculate_every_step
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 # Prompts with repeated spans, so prompt lookup finds matches from the first step.
@@ -117,7 +117,7 @@ class OracleProposer:
 def _run(path, prompts, params=GREEDY, speculative=None, oracle=None, **overrides):
     engine = make_engine(path, speculative=speculative, **overrides)
     if engine.speculator is not None:
-        engine.speculator.controller.max_verify_tokens = 1000  # speculate in every batch
+        speculate_every_step(engine)
         if oracle is not None:
             engine.speculator.proposer = oracle
     requests = [GenerationRequest(f"r{i}", p, params) for i, p in enumerate(prompts)]
@@ -163,7 +163,7 @@ def test_greedy_identical_with_prefix_caching_chunked_prefill_and_preemption(tin
     assert engine.stats()["spec_accepted_tokens"] > 0
     # prefix caching: the same prompts twice on one engine, the second round hits the cache
     engine = make_engine(path, speculative="ngram")
-    engine.speculator.controller.max_verify_tokens = 1000
+    speculate_every_step(engine)
     engine.speculator.proposer = oracle
     for round_ in range(2):
         out = engine.generate(

@@ -15,7 +15,7 @@ from engine.config import EngineConfig
 from engine.loader import load_model
 from engine.protocol import EngineError, GenerationRequest, SamplingParams
 from engine.spec_decode import DraftProposer
-from tests.engine.conftest import assert_all_blocks_free, make_engine
+from tests.engine.conftest import assert_all_blocks_free, make_engine, speculate_every_step
 from tests.engine.tiny_models import build_tiny_checkpoint, build_tokenizer
 
 @pytest.fixture(autouse=True, scope="module")
@@ -124,7 +124,7 @@ def test_greedy_identical_with_chunked_prefill_preemption_and_prefix_caching(
 def test_draft_pool_exhausted_means_no_drafts_not_preemption(tiny_checkpoints, drafts, plain):
     path = tiny_checkpoints["llama"]
     engine = make_engine(path, speculative="draft", draft_model=str(drafts["self"]))
-    engine.speculator.controller.max_verify_tokens = 1000
+    speculate_every_step(engine)
     # 12 blocks x 8 tokens: room for the drafts of one or two requests at a time
     engine.speculator.proposer = DraftProposer(
         load_model(drafts["self"], max_model_len=256), num_blocks=12, block_size=8, device="cpu"
