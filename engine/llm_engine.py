@@ -18,10 +18,9 @@ import torch
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCachePool, plan_num_blocks
-from engine.loader import LoadedModel, load_model, resolve_model_path
+from engine.loader import LoadedModel, load_for_engine, resolve_model_path
 from engine.model_runner import ModelRunner
-from engine.threads import cpu_threads
-from engine.protocol import EngineError, GenerationRequest, PromptTooLongError, TokenDelta
+from engine.protocol import EngineError, GenerationRequest, TokenDelta, check_context_length
 from engine.quant import resident_weight_bytes, unquantized_weight_bytes
 from engine.request import Request
 from engine.sampler import Sampler
@@ -48,14 +47,9 @@ class LLMEngine:
         num_threads = config.num_threads or torch.get_num_threads()
         if loaded is None:
             path = resolve_model_path(config.model)
-            with cpu_threads(num_threads):  # linear kinds keep the thread count of their load
-                loaded = load_model(
-                    path,
-                    device=config.device,
-                    dtype=config.dtype,
-                    quantization=config.quantization,
-                    max_model_len=config.max_model_len,
-                )
+            loaded = load_for_engine(
+                path, config, max_model_len=config.max_model_len, num_threads=num_threads
+            )
         if tokenizer is None:
             from transformers import AutoTokenizer
 
@@ -117,13 +111,7 @@ class LLMEngine:
         max_tokens = 0 if prefill_only else request.sampling.max_tokens
         if not prefill_only:
             validate_sampling(request.sampling, vocab)
-        if num_prompt + max_tokens > self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) exceeds the "
-                f"model's context of {self.max_model_len} tokens",
-                param="messages" if num_prompt >= self.max_model_len else "max_tokens",
-                code="context_length_exceeded",
-            )
+        check_context_length(num_prompt, max_tokens, self.max_model_len)
 
     def add_request(self, request: GenerationRequest, *, prefill_only: bool = False) -> None:
         self.validate(request, prefill_only=prefill_only)

@@ -18,10 +18,12 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from engine.config import EngineConfig
 from engine.models.arch import ModelArch
 from engine.models.decoder import DecoderLM
 from engine.models.rotary import RotaryEmbedding, permute_heads
 from engine.quant import check_quantization
+from engine.threads import cpu_threads
 
 logger = logging.getLogger(__name__)
 
@@ -226,6 +228,21 @@ def resolve_model_path(name: str) -> Path:
     from huggingface_hub import snapshot_download
 
     return Path(snapshot_download(name))
+
+
+def load_for_engine(
+    path: Path, config: EngineConfig, *, max_model_len: int | None, num_threads: int
+) -> LoadedModel:
+    """`path` loaded as `config` asks (device, dtype, quantization) on the engine's thread
+    count: the linear kinds keep the count of their load for their products (engine.threads)."""
+    with cpu_threads(num_threads):
+        return load_model(
+            path,
+            device=config.device,
+            dtype=config.dtype,
+            quantization=config.quantization,
+            max_model_len=max_model_len,
+        )
 
 
 def load_model(

@@ -75,6 +75,18 @@ class PromptTooLongError(EngineError):
     status_code = 400
 
 
+def check_context_length(num_prompt: int, max_tokens: int, max_model_len: int) -> None:
+    """Raise PromptTooLongError when the prompt plus `max_tokens` exceeds the context; the
+    parameter named is `messages` when the prompt alone does not fit."""
+    if num_prompt + max_tokens > max_model_len:
+        raise PromptTooLongError(
+            f"prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) exceeds the "
+            f"model's context of {max_model_len} tokens",
+            param="messages" if num_prompt >= max_model_len else "max_tokens",
+            code="context_length_exceeded",
+        )
+
+
 class UpstreamError(EngineError):
     """An upstream server failed (502) or timed out (504)."""
 

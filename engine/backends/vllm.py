@@ -22,9 +22,9 @@ from engine.config import EngineConfig
 from engine.protocol import (
     EngineError,
     GenerationRequest,
-    PromptTooLongError,
     SamplingParams,
     TokenDelta,
+    check_context_length,
 )
 
 # ragspeed quantization -> vLLM `quantization`
@@ -148,13 +148,7 @@ class VLLMEngine:
         from vllm import SamplingParams as VllmSamplingParams
 
         num_prompt = len(request.prompt_token_ids)
-        if num_prompt + request.sampling.max_tokens > self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt ({num_prompt} tokens) plus max_tokens ({request.sampling.max_tokens}) "
-                f"exceeds the model's context of {self.max_model_len} tokens",
-                param="messages" if num_prompt >= self.max_model_len else "max_tokens",
-                code="context_length_exceeded",
-            )
+        check_context_length(num_prompt, request.sampling.max_tokens, self.max_model_len)
         prompt: dict[str, Any] = {"prompt_token_ids": list(request.prompt_token_ids)}
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from engine.linear_kind import LinearKind
 from engine.quant import QUANT_KINDS
 from engine.threads import linear_threads
 
@@ -24,7 +25,7 @@ def onednn_available(device: torch.device) -> bool:
     return device.type == "cpu" and torch.backends.mkldnn.is_available()
 
 
-class DenseLinear(nn.Module):
+class DenseLinear(LinearKind):
     """`y = x @ W.T + b` with the weight kept in the compute dtype.
 
     On CPU the weight is prepacked once, at load, into oneDNN's blocked layout
@@ -44,26 +45,15 @@ class DenseLinear(nn.Module):
     PACKING_BATCH_HINT = 256
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
-        super().__init__()
-        self.in_features = in_features
-        self.out_features = out_features
-        self.has_bias = bias
+        super().__init__(in_features, out_features, bias)
         self.packed: torch.Tensor | None = None  # oneDNN layout of W [out, in], CPU
         self.weight_t: torch.Tensor | None = None  # [in_features, out_features], elsewhere
         self.bias: torch.Tensor | None = None  # [out_features]
         self.element_size = 0
-        self.num_threads = 1  # set by load: the engine's thread count (engine.threads)
 
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        if tuple(weight.shape) != (self.out_features, self.in_features):
-            raise ValueError(
-                f"weight of shape {tuple(weight.shape)} does not fit a linear "
-                f"{self.in_features} -> {self.out_features}"
-            )
-        if self.has_bias != (bias is not None):
-            raise ValueError(f"linear expects bias={self.has_bias}, got {bias is not None}")
+        self.check_weights(weight, bias)
         self.element_size = weight.element_size()
-        self.num_threads = torch.get_num_threads()
         self.bias = None if bias is None else bias.contiguous()
         if onednn_available(weight.device):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(
@@ -76,10 +66,6 @@ class DenseLinear(nn.Module):
     def num_weight_bytes(self) -> int:
         """Bytes read per forward: what a token costs in memory bandwidth."""
         return self.num_params * self.element_size
-
-    @property
-    def num_params(self) -> int:
-        return self.in_features * self.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, in_features] -> [num_tokens, out_features]."""

@@ -17,6 +17,7 @@ from torch import nn
 from engine.quant.fbgemm_int8 import FbgemmInt8Kernel
 from engine.quant.per_channel import quantize_per_channel
 from engine.quant.weight_only_int8 import WeightOnlyInt8Kernel
+from engine.linear_kind import LinearKind
 from engine.threads import linear_threads
 
 
@@ -46,39 +47,24 @@ INT8_KERNELS: dict[str, tuple[Callable[[], bool], Callable[..., Int8Kernel]]] = 
 }
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(LinearKind):
     """Per-output-channel symmetric int8 weights; `y = x @ W.T + b` through a device kernel."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
-        super().__init__()
-        self.in_features = in_features
-        self.out_features = out_features
-        self.has_bias = bias
+        super().__init__(in_features, out_features, bias)
         self.kernel: Int8Kernel | None = None
-        self.num_threads = 1  # set by load: the engine's thread count (engine.threads)
 
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        if tuple(weight.shape) != (self.out_features, self.in_features):
-            raise ValueError(
-                f"weight of shape {tuple(weight.shape)} does not fit a linear "
-                f"{self.in_features} -> {self.out_features}"
-            )
-        if self.has_bias != (bias is not None):
-            raise ValueError(f"linear expects bias={self.has_bias}, got {bias is not None}")
+        self.check_weights(weight, bias)
         check_quantization("int8", weight.device)
         _, build = INT8_KERNELS[weight.device.type]
         self.kernel = build(weight, bias, weight.dtype)
-        self.num_threads = torch.get_num_threads()
 
     @property
     def num_weight_bytes(self) -> int:
         """Bytes read per forward: int8 weights, fp32 scales and the bias."""
         assert self.kernel is not None, "load() first"
         return self.kernel.num_weight_bytes
-
-    @property
-    def num_params(self) -> int:
-        return self.in_features * self.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, in_features] -> [num_tokens, out_features]."""

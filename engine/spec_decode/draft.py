@@ -34,7 +34,7 @@ import torch
 from engine.attention import build_metadata
 from engine.config import EngineConfig
 from engine.kv_cache import KVCachePool
-from engine.loader import LoadedModel, load_model, resolve_model_path
+from engine.loader import LoadedModel, load_for_engine, resolve_model_path
 from engine.threads import cpu_threads
 from engine.protocol import EngineError
 from prompt_cache.manager import KVCacheManager
@@ -257,14 +257,9 @@ def build_draft_proposer(config: EngineConfig, engine) -> DraftProposer:
         )
     num_threads = engine.runner.num_threads
     try:
-        with cpu_threads(num_threads):  # linear kinds keep the thread count of their load
-            loaded = load_model(
-                path,
-                device=config.device,
-                dtype=config.dtype,
-                quantization=config.quantization,
-                max_model_len=engine.max_model_len,
-            )
+        loaded = load_for_engine(
+            path, config, max_model_len=engine.max_model_len, num_threads=num_threads
+        )
     except ValueError as error:
         raise EngineError(f"draft model {name!r}: {error}", param="draft_model") from error
     proposer = DraftProposer(
