@@ -50,6 +50,11 @@ def _padded_tables(tables: list[list[int]], num_blocks: int, device) -> torch.Te
     return torch.tensor(rows, dtype=torch.long, device=device)
 
 
+def slots(block_table, start: int, end: int, block_size: int) -> list[int]:
+    """The pool slots of positions `start .. end` of a request with `block_table`."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
 def causal_mask(num_queries: int, context_len: int, device: torch.device | str) -> torch.Tensor:
     """[num_queries, context_len] bool: query i (at position context_len - num_queries + i)
     sees keys up to and including its own position."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import build_metadata
+from engine.attention import build_metadata, slots
 from engine.kv_cache import KVCachePool
 from engine.models.decoder import DecoderLM
 from engine.models.rotary import RotaryEmbedding
@@ -61,7 +61,7 @@ class ModelRunner:
             input_ids.extend(chunk.request.all_token_ids[start : end - len(drafts)])
             input_ids.extend(drafts)
             positions.extend(range(start, end))
-            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            slot_mapping.extend(slots(table, start, end, bs))
             if chunk.samples:
                 last = len(input_ids) - 1
                 sample_index.extend(range(last - len(drafts), last + 1))

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 
-from engine.attention import build_metadata
+from engine.attention import build_metadata, slots
 from engine.config import EngineConfig
 from engine.kv_cache import KVCachePool
 from engine.loader import LoadedModel, load_for_engine, resolve_model_path
@@ -168,14 +168,14 @@ class DraftProposer:
         num_decodes = sum(1 for i in order if len(chunks[i][0]) == 1)
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        slot_mapping: list[int] = []
         last_rows: list[int] = []
         for i in order:
             token_ids, start, table = chunks[i]
             end = start + len(token_ids)
             input_ids.extend(token_ids)
             positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            slot_mapping.extend(slots(table, start, end, bs))
             last_rows.append(len(input_ids) - 1)
         decodes, prefills = order[:num_decodes], order[num_decodes:]
         meta = build_metadata(
@@ -184,7 +184,7 @@ class DraftProposer:
             prefill_tables=[chunks[i][2] for i in prefills],
             prefill_context_lens=[chunks[i][1] + len(chunks[i][0]) for i in prefills],
             prefill_num_queries=[len(chunks[i][0]) for i in prefills],
-            slot_mapping=slots,
+            slot_mapping=slot_mapping,
             block_size=bs,
             device=self.device,
             dtype=self.pool.kv.dtype,
