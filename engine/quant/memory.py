@@ -1,7 +1,7 @@
 """Resident weight bytes of a loaded `DecoderLM`: what the engine holds, quantized or not.
 
-Counted: the embedding table, every linear kind's weights (`num_weight_bytes`: int8 rows plus
-scales for a quantized kind), the norms' weights. A tied LM head counts twice: it keeps its own
+Counted: the embedding table, every linear kind's weights (`num_resident_bytes`: int8 rows plus
+scales for a quantized kind, each layout the kind keeps), the norms' weights. A tied LM head counts twice: it keeps its own
 copy (fp32 prepacked for oneDNN, or int8) beside the embedding lookup's table.
 """
 
@@ -23,7 +23,7 @@ def _norm_bytes(model: nn.Module) -> int:
 def resident_weight_bytes(model: nn.Module) -> int:
     embed = model.embed_tokens
     linear_bytes = sum(
-        m.num_weight_bytes for m in model.modules() if hasattr(m, "num_weight_bytes")
+        m.num_resident_bytes for m in model.modules() if hasattr(m, "num_resident_bytes")
     )
     return embed.numel() * embed.element_size() + linear_bytes + _norm_bytes(model)
 

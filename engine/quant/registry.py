@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from engine.quant.fbgemm_int8 import FbgemmInt8Kernel
+from engine.quant.cpu_int8 import CpuInt8Kernel
 from engine.quant.per_channel import quantize_per_channel
 from engine.quant.weight_only_int8 import WeightOnlyInt8Kernel
 from engine.linear_kind import LinearKind
@@ -27,13 +27,15 @@ class QuantizationUnavailableError(ValueError):
 
 class Int8Kernel(Protocol):
     name: str
-    num_weight_bytes: int
+    num_weight_bytes: int  # read by a product
+    num_resident_bytes: int  # held
+
 
     def forward(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 def _cpu_kernel(weight, bias, dtype) -> Int8Kernel:
-    return FbgemmInt8Kernel(quantize_per_channel(weight), bias)
+    return CpuInt8Kernel(quantize_per_channel(weight), bias, torch.get_num_threads())
 
 
 def _cuda_kernel(weight, bias, dtype) -> Int8Kernel:
@@ -42,7 +44,7 @@ def _cuda_kernel(weight, bias, dtype) -> Int8Kernel:
 
 # device type -> (is it runnable here, build a kernel from (fp weight, bias, activation dtype))
 INT8_KERNELS: dict[str, tuple[Callable[[], bool], Callable[..., Int8Kernel]]] = {
-    "cpu": (FbgemmInt8Kernel.available, _cpu_kernel),
+    "cpu": (CpuInt8Kernel.available, _cpu_kernel),
     "cuda": (WeightOnlyInt8Kernel.available, _cuda_kernel),
 }
 
@@ -65,6 +67,11 @@ class Int8Linear(LinearKind):
         """Bytes read per forward: int8 weights, fp32 scales and the bias."""
         assert self.kernel is not None, "load() first"
         return self.kernel.num_weight_bytes
+
+    @property
+    def num_resident_bytes(self) -> int:
+        assert self.kernel is not None, "load() first"
+        return self.kernel.num_resident_bytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, in_features] -> [num_tokens, out_features]."""

@@ -46,6 +46,7 @@ class WeightOnlyInt8Kernel:
             + self.scales.numel() * self.scales.element_size()
             + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
         )
+        self.num_resident_bytes = self.num_weight_bytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, in_features] -> [num_tokens, out_features], in x's dtype."""

@@ -1,19 +1,25 @@
-"""The dense linear kind (engine.models.linear): oneDNN-packed weights on CPU, `mm` elsewhere."""
+"""The dense linear kind (engine.models.linear): ragspeed's blocked kernel for a few rows and
+oneDNN-packed weights on CPU, `mm` elsewhere."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from engine.cpu_kernels import blocked_kernels_available
 from engine.threads import cpu_threads
 from engine.models import linear as linear_module
 from engine.models.linear import DenseLinear
 
 
-@pytest.fixture(params=["onednn", "mm"])
+@pytest.fixture(params=["blocked", "onednn", "mm"])
 def kind(request, monkeypatch):
-    if request.param == "onednn" and not torch.backends.mkldnn.is_available():
+    if request.param == "blocked" and not blocked_kernels_available(torch.device("cpu")):
+        pytest.skip("ragspeed's CPU kernels could not be built here")
+    if request.param != "mm" and not torch.backends.mkldnn.is_available():
         pytest.skip("this torch build has no oneDNN")
+    if request.param != "blocked":
+        monkeypatch.setattr(linear_module, "blocked_kernels_available", lambda device: False)
     if request.param == "mm":
         monkeypatch.setattr(linear_module, "onednn_available", lambda device: False)
     return request.param
@@ -29,7 +35,8 @@ def test_computes_x_at_w_transposed(kind, threads, bias, num_tokens):
     x = torch.randn(num_tokens, 12, generator=gen)
     layer = DenseLinear(12, 7, bias)
     layer.load(weight, b)
-    assert (layer.packed is not None) == (kind == "onednn")
+    assert (layer.packed is not None) == (kind != "mm")
+    assert (layer.blocked is not None) == (kind == "blocked")
     with cpu_threads(threads):
         out = layer(x)
         strided = layer(torch.randn(12, num_tokens, generator=gen).t())  # not contiguous

@@ -1,0 +1,90 @@
+"""ragspeed's CPU kernels (engine.cpu_kernels): the blocked products, their build and cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.cpu_kernels import BlockedWeight, build, load_library
+from engine.quant.per_channel import quantize_per_channel
+
+pytestmark = pytest.mark.skipif(load_library() is None, reason="ragspeed's CPU kernels could not be built here")
+
+
+def _weights(kind: str, n: int, k: int, gen: torch.Generator):
+    weight = torch.randn(n, k, generator=gen)
+    if kind == "fp32":
+        return BlockedWeight, weight, weight, None
+    int8 = quantize_per_channel(weight)
+    return BlockedWeight, int8.dequantize(), int8.qweight, int8.scales
+
+
+@pytest.mark.parametrize("kind", ["fp32", "int8"])
+@pytest.mark.parametrize("n, k", [(16, 64), (37, 13), (100, 3), (1, 1), (49, 576)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_product_equals_x_at_w_transposed(kind, n, k, bias, threads):
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    _, reference, weight, scales = _weights(kind, n, k, gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    blocked = BlockedWeight(weight, b, scales)
+    for rows in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(rows, k, generator=gen)
+        out = blocked.forward(x, threads)
+        assert out.shape == (rows, n) and out.dtype == torch.float32
+        expected = x @ reference.T + (0 if b is None else b)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["fp32", "int8"])
+def test_a_row_gives_the_same_bits_alone_or_in_a_batch(kind):
+    """Verification (1 + k rows) and batched decoding must reproduce plain decoding exactly."""
+    gen = torch.Generator().manual_seed(7)
+    _, _, weight, scales = _weights(kind, 200, 96, gen)
+    blocked = BlockedWeight(weight, torch.randn(200, generator=gen), scales)
+    x = torch.randn(8, 96, generator=gen)
+    together = blocked.forward(x, 2)
+    for row in range(8):
+        assert torch.equal(blocked.forward(x[row : row + 1], 1)[0], together[row])
+
+
+def test_non_contiguous_input_and_bytes():
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(20, 8, generator=gen)
+    blocked = BlockedWeight(weight)
+    x = torch.randn(8, 3, generator=gen).t()  # [3, 8], strided
+    torch.testing.assert_close(blocked.forward(x, 2), x @ weight.T, rtol=1e-5, atol=1e-5)
+    assert blocked.blocks.shape == (2, 8, 16)  # 20 columns -> 2 blocks of 16, zero-padded
+    assert blocked.num_bytes == 2 * 8 * 16 * 4
+
+
+@pytest.fixture
+def fresh_build(tmp_path, monkeypatch):
+    """load_library() as a new process sees it, with its cache in tmp_path."""
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
+    load_library.cache_clear()
+    yield tmp_path
+    load_library.cache_clear()
+
+
+def test_the_library_is_compiled_once_into_the_cache(fresh_build):
+    assert load_library() is not None
+    built = list(fresh_build.glob("gemv-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    load_library.cache_clear()
+    assert load_library() is not None
+    assert [p.stat().st_mtime_ns for p in fresh_build.glob("gemv-*.so")] == [stamp]
+    assert not [p for p in fresh_build.iterdir() if p.is_dir()]  # no staging left behind
+
+
+def test_turned_off_or_failed_build_means_no_kernels(fresh_build, monkeypatch, caplog):
+    monkeypatch.setenv(build.ENABLE_ENV, "0")
+    assert load_library() is None
+    monkeypatch.delenv(build.ENABLE_ENV)
+    load_library.cache_clear()
+    monkeypatch.setenv("CC", "false")  # a compiler that fails
+    monkeypatch.setattr(build, "FLAGS", build.FLAGS + ("-DRAGSPEED_TEST_FLAGS",))  # a new cache key
+    assert load_library() is None
+    assert "CPU kernels off: building gemv.c failed" in caplog.text
+    assert not list(fresh_build.glob("gemv-*.so"))
