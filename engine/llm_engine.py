@@ -19,8 +19,15 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCachePool, plan_num_blocks
 from engine.loader import LoadedModel, load_for_engine, resolve_model_path
+from engine.logprobs import token_logprobs
 from engine.model_runner import ModelRunner
-from engine.protocol import EngineError, GenerationRequest, TokenDelta, check_context_length
+from engine.protocol import (
+    EngineError,
+    GenerationRequest,
+    TokenDelta,
+    TokenLogprob,
+    check_context_length,
+)
 from engine.quant import resident_weight_bytes, unquantized_weight_bytes
 from engine.request import Request
 from engine.sampler import Sampler
@@ -166,8 +173,9 @@ class LLMEngine:
             results.extend(self._sample_speculative(output.chunks, logits))
         elif logits is not None:
             tokens = self.sampler(logits, [r.sampling for r in sampling])
-            for request, token in zip(sampling, tokens):
-                results.append(self._append_token(request, token))
+            logprobs = _logprobs(logits, list(range(len(tokens))), sampling, tokens)
+            for request, token, logprob in zip(sampling, tokens, logprobs):
+                results.append(self._append_token(request, token, logprob))
         for chunk in output.prefills:
             request = chunk.request
             if request.prefill_only and request.num_computed_tokens == request.num_tokens:
@@ -204,12 +212,24 @@ class LLMEngine:
             new_tokens[chunk.request.request_id] = self.speculator.verify(
                 chunk.request, chunk.draft_token_ids, rows_k, self.sampler.generator
             )
+        # Appended token j of a request was drawn (or verified) at row first + j: accepted
+        # drafts and the recovered or bonus token all carry the target's own logprobs.
+        picks = [
+            (first + j, chunk.request, token)
+            for chunk, first in plain + spec
+            for j, token in enumerate(new_tokens[chunk.request.request_id])
+        ]
+        pick_rows, pick_requests, pick_tokens = (list(column) for column in zip(*picks))
+        logprobs: dict[str, list[TokenLogprob | None]] = {}
+        computed = _logprobs(logits, pick_rows, pick_requests, pick_tokens)
+        for request, logprob in zip(pick_requests, computed):
+            logprobs.setdefault(request.request_id, []).append(logprob)
         results: list[StepOutput] = []
         for chunk, _ in sorted(plain + spec, key=lambda item: item[1]):
             request = chunk.request
             tokens = new_tokens[request.request_id]
-            for token in tokens:
-                results.append(self._append_token(request, token))
+            for token, logprob in zip(tokens, logprobs[request.request_id]):
+                results.append(self._append_token(request, token, logprob))
                 if request.is_finished:
                     break
             request.spec_token_ids = []
@@ -225,7 +245,12 @@ class LLMEngine:
         return results
 
     def _first_delta(
-        self, request: Request, text: str, token_ids: tuple[int, ...], finish: str | None
+        self,
+        request: Request,
+        text: str,
+        token_ids: tuple[int, ...],
+        finish: str | None,
+        logprobs: tuple[TokenLogprob, ...] | None = None,
     ) -> TokenDelta:
         first = not request.first_delta_sent
         request.first_delta_sent = True
@@ -237,9 +262,12 @@ class LLMEngine:
             finish_reason=finish,
             num_prompt_tokens=request.num_prompt_tokens if first else 0,
             num_cached_tokens=max(request.num_cached_tokens, 0) if first else 0,
+            logprobs=logprobs,
         )
 
-    def _append_token(self, request: Request, token: int) -> StepOutput:
+    def _append_token(
+        self, request: Request, token: int, logprob: TokenLogprob | None = None
+    ) -> StepOutput:
         request.all_token_ids.append(token)
         self.num_generation_tokens_total += 1
         params = request.sampling.params
@@ -261,7 +289,9 @@ class LLMEngine:
                 text += request.stop_matcher.feed(request.detokenizer.flush())
                 text += request.stop_matcher.flush()
             self.scheduler.finish(request, finish)
-        return StepOutput(request.request_id, self._first_delta(request, text, (token,), finish))
+        logprobs = None if logprob is None else (logprob,)
+        delta = self._first_delta(request, text, (token,), finish, logprobs)
+        return StepOutput(request.request_id, delta)
 
     # ------------------------------------------------------------------ helpers
 
@@ -297,18 +327,42 @@ class LLMEngine:
         }
 
     def generate(self, requests: list[GenerationRequest]) -> dict[str, dict[str, Any]]:
-        """Run requests to completion (tests, benchmarks): id -> token_ids, text, finish_reason."""
+        """Run requests to completion (tests, benchmarks): id -> token_ids, text, finish_reason
+        (and logprobs, a list of TokenLogprob, for requests that asked)."""
         results: dict[str, dict[str, Any]] = {}
         for request in requests:
             self.add_request(request)
             results[request.request_id] = {"token_ids": [], "text": "", "finish_reason": None}
+            if request.sampling.logprobs is not None:
+                results[request.request_id]["logprobs"] = []
         while self.has_unfinished():
             for out in self.step():
                 entry = results[out.request_id]
                 entry["token_ids"].extend(out.delta.token_ids)
+                if out.delta.logprobs is not None:
+                    entry["logprobs"].extend(out.delta.logprobs)
                 entry["text"] += out.delta.text
                 if out.delta.finish_reason is not None:
                     entry["finish_reason"] = out.delta.finish_reason
                 if out.delta.num_prompt_tokens:
                     entry["num_cached_tokens"] = out.delta.num_cached_tokens
         return results
+
+
+def _logprobs(
+    logits: torch.Tensor, rows: list[int], requests: list[Request], tokens: list[int]
+) -> list[TokenLogprob | None]:
+    """For each i, token `tokens[i]` of `requests[i]` was sampled from `logits[rows[i]]`: its
+    TokenLogprob where the request asked, else None; nothing is computed when nobody asked."""
+    out: list[TokenLogprob | None] = [None] * len(rows)
+    wanted = [i for i, r in enumerate(requests) if r.sampling.params.logprobs is not None]
+    if wanted:
+        computed = token_logprobs(
+            logits,
+            [rows[i] for i in wanted],
+            [tokens[i] for i in wanted],
+            [requests[i].sampling.params.logprobs for i in wanted],
+        )
+        for i, logprob in zip(wanted, computed):
+            out[i] = logprob
+    return out

@@ -8,6 +8,9 @@ Terms used across the engine:
 - *cached tokens*: prompt tokens whose KV came from the prefix cache instead of a prefill.
 - *delta*: what one engine step adds to a request's output: token ids and the text they decode
   to (never a split UTF-8 character).
+- *logprobs*: the natural log of a token's probability under the model's raw next-token
+  distribution, log_softmax of the unprocessed logits (vLLM's default `raw_logprobs`): before
+  temperature, top-k, top-p or min-p, so they do not depend on the sampling parameters.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # None: no logprobs. k in [0, MAX_LOGPROBS]: each output token carries its logprob and the
+    # k most likely tokens with theirs (TokenDelta.logprobs).
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -45,6 +51,20 @@ class GenerationRequest:
     cache_salt: str | None = None
 
 
+# The most alternatives per token a request may ask for (OpenAI's `top_logprobs` limit).
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One output token's logprob and the `SamplingParams.logprobs` most likely tokens at its
+    position (`top`: (token_id, logprob) pairs, most likely first)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass(frozen=True)
 class TokenDelta:
     """One step's output for one request. The last delta has `finish_reason` set."""
@@ -57,6 +77,8 @@ class TokenDelta:
     # Backends that stream text without token ids (remote upstreams) report the output token
     # count here on the final delta; otherwise the gateway counts `token_ids`.
     num_completion_tokens: int | None = None
+    # One entry per `token_ids` entry when the request asked for logprobs; None otherwise.
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 class EngineError(Exception):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.protocol import EngineError, SamplingParams
+from engine.protocol import MAX_LOGPROBS, EngineError, SamplingParams
 
 
 def validate_sampling(params: SamplingParams, vocab_size: int) -> None:
@@ -28,6 +28,12 @@ def validate_sampling(params: SamplingParams, vocab_size: int) -> None:
         raise bad("top_k", "an integer >= 0 (0 or -1 disables it)", params.top_k)
     if not 0.0 <= params.min_p <= 1.0:
         raise bad("min_p", "in [0, 1]", params.min_p)
+    if params.logprobs is not None and (
+        not isinstance(params.logprobs, int)
+        or isinstance(params.logprobs, bool)
+        or not 0 <= params.logprobs <= MAX_LOGPROBS
+    ):
+        raise bad("logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]", params.logprobs)
     for token_id in params.stop_token_ids:
         if not 0 <= token_id < vocab_size:
             raise bad("stop_token_ids", f"token ids in [0, {vocab_size})", token_id)

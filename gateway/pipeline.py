@@ -16,7 +16,14 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from engine.protocol import EngineClient, GenerationRequest, PromptTooLongError, SamplingParams, TokenDelta
+from engine.protocol import (
+    EngineClient,
+    GenerationRequest,
+    PromptTooLongError,
+    SamplingParams,
+    TokenDelta,
+    TokenLogprob,
+)
 from gateway.errors import APIError
 from gateway.experiments import LiveExperiment, current_hints
 from gateway.limits import DeadlineExceeded, next_before
@@ -83,6 +90,7 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None, default_max_to
         stop=tuple(req.stop or ()),
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
+        logprobs=req.num_logprobs,
     )
 
 
@@ -244,6 +252,7 @@ class Generation:
     pipeline: Pipeline
     prepared: PreparedRequest
     text_parts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # when the request asked
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -260,6 +269,14 @@ class Generation:
     @property
     def text(self) -> str:
         return "".join(self.text_parts)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.prepared.generation.sampling.logprobs is not None
+
+    @property
+    def tokenizer(self) -> Any:
+        return (self.prepared.engine or self.pipeline.engine).tokenizer
 
     @property
     def tpot_s(self) -> float | None:
@@ -297,6 +314,8 @@ class Generation:
                 else:
                     self.num_completion_tokens = counted_ids
                 self.text_parts.append(delta.text)
+                if delta.logprobs:
+                    self.logprobs.extend(delta.logprobs)
                 if delta.finish_reason is not None:
                     self.finish_reason = delta.finish_reason
                 yield delta

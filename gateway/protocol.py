@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from engine.protocol import MAX_LOGPROBS
 
 
 class _Strict(BaseModel):
@@ -94,6 +96,11 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     cache_salt: str | None = Field(None, min_length=1)
 
+    @property
+    def num_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: None (off) or the number of alternatives per token."""
+        return None
+
     @field_validator("n")
     @classmethod
     def _single_choice(cls, n: int) -> int:
@@ -115,12 +122,32 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     documents: list[str | DocumentIn] | None = None
     ragspeed: RagspeedOptions | None = None
+    logprobs: bool | None = Field(None, description="Return each output token's logprob.")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                     description="Also this many most likely tokens per position.")
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, top_logprobs: int | None, info: ValidationInfo) -> int | None:
+        if top_logprobs is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return top_logprobs
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int]
     # vLLM's extension: a prompt already rendered through a chat template holds its BOS token.
     add_special_tokens: bool = True
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Return each output "
+                                 "token's logprob and this many most likely tokens per position.")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod

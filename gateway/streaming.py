@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from engine.protocol import EngineError, TokenDelta
 from gateway.errors import error_body
 from gateway.limits import DeadlineExceeded
+from gateway.logprobs import LogprobsFormatter
 from gateway.pipeline import Generation
 
 
@@ -88,13 +89,16 @@ async def complete(gen: Generation, shape: Shape, request: Request) -> JSONRespo
     if work.cancelled():
         return JSONResponse({}, status_code=499)
     work.result()  # re-raise engine errors for the error handlers
+    logprobs = None
+    if gen.wants_logprobs:
+        logprobs = LogprobsFormatter(gen.tokenizer, chat=shape.chat)(gen.logprobs)
     body = {
         "id": f"{'chatcmpl' if shape.chat else 'cmpl'}-{gen.prepared.request_id}",
         "object": shape.object_name,
         "created": int(time.time()),
         "model": gen.pipeline.settings.model_id,
         "choices": [{"index": 0, **shape.whole(gen.text), "finish_reason": gen.finish_reason,
-                     "logprobs": None}],
+                     "logprobs": logprobs}],
         "usage": gen.usage(),
         "ragspeed": gen.ragspeed_fields(),
     }
@@ -117,6 +121,10 @@ async def stream(gen: Generation, shape: Shape, include_usage: bool) -> Streamin
         "model": gen.pipeline.settings.model_id,
     }
 
+    formatter = None
+    if gen.wants_logprobs:
+        formatter = LogprobsFormatter(gen.tokenizer, chat=shape.chat)
+
     def chunk(choice: dict[str, Any] | None, **extra: Any) -> bytes:
         return _sse({**base, "choices": [] if choice is None else [{"index": 0, **choice}], **extra})
 
@@ -127,7 +135,13 @@ async def stream(gen: Generation, shape: Shape, include_usage: bool) -> Streamin
             pending: list[TokenDelta] = [first] if first is not None else []
             while True:
                 for delta in pending:
-                    if delta.text:
+                    if formatter is not None and delta.logprobs:
+                        # Every token gets its logprobs, also one whose text is held back
+                        # (a split UTF-8 character, a possible stop string) or not shown (EOS).
+                        logprobs = formatter(delta.logprobs)
+                        yield chunk({**shape.content(delta.text), "logprobs": logprobs,
+                                     "finish_reason": None})
+                    elif delta.text:
                         yield chunk({**shape.content(delta.text), "finish_reason": None})
                 try:
                     pending = [await anext(deltas)]

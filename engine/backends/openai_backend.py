@@ -195,6 +195,13 @@ class OpenAIEngine:
         self._breakers[base_url].record_failure()
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        if request.sampling.logprobs is not None:
+            # Upstream completions name tokens by their text, not their ids, so their logprobs
+            # cannot become TokenLogprobs faithfully.
+            raise EngineError(
+                "the openai backend does not support logprobs: upstreams report tokens as text, "
+                "not ids", param="logprobs", code="logprobs_unsupported",
+            )
         assert self._client is not None, "start() first"
         self._counters["requests_total"] += 1
         body = completion_body(self.upstream_model, request)

@@ -19,7 +19,13 @@ from transformers.generation.streamers import BaseStreamer
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.model_zoo import resolve_model
-from engine.protocol import GenerationRequest, PromptTooLongError, SamplingParams, TokenDelta
+from engine.protocol import (
+    EngineError,
+    GenerationRequest,
+    PromptTooLongError,
+    SamplingParams,
+    TokenDelta,
+)
 from engine.stop import StopStringMatcher
 
 _DONE = object()
@@ -119,6 +125,12 @@ class TransformersEngine:
         return {"requests_total": float(self._num_requests)}
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        if request.sampling.logprobs is not None:
+            # generate() streams ids only; its scores come after the last token, processed.
+            raise EngineError(
+                "the transformers backend does not support logprobs; use the native engine",
+                param="logprobs", code="logprobs_unsupported",
+            )
         num_prompt = len(request.prompt_token_ids)
         if num_prompt + request.sampling.max_tokens > self.max_model_len:
             raise PromptTooLongError(

@@ -10,6 +10,10 @@ Mapping notes:
 - `quantization="int8"`: vLLM has no on-the-fly int8 for dense checkpoints; its on-the-fly
   8-bit weights are `fp8` (Hopper and newer), which is what ragspeed asks for.
 - `speculative="ngram"` -> prompt-lookup proposer; `"draft"` -> `draft_model` as the proposer.
+- `SamplingParams.logprobs` -> vLLM's `logprobs` (the sampled token's logprob plus that many
+  alternatives); vLLM's default `logprobs_mode="raw_logprobs"` reports the same distribution as
+  the native engine (engine.logprobs). Its per-token dicts come back as `TokenLogprob`s
+  through `vllm_token_logprobs`.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from engine.protocol import (
     GenerationRequest,
     SamplingParams,
     TokenDelta,
+    TokenLogprob,
     check_context_length,
 )
 
@@ -90,7 +95,7 @@ def vllm_engine_args(config: EngineConfig, model_path: str) -> dict[str, Any]:
 
 def vllm_sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
     """Keyword arguments of `vllm.SamplingParams`."""
-    return {
+    kwargs: dict[str, Any] = {
         "n": 1,
         "max_tokens": params.max_tokens,
         "temperature": params.temperature,
@@ -102,6 +107,23 @@ def vllm_sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
         "stop_token_ids": list(params.stop_token_ids),
         "ignore_eos": params.ignore_eos,
     }
+    if params.logprobs is not None:
+        kwargs["logprobs"] = params.logprobs
+    return kwargs
+
+
+def vllm_token_logprobs(
+    token_ids: tuple[int, ...], entries: list[dict[int, Any]], num_top: int
+) -> tuple[TokenLogprob, ...]:
+    """vLLM's per-token logprob dicts (token id -> object with `.logprob` and `.rank`, 1 for
+    the most likely; the sampled token is always present, ranked wherever it fell) ->
+    TokenLogprobs whose `top` holds the `num_top` best ranked, most likely first."""
+    out = []
+    for token_id, entry in zip(token_ids, entries):
+        ranked = sorted((lp.rank, t, lp.logprob) for t, lp in entry.items() if lp.rank is not None)
+        top = tuple((t, logprob) for rank, t, logprob in ranked if rank <= num_top)
+        out.append(TokenLogprob(token_id, entry[token_id].logprob, top))
+    return tuple(out)
 
 
 class VLLMEngine:
@@ -164,12 +186,17 @@ class VLLMEngine:
                 first = num_ids == 0 and num_chars == 0
                 num_ids, num_chars = len(completion.token_ids), len(completion.text)
                 finished = completion.finish_reason is not None
+                logprobs = None
+                if request.sampling.logprobs is not None:
+                    entries = list(completion.logprobs or [])[num_ids - len(ids) : num_ids]
+                    logprobs = vllm_token_logprobs(ids, entries, request.sampling.logprobs)
                 yield TokenDelta(
                     text=text,
                     token_ids=ids,
                     finish_reason=completion.finish_reason if finished else None,
                     num_prompt_tokens=num_prompt if first else 0,
                     num_cached_tokens=(getattr(out, "num_cached_tokens", 0) or 0) if first else 0,
+                    logprobs=logprobs,
                 )
         finally:
             if not finished:
@@ -197,4 +224,10 @@ class VLLMEngine:
         return {"requests_total": float(self._num_requests)}
 
 
-__all__ = ["VLLMEngine", "vllm_available", "vllm_engine_args", "vllm_sampling_kwargs"]
+__all__ = [
+    "VLLMEngine",
+    "vllm_available",
+    "vllm_engine_args",
+    "vllm_sampling_kwargs",
+    "vllm_token_logprobs",
+]

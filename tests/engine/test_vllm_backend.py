@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
@@ -11,9 +12,10 @@ from engine.backends.vllm import (
     vllm_available,
     vllm_engine_args,
     vllm_sampling_kwargs,
+    vllm_token_logprobs,
 )
 from engine.config import EngineConfig
-from engine.protocol import GenerationRequest, SamplingParams
+from engine.protocol import GenerationRequest, SamplingParams, TokenLogprob
 
 
 def test_engine_args_map_the_native_config():
@@ -64,6 +66,27 @@ def test_sampling_params_are_mapped():
         "n": 1, "max_tokens": 5, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "min_p": 0.05,
         "seed": 1, "stop": ["\n\n"], "stop_token_ids": [2], "ignore_eos": True,
     }
+
+
+def test_logprobs_are_mapped_only_when_asked():
+    assert "logprobs" not in vllm_sampling_kwargs(SamplingParams())
+    assert vllm_sampling_kwargs(SamplingParams(logprobs=0))["logprobs"] == 0
+    assert vllm_sampling_kwargs(SamplingParams(logprobs=5))["logprobs"] == 5
+
+
+def test_vllm_logprob_dicts_become_token_logprobs():
+    def lp(logprob, rank):  # the fields of vllm.logprobs.Logprob that are read
+        return SimpleNamespace(logprob=logprob, rank=rank, decoded_token=None)
+
+    entries = [
+        {7: lp(-0.1, 1), 3: lp(-2.5, 2)},  # sampled token ranked first
+        {9: lp(-4.0, 5), 2: lp(-0.3, 1), 8: lp(-1.2, 2)},  # sampled token outside the top 2
+    ]
+    assert vllm_token_logprobs((7, 9), entries, num_top=2) == (
+        TokenLogprob(7, -0.1, ((7, -0.1), (3, -2.5))),
+        TokenLogprob(9, -4.0, ((2, -0.3), (8, -1.2))),
+    )
+    assert vllm_token_logprobs((7,), entries[:1], num_top=0) == (TokenLogprob(7, -0.1, ()),)
 
 
 @pytest.mark.skipif(not vllm_available(), reason="vllm is not installed")
