@@ -5,7 +5,9 @@ request's *context* is every token whose K/V is in the cache when its queries at
 prefix, earlier chunks and this step's tokens). The flat batch puts all decode tokens first
 (one query each), then each prefill chunk as a contiguous span of queries.
 
-The CPU path (also the reference for any CUDA kernel) gathers each request's context blocks out
+On CPU, decodes in fp32 go to ragspeed's kernel (engine.cpu_kernels.attention), which reads
+keys and values where they lie in the pool. The SDPA path (the reference for it and for any
+CUDA kernel) gathers each request's context blocks out
 of the pool (whole blocks: few, contiguous copies) and calls SDPA:
 - decodes: one batched SDPA call; the query heads of a KV head are grouped as rows
   (`[num_decodes, num_kv_heads, group, head_dim]`), which needs neither a repeat of K/V nor a
@@ -20,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from engine.cpu_kernels.attention import decode_kernel_applies, paged_decode_attention
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,7 @@ class AttentionMetadata:
     num_decodes: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks], padded with block 0
     decode_context_len: int  # the longest decode context (gathered keys are cut there)
+    decode_context_lens: torch.Tensor | None  # [num_decodes] int64
     # [num_decodes, 1, 1, decode_context_len] 0 / -inf; None when all contexts are equally long
     decode_mask: torch.Tensor | None
     prefills: tuple[PrefillSpan, ...]
@@ -82,15 +87,15 @@ def build_metadata(
     dtype: torch.dtype = torch.float32,
 ) -> AttentionMetadata:
     num_decodes = len(decode_tables)
-    decode_tables_t = decode_mask = None
+    decode_tables_t = decode_mask = decode_lens_t = None
     max_len = 0
     if num_decodes:
         max_len = max(decode_context_lens)
         decode_tables_t = _padded_tables(decode_tables, -(-max_len // block_size), device)
+        decode_lens_t = torch.tensor(decode_context_lens, dtype=torch.long, device=device)
         if min(decode_context_lens) != max_len:
-            lens = torch.tensor(decode_context_lens, device=device)
             cols = torch.arange(max_len, device=device)
-            valid = (cols.unsqueeze(0) < lens.unsqueeze(1)).view(num_decodes, 1, 1, max_len)
+            valid = (cols.unsqueeze(0) < decode_lens_t.unsqueeze(1)).view(num_decodes, 1, 1, max_len)
             decode_mask = additive(valid, dtype)
     prefills = []
     start = num_decodes
@@ -109,6 +114,7 @@ def build_metadata(
         num_decodes=num_decodes,
         decode_block_tables=decode_tables_t,
         decode_context_len=max_len,
+        decode_context_lens=decode_lens_t,
         decode_mask=decode_mask,
         prefills=tuple(prefills),
         block_size=block_size,
@@ -150,7 +156,15 @@ def paged_attention(
         out = None  # decodes only: SDPA's output is the result
     else:
         out = q.new_empty(num_tokens, num_heads, head_dim)
-    if nd:
+    if nd and decode_kernel_applies(q, num_kv_heads):
+        od = paged_decode_attention(
+            q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+            block_size, scale,
+        )
+        if out is None:
+            return od.view(num_tokens, num_heads * head_dim)
+        out[:nd] = od
+    elif nd:
         group = num_heads // num_kv_heads
         qd = q[:nd].reshape(nd, num_kv_heads, group, head_dim)
         ctx = meta.decode_context_len

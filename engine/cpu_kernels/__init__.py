@@ -1,6 +1,6 @@
 """ragspeed's own CPU kernels: products of a few rows with a weight stored in column blocks.
 
-`gemv.c` is compiled on first use with the machine's C compiler for the machine's own CPU
+`kernels.c` is compiled on first use with the machine's C compiler for the machine's own CPU
 (`-march=native`) and kept in a cache; `build.load_library` returns None where that is not
 possible, and the linear kinds then use oneDNN / fbgemm alone. `BlockedWeight` holds one
 weight in the kernel's layout and runs the product.

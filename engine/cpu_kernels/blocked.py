@@ -1,4 +1,4 @@
-"""One weight in the layout of gemv.c and its product with a few rows.
+"""One weight in the layout of kernels.c and its product with a few rows.
 
 Layout: W [n, k] as blocks of 16 output columns, `[ceil(n / 16), k, 16]`, the last block padded
 with zero columns; per-column scales (int8) and the bias padded to whole blocks the same way.

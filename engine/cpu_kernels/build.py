@@ -1,6 +1,6 @@
-"""Compile gemv.c once per machine and load it with ctypes.
+"""Compile kernels.c once per machine and load it with ctypes.
 
-The library goes to `~/.cache/ragspeed/kernels/gemv-<hash>.so` (or `$RAGSPEED_KERNEL_CACHE`),
+The library goes to `~/.cache/ragspeed/kernels/kernels-<hash>.so` (or `$RAGSPEED_KERNEL_CACHE`),
 the hash covering the source, the compiler command and the CPU's model and flags, so a changed
 source or another machine builds its own. It is compiled to a temporary name and renamed, so
 processes starting at once never load half a file. It links the OpenMP runtime torch already
@@ -24,8 +24,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("gemv.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+SOURCE = Path(__file__).with_name("kernels.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-lm")
 ENABLE_ENV = "RAGSPEED_CPU_KERNELS"
 CACHE_ENV = "RAGSPEED_KERNEL_CACHE"
 
@@ -60,7 +60,9 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     pointer, integer = ctypes.c_void_p, ctypes.c_int
     library.ragspeed_gemv_f32.argtypes = [pointer] * 4 + [integer] * 4
     library.ragspeed_gemv_i8.argtypes = [pointer] * 5 + [integer] * 4
-    library.ragspeed_gemv_f32.restype = library.ragspeed_gemv_i8.restype = None
+    library.ragspeed_paged_decode_attention.argtypes = [pointer] * 6 + [integer] * 6 + [ctypes.c_float, integer]
+    for kernel in (library.ragspeed_gemv_f32, library.ragspeed_gemv_i8, library.ragspeed_paged_decode_attention):
+        kernel.restype = None
     return library
 
 
@@ -77,7 +79,7 @@ def load_library() -> ctypes.CDLL | None:
     key = hashlib.sha256(
         "\n".join([SOURCE.read_text(), compiler, *FLAGS, _cpu_signature()]).encode()
     ).hexdigest()[:16]
-    target = _cache_dir() / f"gemv-{key}.so"
+    target = _cache_dir() / f"kernels-{key}.so"
     try:
         if not target.exists():
             _compile(compiler, target)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
+from engine import attention as attention_module
 from engine.attention import build_metadata, causal_mask, paged_attention
+from engine.cpu_kernels import load_library
 
 
 def test_causal_mask_shifts_by_the_cached_prefix():
@@ -25,14 +28,35 @@ def dense_reference(q, keys, values, num_cached):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, -1)
 
 
-def test_mixed_batch_of_decodes_and_chunks_matches_dense_attention():
+@pytest.fixture(params=["kernel", "sdpa"])
+def decode_path(request, monkeypatch):
+    """Decodes through ragspeed's CPU kernel (engine.cpu_kernels) or the SDPA reference."""
+    if request.param == "kernel" and load_library() is None:
+        pytest.skip("ragspeed's CPU kernels could not be built here")
+    if request.param == "sdpa":
+        monkeypatch.setattr(attention_module, "decode_kernel_applies", lambda q, n: False)
+    return request.param
+
+
+# (num_heads, num_kv_heads, head_dim): GQA 2, bench-135m's 9/3/64, MQA with a head_dim that is
+# not a multiple of 16 (the kernel's scalar tail).
+HEAD_LAYOUTS = [(4, 2, 8), (9, 3, 64), (8, 1, 20)]
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", HEAD_LAYOUTS)
+@pytest.mark.parametrize("with_prefills", [True, False])
+def test_mixed_batch_of_decodes_and_chunks_matches_dense_attention(
+    decode_path, num_heads, num_kv_heads, head_dim, with_prefills
+):
     torch.manual_seed(0)
-    block_size, num_blocks, num_heads, num_kv_heads, head_dim = 4, 32, 4, 2, 8
+    block_size, num_blocks = 4, 32
     k_cache = torch.zeros(num_blocks * block_size, num_kv_heads, head_dim)
     v_cache = torch.zeros_like(k_cache)
     # (block table, tokens already cached, new tokens this step): two decodes of different
     # context lengths, a chunk after a cached prefix, and a fresh prefill; tables scattered.
     layout = [([9, 3, 17], 9, 1), ([5], 2, 1), ([30, 1, 12, 7], 6, 7), ([20, 21], 0, 5)]
+    if not with_prefills:  # decodes only: the step's output is the kernel's
+        layout = layout[:2]
     history = {}
     for i, (table, num_cached, _) in enumerate(layout):
         keys = torch.randn(num_cached, num_kv_heads, head_dim)
@@ -63,7 +87,7 @@ def test_mixed_batch_of_decodes_and_chunks_matches_dense_attention():
     out = paged_attention(
         torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta, head_dim**-0.5
     )
-    assert out.shape == (1 + 1 + 7 + 5, num_heads * head_dim)
+    assert out.shape == (sum(n for _, _, n in layout), num_heads * head_dim)
     start = 0
     for i, (table, num_cached, n) in enumerate(layout):
         keys = torch.cat([history[i][0], ks[i]])

@@ -69,12 +69,12 @@ def fresh_build(tmp_path, monkeypatch):
 
 def test_the_library_is_compiled_once_into_the_cache(fresh_build):
     assert load_library() is not None
-    built = list(fresh_build.glob("gemv-*.so"))
+    built = list(fresh_build.glob("kernels-*.so"))
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns
     load_library.cache_clear()
     assert load_library() is not None
-    assert [p.stat().st_mtime_ns for p in fresh_build.glob("gemv-*.so")] == [stamp]
+    assert [p.stat().st_mtime_ns for p in fresh_build.glob("kernels-*.so")] == [stamp]
     assert not [p for p in fresh_build.iterdir() if p.is_dir()]  # no staging left behind
 
 
@@ -86,5 +86,28 @@ def test_turned_off_or_failed_build_means_no_kernels(fresh_build, monkeypatch, c
     monkeypatch.setenv("CC", "false")  # a compiler that fails
     monkeypatch.setattr(build, "FLAGS", build.FLAGS + ("-DRAGSPEED_TEST_FLAGS",))  # a new cache key
     assert load_library() is None
-    assert "CPU kernels off: building gemv.c failed" in caplog.text
-    assert not list(fresh_build.glob("gemv-*.so"))
+    assert "CPU kernels off: building kernels.c failed" in caplog.text
+    assert not list(fresh_build.glob("kernels-*.so"))
+
+
+@pytest.mark.parametrize("score_scale", [0.125, 40.0])  # 40: most weights underflow to 0
+def test_decode_attention_over_a_long_scattered_context(score_scale):
+    from engine.cpu_kernels.attention import paged_decode_attention
+
+    gen = torch.Generator().manual_seed(11)
+    block_size, num_heads, num_kv_heads, head_dim = 16, 6, 2, 32
+    lengths = [1000, 37]
+    tables = [torch.randperm(80, generator=gen)[:63], torch.randperm(80, generator=gen)[:63]]
+    k_cache = torch.randn(80 * block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(80 * block_size, num_kv_heads, head_dim, generator=gen)
+    q = torch.randn(2, num_heads, head_dim, generator=gen)
+    out = paged_decode_attention(
+        q, k_cache, v_cache, torch.stack(tables), torch.tensor(lengths), block_size, score_scale
+    )
+    for i, (table, n) in enumerate(zip(tables, lengths)):
+        slots = (table[:, None] * block_size + torch.arange(block_size)).flatten()[:n]
+        keys = k_cache[slots].repeat_interleave(num_heads // num_kv_heads, dim=1)  # [n, H, D]
+        values = v_cache[slots].repeat_interleave(num_heads // num_kv_heads, dim=1)
+        weights = (torch.einsum("hd,thd->ht", q[i], keys) * score_scale).softmax(-1)
+        expected = torch.einsum("ht,thd->hd", weights, values)
+        torch.testing.assert_close(out[i], expected, rtol=1e-4, atol=1e-5)

@@ -1,11 +1,12 @@
-/* Products of a few rows with a weight in column blocks: ragspeed's CPU decode kernels.
+/* ragspeed's CPU decode kernels: products of a few rows with a weight in column blocks, and
+ * decode attention over the paged KV pool.
  *
- * A step of a few tokens reads every weight once, so its products are bound by memory
+ * Products. A step of a few tokens reads every weight once, so its products are bound by memory
  * bandwidth. The weight W [n, k] is stored as blocks of 16 output columns, [n/16][k][16]:
  * one block is a contiguous stream that the kernel reads once, front to back, multiplying
  * each 16-wide row by one broadcast input element. Read this way a product streams at the
  * machine's read bandwidth; oneDNN's and MKL's one-row products read at about half of it on
- * the 2-core development CPU (see engine/cpu_kernels/__init__.py).
+ * the 2-core development CPU (figures in engine/cpu_kernels/blocked.py).
  *
  * Every input row is accumulated the same way whatever the number of rows (four partial sums
  * over k, added pairwise at the end), so a token's result does not depend on the batch it ran
@@ -17,6 +18,7 @@
 #include <immintrin.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef float f32x16 __attribute__((vector_size(64), aligned(4)));
@@ -116,4 +118,106 @@ void ragspeed_gemv_f32(const float *w, const float *bias, const float *x, float 
 void ragspeed_gemv_i8(const int8_t *w, const float *scale, const float *bias, const float *x,
                       float *y, int m, int n, int k, int num_threads) {
     gemv_i8(w, scale, bias, x, y, m, n, k, num_threads);
+}
+
+/* Decode attention straight from the paged KV pool: one query token per request.
+ *
+ * q [num_seqs, num_heads, head_dim]; caches [num_slots, num_kv_heads, head_dim] with slot =
+ * block * block_size + offset; block_tables [num_seqs, max_blocks]; context_lens [num_seqs];
+ * out [num_seqs, num_heads, head_dim]. Each (sequence, KV head) is one task for its group of
+ * query heads, in three passes over the context: scores (each key row read where it lies in
+ * the pool, no gather), softmax, and the weighted sum of the value rows. The SDPA path of
+ * engine/attention.py is the reference.
+ */
+#define MAX_GROUP 16
+#define MAX_HEAD_DIM 256
+
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+static inline float reduce_add(f32x16 v) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_add_ps((__m512)v);
+#else
+    float s = 0.0f;
+    for (int i = 0; i < 16; i++) s += v[i];
+    return s;
+#endif
+}
+
+static inline float dot(const float *a, const float *b, int d) {
+    f32x16 acc = {0};
+    int i = 0;
+    for (; i + 16 <= d; i += 16) acc += load_f32(a + i) * load_f32(b + i);
+    float s = reduce_add(acc);
+    for (; i < d; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* e^x for x <= 0 (scores minus their maximum), 16 at a time: x = n ln2 + r, |r| <= ln2 / 2,
+ * e^r by its degree-6 Taylor polynomial (relative error < 2e-7), 2^n put in the exponent bits. */
+static inline f32x16 exp_nonpositive(f32x16 x) {
+    const f32x16 lowest = (f32x16){0} - 87.0f;  /* e^-87 is near FLT_MIN; below, 0 */
+    i32x16 underflow = x < lowest;
+    x = (f32x16)(((i32x16)x & ~underflow) | ((i32x16)lowest & underflow));
+    const f32x16 shifter = (f32x16){0} + 12582912.0f;  /* 1.5 * 2^23: rounds to an integer */
+    f32x16 n = (x * 1.44269504f + shifter) - shifter;
+    f32x16 r = x - n * 0.693145752f - n * 1.42860677e-6f;
+    f32x16 p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
+    i32x16 two_n = (__builtin_convertvector(n, i32x16) + 127) << 23;
+    return (f32x16)((i32x16)(p * (f32x16)two_n) & ~underflow);
+}
+
+void ragspeed_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
+                                     const int64_t *block_tables, const int64_t *context_lens,
+                                     float *out, int num_seqs, int num_heads, int num_kv_heads,
+                                     int head_dim, int max_blocks, int block_size, float scale,
+                                     int num_threads) {
+    int group = num_heads / num_kv_heads;
+    int64_t longest = 0;
+    for (int s = 0; s < num_seqs; s++) longest = context_lens[s] > longest ? context_lens[s] : longest;
+    size_t row = (size_t)(longest + 15) & ~(size_t)15;  /* scores per query head, whole vectors */
+    _Pragma("omp parallel num_threads(num_threads)")
+    {
+        float *scores = aligned_alloc(64, sizeof(float) * group * row);
+        _Pragma("omp for schedule(static) collapse(2)")
+        for (int s = 0; s < num_seqs; s++) {
+            for (int h = 0; h < num_kv_heads; h++) {
+                const float *qh = q + ((size_t)s * num_heads + (size_t)h * group) * head_dim;
+                const int64_t *table = block_tables + (size_t)s * max_blocks;
+                int64_t n = context_lens[s];
+                size_t padded = (size_t)(n + 15) & ~(size_t)15;
+                for (int64_t t = 0; t < n; t++) {
+                    size_t slot = (size_t)table[t / block_size] * block_size + t % block_size;
+                    const float *k = k_cache + (slot * num_kv_heads + h) * head_dim;
+                    for (int g = 0; g < group; g++) scores[g * row + t] = dot(qh + (size_t)g * head_dim, k, head_dim) * scale;
+                }
+                float total[MAX_GROUP], acc[MAX_GROUP][MAX_HEAD_DIM];
+                for (int g = 0; g < group; g++) {
+                    float *sg = scores + g * row, top = -__builtin_inff();
+                    for (int64_t t = 0; t < n; t++) top = sg[t] > top ? sg[t] : top;
+                    for (size_t t = n; t < padded; t++) sg[t] = -__builtin_inff();
+                    f32x16 sum = {0};
+                    for (size_t t = 0; t < padded; t += 16) {
+                        f32x16 e = exp_nonpositive(load_f32(sg + t) - top);
+                        *(f32x16 *)(sg + t) = e;
+                        sum += e;
+                    }
+                    total[g] = reduce_add(sum);
+                    for (int d = 0; d < head_dim; d++) acc[g][d] = 0.0f;
+                }
+                for (int64_t t = 0; t < n; t++) {
+                    size_t slot = (size_t)table[t / block_size] * block_size + t % block_size;
+                    const float *v = v_cache + (slot * num_kv_heads + h) * head_dim;
+                    for (int g = 0; g < group; g++) {
+                        float weight = scores[g * row + t];
+                        for (int d = 0; d < head_dim; d++) acc[g][d] += weight * v[d];
+                    }
+                }
+                float *oh = out + ((size_t)s * num_heads + (size_t)h * group) * head_dim;
+                for (int g = 0; g < group; g++)
+                    for (int d = 0; d < head_dim; d++) oh[(size_t)g * head_dim + d] = acc[g][d] / total[g];
+            }
+        }
+        free(scores);
+    }
 }
