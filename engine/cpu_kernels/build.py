@@ -61,7 +61,11 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.ragspeed_gemv_f32.argtypes = [pointer] * 4 + [integer] * 4
     library.ragspeed_gemv_i8.argtypes = [pointer] * 5 + [integer] * 4
     library.ragspeed_paged_decode_attention.argtypes = [pointer] * 6 + [integer] * 6 + [ctypes.c_float, integer]
-    for kernel in (library.ragspeed_gemv_f32, library.ragspeed_gemv_i8, library.ragspeed_paged_decode_attention):
+    library.ragspeed_add_rms_norm.argtypes = [pointer] * 4 + [integer] * 2 + [ctypes.c_float, integer]
+    for kernel in (
+        library.ragspeed_gemv_f32, library.ragspeed_gemv_i8,
+        library.ragspeed_paged_decode_attention, library.ragspeed_add_rms_norm,
+    ):
         kernel.restype = None
     return library
 

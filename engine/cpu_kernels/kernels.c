@@ -221,3 +221,28 @@ void ragspeed_paged_decode_attention(const float *q, const float *k_cache, const
         free(scores);
     }
 }
+
+/* The residual stream's add and RMSNorm in one pass per row: x [rows, dim] becomes x + residual
+ * (when residual is not NULL), out [rows, dim] = that / sqrt(mean of its squares + eps) * weight.
+ * Replaces the add and the six ops torch's rms_norm runs on a CPU. */
+void ragspeed_add_rms_norm(float *x, const float *residual, const float *weight, float *out,
+                           int rows, int dim, float eps, int num_threads) {
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static) if(rows >= 64)")
+    for (int r = 0; r < rows; r++) {
+        float *xr = x + (size_t)r * dim, *outr = out + (size_t)r * dim;
+        if (residual) {
+            const float *res = residual + (size_t)r * dim;
+            for (int d = 0; d < dim; d++) xr[d] += res[d];
+        }
+        f32x16 squares = {0};
+        int d = 0;
+        for (; d + 16 <= dim; d += 16) {
+            f32x16 v = load_f32(xr + d);
+            squares += v * v;
+        }
+        float sum = reduce_add(squares);
+        for (; d < dim; d++) sum += xr[d] * xr[d];
+        float inverse = 1.0f / __builtin_sqrtf(sum / dim + eps);
+        for (d = 0; d < dim; d++) outr[d] = xr[d] * inverse * weight[d];
+    }
+}

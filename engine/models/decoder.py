@@ -6,8 +6,9 @@ request in one `[num_tokens, hidden_size]` tensor, prefill chunks and decodes al
 attention looks at request boundaries, through `AttentionMetadata`.
 
 Hot-path rules (per-op overhead dominates small models on CPU): fused QKV and gate-up
-projections, one rotary op for Q and K together, the residual add fused into the norm's
-bookkeeping, rotations looked up once per step, no dictionaries in the layer loop.
+projections, one rotary op for Q and K together, the residual add fused into the norm (one
+call of ragspeed's CPU kernels on a CPU), rotations looked up once per step, no dictionaries in
+the layer loop.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
+from engine.cpu_kernels.norm import add_rms_norm, add_rms_norm_applies
 from engine.models.arch import ModelArch
 from engine.models.linear import build_linear
 from engine.models.rotary import apply_rotary
@@ -31,6 +33,16 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, self.size, self.weight, self.eps)
+
+    def add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream's next value, `x + residual` (written into x; x itself when
+        residual is None), and its norm: (norm, stream)."""
+        if add_rms_norm_applies(x) and self.weight.dtype == torch.float32:
+            return add_rms_norm(x, residual, self.weight, self.eps), x
+        stream = x if residual is None else x.add_(residual)
+        return self(stream), stream
 
 
 class Attention(nn.Module):
@@ -113,13 +125,10 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # `residual` carries the stream; `hidden` is the last sublayer's output not yet added.
-        residual = hidden if residual is None else hidden.add_(residual)
-        hidden = self.self_attn(
-            self.input_layernorm(residual), freqs_cis, k_cache, v_cache, meta
-        )
-        residual = hidden.add_(residual)
-        hidden = self.mlp(self.post_attention_layernorm(residual))
-        return hidden, residual
+        normed, residual = self.input_layernorm.add_norm(hidden, residual)
+        hidden = self.self_attn(normed, freqs_cis, k_cache, v_cache, meta)
+        normed, residual = self.post_attention_layernorm.add_norm(hidden, residual)
+        return self.mlp(normed), residual
 
 
 class DecoderLM(nn.Module):
@@ -149,7 +158,7 @@ class DecoderLM(nn.Module):
         residual = None
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
             hidden, residual = layer(hidden, residual, freqs_cis, k_cache, v_cache, meta)
-        return self.norm(hidden.add_(residual))
+        return self.norm.add_norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_sequences, hidden_size] -> fp32 logits [num_sequences, vocab_size]."""

@@ -111,3 +111,19 @@ def test_decode_attention_over_a_long_scattered_context(score_scale):
         weights = (torch.einsum("hd,thd->ht", q[i], keys) * score_scale).softmax(-1)
         expected = torch.einsum("ht,thd->hd", weights, values)
         torch.testing.assert_close(out[i], expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows, dim", [(1, 576), (3, 37), (100, 64)])  # 100 rows: threaded
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_equals_torch(rows, dim, with_residual):
+    from engine.cpu_kernels.norm import add_rms_norm
+
+    gen = torch.Generator().manual_seed(rows + dim)
+    x = torch.randn(rows, dim, generator=gen)
+    residual = torch.randn(rows, dim, generator=gen) if with_residual else None
+    weight = torch.randn(dim, generator=gen)
+    stream = x + residual if with_residual else x.clone()
+    expected = torch.nn.functional.rms_norm(stream, (dim,), weight, 1e-6)
+    out = add_rms_norm(x, residual, weight, 1e-6)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(x, stream)  # the stream's new value, written into x
