@@ -6,7 +6,9 @@ prefix, earlier chunks and this step's tokens). The flat batch puts all decode t
 (one query each), then each prefill chunk as a contiguous span of queries.
 
 On CPU, decodes in fp32 go to ragspeed's kernel (engine.cpu_kernels.attention), which reads
-keys and values where they lie in the pool. The SDPA path (the reference for it and for any
+keys and values where they lie in the pool; so does a whole step whose chunks are all small
+(speculative verification, a draft's catch-up), each query as a row with its own context
+length. The SDPA path (the reference for it and for any
 CUDA kernel) gathers each request's context blocks out
 of the pool (whole blocks: few, contiguous copies) and calls SDPA:
 - decodes: one batched SDPA call; the query heads of a KV head are grouped as rows
@@ -48,6 +50,14 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None
     prefills: tuple[PrefillSpan, ...]
     block_size: int
+    # When every chunk has at most SMALL_CHUNK_QUERIES queries: each query of the flat batch as
+    # a row of the decode kernel, [num_tokens, max_blocks] and [num_tokens] int64; else None.
+    row_block_tables: torch.Tensor | None = None
+    row_context_lens: torch.Tensor | None = None
+
+
+# Chunks of at most this many queries (1 + k for verification) go to the decode kernel.
+SMALL_CHUNK_QUERIES = 16
 
 
 def _padded_tables(tables: list[list[int]], num_blocks: int, device) -> torch.Tensor:
@@ -109,6 +119,16 @@ def build_metadata(
             mask = additive(causal_mask(num_queries, context_len, device), dtype)
         prefills.append(PrefillSpan(start, start + num_queries, table_t, context_len, mask))
         start += num_queries
+    row_tables = row_lens = None
+    if prefill_num_queries and max(prefill_num_queries) <= SMALL_CHUNK_QUERIES:
+        rows = [(t, n) for t, n in zip(decode_tables, decode_context_lens)]
+        for table, context_len, num_queries in zip(
+            prefill_tables, prefill_context_lens, prefill_num_queries
+        ):  # query i of the chunk sees the keys up to its own position
+            rows += [(table, context_len - num_queries + i + 1) for i in range(num_queries)]
+        longest = max(n for _, n in rows)
+        row_tables = _padded_tables([t for t, _ in rows], -(-longest // block_size), device)
+        row_lens = torch.tensor([n for _, n in rows], dtype=torch.long, device=device)
     return AttentionMetadata(
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
         num_decodes=num_decodes,
@@ -118,6 +138,8 @@ def build_metadata(
         decode_mask=decode_mask,
         prefills=tuple(prefills),
         block_size=block_size,
+        row_block_tables=row_tables,
+        row_context_lens=row_lens,
     )
 
 
@@ -151,6 +173,11 @@ def paged_attention(
     block_size = meta.block_size
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
+    if meta.row_block_tables is not None and decode_kernel_applies(q, num_kv_heads):
+        out = paged_decode_attention(
+            q, k_cache, v_cache, meta.row_block_tables, meta.row_context_lens, block_size, scale
+        )
+        return out.view(num_tokens, num_heads * head_dim)
     nd = meta.num_decodes
     if nd == num_tokens and nd:
         out = None  # decodes only: SDPA's output is the result

@@ -7,7 +7,7 @@ row each, or 1 + k rows for a decode carrying k draft tokens (its last token and
 
 Threads (CPU): the forward pass runs on `num_threads` torch threads (EngineConfig.num_threads,
 by default torch's count when the engine was built), set around each step and restored after;
-a step of at most SMALL_STEP_TOKENS tokens runs its small ops on one thread and only its linear
+a step of at most engine.threads.SMALL_STEP_TOKENS tokens runs its small ops on one thread and only its linear
 products on `num_threads` (engine.threads says why). On a CPU shared with other jobs, one
 thread in all is faster: each parallel op waits for a descheduled thread there (a batch-1
 bench-135m step took 120-150 ms on two threads while another process held the second core,
@@ -23,11 +23,7 @@ from engine.kv_cache import KVCachePool
 from engine.models.decoder import DecoderLM
 from engine.models.rotary import RotaryEmbedding
 from engine.scheduler import SchedulerOutput
-from engine.threads import cpu_threads
-
-
-# Steps of at most this many tokens run their small ops on one thread (engine.threads).
-SMALL_STEP_TOKENS = 16
+from engine.threads import cpu_threads, forward_threads
 
 
 class ModelRunner:
@@ -78,8 +74,7 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        small = self.device.type == "cpu" and len(input_ids) <= SMALL_STEP_TOKENS
-        with cpu_threads(1 if small else self.num_threads):
+        with cpu_threads(forward_threads(len(input_ids), self.num_threads, self.device)):
             hidden = self.model(
                 ids, self.rotary.lookup(pos), self.kv_pool.k_caches, self.kv_pool.v_caches, meta
             )  # [num_tokens, hidden_size]

@@ -17,6 +17,17 @@ from contextlib import contextmanager
 import torch
 
 
+# A step of at most this many tokens runs its small ops on one thread.
+SMALL_STEP_TOKENS = 16
+
+
+def forward_threads(num_tokens: int, num_threads: int, device: torch.device) -> int:
+    """Torch threads for a forward pass of `num_tokens` tokens (the model runner's and the
+    draft proposer's): one for a small step on a CPU, else `num_threads`."""
+    small = device.type == "cpu" and num_tokens <= SMALL_STEP_TOKENS
+    return 1 if small else num_threads
+
+
 @contextmanager
 def cpu_threads(num_threads: int) -> Iterator[None]:
     """Run the block on `num_threads` torch threads, then restore the previous count."""

@@ -1,11 +1,11 @@
-/* ragspeed's CPU decode kernels: products of a few rows with a weight in column blocks, and
- * decode attention over the paged KV pool.
+/* ragspeed's CPU decode kernels: products of a few rows with a weight in column blocks,
+ * decode attention over the paged KV pool, and the residual add with RMSNorm.
  *
  * Products. A step of a few tokens reads every weight once, so its products are bound by memory
  * bandwidth. The weight W [n, k] is stored as blocks of 16 output columns, [n/16][k][16]:
  * one block is a contiguous stream that the kernel reads once, front to back, multiplying
- * each 16-wide row by one broadcast input element. Read this way a product streams at the
- * machine's read bandwidth; oneDNN's and MKL's one-row products read at about half of it on
+ * each 16-wide row by one broadcast input element. Read this way a product streams at close
+ * to the machine's read bandwidth; oneDNN's and MKL's one-row products read at about half of it on
  * the 2-core development CPU (figures in engine/cpu_kernels/blocked.py).
  *
  * Every input row is accumulated the same way whatever the number of rows (four partial sums
@@ -15,7 +15,9 @@
  * GCC vector extensions (and intrinsics for widening int8): -march=native picks AVX-512, AVX2
  * or SSE.
  */
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -71,9 +73,12 @@ static inline void store(float *y, f32x16 acc, const float *scale, const float *
                 acc[r][2] += w2 * xr[2]; acc[r][3] += w3 * xr[3];                               \
             }                                                                                   \
         }                                                                                       \
-        for (; j < k; j++) {                                                                    \
-            f32x16 wj = LOAD(block + (size_t)j * BLOCK);                                        \
-            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) acc[r][j & 3] += wj * x[(size_t)r * k + j]; \
+        /* The last k % 4 columns, into partial sums 0, 1, 2 (constant indices keep the sums \
+         * in registers). */                                                                    \
+        _Pragma("GCC unroll 3") for (int t = 0; t < 3; t++) {                                   \
+            if (j + t >= k) break;                                                              \
+            f32x16 wt = LOAD(block + (size_t)(j + t) * BLOCK);                                  \
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) acc[r][t] += wt * x[(size_t)r * k + j + t]; \
         }                                                                                       \
         _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                     \
             store(y + (size_t)r * n, (acc[r][0] + acc[r][1]) + (acc[r][2] + acc[r][3]), scale, bias, first, n); \

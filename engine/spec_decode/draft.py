@@ -35,7 +35,7 @@ from engine.attention import build_metadata, slots
 from engine.config import EngineConfig
 from engine.kv_cache import KVCachePool
 from engine.loader import LoadedModel, load_for_engine, resolve_model_path
-from engine.threads import cpu_threads
+from engine.threads import cpu_threads, forward_threads
 from engine.protocol import EngineError
 from prompt_cache.manager import KVCacheManager
 
@@ -125,8 +125,7 @@ class DraftProposer:
         if not active:
             return drafts
 
-        with cpu_threads(self.num_threads):
-            self._draft(active, chunks, drafts)
+        self._draft(active, chunks, drafts)
         for a in active:
             a.state.num_computed = a.num_tokens
             a.state.pending = drafts[a.index][:-1]  # the fed drafts (the last one is not fed)
@@ -191,12 +190,15 @@ class DraftProposer:
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(
-            ids, self.rotary.lookup(pos), self.pool.k_caches, self.pool.v_caches, meta
-        )  # [num_tokens, hidden_size]
-        if len(last_rows) < len(input_ids):
-            hidden = hidden[torch.tensor(last_rows, device=self.device)]
-        logits = self.model.compute_logits(hidden)[:, : self.vocab_size]  # [num_chunks, vocab]
+        # The target's thread policy (engine.threads): draft steps are small, their small ops
+        # on one thread (on two, a bench drafting step cost about twice as much).
+        with cpu_threads(forward_threads(len(input_ids), self.num_threads, self.device)):
+            hidden = self.model(
+                ids, self.rotary.lookup(pos), self.pool.k_caches, self.pool.v_caches, meta
+            )  # [num_tokens, hidden_size]
+            if len(last_rows) < len(input_ids):
+                hidden = hidden[torch.tensor(last_rows, device=self.device)]
+            logits = self.model.compute_logits(hidden)[:, : self.vocab_size]  # [chunks, vocab]
         if self.min_confidence > 0.0:
             best, next_ids = logits.softmax(dim=-1).max(dim=-1)
             probs = best.tolist()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import attention as attention_module
-from engine.attention import build_metadata, causal_mask, paged_attention
+from engine.attention import SMALL_CHUNK_QUERIES, build_metadata, causal_mask, paged_attention
 from engine.cpu_kernels import load_library
 
 
@@ -44,10 +44,12 @@ HEAD_LAYOUTS = [(4, 2, 8), (9, 3, 64), (8, 1, 20)]
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", HEAD_LAYOUTS)
-@pytest.mark.parametrize("with_prefills", [True, False])
+@pytest.mark.parametrize("chunks", ["none", "small", "large"])
 def test_mixed_batch_of_decodes_and_chunks_matches_dense_attention(
-    decode_path, num_heads, num_kv_heads, head_dim, with_prefills
+    decode_path, num_heads, num_kv_heads, head_dim, chunks
 ):
+    """chunks: decodes only; with small chunks (all through the kernel on CPU, each query a
+    row); with a chunk longer than SMALL_CHUNK_QUERIES too (decodes in the kernel, chunks SDPA)."""
     torch.manual_seed(0)
     block_size, num_blocks = 4, 32
     k_cache = torch.zeros(num_blocks * block_size, num_kv_heads, head_dim)
@@ -55,8 +57,10 @@ def test_mixed_batch_of_decodes_and_chunks_matches_dense_attention(
     # (block table, tokens already cached, new tokens this step): two decodes of different
     # context lengths, a chunk after a cached prefix, and a fresh prefill; tables scattered.
     layout = [([9, 3, 17], 9, 1), ([5], 2, 1), ([30, 1, 12, 7], 6, 7), ([20, 21], 0, 5)]
-    if not with_prefills:  # decodes only: the step's output is the kernel's
+    if chunks == "none":
         layout = layout[:2]
+    elif chunks == "large":
+        layout.append(([22, 23, 24, 25, 26, 27], 2, 20))
     history = {}
     for i, (table, num_cached, _) in enumerate(layout):
         keys = torch.randn(num_cached, num_kv_heads, head_dim)
@@ -84,6 +88,8 @@ def test_mixed_batch_of_decodes_and_chunks_matches_dense_attention(
         block_size=block_size,
         device="cpu",
     )
+    assert (meta.row_block_tables is not None) == (chunks == "small")
+    assert chunks != "large" or 20 > SMALL_CHUNK_QUERIES
     out = paged_attention(
         torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta, head_dim**-0.5
     )
