@@ -8,9 +8,8 @@ prefix, earlier chunks and this step's tokens). The flat batch puts all decode t
 On CPU, decodes in fp32 go to ragspeed's kernel (engine.cpu_kernels.attention), which reads
 keys and values where they lie in the pool; so does a whole step whose chunks are all small
 (speculative verification, a draft's catch-up), each query as a row with its own context
-length. The SDPA path (the reference for it and for any
-CUDA kernel) gathers each request's context blocks out
-of the pool (whole blocks: few, contiguous copies) and calls SDPA:
+length. The SDPA path (the reference for it and for any CUDA kernel) gathers each request's
+context blocks out of the pool (whole blocks: few, contiguous copies) and calls SDPA:
 - decodes: one batched SDPA call; the query heads of a KV head are grouped as rows
   (`[num_decodes, num_kv_heads, group, head_dim]`), which needs neither a repeat of K/V nor a
   causal mask, only a padding mask when context lengths differ;
@@ -105,7 +104,8 @@ def build_metadata(
         decode_lens_t = torch.tensor(decode_context_lens, dtype=torch.long, device=device)
         if min(decode_context_lens) != max_len:
             cols = torch.arange(max_len, device=device)
-            valid = (cols.unsqueeze(0) < decode_lens_t.unsqueeze(1)).view(num_decodes, 1, 1, max_len)
+            valid = cols.unsqueeze(0) < decode_lens_t.unsqueeze(1)
+            valid = valid.view(num_decodes, 1, 1, max_len)
             decode_mask = additive(valid, dtype)
     prefills = []
     start = num_decodes
@@ -120,7 +120,8 @@ def build_metadata(
         prefills.append(PrefillSpan(start, start + num_queries, table_t, context_len, mask))
         start += num_queries
     row_tables = row_lens = None
-    if prefill_num_queries and max(prefill_num_queries) <= SMALL_CHUNK_QUERIES:
+    small = prefill_num_queries and max(prefill_num_queries) <= SMALL_CHUNK_QUERIES
+    if small and torch.device(device).type == "cpu":
         rows = [(t, n) for t, n in zip(decode_tables, decode_context_lens)]
         for table, context_len, num_queries in zip(
             prefill_tables, prefill_context_lens, prefill_num_queries

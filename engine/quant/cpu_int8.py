@@ -19,6 +19,8 @@ from engine.quant.per_channel import Int8Weight
 
 
 class CpuInt8Kernel:
+    """One int8 weight for both CPU kernels; a product takes the one its row count favours."""
+
     device_type = "cpu"
     MAX_BLOCKED_ROWS = 3
 
@@ -32,9 +34,12 @@ class CpuInt8Kernel:
         if blocked_kernels_available(weight.qweight.device):
             self.blocked = BlockedWeight(weight.qweight, bias, weight.scales)
         self.num_threads = num_threads
-        self.name = self.fbgemm.name + ("" if self.blocked is None else " + blocked int8 for decode")
-        self.num_weight_bytes = self.blocked.num_bytes if self.blocked else self.fbgemm.num_weight_bytes
-        self.num_resident_bytes = self.fbgemm.num_weight_bytes + (self.blocked.num_bytes if self.blocked else 0)
+        self.name = self.fbgemm.name
+        self.num_weight_bytes = self.num_resident_bytes = self.fbgemm.num_weight_bytes
+        if self.blocked is not None:  # decoding reads the blocked copy
+            self.name += " + blocked int8 for decode"
+            self.num_weight_bytes = self.blocked.num_bytes
+            self.num_resident_bytes += self.blocked.num_bytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x fp32 [num_tokens, in_features] -> fp32 [num_tokens, out_features]."""

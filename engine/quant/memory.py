@@ -1,8 +1,8 @@
 """Resident weight bytes of a loaded `DecoderLM`: what the engine holds, quantized or not.
 
 Counted: the embedding table, every linear kind's weights (`num_resident_bytes`: int8 rows plus
-scales for a quantized kind, each layout the kind keeps), the norms' weights. A tied LM head counts twice: it keeps its own
-copy (fp32 prepacked for oneDNN, or int8) beside the embedding lookup's table.
+scales for a quantized kind, once per layout the kind keeps), the norms' weights. A tied LM
+head counts twice: it keeps its own copy (fp32 packed, or int8) beside the embedding table.
 """
 
 from __future__ import annotations

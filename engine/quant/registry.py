@@ -30,7 +30,6 @@ class Int8Kernel(Protocol):
     num_weight_bytes: int  # read by a product
     num_resident_bytes: int  # held
 
-
     def forward(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
