@@ -53,6 +53,9 @@ class AttentionMetadata:
     # a row of the decode kernel, [num_tokens, max_blocks] and [num_tokens] int64; else None.
     row_block_tables: torch.Tensor | None = None
     row_context_lens: torch.Tensor | None = None
+    # Threads of the decode-attention kernel: the engine's count, like the linear products
+    # (its tasks, one per sequence and KV head, read the KV pool from memory in parallel).
+    num_threads: int = 1
 
 
 # Chunks of at most this many queries (1 + k for verification) go to the decode kernel.
@@ -94,6 +97,7 @@ def build_metadata(
     block_size: int,
     device: torch.device | str,
     dtype: torch.dtype = torch.float32,
+    num_threads: int = 1,
 ) -> AttentionMetadata:
     num_decodes = len(decode_tables)
     decode_tables_t = decode_mask = decode_lens_t = None
@@ -141,6 +145,7 @@ def build_metadata(
         block_size=block_size,
         row_block_tables=row_tables,
         row_context_lens=row_lens,
+        num_threads=num_threads,
     )
 
 
@@ -176,7 +181,8 @@ def paged_attention(
     v_cache.index_copy_(0, meta.slot_mapping, v)
     if meta.row_block_tables is not None and decode_kernel_applies(q, num_kv_heads):
         out = paged_decode_attention(
-            q, k_cache, v_cache, meta.row_block_tables, meta.row_context_lens, block_size, scale
+            q, k_cache, v_cache, meta.row_block_tables, meta.row_context_lens, block_size, scale,
+            meta.num_threads,
         )
         return out.view(num_tokens, num_heads * head_dim)
     nd = meta.num_decodes
@@ -187,7 +193,7 @@ def paged_attention(
     if nd and decode_kernel_applies(q, num_kv_heads):
         od = paged_decode_attention(
             q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-            block_size, scale,
+            block_size, scale, meta.num_threads,
         )
         if out is None:
             return od.view(num_tokens, num_heads * head_dim)

@@ -71,6 +71,7 @@ class ModelRunner:
             block_size=bs,
             device=self.device,
             dtype=self.kv_pool.kv.dtype,
+            num_threads=self.num_threads,
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)

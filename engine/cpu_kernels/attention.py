@@ -35,6 +35,7 @@ def paged_decode_attention(
     context_lens: torch.Tensor,  # [num_decodes] int64
     block_size: int,
     scale: float,
+    num_threads: int = 1,
 ) -> torch.Tensor:
     """softmax(q K^T * scale) V per decode over its context -> [num_decodes, num_heads, head_dim]."""
     library = load_library()
@@ -45,6 +46,6 @@ def paged_decode_attention(
     library.ragspeed_paged_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         context_lens.data_ptr(), out.data_ptr(), num_decodes, num_heads, k_cache.shape[1],
-        head_dim, block_tables.shape[1], block_size, scale, torch.get_num_threads(),
+        head_dim, block_tables.shape[1], block_size, scale, num_threads,
     )
     return out

@@ -187,6 +187,7 @@ class DraftProposer:
             block_size=bs,
             device=self.device,
             dtype=self.pool.kv.dtype,
+            num_threads=self.num_threads,
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
