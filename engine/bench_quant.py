@@ -101,18 +101,23 @@ def run_bench_quant(
     with torch.inference_mode():
         for contender in contenders.values():  # warm-up: prefill and decode paths once
             contender.tpot(_random_prompt(gen, 32, vocab), 4)
-        for name, contender in contenders.items():
-            tpots = [
-                contender.tpot(_random_prompt(gen, prompt_len, vocab), output_len)
-                for _ in range(repeats)
-            ]
-            results[f"{name}_tpot_ms"] = statistics.median(tpots) * 1e3
-        for name in engines:
-            ttfts = [
-                contenders[name].ttft(_random_prompt(gen, ttft_prompt_len, vocab))
-                for _ in range(repeats)
-            ]
-            results[f"{name}_ttft_{ttft_prompt_len}_ms"] = statistics.median(ttfts) * 1e3
+        # Contenders alternate within each repeat, so a change of the machine's speed during
+        # the run (this VM's read bandwidth switches between ~33 and ~55 GB/s) reaches all of
+        # them alike instead of tilting the ratios; medians over the repeats.
+        tpots: dict[str, list[float]] = {name: [] for name in contenders}
+        ttfts: dict[str, list[float]] = {name: [] for name in engines}
+        for _ in range(repeats):
+            prompt = _random_prompt(gen, prompt_len, vocab)
+            for name, contender in contenders.items():
+                tpots[name].append(contender.tpot(prompt, output_len))
+        for _ in range(repeats):
+            prompt = _random_prompt(gen, ttft_prompt_len, vocab)
+            for name in engines:
+                ttfts[name].append(contenders[name].ttft(prompt))
+        for name, times in tpots.items():
+            results[f"{name}_tpot_ms"] = statistics.median(times) * 1e3
+        for name, times in ttfts.items():
+            results[f"{name}_ttft_{ttft_prompt_len}_ms"] = statistics.median(times) * 1e3
 
     results.update(probe.finish())
     bandwidth = probe.bandwidth
