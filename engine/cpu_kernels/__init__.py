@@ -6,7 +6,14 @@ possible, and the linear kinds then use oneDNN / fbgemm alone. `BlockedWeight` h
 weight in the kernel's layout and runs the product.
 """
 
-from engine.cpu_kernels.blocked import BlockedWeight, blocked_kernels_available
+from engine.cpu_kernels.blocked import (
+    BlockedWeight,
+    blocked_kernels_available,
+    decode_step,
+    in_decode_step,
+)
 from engine.cpu_kernels.build import load_library
 
-__all__ = ["BlockedWeight", "blocked_kernels_available", "load_library"]
+__all__ = [
+    "BlockedWeight", "blocked_kernels_available", "decode_step", "in_decode_step", "load_library",
+]

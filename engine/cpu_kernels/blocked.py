@@ -15,11 +15,36 @@ beyond.
 
 from __future__ import annotations
 
+import contextvars
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from engine.cpu_kernels.build import load_library
 
 BLOCK = 16
+
+# Set by the model runner and the draft proposer around a step whose chunks are all small.
+_DECODE_STEP = contextvars.ContextVar("ragspeed_decode_step", default=False)
+
+
+@contextmanager
+def decode_step(active: bool) -> Iterator[None]:
+    """Within a decode-type step (decodes and verifications only), every product goes to the
+    blocked kernels whatever its row count. They give a row the same bits in any batch, so a
+    request's tokens do not depend on how many others ran beside it, nor on whether they were
+    verified drafts: greedy decoding with speculation stays identical to decoding without
+    it. (The packed kernels that prefill uses sum in another order.)"""
+    token = _DECODE_STEP.set(active)
+    try:
+        yield
+    finally:
+        _DECODE_STEP.reset(token)
+
+
+def in_decode_step() -> bool:
+    return _DECODE_STEP.get()
 
 
 def blocked_kernels_available(device: torch.device) -> bool:

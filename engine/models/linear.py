@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from engine.cpu_kernels import BlockedWeight, blocked_kernels_available
+from engine.cpu_kernels import BlockedWeight, blocked_kernels_available, in_decode_step
 from engine.linear_kind import LinearKind
 from engine.quant import QUANT_KINDS
 from engine.threads import linear_threads
@@ -44,8 +44,8 @@ class DenseLinear(LinearKind):
     hint (256) fits all of these; the one-row product also reads with both cores, which MKL's
     does not.
 
-    Products of up to `MAX_BLOCKED_ROWS` rows use the column-blocked copy of the weight
-    (engine.cpu_kernels) instead: 1 row 11-18 ms vs 21-27 ms over the same matrices, 8 rows
+    Products of up to `MAX_BLOCKED_ROWS` rows, and every product of a decode-type step
+    (engine.cpu_kernels.decode_step), use the column-blocked copy of the weight instead: 1 row 11-18 ms vs 21-27 ms over the same matrices, 8 rows
     even. That copy doubles the resident fp32 weights; decoding reads only it.
 
     Elsewhere (GPUs, builds without oneDNN) `W.T` is kept contiguous (`[in, out]`) for `mm`.
@@ -88,7 +88,9 @@ class DenseLinear(LinearKind):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, in_features] -> [num_tokens, out_features]."""
-        if self.blocked is not None and x.shape[0] <= self.MAX_BLOCKED_ROWS:
+        if self.blocked is not None and (
+            x.shape[0] <= self.MAX_BLOCKED_ROWS or in_decode_step()
+        ):
             return self.blocked.forward(x, self.num_threads)
         if self.packed is not None:
             return linear_threads(

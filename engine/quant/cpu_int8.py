@@ -6,14 +6,16 @@ by reading the weights, and kernels.c's weight-only kernel (int8 weights widened
 activations) reads them faster: over bench-135m's 121 matrices on the development CPU, 1 row
 4.6 vs 6.5-7.2 ms, 2 rows 5.2 vs 7.4, 4 rows even (it widens each weight once per pass of four
 rows). So products of up to `MAX_BLOCKED_ROWS` rows take the blocked copy, which holds the
-same int8 values and scales; both layouts stay resident.
+same int8 values and scales, and so does every product of a decode-type step
+(engine.cpu_kernels.decode_step: speculation stays lossless). A batch of 16 decodes costs
+about twice fbgemm's time in its products that way. Both layouts stay resident.
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine.cpu_kernels import BlockedWeight, blocked_kernels_available
+from engine.cpu_kernels import BlockedWeight, blocked_kernels_available, in_decode_step
 from engine.quant.fbgemm_int8 import FbgemmInt8Kernel, fbgemm_available
 from engine.quant.per_channel import Int8Weight
 
@@ -43,6 +45,8 @@ class CpuInt8Kernel:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x fp32 [num_tokens, in_features] -> fp32 [num_tokens, out_features]."""
-        if self.blocked is not None and x.shape[0] <= self.MAX_BLOCKED_ROWS:
+        if self.blocked is not None and (
+            x.shape[0] <= self.MAX_BLOCKED_ROWS or in_decode_step()
+        ):
             return self.blocked.forward(x, self.num_threads)
         return self.fbgemm.forward(x)

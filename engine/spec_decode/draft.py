@@ -31,7 +31,8 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 
-from engine.attention import build_metadata, slots
+from engine.attention import SMALL_CHUNK_QUERIES, build_metadata, slots
+from engine.cpu_kernels import decode_step
 from engine.config import EngineConfig
 from engine.kv_cache import KVCachePool
 from engine.loader import LoadedModel, load_for_engine, resolve_model_path
@@ -193,7 +194,11 @@ class DraftProposer:
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         # The target's thread policy (engine.threads): draft steps are small, their small ops
         # on one thread (on two, a bench drafting step cost about twice as much).
-        with cpu_threads(forward_threads(len(input_ids), self.num_threads, self.device)):
+        small_chunks = all(len(chunk[0]) <= SMALL_CHUNK_QUERIES for chunk in chunks)
+        with (
+            cpu_threads(forward_threads(len(input_ids), self.num_threads, self.device)),
+            decode_step(small_chunks),
+        ):
             hidden = self.model(
                 ids, self.rotary.lookup(pos), self.pool.k_caches, self.pool.v_caches, meta
             )  # [num_tokens, hidden_size]

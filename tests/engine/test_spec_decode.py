@@ -286,3 +286,16 @@ def test_bench_spec_runs_on_the_demo_model(shared_data):
     )
     assert result["outputs_identical"] is True
     assert 0 <= result["ngram_acceptance"] <= 1 and result["batch16_ratio"] > 0
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_greedy_identical_whatever_the_batch_and_the_row_counts(tiny_checkpoints, quantization):
+    """Verification batches of 4 x (1 + k) rows against plain decoding's 4 rows: products of
+    decode-type steps run on the row-invariant blocked kernels on CPU, int8 included."""
+    path = tiny_checkpoints["llama"]
+    plain, _ = _run(path, PROMPTS, quantization=quantization)
+    alone = [_run(path, [p], quantization=quantization)[0][0] for p in PROMPTS]
+    assert alone == plain
+    oracle = OracleProposer(PROMPTS, plain)
+    spec, engine = _run(path, PROMPTS, speculative="ngram", oracle=oracle, quantization=quantization)
+    assert spec == plain and engine.stats()["spec_accepted_tokens"] > 0
