@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import SMALL_CHUNK_QUERIES, build_metadata, slots
-from engine.cpu_kernels import decode_step
+from engine.attention import build_metadata, slots
 from engine.kv_cache import KVCachePool
 from engine.models.decoder import DecoderLM
 from engine.models.rotary import RotaryEmbedding
 from engine.scheduler import SchedulerOutput
-from engine.threads import cpu_threads, forward_threads
+from engine.threads import forward_pass
 
 
 class ModelRunner:
@@ -76,11 +75,8 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        small_chunks = all(c.num_tokens <= SMALL_CHUNK_QUERIES for c in output.chunks)
-        with (
-            cpu_threads(forward_threads(len(input_ids), self.num_threads, self.device)),
-            decode_step(small_chunks),
-        ):
+        chunk_sizes = [c.num_tokens for c in output.chunks]
+        with forward_pass(chunk_sizes, self.num_threads, self.device):
             hidden = self.model(
                 ids, self.rotary.lookup(pos), self.kv_pool.k_caches, self.kv_pool.v_caches, meta
             )  # [num_tokens, hidden_size]

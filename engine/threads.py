@@ -16,6 +16,9 @@ from contextlib import contextmanager
 
 import torch
 
+from engine.attention import SMALL_CHUNK_QUERIES
+from engine.cpu_kernels import decode_step
+
 
 # A step of at most this many tokens runs its small ops on one thread.
 SMALL_STEP_TOKENS = 16
@@ -26,6 +29,19 @@ def forward_threads(num_tokens: int, num_threads: int, device: torch.device) -> 
     draft proposer's): one for a small step on a CPU, else `num_threads`."""
     small = device.type == "cpu" and num_tokens <= SMALL_STEP_TOKENS
     return 1 if small else num_threads
+
+
+@contextmanager
+def forward_pass(
+    chunk_sizes: list[int], num_threads: int, device: torch.device
+) -> Iterator[None]:
+    """One forward pass over chunks of `chunk_sizes` tokens (the model runner's and the draft
+    proposer's): its thread count (`forward_threads`) and, when every chunk is small
+    (decodes, verifications), the row-invariant CPU kernels (engine.cpu_kernels.decode_step)."""
+    small_chunks = max(chunk_sizes, default=0) <= SMALL_CHUNK_QUERIES
+    with cpu_threads(forward_threads(sum(chunk_sizes), num_threads, device)):
+        with decode_step(small_chunks):
+            yield
 
 
 @contextmanager

@@ -31,12 +31,11 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 
-from engine.attention import SMALL_CHUNK_QUERIES, build_metadata, slots
-from engine.cpu_kernels import decode_step
+from engine.attention import build_metadata, slots
 from engine.config import EngineConfig
 from engine.kv_cache import KVCachePool
 from engine.loader import LoadedModel, load_for_engine, resolve_model_path
-from engine.threads import cpu_threads, forward_threads
+from engine.threads import forward_pass
 from engine.protocol import EngineError
 from prompt_cache.manager import KVCacheManager
 
@@ -192,13 +191,9 @@ class DraftProposer:
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        # The target's thread policy (engine.threads): draft steps are small, their small ops
-        # on one thread (on two, a bench drafting step cost about twice as much).
-        small_chunks = all(len(chunk[0]) <= SMALL_CHUNK_QUERIES for chunk in chunks)
-        with (
-            cpu_threads(forward_threads(len(input_ids), self.num_threads, self.device)),
-            decode_step(small_chunks),
-        ):
+        # The target's policy (engine.threads): draft steps are small, their small ops on one
+        # thread (on two, a bench drafting step cost about twice as much).
+        with forward_pass([len(chunk[0]) for chunk in chunks], self.num_threads, self.device):
             hidden = self.model(
                 ids, self.rotary.lookup(pos), self.pool.k_caches, self.pool.v_caches, meta
             )  # [num_tokens, hidden_size]
