@@ -10,10 +10,10 @@ from engine.cpu_kernels.blocked import (
     BlockedWeight,
     blocked_kernels_available,
     decode_step,
-    in_decode_step,
+    takes_blocked,
 )
 from engine.cpu_kernels.build import load_library
 
 __all__ = [
-    "BlockedWeight", "blocked_kernels_available", "decode_step", "in_decode_step", "load_library",
+    "BlockedWeight", "blocked_kernels_available", "decode_step", "load_library", "takes_blocked",
 ]

@@ -43,8 +43,10 @@ def decode_step(active: bool) -> Iterator[None]:
         _DECODE_STEP.reset(token)
 
 
-def in_decode_step() -> bool:
-    return _DECODE_STEP.get()
+def takes_blocked(num_rows: int, max_rows: int) -> bool:
+    """Whether a linear kind's product of `num_rows` rows goes to its blocked copy: a few rows
+    (up to the kind's `max_rows`), or any number within a decode-type step."""
+    return num_rows <= max_rows or _DECODE_STEP.get()
 
 
 def blocked_kernels_available(device: torch.device) -> bool:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from engine.cpu_kernels import BlockedWeight, blocked_kernels_available, in_decode_step
+from engine.cpu_kernels import BlockedWeight, blocked_kernels_available, takes_blocked
 from engine.linear_kind import LinearKind
 from engine.quant import QUANT_KINDS
 from engine.threads import linear_threads
@@ -88,9 +88,7 @@ class DenseLinear(LinearKind):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, in_features] -> [num_tokens, out_features]."""
-        if self.blocked is not None and (
-            x.shape[0] <= self.MAX_BLOCKED_ROWS or in_decode_step()
-        ):
+        if self.blocked is not None and takes_blocked(x.shape[0], self.MAX_BLOCKED_ROWS):
             return self.blocked.forward(x, self.num_threads)
         if self.packed is not None:
             return linear_threads(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.cpu_kernels import BlockedWeight, blocked_kernels_available, in_decode_step
+from engine.cpu_kernels import BlockedWeight, blocked_kernels_available, takes_blocked
 from engine.quant.fbgemm_int8 import FbgemmInt8Kernel, fbgemm_available
 from engine.quant.per_channel import Int8Weight
 
@@ -45,8 +45,6 @@ class CpuInt8Kernel:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x fp32 [num_tokens, in_features] -> fp32 [num_tokens, out_features]."""
-        if self.blocked is not None and (
-            x.shape[0] <= self.MAX_BLOCKED_ROWS or in_decode_step()
-        ):
+        if self.blocked is not None and takes_blocked(x.shape[0], self.MAX_BLOCKED_ROWS):
             return self.blocked.forward(x, self.num_threads)
         return self.fbgemm.forward(x)

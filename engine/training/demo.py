@@ -25,7 +25,7 @@ from transformers import GenerationConfig, LlamaConfig, PreTrainedModel, PreTrai
 from engine.training.corpus import Corpus, load_corpus
 from engine.training.examples import Message, make_extractive_example, make_generic_example, make_repeat_example
 from engine.training.tokenizer import save_tokenizer, train_tokenizer
-from engine.training.trainer import Phase, Piece, TrainingConfig, TrainingLog, evaluate_loss, train_causal_lm
+from engine.training.trainer import Phase, Piece, TrainingConfig, evaluate_loss, train_causal_lm
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "ragspeed-demo"
 DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data"

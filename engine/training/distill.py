@@ -48,7 +48,7 @@ from engine.training.demo import (
     make_chat_pieces,
 )
 from engine.training.examples import make_extractive_example, make_generic_example, make_repeat_example
-from engine.training.trainer import Piece, TrainingConfig, TrainingLog, _learning_rate, pack_rows
+from engine.training.trainer import Phase, Piece, TrainingConfig, TrainingLog, train_loop
 
 DRAFT_MODEL_DIR = DEMO_MODEL_DIR.parent / "ragspeed-demo-draft"
 # Files of the target's folder that are not the draft's own (weights, config, card).
@@ -184,57 +184,23 @@ def train_kd(
     budget_s: float,
     log: Callable[[str], None] = print,
 ) -> TrainingLog:
-    """AdamW on the KD loss over packed rows, cosine learning rate over the time budget."""
+    """The shared training loop (engine.training.trainer.train_loop) on the KD loss, one phase
+    of `recipe.seq_len`-token rows."""
     torch.manual_seed(config.seed)
-    rng = random.Random(config.seed)
     draft.train()
-    params = [p for p in draft.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=config.learning_rate, betas=(0.9, 0.95),
+
+    def step_loss(token_ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+        with torch.no_grad():
+            target_logits = target(input_ids=token_ids).logits
+        return kd_loss(draft(input_ids=token_ids).logits, target_logits, mask), int(mask.sum())
+
+    phase = Phase(seq_len=recipe.seq_len, batch_size=recipe.batch_size, time_fraction=1.0,
+                  make_pieces=make_pieces)
+    training_log = train_loop(
+        [p for p in draft.parameters() if p.requires_grad], step_loss, [phase], config,
+        budget_s=budget_s, rng=random.Random(config.seed), pad_id=pad_id, log=log,
+        loss_name="kd",
     )
-    training_log = TrainingLog()
-    start = time.perf_counter()
-    loss_sum, loss_count = 0.0, 0
-
-    def progress() -> float:
-        by_time = (time.perf_counter() - start) / budget_s
-        by_steps = training_log.steps / config.max_steps if config.max_steps else 0.0
-        return max(by_time, by_steps)
-
-    while progress() < 1.0:
-        row_ids, row_mask = pack_rows(make_pieces(rng), recipe.seq_len, pad_id)
-        order = torch.randperm(row_ids.size(0), generator=torch.Generator().manual_seed(rng.randrange(2**31)))
-        for first in range(0, len(order) - recipe.batch_size + 1, recipe.batch_size):
-            if progress() >= 1.0:
-                break
-            batch = order[first : first + recipe.batch_size]
-            token_ids, mask = row_ids[batch], row_mask[batch]  # [batch, seq_len]
-            lr = _learning_rate(config, training_log.steps, progress())
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            with torch.no_grad():
-                target_logits = target(input_ids=token_ids).logits
-            loss = kd_loss(draft(input_ids=token_ids).logits, target_logits, mask)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
-            optimizer.step()
-            training_log.steps += 1
-            training_log.tokens += int(mask.sum())
-            loss_sum += loss.item()
-            loss_count += 1
-            if training_log.steps % config.log_every == 0:
-                training_log.losses.append((training_log.steps, loss_sum / loss_count))
-                loss_sum, loss_count = 0.0, 0
-                elapsed = time.perf_counter() - start
-                log(f"step {training_log.steps} kd {training_log.losses[-1][1]:.3f} lr {lr:.2e} "
-                    f"{training_log.tokens / elapsed:.0f} tok/s {elapsed:.0f}s")
-    if loss_count:
-        training_log.losses.append((training_log.steps, loss_sum / loss_count))
-    training_log.wall_seconds = time.perf_counter() - start
     draft.eval()
     return training_log
 

@@ -6,8 +6,9 @@ assistant's reply and its <|end|>, so passages shown in prompts are read, not me
 Pieces are packed greedily into rows of `seq_len` (padding masked out), so an answer always
 sits in the same row as the documents it copies from.
 
-Reused by the draft distillation: `train_causal_lm` takes any `PretrainedConfig` and a
-`RowSampler` per phase; only the loss would change.
+`train_loop` is the one loop (budget, cosine learning rate, packing, logging); its caller gives
+the loss of a batch: `train_causal_lm` the masked next-token loss, the draft distillation
+(engine.training.distill) the KD loss.
 """
 
 from __future__ import annotations
@@ -103,31 +104,37 @@ def _learning_rate(config: TrainingConfig, step: int, progress: float) -> float:
     return config.min_learning_rate + (config.learning_rate - config.min_learning_rate) * cosine
 
 
-def train_causal_lm(
-    model_config: PretrainedConfig,
-    phases: Sequence[Phase],
-    config: TrainingConfig,
-    *,
-    pad_id: int,
-    log: Callable[[str], None] = print,
-) -> tuple[PreTrainedModel, TrainingLog]:
-    """Train a fresh model of `model_config`. The learning rate follows a cosine over the time
-    budget (progress = elapsed / budget, or step / max_steps when that ends sooner)."""
-    if not phases:
-        raise ValueError("phases must not be empty")
-    torch.manual_seed(config.seed)
-    torch.set_num_threads(config.num_threads)
-    rng = random.Random(config.seed)
-    model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
-    model.train()
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+def adamw(params: list[torch.nn.Parameter], config: TrainingConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (not on norms and biases)."""
+    return torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ],
         lr=config.learning_rate,
         betas=(0.9, 0.95),
     )
-    budget_s = config.max_minutes * 60.0
+
+
+def train_loop(
+    params: list[torch.nn.Parameter],
+    step_loss: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, int]],
+    phases: Sequence[Phase],
+    config: TrainingConfig,
+    *,
+    budget_s: float,
+    rng: random.Random,
+    pad_id: int,
+    log: Callable[[str], None] = print,
+    loss_name: str = "loss",
+) -> TrainingLog:
+    """AdamW on `params` over the packed rows of each phase, in turn, within the budget: the
+    learning rate follows a cosine over it (progress = elapsed / budget, or step / max_steps
+    when that ends sooner). `step_loss(token_ids, loss_mask)` (both [batch, seq_len]) returns a
+    batch's loss and the number of tokens it counts."""
+    if not phases:
+        raise ValueError("phases must not be empty")
+    optimizer = adamw(params, config)
     total_fraction = sum(phase.time_fraction for phase in phases)
     training_log = TrainingLog()
     start = time.perf_counter()
@@ -156,14 +163,13 @@ def train_causal_lm(
                 lr = _learning_rate(config, training_log.steps, progress())
                 for group in optimizer.param_groups:
                     group["lr"] = lr
-                logits = model(input_ids=token_ids).logits
-                loss = masked_lm_loss(logits, token_ids, loss_mask)
+                loss, num_tokens = step_loss(token_ids, loss_mask)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+                torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
                 optimizer.step()
                 training_log.steps += 1
-                training_log.tokens += int(token_ids.numel())
+                training_log.tokens += num_tokens
                 loss_sum += loss.item()
                 loss_count += 1
                 if training_log.steps % config.log_every == 0:
@@ -172,12 +178,40 @@ def train_causal_lm(
                     loss_sum, loss_count = 0.0, 0
                     elapsed = time.perf_counter() - start
                     log(
-                        f"step {training_log.steps} loss {mean_loss:.3f} lr {lr:.2e} "
+                        f"step {training_log.steps} {loss_name} {mean_loss:.3f} lr {lr:.2e} "
                         f"{training_log.tokens / elapsed:.0f} tok/s {elapsed:.0f}s"
                     )
     if loss_count:
         training_log.losses.append((training_log.steps, loss_sum / loss_count))
     training_log.wall_seconds = time.perf_counter() - start
+    return training_log
+
+
+def train_causal_lm(
+    model_config: PretrainedConfig,
+    phases: Sequence[Phase],
+    config: TrainingConfig,
+    *,
+    pad_id: int,
+    log: Callable[[str], None] = print,
+) -> tuple[PreTrainedModel, TrainingLog]:
+    """Train a fresh model of `model_config` (train_loop, masked next-token loss)."""
+    if not phases:
+        raise ValueError("phases must not be empty")
+    torch.manual_seed(config.seed)
+    torch.set_num_threads(config.num_threads)
+    rng = random.Random(config.seed)
+    model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+    model.train()
+
+    def step_loss(token_ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+        logits = model(input_ids=token_ids).logits
+        return masked_lm_loss(logits, token_ids, loss_mask), int(token_ids.numel())
+
+    training_log = train_loop(
+        list(model.parameters()), step_loss, phases, config,
+        budget_s=config.max_minutes * 60.0, rng=rng, pad_id=pad_id, log=log,
+    )
     model.eval()
     return model, training_log
 
