@@ -136,7 +136,8 @@ def test_upstream_connect_errors_retry_and_open_the_circuit(tiny_model, transfor
 
 # ---------------------------------------------------------------------- a real server with small limits
 
-LONG = {"max_tokens": 900, "ignore_eos": True, "temperature": 0}
+# 4,000 tokens take the tiny model ~4 s or more on a 2-core machine: far past every deadline below.
+LONG = {"max_tokens": 4000, "ignore_eos": True, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +152,7 @@ def limited_server(tiny_model):
 @pytest.fixture(scope="module")
 def deadline_server(tiny_model):
     args = ["--engine", "transformers", "--model", str(tiny_model), "--served-model-name", "tiny",
-            "--request-timeout-s", "1.0"]
+            "--request-timeout-s", "0.5"]
     with ServerProcess(args) as server:
         yield server
 
@@ -220,7 +221,7 @@ def test_concurrency_limit_queues_then_sheds_with_429(limited_server):
     """One slot and one queue place: a long stream runs, a second request waits, a third is 429;
     once the stream's client hangs up, the queued request is served."""
     url = f"{limited_server.url}/v1/completions"
-    long_body = {"model": "tiny", "prompt": "Once", "stream": True, **LONG, "max_tokens": 1000}
+    long_body = {"model": "tiny", "prompt": "Once", "stream": True, **LONG}
     results: dict[str, int] = {}
 
     def queued() -> None:
@@ -291,7 +292,7 @@ def test_sigterm_aborts_streams_past_the_drain_deadline(tiny_model):
     server = ServerProcess(["--engine", "transformers", "--model", str(tiny_model), "--served-model-name", "tiny",
                             "--shutdown-drain-s", "0.5", "--request-timeout-s", "600"]).start()
     try:
-        lines, exit_s = _stream_through_sigterm(server, max_tokens=1000)
+        lines, exit_s = _stream_through_sigterm(server, max_tokens=LONG["max_tokens"])
         assert "data: [DONE]" not in lines  # cut, not finished
         assert exit_s < 15
         _assert_clean_exit(server)

@@ -184,12 +184,12 @@ def test_models_health_and_metrics(transformers_server, client):
 
 def test_disconnect_mid_stream_aborts(transformers_server):
     with httpx.stream("POST", f"{transformers_server.url}/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 400, "ignore_eos": True,
+            "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 2000, "ignore_eos": True,
             "stream": True}) as response:
         for i, _ in enumerate(response.iter_lines()):
             if i > 4:
                 break
-    # The engine is free again at once: a new request completes without waiting for 400 tokens.
+    # The engine is free again at once: a new request completes without waiting for 2,000 tokens.
     done = httpx.post(f"{transformers_server.url}/v1/chat/completions", timeout=30, json={
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert done.status_code == 200
