@@ -9,7 +9,8 @@ Figures (one run; warm-up first; medians of `repeats` runs; JSON keys in bracket
   ngram_mean_accepted_length], and whether both gave the same tokens [outputs_identical].
 - batch 1, wiki-style prompts (the first 64 tokens of held-out passages of the demo's split, as
   plain text to continue), without speculation and with the draft model (`--draft-model`,
-  default the distilled demo draft), side by side: [draft_plain_decode_tokens_per_s,
+  default the distilled demo draft; its weights as `--draft-quantization` says, default int8 on
+  a CPU [draft_quantization]), side by side: [draft_plain_decode_tokens_per_s,
   draft_decode_tokens_per_s, draft_speedup = draft / plain], acceptance and mean accepted
   length over the timed runs [draft_acceptance, draft_mean_accepted_length], and
   [draft_outputs_identical].
@@ -128,10 +129,12 @@ def run_bench_spec(
     repeats: int = 3,
     threads: int = 2,
     draft_model: str | Path | None = None,
+    draft_quantization: str | None = "auto",
     wiki_prompt_tokens: int = 64,
 ) -> dict[str, Any]:
     from engine.llm_engine import LLMEngine
     from engine.loader import load_model, resolve_model_path
+    from engine.spec_decode.draft import draft_quantization as resolve_draft_quantization
     from engine.training.distill import DRAFT_MODEL_DIR
 
     draft_model = str(draft_model or DRAFT_MODEL_DIR)
@@ -143,7 +146,7 @@ def run_bench_spec(
     spec_config = replace(base, speculative="ngram", num_speculative_tokens=num_speculative_tokens)
     ngram = LLMEngine(spec_config, loaded=loaded, tokenizer=plain.tokenizer)
     draft_config = replace(
-        base, speculative="draft", draft_model=draft_model,
+        base, speculative="draft", draft_model=draft_model, draft_quantization=draft_quantization,
         num_speculative_tokens=num_speculative_tokens,
     )
     draft = LLMEngine(draft_config, loaded=loaded, tokenizer=plain.tokenizer)
@@ -198,6 +201,7 @@ def run_bench_spec(
         "ngram_mean_accepted_length": spec_stats["spec_mean_accepted_length"],
         "outputs_identical": identical,
         "draft_model": draft_model,
+        "draft_quantization": resolve_draft_quantization(draft_config) or "none",
         "num_wiki_prompts": len(wiki),
         "mean_wiki_prompt_tokens": statistics.mean(len(p) for p in wiki),
         "draft_plain_decode_tokens_per_s": draft_rates["plain"],
@@ -223,7 +227,8 @@ def print_table(r: dict[str, Any]) -> None:
     print(f"  acceptance {r['ngram_acceptance']:.3f}, mean accepted length"
           f" {r['ngram_mean_accepted_length']:.2f}, outputs identical: {r['outputs_identical']}")
     print(f"batch 1 ({r['num_wiki_prompts']} wiki prompts of"
-          f" ~{r['mean_wiki_prompt_tokens']:.0f} tokens, draft {Path(r['draft_model']).name}):")
+          f" ~{r['mean_wiki_prompt_tokens']:.0f} tokens, draft {Path(r['draft_model']).name},"
+          f" {r['draft_quantization']} weights):")
     print(f"  decode tokens/s   plain {r['draft_plain_decode_tokens_per_s']:8.1f}"
           f"   draft {r['draft_decode_tokens_per_s']:8.1f}   speedup {r['draft_speedup']:.2f}x"
           f"  (target >= 1.5)")
@@ -246,15 +251,18 @@ def print_table(r: dict[str, Any]) -> None:
 @click.option("--threads", default=2, show_default=True, type=click.IntRange(1))
 @click.option("--draft-model", default=None, type=click.Path(exists=True, file_okay=False),
               help="draft model folder  [default: engine/assets/ragspeed-demo-draft]")
+@click.option("--draft-quantization", default="auto", show_default=True,
+              type=click.Choice(["auto", "none", "int8"]),
+              help="the draft's weights (auto: int8 on a CPU)")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
               help="write the flat JSON figures here")
 def bench_spec(model, data_path, num_prompts, max_tokens, num_speculative_tokens, repeats,
-               threads, draft_model, json_path) -> None:
+               threads, draft_model, draft_quantization, json_path) -> None:
     """Speculative decoding on and off: prompt lookup and draft model at batch 1, batch-16 ratio."""
     result = run_bench_spec(
         model, data_path, num_prompts=num_prompts, max_tokens=max_tokens,
         num_speculative_tokens=num_speculative_tokens, repeats=repeats, threads=threads,
-        draft_model=draft_model,
+        draft_model=draft_model, draft_quantization=draft_quantization,
     )
     print_table(result)
     if json_path:

@@ -26,6 +26,8 @@ class EngineConfig:
     quantization: str | None = None  # None | "int8"
     speculative: str | None = None  # None | "ngram" | "draft"
     draft_model: str | None = None
+    # The draft's weights: "auto" is int8 on a CPU where int8 runs, else `quantization`.
+    draft_quantization: str | None = "auto"
     num_speculative_tokens: int = 4
 
     # Remote (openai) backend.
@@ -37,4 +39,10 @@ class EngineConfig:
     upstream_max_retries: int = 2  # retries of requests that failed to connect (nothing sent)
     upstream_circuit_failures: int = 5  # failures in a row that open an upstream's circuit
     upstream_circuit_reset_s: float = 30.0
-    upstream_affinity: bool = True  # same static prefix -> same upstream (backends/routing.py)  # open circuit's wait before one trial request
+    upstream_affinity: bool = True  # same static prefix -> same upstream (backends/routing.py)
+
+    def __post_init__(self) -> None:
+        # "none" (a command line, a settings file) means off.
+        for name in ("quantization", "draft_quantization", "speculative"):
+            if getattr(self, name) == "none":
+                object.__setattr__(self, name, None)

@@ -49,6 +49,7 @@ class Settings(BaseSettings):
     quantization: str | None = Field(None, description="Weight quantization: none or int8 (native).")
     speculative: str | None = Field(None, description="Speculative decoding: ngram or draft (native).")
     draft_model: str | None = Field(None, description="Draft model for --speculative draft: a zoo name (ragspeed-demo-draft), a local folder or a hub id; same tokenizer as the model.")
+    draft_quantization: str | None = Field("auto", description="Draft model weights: auto (int8 on a CPU, else as --quantization), none or int8. The target verifies every draft, so this moves acceptance, never the output.")
     num_speculative_tokens: int = Field(4, ge=1, description="Draft tokens proposed per step.")
 
     # Remote upstreams (engine=openai)
@@ -112,6 +113,7 @@ class Settings(BaseSettings):
             quantization=self.quantization,
             speculative=self.speculative,
             draft_model=self.draft_model,
+            draft_quantization=self.draft_quantization,
             num_speculative_tokens=self.num_speculative_tokens,
             upstreams=tuple(self.upstreams),
             upstream_api_key=self.upstream_api_key,

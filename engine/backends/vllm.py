@@ -9,7 +9,8 @@ Mapping notes:
   `gpu_memory_utilization` (its default), since vLLM counts weights and KV together.
 - `quantization="int8"`: vLLM has no on-the-fly int8 for dense checkpoints; its on-the-fly
   8-bit weights are `fp8` (Hopper and newer), which is what ragspeed asks for.
-- `speculative="ngram"` -> prompt-lookup proposer; `"draft"` -> `draft_model` as the proposer.
+- `speculative="ngram"` -> prompt-lookup proposer; `"draft"` -> `draft_model` as the proposer;
+  an explicit `draft_quantization` is mapped like `quantization`, `"auto"` leaves vLLM's default.
 - `SamplingParams.logprobs` -> vLLM's `logprobs` (the sampled token's logprob plus that many
   alternatives); vLLM's default `logprobs_mode="raw_logprobs"` reports the same distribution as
   the native engine (engine.logprobs). Its per-token dicts come back as `TokenLogprob`s
@@ -57,10 +58,16 @@ def speculative_config(config: EngineConfig) -> dict[str, Any] | None:
     if config.speculative == "draft":
         if not config.draft_model:
             raise ValueError("speculative='draft' needs draft_model")
-        return {
-            "model": config.draft_model,
-            "num_speculative_tokens": config.num_speculative_tokens,
-        }
+        spec = {"model": config.draft_model, "num_speculative_tokens": config.num_speculative_tokens}
+        if config.draft_quantization != "auto":
+            if config.draft_quantization not in QUANTIZATION_MAP:
+                known = ", ".join(repr(k) for k in QUANTIZATION_MAP)
+                raise ValueError(
+                    f"unknown draft_quantization {config.draft_quantization!r}; known: {known}"
+                )
+            if QUANTIZATION_MAP[config.draft_quantization] is not None:
+                spec["quantization"] = QUANTIZATION_MAP[config.draft_quantization]
+        return spec
     raise ValueError(f"unknown speculative method {config.speculative!r}; known: 'ngram', 'draft'")
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.config import EngineConfig
 from engine.cpu_kernels import blocked_kernels_available
 from engine.loader import load_model
 from engine.models.linear import LINEAR_KINDS, DenseLinear, build_linear
@@ -92,6 +93,8 @@ def test_unknown_quantization_lists_what_runs_here(demo_path):
         load_model(demo_path, quantization="fp8")
     check_quantization(None, "cpu")
     check_quantization("int8", "cpu")
+    # "none", as listed, is what a command line or a settings file says for "unquantized"
+    assert EngineConfig(quantization="none", speculative="none").quantization is None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")

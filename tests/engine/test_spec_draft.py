@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -60,8 +61,11 @@ def assert_both_pools_free(engine) -> None:
     assert not draft._states
 
 
-def _run(path, prompts, draft_path=None, params=GREEDY, **overrides):
-    speculative = dict(speculative="draft", draft_model=str(draft_path)) if draft_path else {}
+def _run(path, prompts, draft_path=None, params=GREEDY, draft_quantization=None, **overrides):
+    """Greedy runs with the draft unquantized unless asked: exact acceptance figures."""
+    speculative = dict(
+        speculative="draft", draft_model=str(draft_path), draft_quantization=draft_quantization
+    ) if draft_path else {}
     engine = make_engine(path, **speculative, **overrides)
     if engine.speculator is not None:
         # Speculate in every step: these tests check the mechanism, not the measured switch
@@ -83,21 +87,44 @@ def plain(tiny_checkpoints):
 
 
 @pytest.mark.parametrize("draft", ["self", "half", "other"])
+@pytest.mark.parametrize("draft_quantization", [None, "int8"])
 def test_greedy_single_and_batched_identical_to_plain_decoding(
-    tiny_checkpoints, drafts, plain, draft
+    tiny_checkpoints, drafts, plain, draft, draft_quantization
 ):
     path = tiny_checkpoints["llama"]
-    single, engine = _run(path, [PROMPTS[3]], drafts[draft])
+    single, engine = _run(path, [PROMPTS[3]], drafts[draft], draft_quantization=draft_quantization)
     assert single == [plain[3]]
-    batched, engine = _run(path, PROMPTS, drafts[draft])
+    batched, engine = _run(path, PROMPTS, drafts[draft], draft_quantization=draft_quantization)
     assert batched == plain
     stats = engine.stats()
     assert stats["spec_draft_draft_tokens"] == stats["spec_draft_tokens"] > 0
-    if draft == "self":
+    if draft == "self" and draft_quantization is None:
         assert stats["spec_acceptance_rate"] == 1.0
         assert engine.num_steps < 24 // 5 * 2 + 6  # 5 tokens per verification, k = 4
+    elif draft == "self":  # the target's own weights in int8 mostly agree with it
+        assert stats["spec_acceptance_rate"] > 0.8
     elif draft == "half":
         assert 0.0 < stats["spec_acceptance_rate"] < 1.0
+
+
+def test_draft_quantization_auto_is_int8_on_a_cpu(tiny_checkpoints, drafts):
+    from engine.quant import Int8Linear
+    from engine.spec_decode.draft import draft_quantization
+
+    base = EngineConfig(speculative="draft", draft_model="d")
+    assert draft_quantization(base) == "int8"
+    assert draft_quantization(replace(base, draft_quantization="none")) is None
+    assert draft_quantization(replace(base, device="cuda", quantization="int8")) == "int8"
+    assert draft_quantization(replace(base, device="cuda")) is None
+    path = tiny_checkpoints["llama"]
+    engine = make_engine(path, speculative="draft", draft_model=str(drafts["half"]))
+    draft_model = engine.speculator.proposer.model
+    assert isinstance(draft_model.lm_head, Int8Linear)
+    assert not isinstance(engine.loaded.model.lm_head, Int8Linear)  # the target stays unquantized
+    with pytest.raises(EngineError, match="unknown quantization 'int4'") as err:
+        make_engine(path, speculative="draft", draft_model=str(drafts["half"]),
+                    draft_quantization="int4")
+    assert err.value.param == "draft_quantization"
 
 
 def test_greedy_identical_with_chunked_prefill_preemption_and_prefix_caching(

@@ -50,6 +50,12 @@ def test_quantization_and_speculative_decoding_are_mapped():
     }
     draft = vllm_engine_args(EngineConfig(speculative="draft", draft_model="d"), "p")
     assert draft["speculative_config"] == {"model": "d", "num_speculative_tokens": 4}
+    int8_draft = vllm_engine_args(
+        EngineConfig(speculative="draft", draft_model="d", draft_quantization="int8"), "p"
+    )
+    assert int8_draft["speculative_config"]["quantization"] == "fp8"
+    with pytest.raises(ValueError, match="draft_quantization 'int4'"):
+        vllm_engine_args(EngineConfig(speculative="draft", draft_model="d", draft_quantization="int4"), "p")
     assert "quantization" not in draft and "max_model_len" not in draft
     with pytest.raises(ValueError, match="draft_model"):
         vllm_engine_args(EngineConfig(speculative="draft"), "p")
