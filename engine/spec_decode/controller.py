@@ -15,8 +15,9 @@ fault or another process must not switch speculation for long). What a step yiel
 estimated per request: with acceptance a and k drafts, 1 + a + a^2 + ... + a^k tokens. A
 step speculates when that yield over the speculative cost beats one token per decode over the
 plain cost; a batch size not yet measured both ways is measured (speculation first), and every
-(`explore_every` x batch size)-th step at a batch size runs the other way, to keep both costs
-fresh and to let requests whose drafts started to pay show it. A hard cap remains: no
+(`explore_every` x batch size)-th step at a batch size runs the other way (every
+`plain_explore_factor` times that while speculation wins), to keep both costs fresh and to let
+requests whose drafts started to pay show it. A hard cap remains: no
 speculation when `num_decodes * (1 + max_k)` exceeds `max_verify_tokens`.
 """
 
@@ -47,6 +48,7 @@ class AdaptiveController:
         retry_after: int = 8,
         adaptive: bool = True,
         explore_every: int = 8,
+        plain_explore_factor: int = 4,
     ):
         if max_k < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {max_k}")
@@ -59,6 +61,7 @@ class AdaptiveController:
         self.retry_after = retry_after
         self.adaptive = adaptive
         self.explore_every = explore_every
+        self.plain_explore_factor = plain_explore_factor
         self.prior = 1.0  # acceptance EWMA over every request: where a new request starts
         # num_decodes -> ([plain], [speculative]) seconds of the latest decode-only steps
         self._costs: dict[int, tuple[deque[float], deque[float]]] = {}
@@ -80,8 +83,14 @@ class AdaptiveController:
         step = self._steps[n] = self._steps.get(n, 0) + 1
         expected = sum(map(self._expected_tokens, decodes, num_tokens))
         better = expected > n and expected / spec > n / plain
-        # Exploring costs about a batch's worth of extra queries: rarer at larger batches.
-        return not better if step % (self.explore_every * n) == 0 else better
+        # Exploring costs about a batch's worth of extra queries: rarer at larger batches, and
+        # rarer while speculation wins: then it only refreshes the plain cost, which drifts
+        # slowly, and each plain step gives up the tokens a verification would have yielded
+        # (every 8th step at batch 1 cost the demo draft ~8% of its rate). Speculation that
+        # loses is retried sooner: acceptance changes within a request, and only a
+        # verification measures it.
+        period = self.explore_every * n * (self.plain_explore_factor if better else 1)
+        return not better if step % period == 0 else better
 
     def batch_allows_at_most(self, num_decodes: int) -> bool:
         """The hard cap alone: `num_decodes` decodes with up to `max_k` drafts each fit."""
