@@ -31,6 +31,11 @@ class LinearKind(nn.Module):
             raise ValueError(f"linear expects bias={self.has_bias}, got {bias is not None}")
         self.num_threads = torch.get_num_threads()
 
+    def blocked_weight(self):
+        """The weight in the layout of ragspeed's CPU kernels (engine.cpu_kernels.BlockedWeight)
+        that decode steps read, or None where the kind keeps none."""
+        return None
+
     @property
     def num_params(self) -> int:
         return self.in_features * self.out_features

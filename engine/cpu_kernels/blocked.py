@@ -9,7 +9,7 @@ Measured on the 2-core development CPU over bench-135m's 121 matrices (two threa
 of all of them, against the engine's packed kernels: fp32 1 row 11-18 ms vs oneDNN 21-27 ms,
 4 rows 16-19 vs 18-22, 8 rows about equal; int8 1 row 4.6 vs fbgemm 6.5-7.2 ms, 2 rows 5.2
 vs 7.4, 4 rows equal, more rows slower (each 16 weights are widened to fp32 once per pass of
-four rows). The linear kinds use these kernels up to `max_rows` rows and their packed kernels
+four rows; of six since, with AVX-512). The linear kinds use these kernels up to `max_rows` rows and their packed kernels
 beyond.
 """
 
@@ -41,6 +41,10 @@ def decode_step(active: bool) -> Iterator[None]:
         yield
     finally:
         _DECODE_STEP.reset(token)
+
+
+def in_decode_step() -> bool:
+    return _DECODE_STEP.get()
 
 
 def takes_blocked(num_rows: int, max_rows: int) -> bool:

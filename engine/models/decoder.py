@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
+from engine.cpu_kernels.decoder import FusedDecoder
 from engine.cpu_kernels.norm import add_rms_norm, add_rms_norm_applies
 from engine.models.arch import ModelArch
 from engine.models.linear import build_linear
@@ -144,6 +145,10 @@ class DecoderLM(nn.Module):
         self.lm_head = build_linear(
             arch.hidden_size, arch.vocab_size, quantization=quantization
         )
+        # Decode-type steps in one call of ragspeed's CPU kernels, where they run this model
+        # (engine.cpu_kernels.decoder); built at the first such step, once the weights are in.
+        self.fused_decode = True
+        self._fused: FusedDecoder | None | bool = None
 
     def forward(
         self,
@@ -155,10 +160,21 @@ class DecoderLM(nn.Module):
     ) -> torch.Tensor:
         """Final hidden states of every token: [num_tokens, hidden_size]."""
         hidden = F.embedding(input_ids, self.embed_tokens)
+        fused = self._fused_decoder()
+        rows = fused and FusedDecoder.rows(meta, hidden.shape[0])
+        if rows:
+            return fused.forward(hidden, freqs_cis, k_caches, v_caches, meta, rows)
         residual = None
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
             hidden, residual = layer(hidden, residual, freqs_cis, k_cache, v_cache, meta)
         return self.norm.add_norm(hidden, residual)[0]
+
+    def _fused_decoder(self) -> FusedDecoder | None:
+        if not self.fused_decode:
+            return None
+        if self._fused is None:
+            self._fused = FusedDecoder(self) if FusedDecoder.supports(self) else False
+        return self._fused or None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_sequences, hidden_size] -> fp32 logits [num_sequences, vocab_size]."""

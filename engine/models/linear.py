@@ -75,6 +75,9 @@ class DenseLinear(LinearKind):
         if weight.dtype == torch.float32 and blocked_kernels_available(weight.device):
             self.blocked = BlockedWeight(weight, self.bias)
 
+    def blocked_weight(self) -> BlockedWeight | None:
+        return self.blocked
+
     @property
     def num_weight_bytes(self) -> int:
         """Bytes read per forward: what a token costs in memory bandwidth."""

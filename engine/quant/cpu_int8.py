@@ -4,7 +4,7 @@ fbgemm's dynamic quantization (engine.quant.fbgemm_int8) multiplies int8 by int8
 instructions: the fastest for many rows. A decode step's product of one or two rows is bound
 by reading the weights, and kernels.c's weight-only kernel (int8 weights widened to fp32, fp32
 activations) reads them faster: over bench-135m's 121 matrices on the development CPU, 1 row
-4.6 vs 6.5-7.2 ms, 2 rows 5.2 vs 7.4, 4 rows even (it widens each weight once per pass of four
+4.6 vs 6.5-7.2 ms, 2 rows 5.2 vs 7.4, 4 rows even (it widens each weight once per pass of up to six
 rows). So products of up to `MAX_BLOCKED_ROWS` rows take the blocked copy, which holds the
 same int8 values and scales, and so does every product of a decode-type step
 (engine.cpu_kernels.decode_step: speculation stays lossless). A batch of 16 decodes costs

@@ -61,6 +61,9 @@ class Int8Linear(LinearKind):
         _, build = INT8_KERNELS[weight.device.type]
         self.kernel = build(weight, bias, weight.dtype)
 
+    def blocked_weight(self):
+        return getattr(self.kernel, "blocked", None)
+
     @property
     def num_weight_bytes(self) -> int:
         """Bytes read per forward: int8 weights, fp32 scales and the bias."""

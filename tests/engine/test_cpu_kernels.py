@@ -28,7 +28,7 @@ def test_product_equals_x_at_w_transposed(kind, n, k, bias, threads):
     _, reference, weight, scales = _weights(kind, n, k, gen)
     b = torch.randn(n, generator=gen) if bias else None
     blocked = BlockedWeight(weight, b, scales)
-    for rows in (1, 2, 3, 4, 5, 9):
+    for rows in (1, 2, 3, 4, 5, 6, 7, 13):
         x = torch.randn(rows, k, generator=gen)
         out = blocked.forward(x, threads)
         assert out.shape == (rows, n) and out.dtype == torch.float32
@@ -42,10 +42,10 @@ def test_a_row_gives_the_same_bits_alone_or_in_a_batch(kind):
     gen = torch.Generator().manual_seed(7)
     _, _, weight, scales = _weights(kind, 200, 96, gen)
     blocked = BlockedWeight(weight, torch.randn(200, generator=gen), scales)
-    x = torch.randn(8, 96, generator=gen)
-    together = blocked.forward(x, 2)
-    for row in range(8):
-        assert torch.equal(blocked.forward(x[row : row + 1], 1)[0], together[row])
+    x = torch.randn(13, 96, generator=gen)
+    alone = torch.cat([blocked.forward(x[row : row + 1], 1) for row in range(13)])
+    for num_rows in range(2, 14):  # passes of 1 .. 6 rows, and their combinations
+        assert torch.equal(blocked.forward(x[:num_rows], 2), alone[:num_rows]), num_rows
 
 
 def test_non_contiguous_input_and_bytes():

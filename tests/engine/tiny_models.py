@@ -42,7 +42,7 @@ def build_tiny_checkpoint(family: str, path: Path, *, seed: int = 0, **overrides
     import transformers
 
     config_name, extra = FAMILY_CONFIGS[family]
-    config = getattr(transformers, config_name)(
+    sizes = dict(
         vocab_size=VOCAB_SIZE,
         hidden_size=64,
         intermediate_size=128,
@@ -55,8 +55,8 @@ def build_tiny_checkpoint(family: str, path: Path, *, seed: int = 0, **overrides
         eos_token_id=1,
         pad_token_id=1,
         initializer_range=0.2,
-        **{**extra, **overrides},
     )
+    config = getattr(transformers, config_name)(**{**sizes, **extra, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():

@@ -1,0 +1,102 @@
+"""The fused decode forward (engine.cpu_kernels.decoder) against the layer-by-layer path it
+replaces: the same final hidden states and the same K/V written into the pool, for every family,
+fp32 and int8, decodes alone and decodes beside a verification chunk."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention import build_metadata, slots
+from engine.cpu_kernels import blocked_kernels_available, decode_step
+from engine.kv_cache import KVCachePool
+from engine.loader import load_model
+from tests.engine.conftest import FAMILIES
+from tests.engine.tiny_models import build_tiny_checkpoint
+
+pytestmark = pytest.mark.skipif(
+    not blocked_kernels_available(torch.device("cpu")), reason="ragspeed's CPU kernels are off"
+)
+
+BLOCK_SIZE = 8
+
+
+@pytest.fixture(scope="module")
+def odd_llama(tmp_path_factory):
+    """Sizes off the kernels' 16-wide vectors: hidden 48, head_dim 12, intermediate 72."""
+    return build_tiny_checkpoint(
+        "llama", tmp_path_factory.mktemp("odd") / "llama", seed=5, hidden_size=48,
+        intermediate_size=72,
+    )
+
+
+def _step(loaded, chunks: list[tuple[list[int], int]], fused: bool):
+    """One decode-type forward over `chunks` ((block table, context length after the step),
+    one query for a decode, several for a verification chunk), on a pool filled with seeded
+    values; returns the final hidden states and the pool."""
+    arch = loaded.arch
+    pool = KVCachePool(arch, 16, BLOCK_SIZE, torch.float32, "cpu")
+    generator = torch.Generator().manual_seed(0)
+    pool.kv.copy_(torch.randn(pool.kv.shape, generator=generator))
+    decodes = [(t, n) for t, n, q in chunks if q == 1]
+    verifications = [(t, n, q) for t, n, q in chunks if q > 1]
+    positions, slot_mapping = [], []
+    for table, context_len, num_queries in [(t, n, 1) for t, n in decodes] + verifications:
+        positions += range(context_len - num_queries, context_len)
+        slot_mapping += slots(table, context_len - num_queries, context_len, BLOCK_SIZE)
+    meta = build_metadata(
+        decode_tables=[t for t, _ in decodes], decode_context_lens=[n for _, n in decodes],
+        prefill_tables=[t for t, _, _ in verifications],
+        prefill_context_lens=[n for _, n, _ in verifications],
+        prefill_num_queries=[q for _, _, q in verifications],
+        slot_mapping=slot_mapping, block_size=BLOCK_SIZE, device="cpu",
+    )
+    ids = torch.randint(2, arch.vocab_size, (len(positions),), generator=generator)
+    loaded.model.fused_decode = fused
+    with torch.inference_mode(), decode_step(True):
+        hidden = loaded.model(
+            ids, loaded.rotary.lookup(torch.tensor(positions)), pool.k_caches, pool.v_caches, meta
+        )
+    return hidden, pool.kv
+
+
+STEPS = {
+    "decodes": [([0, 1], 12, 1), ([2], 5, 1), ([3, 4, 5], 17, 1)],
+    "decodes and a verification": [([0, 1], 12, 1), ([3, 4], 14, 5), ([6], 3, 1)],
+}
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+@pytest.mark.parametrize("family", [*FAMILIES, "odd llama"])
+@pytest.mark.parametrize("step", list(STEPS))
+def test_fused_forward_matches_the_layer_by_layer_path(
+    tiny_checkpoints, odd_llama, family, quantization, step
+):
+    path = odd_llama if family == "odd llama" else tiny_checkpoints[family]
+    loaded = load_model(path, max_model_len=256, quantization=quantization)
+    assert loaded.model._fused_decoder() is not None
+    fused, fused_kv = _step(loaded, STEPS[step], fused=True)
+    layered, layered_kv = _step(loaded, STEPS[step], fused=False)
+    torch.testing.assert_close(fused, layered, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fused_kv, layered_kv, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(fused_kv, KVCachePool(loaded.arch, 16, BLOCK_SIZE, torch.float32, "cpu").kv)
+
+
+def test_a_row_gets_the_same_bits_in_any_batch(tiny_checkpoints):
+    loaded = load_model(tiny_checkpoints["qwen3"], max_model_len=256)
+    alone, _ = _step(loaded, [([0, 1], 12, 1)], fused=True)
+    batched, _ = _step(loaded, STEPS["decodes and a verification"], fused=True)
+    assert torch.equal(alone[0], batched[0])
+
+
+def test_prefill_steps_and_unsupported_models_take_the_layer_by_layer_path(tiny_checkpoints):
+    from engine.cpu_kernels.decoder import FusedDecoder
+
+    loaded = load_model(tiny_checkpoints["llama"], max_model_len=256)
+    meta = build_metadata([], [], [[0, 1, 2]], [20], [20], list(range(20)), BLOCK_SIZE, "cpu")
+    with decode_step(False):
+        assert FusedDecoder.rows(meta, 20) is None  # a prefill chunk of 20 queries
+    with decode_step(True):
+        assert FusedDecoder.rows(meta, 20) is None  # its queries are not decode-kernel rows
+    loaded.model.layers[1].mlp.down_proj.blocked = None  # a projection without a blocked copy
+    assert not FusedDecoder.supports(loaded.model) and loaded.model._fused_decoder() is None
