@@ -62,7 +62,8 @@ class AttentionMetadata:
 SMALL_CHUNK_QUERIES = 16
 
 
-def _padded_tables(tables: list[list[int]], num_blocks: int, device) -> torch.Tensor:
+def padded_tables(tables: list[list[int]], num_blocks: int, device="cpu") -> torch.Tensor:
+    """Block tables as one [len(tables), num_blocks] int64 tensor, cut or padded with block 0."""
     rows = [t[:num_blocks] + [0] * (num_blocks - len(t[:num_blocks])) for t in tables]
     return torch.tensor(rows, dtype=torch.long, device=device)
 
@@ -104,7 +105,7 @@ def build_metadata(
     max_len = 0
     if num_decodes:
         max_len = max(decode_context_lens)
-        decode_tables_t = _padded_tables(decode_tables, -(-max_len // block_size), device)
+        decode_tables_t = padded_tables(decode_tables, -(-max_len // block_size), device)
         decode_lens_t = torch.tensor(decode_context_lens, dtype=torch.long, device=device)
         if min(decode_context_lens) != max_len:
             cols = torch.arange(max_len, device=device)
@@ -116,7 +117,7 @@ def build_metadata(
     for table, context_len, num_queries in zip(
         prefill_tables, prefill_context_lens, prefill_num_queries
     ):
-        table_t = _padded_tables([table], -(-context_len // block_size), device)[0]
+        table_t = padded_tables([table], -(-context_len // block_size), device)[0]
         # SDPA's is_causal aligns the diagonal top-left: right only without a cached prefix.
         mask = None
         if num_queries != context_len:
@@ -132,7 +133,7 @@ def build_metadata(
         ):  # query i of the chunk sees the keys up to its own position
             rows += [(table, context_len - num_queries + i + 1) for i in range(num_queries)]
         longest = max(n for _, n in rows)
-        row_tables = _padded_tables([t for t, _ in rows], -(-longest // block_size), device)
+        row_tables = padded_tables([t for t, _ in rows], -(-longest // block_size), device)
         row_lens = torch.tensor([n for _, n in rows], dtype=torch.long, device=device)
     return AttentionMetadata(
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),

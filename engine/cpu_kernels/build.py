@@ -62,13 +62,15 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.ragspeed_gemv_i8.argtypes = [pointer] * 5 + [integer] * 4
     library.ragspeed_paged_decode_attention.argtypes = [pointer] * 6 + [integer] * 6 + [ctypes.c_float, integer]
     library.ragspeed_add_rms_norm.argtypes = [pointer] * 4 + [integer] * 2 + [ctypes.c_float, integer]
-    library.ragspeed_decode_forward.argtypes = (
-        [pointer, integer] + [pointer] * 9 + [integer] * 8 + [ctypes.c_float] * 2 + [integer]
+    library.ragspeed_decode_forward.argtypes = [pointer] * 9 + [integer] * 4
+    library.ragspeed_greedy_steps.argtypes = (
+        [pointer, pointer, integer] + [pointer] * 3 + [integer] * 3 + [pointer] * 4
+        + [ctypes.c_float] + [pointer] * 2 + [integer] * 2
     )
     for kernel in (
         library.ragspeed_gemv_f32, library.ragspeed_gemv_i8,
         library.ragspeed_paged_decode_attention, library.ragspeed_add_rms_norm,
-        library.ragspeed_decode_forward,
+        library.ragspeed_decode_forward, library.ragspeed_greedy_steps,
     ):
         kernel.restype = None
     return library

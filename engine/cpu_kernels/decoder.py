@@ -39,6 +39,13 @@ class _Layer(ctypes.Structure):
                 ("gate_up", _Linear), ("down", _Linear)]
 
 
+class _Model(ctypes.Structure):
+    _fields_ = [("layers", ctypes.POINTER(_Layer)), *((name, ctypes.c_int) for name in (
+                    "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "inter")),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("final_norm", ctypes.c_void_p), ("embed", ctypes.c_void_p), ("lm_head", _Linear)]
+
+
 def _pointer(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
@@ -69,8 +76,15 @@ class FusedDecoder:
                   (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)),
             ))
         self.layers = (_Layer * len(layers))(*layers)
-        self.final_norm = self._float(model.norm.weight)
-        self.scale = arch.head_dim**-0.5
+        lm_head = model.lm_head.blocked_weight()
+        # The greedy steps (a draft's) need the embeddings and the LM head's blocked copy.
+        self.greedy = lm_head is not None
+        self.model = _Model(
+            self.layers, len(layers), arch.hidden_size, arch.num_heads, arch.num_kv_heads,
+            arch.head_dim, arch.intermediate_size, arch.rms_norm_eps, arch.head_dim**-0.5,
+            self._float(model.norm.weight), self._float(model.embed_tokens),
+            _linear(lm_head) if self.greedy else _Linear(),
+        )
         self._caches: tuple[tuple[int, int], ctypes.Array, ctypes.Array] | None = None
 
     def _float(self, tensor: torch.Tensor) -> int:
@@ -133,17 +147,48 @@ class FusedDecoder:
         rows: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         """Final hidden states [num_tokens, hidden_size] (after the last norm)."""
-        arch = self.arch
         tables, context_lens = rows
         hidden = hidden.contiguous()
         rotations = freqs_cis.contiguous()
         out = torch.empty_like(hidden)
         k_pointers, v_pointers = self._cache_arrays(k_caches, v_caches)
         self.library.ragspeed_decode_forward(
-            self.layers, len(self.layers), self.final_norm, hidden.data_ptr(), out.data_ptr(),
-            rotations.data_ptr(), meta.slot_mapping.data_ptr(), k_pointers, v_pointers,
-            tables.data_ptr(), context_lens.data_ptr(), tables.shape[1], meta.block_size,
-            hidden.shape[0], arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
-            arch.intermediate_size, arch.rms_norm_eps, self.scale, meta.num_threads,
+            ctypes.byref(self.model), k_pointers, v_pointers, hidden.data_ptr(), out.data_ptr(),
+            rotations.data_ptr(), meta.slot_mapping.data_ptr(), tables.data_ptr(),
+            context_lens.data_ptr(), tables.shape[1], meta.block_size, hidden.shape[0],
+            meta.num_threads,
         )
         return out
+
+    def greedy_steps(
+        self,
+        rotation_table: torch.Tensor,  # [max_positions, head_dim/2] complex64
+        vocab_size: int,  # the argmax runs over the first vocab_size logits
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+        block_tables: torch.Tensor,  # [num_seqs, max_blocks] int64, blocks for every step
+        block_size: int,
+        fed: list[list[int]],  # each sequence's tokens to feed first (one or more)
+        positions: list[int],  # the position of each sequence's first fed token
+        num_steps: list[int],  # tokens to decode for each
+        min_confidence: float,
+        num_threads: int,
+    ) -> list[list[int]]:
+        """Greedy decoding of each sequence after its fed tokens, for its `num_steps` tokens, in
+        one call (kernels.c's `ragspeed_greedy_steps`; a token whose softmax probability is
+        below `min_confidence` is its sequence's last); returns each sequence's new tokens."""
+        num_seqs, max_steps = len(fed), max(num_steps)
+        drafts = torch.zeros(num_seqs, max_steps, dtype=torch.long)
+        counts = torch.zeros(num_seqs, dtype=torch.int32)
+        fed_t = torch.tensor([t for tokens in fed for t in tokens], dtype=torch.long)
+        num_fed_t = torch.tensor([len(tokens) for tokens in fed], dtype=torch.int32)
+        positions_t = torch.tensor(positions, dtype=torch.long)
+        steps_t = torch.tensor(num_steps, dtype=torch.int32)
+        k_pointers, v_pointers = self._cache_arrays(k_caches, v_caches)
+        self.library.ragspeed_greedy_steps(
+            ctypes.byref(self.model), rotation_table.data_ptr(), vocab_size, k_pointers,
+            v_pointers, block_tables.data_ptr(), block_tables.shape[1], block_size, num_seqs,
+            fed_t.data_ptr(), num_fed_t.data_ptr(), positions_t.data_ptr(), steps_t.data_ptr(),
+            min_confidence, drafts.data_ptr(), counts.data_ptr(), max_steps, num_threads,
+        )
+        return [row[:count] for row, count in zip(drafts.tolist(), counts.tolist())]

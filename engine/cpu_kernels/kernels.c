@@ -286,6 +286,17 @@ typedef struct {
     Linear qkv, o, gate_up, down;
 } Layer;
 
+typedef struct {
+    const Layer *layers;
+    int num_layers, hidden, num_heads, num_kv_heads, head_dim, inter;
+    float eps, scale;
+    const float *final_norm; /* [hidden] */
+    /* Greedy steps only (NULL / zero elsewhere): token embeddings [vocab rows, hidden] and
+     * the LM head. */
+    const float *embed;
+    Linear lm_head;
+} Model;
+
 static void linear(const Linear *l, const float *x, float *y, int m, int num_threads) {
     if (l->scale)
         gemv_i8((const int8_t *)l->w, l->scale, l->bias, x, y, m, l->n, l->k, num_threads);
@@ -293,12 +304,12 @@ static void linear(const Linear *l, const float *x, float *y, int m, int num_thr
         gemv_f32((const float *)l->w, NULL, l->bias, x, y, m, l->n, l->k, num_threads);
 }
 
-/* x [dim] / rms(x) * weight (weight NULL: none), in place. */
+/* x [dim] / rms(x) * weight, in place. */
 static void rms_norm_inplace(float *x, const float *weight, int dim, float eps) {
     float sum = 0.0f;
     for (int d = 0; d < dim; d++) sum += x[d] * x[d];
     float inverse = 1.0f / __builtin_sqrtf(sum / dim + eps);
-    for (int d = 0; d < dim; d++) x[d] = weight ? x[d] * inverse * weight[d] : x[d] * inverse;
+    for (int d = 0; d < dim; d++) x[d] = x[d] * inverse * weight[d];
 }
 
 /* Pairs (2j, 2j + 1) of `src` rotated by the complex rotation[j] (cos, sin) into `dst`. */
@@ -343,21 +354,20 @@ static float *scratch(size_t floats) {
  * the final norm of the stream. rotations [m, head_dim/2] (cos, sin) pairs; slots [m] where
  * each row's K/V goes; block_tables [m, max_blocks] and context_lens [m]: each row's context.
  * k_caches / v_caches: one [num_slots, num_kv_heads, head_dim] pool per layer. */
-void ragspeed_decode_forward(const Layer *layers, int num_layers, const float *final_norm,
+void ragspeed_decode_forward(const Model *model, float *const *k_caches, float *const *v_caches,
                              float *x, float *out, const float *rotations, const int64_t *slots,
-                             float *const *k_caches, float *const *v_caches,
                              const int64_t *block_tables, const int64_t *context_lens,
-                             int max_blocks, int block_size, int m, int hidden, int num_heads,
-                             int num_kv_heads, int head_dim, int inter, float eps, float scale,
-                             int num_threads) {
+                             int max_blocks, int block_size, int m, int num_threads) {
+    int hidden = model->hidden, num_heads = model->num_heads, num_kv_heads = model->num_kv_heads;
+    int head_dim = model->head_dim, inter = model->inter, half = head_dim / 2;
     int q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-    int qkv_size = q_size + 2 * kv_size, half = head_dim / 2;
-    int widest = qkv_size > 2 * inter ? qkv_size : 2 * inter;
+    int qkv_size = q_size + 2 * kv_size, widest = qkv_size > 2 * inter ? qkv_size : 2 * inter;
+    float eps = model->eps;
     float *normed = scratch((size_t)m * hidden), *h = scratch((size_t)m * hidden);
     float *wide = scratch((size_t)m * widest), *q = scratch((size_t)m * q_size);
     float *mid = scratch((size_t)m * (q_size > inter ? q_size : inter));
-    for (int l = 0; l < num_layers; l++) {
-        const Layer *layer = layers + l;
+    for (int l = 0; l < model->num_layers; l++) {
+        const Layer *layer = model->layers + l;
         ragspeed_add_rms_norm(x, l ? h : NULL, layer->input_norm, normed, m, hidden, eps, 1);
         linear(&layer->qkv, normed, wide, m, num_threads);
         for (int r = 0; r < m; r++) {
@@ -374,14 +384,90 @@ void ragspeed_decode_forward(const Layer *layers, int num_layers, const float *f
             memcpy(v_caches[l] + slot * kv_size, row + q_size + kv_size, sizeof(float) * kv_size);
         }
         ragspeed_paged_decode_attention(q, k_caches[l], v_caches[l], block_tables, context_lens, mid, m,
-                                        num_heads, num_kv_heads, head_dim, max_blocks, block_size, scale,
-                                        num_threads);
+                                        num_heads, num_kv_heads, head_dim, max_blocks, block_size,
+                                        model->scale, num_threads);
         linear(&layer->o, mid, h, m, num_threads);
         ragspeed_add_rms_norm(x, h, layer->post_norm, normed, m, hidden, eps, 1);
         linear(&layer->gate_up, normed, wide, m, num_threads);
         silu_mul(wide, mid, m, inter);
         linear(&layer->down, mid, h, m, num_threads);
     }
-    ragspeed_add_rms_norm(x, num_layers ? h : NULL, final_norm, out, m, hidden, eps, 1);
+    ragspeed_add_rms_norm(x, model->num_layers ? h : NULL, model->final_norm, out, m, hidden, eps, 1);
     free(normed); free(wide); free(q); free(mid); free(h);
+}
+
+/* Greedy decoding of m sequences in one call: a draft model's drafts. Sequence i first feeds
+ * its num_fed[i] tokens (fed, one after another over the sequences) from positions[i] on,
+ * then, num_steps[i] times, takes the argmax of the first `vocab` logits after its last fed
+ * token as its next token and feeds that; it stops early after an argmax whose softmax
+ * probability is below min_confidence (that token is kept). Each step is one
+ * `ragspeed_decode_forward` over every token fed (each its own attention row, its context up
+ * to itself) and one LM-head product over each sequence's last row: the kernels, in the order,
+ * of the model's own steps. rotation_table: [positions, head_dim/2] (cos, sin) pairs;
+ * block_tables [m, max_blocks] must hold every position fed. drafts [m, max_steps] receives
+ * each sequence's tokens, counts [m] how many. */
+void ragspeed_greedy_steps(const Model *model, const float *rotation_table, int vocab,
+                           float *const *k_caches, float *const *v_caches,
+                           const int64_t *block_tables, int max_blocks, int block_size, int m,
+                           const int64_t *fed, const int32_t *num_fed, const int64_t *positions,
+                           const int32_t *num_steps, float min_confidence, int64_t *drafts,
+                           int32_t *counts, int max_steps, int num_threads) {
+    int hidden = model->hidden, half = model->head_dim / 2, vocab_rows = model->lm_head.n;
+    int total_fed = 0;
+    for (int i = 0; i < m; i++) total_fed += num_fed[i];
+    int rows_max = total_fed > m ? total_fed : m;
+    int *going = malloc(sizeof(int) * m), *seqs = malloc(sizeof(int) * m);
+    int *last_row = malloc(sizeof(int) * m);
+    int64_t *next = malloc(sizeof(int64_t) * m), *position = malloc(sizeof(int64_t) * m);
+    int64_t *slots = malloc(sizeof(int64_t) * rows_max), *lens = malloc(sizeof(int64_t) * rows_max);
+    int64_t *tables = malloc(sizeof(int64_t) * rows_max * max_blocks);
+    float *x = scratch((size_t)rows_max * hidden), *out = scratch((size_t)rows_max * hidden);
+    float *last = scratch((size_t)m * hidden), *rotations = scratch((size_t)rows_max * half * 2);
+    float *logits = scratch((size_t)m * vocab_rows);
+    for (int i = 0; i < m; i++) {
+        going[i] = num_steps[i] > 0 && num_fed[i] > 0;
+        position[i] = positions[i];
+        counts[i] = 0;
+    }
+    for (int step = 0; step < max_steps; step++) {
+        int a = 0, n = 0; /* rows fed, sequences sampled (each from its last row) */
+        const int64_t *fed_i = fed;
+        for (int i = 0; i < m; i++) {
+            int count = step ? 1 : num_fed[i];
+            const int64_t *tokens = step ? next + i : fed_i;
+            fed_i += num_fed[i];
+            if (!going[i] || step >= num_steps[i]) continue;
+            const int64_t *table = block_tables + (size_t)i * max_blocks;
+            for (int t = 0; t < count; t++, a++) {
+                int64_t p = position[i]++;
+                memcpy(x + (size_t)a * hidden, model->embed + (size_t)tokens[t] * hidden, sizeof(float) * hidden);
+                memcpy(rotations + (size_t)a * half * 2, rotation_table + (size_t)p * half * 2, sizeof(float) * half * 2);
+                memcpy(tables + (size_t)a * max_blocks, table, sizeof(int64_t) * max_blocks);
+                slots[a] = table[p / block_size] * block_size + p % block_size;
+                lens[a] = p + 1;
+            }
+            seqs[n] = i;
+            last_row[n++] = a - 1;
+        }
+        if (!n) break;
+        ragspeed_decode_forward(model, k_caches, v_caches, x, out, rotations, slots, tables, lens,
+                                max_blocks, block_size, a, num_threads);
+        for (int r = 0; r < n; r++)
+            memcpy(last + (size_t)r * hidden, out + (size_t)last_row[r] * hidden, sizeof(float) * hidden);
+        linear(&model->lm_head, last, logits, n, num_threads);
+        for (int r = 0; r < n; r++) {
+            const float *l = logits + (size_t)r * vocab_rows;
+            int best = 0;
+            for (int t = 1; t < vocab; t++) best = l[t] > l[best] ? t : best;
+            int i = seqs[r];
+            drafts[(size_t)i * max_steps + counts[i]++] = next[i] = best;
+            if (min_confidence > 0.0f) {
+                float total = 0.0f;
+                for (int t = 0; t < vocab; t++) total += __builtin_expf(l[t] - l[best]);
+                going[i] = 1.0f / total >= min_confidence;
+            }
+        }
+    }
+    free(going); free(seqs); free(last_row); free(next); free(position); free(slots); free(lens); free(tables);
+    free(x); free(out); free(last); free(rotations); free(logits);
 }

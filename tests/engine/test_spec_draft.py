@@ -148,6 +148,33 @@ def test_greedy_identical_with_chunked_prefill_preemption_and_prefix_caching(
     assert_both_pools_free(engine)
 
 
+@pytest.mark.parametrize("min_confidence", [0.0, 0.5])
+def test_fused_draft_steps_propose_what_the_step_by_step_loop_does(drafts, min_confidence):
+    """Drafts 2 .. k in one kernel call (`_fused_steps`) against the Python loop of steps."""
+    from types import SimpleNamespace
+
+    loaded = load_model(drafts["half"], max_model_len=256)
+    proposers = [
+        DraftProposer(loaded, num_blocks=64, block_size=8, device="cpu",
+                      min_confidence=min_confidence)
+        for _ in range(2)
+    ]
+    proposers[1].fused_steps = False
+    requests = [SimpleNamespace(request_id=f"r{i}", all_token_ids=list(p)) for i, p in enumerate(PROMPTS[:4])]
+    for round_ in range(3):  # the next round accepts the first two drafts of each request
+        k = [4, 2, 5, 1]
+        first, second = (p.propose_batch(requests, k) for p in proposers)
+        assert first == second
+        lengths = [len(d) for d in first]
+        if min_confidence == 0.0:
+            assert lengths == k
+        else:  # a draft below the confidence ends its request's drafting
+            assert all(1 <= n <= wanted for n, wanted in zip(lengths, k))
+        for request, proposed in zip(requests, first):
+            request.all_token_ids += proposed[:2] + [7 + round_]
+    assert proposers[0].fused_steps and loaded.model._fused_decoder().greedy
+
+
 def test_draft_pool_exhausted_means_no_drafts_not_preemption(tiny_checkpoints, drafts, plain):
     path = tiny_checkpoints["llama"]
     engine = make_engine(path, speculative="draft", draft_model=str(drafts["self"]))
