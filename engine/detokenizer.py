@@ -1,9 +1,13 @@
-"""Incremental detokenisation that never emits a split UTF-8 character.
+"""Incremental detokenisation that never emits a split UTF-8 character, in time linear in the
+output.
 
 Byte-level BPE tokens can end in the middle of a multi-byte character; decoding such a prefix
-yields U+FFFD. We decode the output together with a few prompt tokens of left context (so
-SentencePiece-style leading spaces come out right), emit only the text past what was already
-emitted, and hold back a tail that ends in U+FFFD until the next token completes it.
+yields U+FFFD. Each step decodes a short window of tokens twice (vLLM's scheme): once up to
+the tokens already emitted, once with the new ones; the difference is the new text. The window
+starts a few tokens back (at first in the prompt), so SentencePiece-style leading spaces come
+out right; it moves up once the new text is complete, and while that text ends in U+FFFD it is
+held back until the next token completes it. (Decoding the whole output at every token cost
+time quadratic in its length.)
 """
 
 from __future__ import annotations
@@ -18,27 +22,33 @@ _CONTEXT_TOKENS = 5
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int]):
         self._tokenizer = tokenizer
-        self._context_ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
-        self._context_text = self._decode(self._context_ids)
-        self._output_ids: list[int] = []
+        self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._prefix_offset = 0  # the decoded window starts here
+        self._read_offset = len(self._ids)  # tokens before this one are emitted
         self.text = ""  # everything emitted so far
 
     def _decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=True)
 
+    def _new_text(self) -> str:
+        """The text of the tokens past the read offset, in the window's context."""
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
+        return full[len(prefix) :]
+
+    def _emit(self, text: str) -> str:
+        self.text += text
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return text
+
     def add(self, token_ids: Sequence[int]) -> str:
         """Append tokens; return the newly complete text (possibly empty)."""
-        self._output_ids.extend(token_ids)
-        full = self._decode(self._context_ids + self._output_ids)
-        new_text = full[len(self._context_text) + len(self.text):]
-        if new_text.endswith(_REPLACEMENT_CHAR):
+        self._ids.extend(token_ids)
+        new_text = self._new_text()
+        if not new_text or new_text.endswith(_REPLACEMENT_CHAR):
             return ""
-        self.text += new_text
-        return new_text
+        return self._emit(new_text)
 
     def flush(self) -> str:
         """At the end of generation: emit whatever is held back, replacement chars included."""
-        full = self._decode(self._context_ids + self._output_ids)
-        rest = full[len(self._context_text) + len(self.text):]
-        self.text += rest
-        return rest
+        return self._emit(self._new_text())

@@ -38,3 +38,16 @@ def test_detokenizer_never_splits_utf8_characters():
     pieces = [detok.add([t]) for t in ids]
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) + detok.flush() == tokenizer.decode(ids)
+
+
+def test_detokenizer_streams_a_long_text_exactly():
+    """Windowed decoding (two short decodes per token) gives exactly the whole decode: spaces,
+    punctuation, a special token skipped, 2,000+ tokens."""
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("ragspeed-demo"))
+    text = "Marie Curie (1867–1934), née Skłodowska, won two Nobel prizes. " * 40
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    ids[len(ids) // 2 : len(ids) // 2] = [tokenizer.eos_token_id]
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Q:", add_special_tokens=False))
+    pieces = [detok.add([t]) for t in ids] + [detok.flush()]
+    assert "".join(pieces) == detok.text == tokenizer.decode(ids, skip_special_tokens=True)
+    assert len(ids) > 1000
