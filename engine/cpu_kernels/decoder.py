@@ -4,7 +4,9 @@ A decode step of a small model is bound by the ops between its products: about f
 ops and module calls per layer, each some microseconds. The demo model (8 layers, 7M
 parameters): 2.2 ms a step of which its products take 1.0 ms; its 2-layer draft 0.7 ms of which
 0.2. `FusedDecoder` hands the whole layer stack to kernels.c instead: the same blocked products,
-norms and paged attention, with the rotation, Q/K norm, K/V write and SiLU gate in C.
+norms and paged attention, with the rotation, Q/K norm, K/V write and SiLU gate in C (the demo
+step: 2.7 -> 1.6 ms on one thread, with another job on the second core). `greedy_steps` runs a
+draft model's whole proposal (catch-up and k greedy steps) in one call the same way.
 
 It applies to models whose every projection has a blocked copy (fp32 or int8, on a CPU with the
 kernels built) and to steps whose every query is a row of the decode-attention kernel (decodes,
@@ -61,7 +63,6 @@ class FusedDecoder:
 
     def __init__(self, model) -> None:
         arch = model.arch
-        self.arch = arch
         self.library = load_library()
         self._keep: list[torch.Tensor] = []  # contiguous copies the structs point into
         layers = []

@@ -13,9 +13,9 @@ One `propose_batch` call, for all running decodes of the step:
    time the whole prompt, as a prefill; then usually the last accepted draft and the bonus or
    recovered token); the greedy argmax at each request's last token is draft 1;
 3. k - 1 decode steps, every request still drafting in one flat batch per step: drafts 2 .. k.
-Where ragspeed's CPU kernels run the draft, all of it is one call of theirs (`_fused_steps`;
-after the catch-up when that is a long prefill: a new request's prompt).
    The last draft is never fed, so the draft's KV reaches `num_tokens + k - 1` at most.
+Where ragspeed's CPU kernels run the draft, 2 and 3 are one call of theirs (`_fused_steps`),
+after a catch-up forward of its own when the catch-up is long (a new request's prompt).
 
 Drafts are greedy, so the proposal q is a point mass on the draft: exactly the case the
 rejection sampler (rejection.py) handles, "accept x with probability p(x), else draw from p
@@ -150,16 +150,13 @@ class DraftProposer:
         if fused is not None and max(len(c[0]) for c in chunks) <= SMALL_CHUNK_QUERIES:
             self._fused_steps(fused, active, [c[0] for c in chunks], [c[1] for c in chunks], drafts)
             return
-        # A long catch-up (a new request's prompt) is a prefill: the layer-by-layer forward.
         going = active
         for step in range(max(a.k for a in active)):
-            if step:
-                if fused is not None:
-                    fed = [[drafts[a.index][-1]] for a in going]
-                    positions = [a.num_tokens for a in going]
-                    self._fused_steps(fused, going, fed, positions, drafts, skip=1)
-                    return
-                # requests still drafting feed their latest draft: one flat batch
+            if step and fused is not None:  # after a long catch-up (a prefill) forward
+                fed = [[drafts[a.index][-1]] for a in going]
+                self._fused_steps(fused, going, fed, [a.num_tokens for a in going], drafts, 1)
+                return
+            if step:  # requests still drafting feed their latest draft: one flat batch
                 chunks = [
                     ([drafts[a.index][-1]], a.num_tokens + step - 1, a.block_table) for a in going
                 ]
