@@ -19,6 +19,7 @@ context blocks out of the pool (whole blocks: few, contiguous copies) and calls 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -38,17 +39,20 @@ class PrefillSpan:
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    """Built once per step by the model runner, shared by all layers."""
+    """Built once per step by the model runner, shared by all layers. What only the SDPA path
+    reads (the decode padding mask, the prefill spans) is built on its first use: steps whose
+    queries all go to the decode kernel never build it."""
 
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V is written
     num_decodes: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks], padded with block 0
     decode_context_len: int  # the longest decode context (gathered keys are cut there)
     decode_context_lens: torch.Tensor | None  # [num_decodes] int64
-    # [num_decodes, 1, 1, decode_context_len] 0 / -inf; None when all contexts are equally long
-    decode_mask: torch.Tensor | None
-    prefills: tuple[PrefillSpan, ...]
+    # Each prefill chunk, in batch order after the decodes: (block table, context length,
+    # number of queries).
+    prefill_chunks: tuple[tuple[list[int], int, int], ...]
     block_size: int
+    dtype: torch.dtype = torch.float32  # of the additive masks
     # When every chunk has at most SMALL_CHUNK_QUERIES queries: each query of the flat batch as
     # a row of the decode kernel, [num_tokens, max_blocks] and [num_tokens] int64; else None.
     row_block_tables: torch.Tensor | None = None
@@ -56,6 +60,33 @@ class AttentionMetadata:
     # Threads of the decode-attention kernel: the engine's count, like the linear products
     # (its tasks, one per sequence and KV head, read the KV pool from memory in parallel).
     num_threads: int = 1
+
+    @functools.cached_property
+    def decode_mask(self) -> torch.Tensor | None:
+        """[num_decodes, 1, 1, decode_context_len] 0 / -inf; None when all decode contexts are
+        equally long."""
+        lens = self.decode_context_lens
+        if lens is None or int(lens.min()) == self.decode_context_len:
+            return None
+        cols = torch.arange(self.decode_context_len, device=lens.device)
+        valid = (cols.unsqueeze(0) < lens.unsqueeze(1)).view(len(lens), 1, 1, -1)
+        return additive(valid, self.dtype)
+
+    @functools.cached_property
+    def prefills(self) -> tuple[PrefillSpan, ...]:
+        """The prefill chunks as SDPA's spans: queries in the flat batch, blocks, causal mask."""
+        device = self.slot_mapping.device
+        spans = []
+        start = self.num_decodes
+        for table, context_len, num_queries in self.prefill_chunks:
+            table_t = padded_tables([table], -(-context_len // self.block_size), device)[0]
+            # SDPA's is_causal aligns the diagonal top-left: right only without a cached prefix.
+            mask = None
+            if num_queries != context_len:
+                mask = additive(causal_mask(num_queries, context_len, device), self.dtype)
+            spans.append(PrefillSpan(start, start + num_queries, table_t, context_len, mask))
+            start += num_queries
+        return tuple(spans)
 
 
 # Chunks of at most this many queries (1 + k for verification) go to the decode kernel.
@@ -101,29 +132,12 @@ def build_metadata(
     num_threads: int = 1,
 ) -> AttentionMetadata:
     num_decodes = len(decode_tables)
-    decode_tables_t = decode_mask = decode_lens_t = None
+    decode_tables_t = decode_lens_t = None
     max_len = 0
     if num_decodes:
         max_len = max(decode_context_lens)
         decode_tables_t = padded_tables(decode_tables, -(-max_len // block_size), device)
         decode_lens_t = torch.tensor(decode_context_lens, dtype=torch.long, device=device)
-        if min(decode_context_lens) != max_len:
-            cols = torch.arange(max_len, device=device)
-            valid = cols.unsqueeze(0) < decode_lens_t.unsqueeze(1)
-            valid = valid.view(num_decodes, 1, 1, max_len)
-            decode_mask = additive(valid, dtype)
-    prefills = []
-    start = num_decodes
-    for table, context_len, num_queries in zip(
-        prefill_tables, prefill_context_lens, prefill_num_queries
-    ):
-        table_t = padded_tables([table], -(-context_len // block_size), device)[0]
-        # SDPA's is_causal aligns the diagonal top-left: right only without a cached prefix.
-        mask = None
-        if num_queries != context_len:
-            mask = additive(causal_mask(num_queries, context_len, device), dtype)
-        prefills.append(PrefillSpan(start, start + num_queries, table_t, context_len, mask))
-        start += num_queries
     row_tables = row_lens = None
     small = prefill_num_queries and max(prefill_num_queries) <= SMALL_CHUNK_QUERIES
     if small and torch.device(device).type == "cpu":
@@ -141,9 +155,9 @@ def build_metadata(
         decode_block_tables=decode_tables_t,
         decode_context_len=max_len,
         decode_context_lens=decode_lens_t,
-        decode_mask=decode_mask,
-        prefills=tuple(prefills),
+        prefill_chunks=tuple(zip(prefill_tables, prefill_context_lens, prefill_num_queries)),
         block_size=block_size,
+        dtype=dtype,
         row_block_tables=row_tables,
         row_context_lens=row_lens,
         num_threads=num_threads,
