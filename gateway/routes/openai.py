@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 from fastapi import APIRouter, Depends, Request
 
 from gateway.dependencies import ready_pipeline
