@@ -1,9 +1,12 @@
-"""ragspeed's own CPU kernels: products of a few rows with a weight stored in column blocks.
+"""ragspeed's own CPU kernels: products of a few rows with a weight stored in column blocks,
+decode attention over the paged pool, the residual add with RMSNorm, and the whole decoder of a
+decode-type step in one call.
 
 `kernels.c` is compiled on first use with the machine's C compiler for the machine's own CPU
 (`-march=native`) and kept in a cache; `build.load_library` returns None where that is not
-possible, and the linear kinds then use oneDNN / fbgemm alone. `BlockedWeight` holds one
-weight in the kernel's layout and runs the product.
+possible, and the model then runs layer by layer on oneDNN / fbgemm / SDPA alone.
+`BlockedWeight` holds one weight in the kernel's layout and runs the product; `decoder.py` runs
+a model's decode steps (and a draft's greedy steps) in one call each.
 """
 
 from engine.cpu_kernels.blocked import (
