@@ -5,17 +5,58 @@ earlier place in prompt + output; at the LATEST earlier match, propose the token
 it. When the match is so recent that fewer than k tokens follow it (a loop of period p < k),
 the proposal continues periodically: draft j copies (prompt + output + drafts so far)[start + j].
 Pure token-id arithmetic: no model, no KV cache.
+
+Each request keeps an index of its n-grams (`NgramIndex`: the latest start of every n-gram
+that has a token after it), extended by the tokens appended since the last step: a lookup costs
+the same whatever the context's length. Scanning the whole context at every step cost 65-110 us
+for a 570-token RAG prompt, a sixth of the demo model's decode step, and grows with the prompt.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
+
+class NgramIndex:
+    """The latest start of each n-gram (n in min_n..max_n) of one growing token sequence,
+    among those followed by at least one token."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.latest: dict[int, dict[tuple[int, ...], int]] = {
+            n: {} for n in range(min_n, max_n + 1)
+        }
+        self.num_indexed = 0  # windows starting before this position are indexed (per n: fewer)
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        """Index the windows of `token_ids` (the sequence so far, a prefix-extension of what
+        was indexed before) that now have a token after them."""
+        length = len(token_ids)
+        for n, latest in self.latest.items():
+            for start in range(max(self.num_indexed - n, 0), length - n):
+                latest[tuple(token_ids[start : start + n])] = start
+        self.num_indexed = length
+
+    def propose(self, token_ids: Sequence[int], num_tokens: int) -> list[int]:
+        """Up to `num_tokens` drafts after `token_ids` (indexed by `extend` first)."""
+        length = len(token_ids)
+        for n in sorted(self.latest, reverse=True):
+            if n >= length:
+                continue
+            start = self.latest[n].get(tuple(token_ids[length - n :]))
+            if start is None:
+                continue
+            start += n
+            drafts = list(token_ids[start : start + num_tokens])
+            while len(drafts) < num_tokens:  # periodic continuation (see the module docstring)
+                drafts.append(drafts[len(drafts) - (length - start)])
+            return drafts
+        return []
 
 
 class NgramProposer:
+    """The batch proposer (engine.spec_decode.proposer.Proposer): one `NgramIndex` per running
+    request, dropped by `release`."""
+
     name = "ngram"
 
     def __init__(self, *, min_n: int = 1, max_n: int = 4):
@@ -23,22 +64,26 @@ class NgramProposer:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.min_n = min_n
         self.max_n = max_n
+        self._indexes: dict[str, NgramIndex] = {}
 
     def propose(self, token_ids: Sequence[int], num_tokens: int) -> list[int]:
-        length = len(token_ids)
-        if num_tokens < 1 or length < self.min_n + 1:
+        """Drafts for one token sequence, from a fresh index (no state kept)."""
+        return self._propose(NgramIndex(self.min_n, self.max_n), token_ids, num_tokens)
+
+    def propose_batch(self, requests: Sequence, num_tokens: Sequence[int]) -> list[list[int]]:
+        drafts = []
+        for request, k in zip(requests, num_tokens):
+            index = self._indexes.get(request.request_id)
+            if index is None:
+                index = self._indexes[request.request_id] = NgramIndex(self.min_n, self.max_n)
+            drafts.append(self._propose(index, request.all_token_ids, k))
+        return drafts
+
+    def release(self, request_id: str) -> None:
+        self._indexes.pop(request_id, None)
+
+    def _propose(self, index: NgramIndex, token_ids: Sequence[int], num_tokens: int) -> list[int]:
+        if num_tokens < 1 or len(token_ids) < self.min_n + 1:
             return []
-        tokens = np.asarray(token_ids, dtype=np.int64)
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            suffix = tokens[-n:]
-            # windows [length - n, n]: window i = tokens[i : i + n]; the last one (the suffix
-            # itself) is excluded so a match always has at least one token after it.
-            windows = sliding_window_view(tokens[:-1], n)
-            hits = np.flatnonzero((windows == suffix).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
-                drafts = tokens[start : start + num_tokens].tolist()
-                while len(drafts) < num_tokens:  # periodic continuation (see the docstring)
-                    drafts.append(drafts[len(drafts) - (length - start)])
-                return drafts
-        return []
+        index.extend(token_ids)
+        return index.propose(token_ids, num_tokens)

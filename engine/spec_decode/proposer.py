@@ -5,8 +5,9 @@ Two shapes of proposer:
   call (`propose_batch`), so a model-based proposer runs one flat forward per draft step for
   all of them; `release` frees what it keeps for a request (the draft model's KV blocks) when
   the request finishes, aborts or is preempted.
-- `TokenProposer`: a stateless per-request guesser over token ids (prompt lookup). It serves
+- `TokenProposer`: a stateless per-request guesser over token ids (a test's oracle). It serves
   through `PerRequestProposer`, which loops over the batch and keeps nothing.
+Prompt lookup (ngram.py) is a `Proposer`: it keeps an n-gram index per request.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def as_batch_proposer(proposer: Proposer | TokenProposer) -> Proposer:
 def _build_ngram(config: EngineConfig, engine) -> Proposer:
     from engine.spec_decode.ngram import NgramProposer
 
-    return PerRequestProposer(NgramProposer())
+    return NgramProposer()
 
 
 def _build_draft(config: EngineConfig, engine) -> Proposer:

@@ -41,6 +41,39 @@ def test_ngram_proposes_what_followed_the_latest_match():
         NgramProposer(min_n=3, max_n=2)
 
 
+def _scan_ngram(tokens: list[int], k: int, min_n: int = 1, max_n: int = 4) -> list[int]:
+    """The reference: scan back for the latest earlier occurrence of the longest suffix."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == tokens[-n:]:
+                extended = list(tokens)
+                for j in range(k):
+                    extended.append(extended[start + n + j])
+                return extended[len(tokens) :]
+    return []
+
+
+def test_ngram_index_grows_with_the_request_and_proposes_what_a_scan_does():
+    """The per-request index, extended step by step (several tokens at once after accepted
+    drafts), against a scan of the whole sequence at every step; release drops it."""
+    import random
+    from types import SimpleNamespace
+
+    rng = random.Random(0)
+    proposer = NgramProposer()
+    request = SimpleNamespace(request_id="r", all_token_ids=[rng.randrange(20) for _ in range(30)])
+    for step in range(200):
+        k = 1 + step % 5
+        (incremental,) = proposer.propose_batch([request], [k])
+        assert incremental == _scan_ngram(request.all_token_ids, k)
+        copied = incremental[: rng.randrange(len(incremental) + 1)]  # accepted drafts
+        request.all_token_ids += copied + [rng.randrange(20)]
+    assert set(proposer._indexes) == {"r"}
+    proposer.release("r")
+    proposer.release("unknown")
+    assert proposer._indexes == {}
+
+
 def test_verify_greedy_accepts_the_agreeing_prefix_then_one_more():
     logits = torch.full((4, 10), -1.0)
     for row, best in enumerate([3, 5, 7, 9]):
