@@ -28,6 +28,7 @@ frees all of a request's draft blocks; a preempted request catches up from scrat
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, Sequence
 
@@ -88,6 +89,8 @@ class DraftProposer:
         self.min_confidence = min_confidence
         # All steps in one call of the CPU kernels where they run the draft (_fused_steps).
         self.fused_steps = True
+        # Time the latest propose_batch spent prefilling prompts (engine.spec_decode.proposer).
+        self.setup_seconds = 0.0
         # The target's forward thread count (engine.model_runner), for the draft's steps too.
         self.num_threads = num_threads or torch.get_num_threads()
         dtype = loaded.model.embed_tokens.dtype
@@ -101,6 +104,7 @@ class DraftProposer:
 
     @torch.inference_mode()
     def propose_batch(self, requests: Sequence, num_tokens: Sequence[int]) -> list[list[int]]:
+        self.setup_seconds = 0.0
         drafts: list[list[int]] = [[] for _ in requests]
         active: list[_Drafting] = []
         chunks: list[tuple[list[int], int, list[int]]] = []  # (token ids, start, block table)
@@ -147,7 +151,8 @@ class DraftProposer:
         fused = self.model._fused_decoder() if self.fused_steps else None
         if fused is not None and not fused.greedy:
             fused = None
-        if fused is not None and max(len(c[0]) for c in chunks) <= SMALL_CHUNK_QUERIES:
+        prefill = max(len(c[0]) for c in chunks) > SMALL_CHUNK_QUERIES  # a new request's prompt
+        if fused is not None and not prefill:
             self._fused_steps(fused, active, [c[0] for c in chunks], [c[1] for c in chunks], drafts)
             return
         going = active
@@ -160,7 +165,10 @@ class DraftProposer:
                 chunks = [
                     ([drafts[a.index][-1]], a.num_tokens + step - 1, a.block_table) for a in going
                 ]
+            start = time.perf_counter()
             new_tokens, confidences = self._forward(chunks)
+            if prefill and not step:  # one-time work, not what drafting costs a step
+                self.setup_seconds = time.perf_counter() - start
             for a, token in zip(going, new_tokens):
                 drafts[a.index].append(token)
             going = [

@@ -41,6 +41,9 @@ class Proposer(Protocol):
         Unknown ids are ignored."""
         ...
 
+    # Optional: `setup_seconds`, the time the latest `propose_batch` spent on one-time work
+    # for requests new to it (the Speculator does not count it as the step's cost).
+
 
 class PerRequestProposer:
     """A `TokenProposer` as a batch `Proposer`: one call per request, no state to release."""

@@ -125,6 +125,40 @@ def test_controller_speculates_while_the_measured_costs_say_it_pays():
     assert AdaptiveController(4, max_verify_tokens=10, adaptive=False).batch_allows([R()] * 50, [4] * 50)
 
 
+def test_a_proposers_one_time_work_is_not_counted_as_the_steps_cost():
+    """A draft's prefill of a new prompt (or an n-gram index of it) is reported as
+    `setup_seconds` and left out of the step cost the controller compares."""
+    from types import SimpleNamespace
+
+    from engine.spec_decode.speculator import Speculator
+
+    class Proposer:
+        name = "once"
+        setup_seconds = 0.0
+
+        def propose_batch(self, requests, num_tokens):
+            self.setup_seconds = 0.004
+            return [[7] * k for k in num_tokens]
+
+        def release(self, request_id):
+            pass
+
+    class Running:  # what the speculator reads of a running request
+        prefill_only, num_tokens, num_computed_tokens, num_output_tokens = False, 10, 9, 1
+        sampling = SimpleNamespace(params=SimpleNamespace(max_tokens=100, greedy=True, seed=None))
+        spec_token_ids: list[int] = []
+
+    controller = AdaptiveController(4, max_verify_tokens=100)
+    seen = []
+    controller.observe_step = lambda n, speculated, seconds: seen.append((n, speculated, seconds))
+    speculator = Speculator(Proposer(), controller)
+    request = Running()
+    speculator.propose([request], max_model_len=512)
+    assert request.spec_token_ids == [7, 7, 7, 7]
+    speculator.observe_step(0.006)
+    assert seen == [(1, True, pytest.approx(0.002))]
+
+
 # ---------------------------------------------------------------- greedy: identical output
 
 
