@@ -1,8 +1,10 @@
 """Adaptive speculation: how many draft tokens each request gets, and when to stop speculating.
 
-Per request: an EWMA of its acceptance rate (accepted / drafted per verification) sets
-k = ceil(ewma * max_k) in [1, max_k]; a new request starts from the proposer's recent
-acceptance over all requests (1.0 before any verification). After `miss_limit` verifications
+Per request: an EWMA of its acceptance rate (accepted / drafted per verification, smoothing
+0.15: one verification's rate swings between 0 and 1) sets k = ceil(ewma * max_k) in
+[1, max_k]; a new request starts from the proposer's recent acceptance over all requests (1.0
+before any verification), and a request's estimate drifts back toward that prior in each step
+that does not verify it (`recovery`). After `miss_limit` verifications
 in a row that accepted nothing, the request pauses speculation for `retry_after` steps, then
 retries (one more miss pauses it again at once).
 
@@ -43,12 +45,13 @@ class AdaptiveController:
         max_k: int,
         *,
         max_verify_tokens: int,
-        smoothing: float = 0.3,
+        smoothing: float = 0.15,
         miss_limit: int = 3,
         retry_after: int = 8,
         adaptive: bool = True,
         explore_every: int = 8,
         plain_explore_factor: int = 4,
+        recovery: float = 0.1,
     ):
         if max_k < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {max_k}")
@@ -62,6 +65,7 @@ class AdaptiveController:
         self.adaptive = adaptive
         self.explore_every = explore_every
         self.plain_explore_factor = plain_explore_factor
+        self.recovery = recovery
         self.prior = 1.0  # acceptance EWMA over every request: where a new request starts
         # num_decodes -> ([plain], [speculative]) seconds of the latest decode-only steps
         self._costs: dict[int, tuple[deque[float], deque[float]]] = {}
@@ -90,7 +94,21 @@ class AdaptiveController:
         # loses is retried sooner: acceptance changes within a request, and only a
         # verification measures it.
         period = self.explore_every * n * (self.plain_explore_factor if better else 1)
-        return not better if step % period == 0 else better
+        speculate = not better if step % period == 0 else better
+        if not speculate:
+            self._drift_toward_prior(decodes)
+        return speculate
+
+    def _drift_toward_prior(self, decodes: list) -> None:
+        """Requests that go unverified this step: their acceptance estimates drift back toward
+        the prior (their evidence ages). Without it, one unlucky verification could keep a
+        request's estimate, and so speculation, down for many steps: measured on the demo
+        draft (acceptance 0.85), a 0/4 verification took the estimate to ~0.6, below the
+        break-even, and some runs then spent 40% of their steps without speculation."""
+        for request in decodes:
+            control = self._control.get(request)
+            if control is not None:
+                control.ewma += self.recovery * (self.prior - control.ewma)
 
     def batch_allows_at_most(self, num_decodes: int) -> bool:
         """The hard cap alone: `num_decodes` decodes with up to `max_k` drafts each fit."""

@@ -84,7 +84,9 @@ def test_verify_greedy_accepts_the_agreeing_prefix_then_one_more():
 
 
 def test_adaptive_controller_follows_acceptance_and_pauses_after_misses():
-    controller = AdaptiveController(4, max_verify_tokens=20, miss_limit=2, retry_after=3)
+    controller = AdaptiveController(
+        4, max_verify_tokens=20, miss_limit=2, retry_after=3, smoothing=0.3
+    )
 
     class R:  # any weak-referenceable object stands for a request
         pass
@@ -157,6 +159,29 @@ def test_a_proposers_one_time_work_is_not_counted_as_the_steps_cost():
     assert request.spec_token_ids == [7, 7, 7, 7]
     speculator.observe_step(0.006)
     assert seen == [(1, True, pytest.approx(0.002))]
+
+
+def test_an_unlucky_verification_does_not_keep_speculation_off():
+    """A request whose estimate one bad verification pushed below break-even drifts back
+    toward the prior while unverified, and speculation resumes."""
+    controller = AdaptiveController(4, max_verify_tokens=100, smoothing=0.5, explore_every=100)
+
+    class R:
+        pass
+
+    steady, unlucky = R(), R()
+    for _ in range(20):  # the prior learns acceptance 0.85
+        controller.observe(steady, 20, 17)
+    controller.observe_step(1, True, 0.0018)
+    controller.observe_step(1, False, 0.0006)
+    controller.num_tokens(unlucky)
+    controller.observe(unlucky, 4, 0)  # ewma 0.85 -> ~0.43: 1.7 tokens for 3x the cost
+    decisions = []
+    for _ in range(30):
+        k = controller.num_tokens(unlucky)
+        decisions.append(controller.batch_allows([unlucky], [k]))
+    assert decisions[0] is False and decisions[-1] is True
+    assert decisions.index(True) < 15
 
 
 # ---------------------------------------------------------------- greedy: identical output
