@@ -12,8 +12,9 @@ Figures (one run; warm-up first; medians of `repeats` runs; JSON keys in bracket
   default the distilled demo draft; its weights as `--draft-quantization` says, default int8 on
   a CPU [draft_quantization]), side by side: [draft_plain_decode_tokens_per_s,
   draft_decode_tokens_per_s, draft_speedup = draft / plain], acceptance and mean accepted
-  length over the timed runs [draft_acceptance, draft_mean_accepted_length], and
-  [draft_outputs_identical].
+  length over the timed runs [draft_acceptance, draft_mean_accepted_length],
+  [draft_outputs_identical], and the timed steps the controller ran without drafts
+  [draft_steps_switched_off].
 - batch 16 of the RAG prompts at once, adaptive speculation on (the default controller):
   output tokens/s over the whole run [batch16_plain_tokens_per_s, batch16_ngram_tokens_per_s,
   batch16_ratio = ngram / plain].
@@ -177,6 +178,7 @@ def run_bench_spec(
     num_drafted = after["spec_draft_tokens"] - before["spec_draft_tokens"]
     num_accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
     num_verified = after["spec_verifications"] - before["spec_verifications"]
+    num_switched_off = after["spec_steps_switched_off"] - before["spec_steps_switched_off"]
 
     # batch 16: adaptive speculation against none, whole-run output rate
     batch: dict[str, list[float]] = {"plain": [], "ngram": []}
@@ -210,6 +212,7 @@ def run_bench_spec(
         "draft_acceptance": num_accepted / num_drafted if num_drafted else 0.0,
         "draft_mean_accepted_length": num_accepted / num_verified if num_verified else 0.0,
         "draft_outputs_identical": draft_identical,
+        "draft_steps_switched_off": num_switched_off,
         "batch16_plain_tokens_per_s": b_plain,
         "batch16_ngram_tokens_per_s": b_ngram,
         "batch16_ratio": b_ngram / b_plain,

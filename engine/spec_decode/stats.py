@@ -10,7 +10,7 @@ class SpecStats:
     num_verifications: int = 0  # request-steps that verified at least one draft token
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    num_steps_switched_off: int = 0  # steps where the batch was too large to speculate
+    num_steps_switched_off: int = 0  # steps the controller ran without drafts (batch, cost)
 
     def record(self, num_draft: int, num_accepted: int) -> None:
         self.num_verifications += 1
