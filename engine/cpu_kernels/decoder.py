@@ -64,7 +64,8 @@ class FusedDecoder:
     def __init__(self, model) -> None:
         arch = model.arch
         self.library = load_library()
-        self._keep: list[torch.Tensor] = []  # contiguous copies the structs point into
+        # What the structs point into: the model's own tensors where fp32 and contiguous already.
+        self._keep: list[torch.Tensor] = []
         layers = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
