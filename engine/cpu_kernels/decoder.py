@@ -52,6 +52,12 @@ def _pointer(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
+def _projections(layer) -> tuple:
+    """A decoder layer's four linear kinds, in the order of kernels.c's `Layer`."""
+    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+            layer.mlp.down_proj)
+
+
 def _linear(weight: BlockedWeight) -> _Linear:
     return _Linear(weight.blocks.data_ptr(), _pointer(weight.scales), _pointer(weight.bias),
                    weight.out_features, weight.in_features)
@@ -68,14 +74,12 @@ class FusedDecoder:
         self._keep: list[torch.Tensor] = []
         layers = []
         for layer in model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            qk_norm = attn.qk_norm_weight
+            qk_norm = layer.self_attn.qk_norm_weight
             layers.append(_Layer(
                 self._float(layer.input_layernorm.weight),
                 self._float(layer.post_attention_layernorm.weight),
                 None if qk_norm is None else self._float(qk_norm),
-                *(_linear(p.blocked_weight()) for p in
-                  (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)),
+                *(_linear(p.blocked_weight()) for p in _projections(layer)),
             ))
         self.layers = (_Layer * len(layers))(*layers)
         lm_head = model.lm_head.blocked_weight()
@@ -108,13 +112,9 @@ class FusedDecoder:
             or arch.head_dim % 2
         ):
             return False
-        projections = [
-            p for layer in model.layers for p in (
-                layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                layer.mlp.gate_up_proj, layer.mlp.down_proj,
-            )
-        ]
-        return all(p.blocked_weight() is not None for p in projections)
+        return all(
+            p.blocked_weight() is not None for layer in model.layers for p in _projections(layer)
+        )
 
     @staticmethod
     def rows(meta: AttentionMetadata, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:

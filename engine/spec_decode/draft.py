@@ -149,8 +149,7 @@ class DraftProposer:
         """Greedy draft steps: `chunks` (the catch-up) gives draft 1 of every active request,
         then one flat decode step per further draft; appends to `drafts` in place."""
         fused = self.model._fused_decoder() if self.fused_steps else None
-        if fused is not None and not fused.greedy:
-            fused = None
+        fused = fused if fused is not None and fused.greedy else None
         prefill = max(len(c[0]) for c in chunks) > SMALL_CHUNK_QUERIES  # a new request's prompt
         if fused is not None and not prefill:
             self._fused_steps(fused, active, [c[0] for c in chunks], [c[1] for c in chunks], drafts)

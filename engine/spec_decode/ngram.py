@@ -72,18 +72,22 @@ class NgramProposer:
 
     def propose(self, token_ids: Sequence[int], num_tokens: int) -> list[int]:
         """Drafts for one token sequence, from a fresh index (no state kept)."""
-        return self._propose(NgramIndex(self.min_n, self.max_n), token_ids, num_tokens)
+        index = NgramIndex(self.min_n, self.max_n)
+        index.extend(token_ids)
+        return self._propose(index, token_ids, num_tokens)
 
     def propose_batch(self, requests: Sequence, num_tokens: Sequence[int]) -> list[list[int]]:
         drafts = []
         self.setup_seconds = 0.0
         for request, k in zip(requests, num_tokens):
             index = self._indexes.get(request.request_id)
-            if index is None:
+            if index is None:  # indexing a new request's prompt: one-time work
                 start = time.perf_counter()
                 index = self._indexes[request.request_id] = NgramIndex(self.min_n, self.max_n)
                 index.extend(request.all_token_ids)
                 self.setup_seconds += time.perf_counter() - start
+            else:
+                index.extend(request.all_token_ids)
             drafts.append(self._propose(index, request.all_token_ids, k))
         return drafts
 
@@ -91,7 +95,7 @@ class NgramProposer:
         self._indexes.pop(request_id, None)
 
     def _propose(self, index: NgramIndex, token_ids: Sequence[int], num_tokens: int) -> list[int]:
+        """Drafts from `index`, which holds `token_ids` already."""
         if num_tokens < 1 or len(token_ids) < self.min_n + 1:
             return []
-        index.extend(token_ids)
         return index.propose(token_ids, num_tokens)
