@@ -65,10 +65,14 @@ def list_command(as_json: bool = typer.Option(False, "--json", help="Print JSON 
         typer.echo(f"{row['name']:<14} {row['kind']:<8} {state:<10} {row['path']}\n{'':<24}{row['description']}")
 
 
-def run_train_demo(out: Path, data_dir: Path, minutes: float, seed: int, max_steps: int | None, threads: int | None) -> dict[str, Any]:
+def run_train_demo(
+    out: Path, data_dir: Path, minutes: float, seed: int, max_steps: int | None, threads: int | None,
+    stage: str = "base", init: Path | None = None,
+) -> dict[str, Any]:
     from engine.training.demo import train_demo  # torch and transformers load only when training
 
-    return train_demo(out, data_dir=data_dir, minutes=minutes, seed=seed, max_steps=max_steps, num_threads=threads)
+    return train_demo(out, data_dir=data_dir, minutes=minutes, seed=seed, max_steps=max_steps, num_threads=threads,
+                      stage=stage, init=init)
 
 
 def train_demo(
@@ -77,12 +81,20 @@ def train_demo(
     minutes: float = typer.Option(20.0, min=0.1, help="Training time budget in minutes (the learning rate decays over it)."),
     seed: int = typer.Option(0, help="Seed of the data split, examples, and weights."),
     max_steps: Optional[int] = typer.Option(None, min=1, help="Stop after this many steps, if sooner than the budget."),
-    threads: Optional[int] = typer.Option(None, min=1, help="torch threads (default 1: fastest on a shared CPU)."),
+    threads: Optional[int] = typer.Option(None, min=1, help="torch threads (default: 1 for the base stage, fastest on a shared CPU; 2 for the others)."),
+    stage: str = typer.Option("base", help="base: from scratch; copy: the induction curriculum; finetune: the data mix again, copying kept (both go on from --init)."),
+    init: Optional[Path] = typer.Option(None, help="The saved model the copy and finetune stages go on training (its tokenizer is kept)."),
 ) -> None:
-    """Train the bundled demo model (tokenizer, tiny Llama, model card) from ../shared/data."""
-    from engine.training.demo import DEFAULT_DATA_DIR, DEMO_MODEL_DIR
+    """Train the bundled demo model (tokenizer, tiny Llama, model card) from ../shared/data, in
+    stages: base, then copy, then finetune."""
+    from engine.training.demo import DEFAULT_DATA_DIR, DEMO_MODEL_DIR, check_stage
 
-    figures = run_train_demo(out or DEMO_MODEL_DIR, data_dir or DEFAULT_DATA_DIR, minutes, seed, max_steps, threads)
+    try:
+        check_stage(stage, init)
+    except ValueError as error:
+        option, message = str(error).split(": ", 1)
+        raise typer.BadParameter(message, param_hint=f"--{option}") from error
+    figures = run_train_demo(out or DEMO_MODEL_DIR, data_dir or DEFAULT_DATA_DIR, minutes, seed, max_steps, threads, stage, init)
     figures.pop("losses", None)
     typer.echo(json.dumps(figures, indent=2))
 

@@ -118,6 +118,32 @@ def make_extractive_example(
     return ExtractiveExample(messages=messages, answer=answer)
 
 
+PASSAGE_INSTRUCTIONS = (
+    'Quote the passage that mentions "{key}".',
+    "Quote the passage that answers the question: what do the documents say about {key}?",
+    'Which document mentions "{key}"? Quote it in full.',
+    "Copy the document about {key} word for word.",
+)
+
+
+def make_passage_example(passages: Sequence[str], rng: random.Random, *, max_passages: int = 5) -> ExtractiveExample | None:
+    """Quote a whole passage, chosen by a key that only it contains (a RAG answer that quotes
+    its source: long copies, where prompt lookup pays most); None when no unique key was found."""
+    shown = rng.sample(list(passages), k=rng.randint(1, min(max_passages, len(passages))))
+    target = rng.randrange(len(shown))
+    other_text = "\n".join(p for i, p in enumerate(shown) if i != target)
+    sentences = split_sentences(shown[target])
+    key = _unique_key(rng.choice(sentences), other_text, rng) if sentences else None
+    if key is None:
+        return None
+    documents = rng.choice(DOCUMENT_FORMATS)(shown)
+    messages = (
+        {"role": "system", "content": rng.choice(SYSTEM_PROMPTS)},
+        {"role": "user", "content": f"Documents:\n{documents}\n\n{rng.choice(PASSAGE_INSTRUCTIONS).format(key=key)}"},
+    )
+    return ExtractiveExample(messages=messages, answer=shown[target])
+
+
 REPEAT_INSTRUCTIONS = (
     "Repeat document {index} word for word.",
     "Copy document {index} exactly.",

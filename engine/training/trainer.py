@@ -18,6 +18,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
@@ -50,6 +51,7 @@ class TrainingConfig:
     min_learning_rate: float = 3e-4
     warmup_steps: int = 50
     weight_decay: float = 0.1
+    adam_beta2: float = 0.95
     grad_clip: float = 1.0
     seed: int = 0
     num_threads: int = 2
@@ -112,7 +114,7 @@ def adamw(params: list[torch.nn.Parameter], config: TrainingConfig) -> torch.opt
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ],
         lr=config.learning_rate,
-        betas=(0.9, 0.95),
+        betas=(0.9, config.adam_beta2),
     )
 
 
@@ -188,20 +190,24 @@ def train_loop(
 
 
 def train_causal_lm(
-    model_config: PretrainedConfig,
+    source: PretrainedConfig | Path,
     phases: Sequence[Phase],
     config: TrainingConfig,
     *,
     pad_id: int,
     log: Callable[[str], None] = print,
 ) -> tuple[PreTrainedModel, TrainingLog]:
-    """Train a fresh model of `model_config` (train_loop, masked next-token loss)."""
+    """Train a fresh model of a config, or go on training the model saved in a folder
+    (train_loop, masked next-token loss)."""
     if not phases:
         raise ValueError("phases must not be empty")
     torch.manual_seed(config.seed)
     torch.set_num_threads(config.num_threads)
     rng = random.Random(config.seed)
-    model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+    if isinstance(source, Path):
+        model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(source, dtype=torch.float32)
     model.train()
 
     def step_loss(token_ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -230,3 +236,18 @@ def evaluate_loss(model: PreTrainedModel, pieces: Sequence[Piece], seq_len: int,
         total += loss.item() * num_targets
         count += num_targets
     return total / max(count, 1)
+
+
+@torch.no_grad()
+def target_accuracy(model: PreTrainedModel, pieces: Sequence[Piece], seq_len: int, pad_id: int, batch_size: int = 8) -> float:
+    """Share of the targets of `pieces` that the model's greedy next token gets right, teacher
+    forced: for copying pieces, the share of copied tokens prompt lookup would have accepted."""
+    row_ids, row_mask = pack_rows(pieces, seq_len, pad_id)
+    hits, count = 0, 0
+    for first in range(0, row_ids.size(0), batch_size):
+        token_ids, loss_mask = row_ids[first : first + batch_size], row_mask[first : first + batch_size]
+        predicted = model(input_ids=token_ids).logits[:, :-1].argmax(-1)
+        targets = loss_mask[:, 1:] == 1
+        hits += int((predicted == token_ids[:, 1:])[targets].sum())
+        count += int(targets.sum())
+    return hits / max(count, 1)

@@ -1,0 +1,124 @@
+"""The copy curriculum's rows, whole-passage quotes, the accuracy figure, and the demo's stages."""
+
+import random
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from engine.training.copying import frequent_tokens, pairs_piece, pattern_piece
+from engine.training.demo import check_stage
+from engine.training.examples import make_passage_example
+from engine.training.trainer import Piece, target_accuracy
+
+PASSAGES = (
+    "The first Nobel Prize in Physics was awarded in 1901 to Wilhelm Conrad Röntgen. "
+    "John Bardeen is the only laureate to win the prize twice.",
+    "Deadpool 2 is scheduled to be released in the United States on May 18, 2018. "
+    "A sequel, Deadpool 3, is in development.",
+    "The Amazon River in South America is the largest river by discharge volume of water in the world.",
+)
+
+
+def test_frequent_tokens_skips_special_ids_and_orders_by_count():
+    documents = [[1, 9, 9, 9, 8, 8, 2], [1, 7, 9, 8, 2, 0, 0]]
+    assert frequent_tokens(documents, 2, first_ordinary=7) == [9, 8]
+    assert frequent_tokens(documents, 10, first_ordinary=7) == [9, 8, 7]
+
+
+def test_pairs_piece_targets_each_second_token_which_repeats_the_first():
+    piece = pairs_piece([10, 11, 12], 9, bos_id=1, rng=random.Random(0))
+    ids, mask = piece.token_ids, piece.loss_mask
+    assert len(ids) == len(mask) == 9 and ids[0] == 1
+    assert mask == (0, 0, 1, 0, 1, 0, 1, 0, 1)
+    assert all(ids[i] == ids[i - 1] for i in range(2, 9, 2))
+    assert set(ids[1:]) <= {10, 11, 12}
+
+
+def test_pattern_piece_repeats_a_pattern_and_targets_only_the_repeats():
+    rng = random.Random(3)
+    for _ in range(20):
+        piece = pattern_piece(list(range(10, 60)), 100, bos_id=1, rng=rng, min_len=4, max_len=12)
+        ids, mask = piece.token_ids, piece.loss_mask
+        first = mask.index(1)
+        length = first - 1
+        assert 4 <= length <= 12 and len(ids) == 100 and ids[0] == 1
+        assert all(ids[i] == ids[i - length] for i in range(first, 100))
+        assert all(mask[first:]) and not any(mask[:first])
+
+
+def test_passage_example_quotes_the_one_passage_holding_its_key():
+    rng = random.Random(0)
+    examples = [make_passage_example(PASSAGES, rng, max_passages=3) for _ in range(30)]
+    examples = [e for e in examples if e is not None]
+    assert len(examples) >= 20
+    for example in examples:
+        user = example.messages[-1]["content"]
+        assert example.answer in PASSAGES and example.answer in user
+        instruction = user.rsplit("\n\n", 1)[-1]
+        others = [p for p in PASSAGES if p != example.answer and p in user]
+        words = [w for w in re.findall(r"[\w'-]+", instruction) if len(w) > 2]
+        assert any(w in example.answer and all(w not in p for p in others) for w in words), instruction
+
+
+def test_target_accuracy_counts_only_targets():
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    ids = [1]
+    for position in range(9):  # the model's own greedy token at odd positions, another at even
+        predicted = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+        ids.append(predicted if position % 2 == 0 else (predicted + 1) % 32)
+    ids = tuple(ids)
+    right, wrong = [1, 3, 5, 7, 9], [2, 4, 6, 8]
+    only_right = Piece(ids, tuple(int(i in right) for i in range(10)))
+    only_wrong = Piece(ids, tuple(int(i in wrong) for i in range(10)))
+    assert target_accuracy(model, [only_right], 16, pad_id=0) == 1.0
+    assert target_accuracy(model, [only_wrong], 16, pad_id=0) == 0.0
+    both = target_accuracy(model, [only_right, only_wrong], 16, pad_id=0)
+    assert both == pytest.approx(5 / 9)
+
+
+def test_check_stage(tmp_path):
+    check_stage("base", None)
+    (tmp_path / "config.json").write_text("{}")
+    check_stage("copy", tmp_path)
+    with pytest.raises(ValueError, match="^stage: must be one of base, copy, finetune, got 'warm'"):
+        check_stage("warm", None)
+    with pytest.raises(ValueError, match="^init: the base stage trains from scratch"):
+        check_stage("base", tmp_path)
+    with pytest.raises(ValueError, match="^init: the finetune stage goes on training a saved model"):
+        check_stage("finetune", None)
+    with pytest.raises(ValueError, match="^init: no saved model in"):
+        check_stage("copy", tmp_path / "missing")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--stage", "copy"], "the copy stage goes on training a saved model"),
+    (["--stage", "late"], "must be one of base, copy, finetune"),
+])
+def test_train_demo_cli_rejects_bad_stages_before_training(tmp_path, args, message):
+    result = subprocess.run([sys.executable, "-m", "gateway", "train-demo", "--out", str(tmp_path / "m"), *args],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert message in " ".join(result.stderr.split())
+    assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.slow
+def test_copy_then_finetune_stages_end_to_end(tmp_path, shared_data):
+    from engine.model_zoo import resolve_model
+    from engine.training.demo import train_demo
+
+    copy = train_demo(tmp_path / "copy", data_dir=shared_data, minutes=1, max_steps=1, num_eval_examples=1,
+                      stage="copy", init=resolve_model("ragspeed-demo"), log=lambda _: None)
+    assert copy["steps"] == 1 and 0.0 <= copy["pattern_token_accuracy"] <= 1.0
+    tuned = train_demo(tmp_path / "tuned", data_dir=shared_data, minutes=1, max_steps=1, num_eval_examples=1,
+                       stage="finetune", init=tmp_path / "copy", log=lambda _: None)
+    assert tuned["steps"] == 1 and tuned["init"] == str(tmp_path / "copy")
+    card = (tmp_path / "tuned" / "README.md").read_text()
+    assert "--stage finetune --init" in card and "### How it was made (stage copy" in card
+    assert "#### How it was made\n" in card  # the base stage's card, two levels down
