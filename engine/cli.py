@@ -78,7 +78,7 @@ def run_train_demo(
 def train_demo(
     out: Optional[Path] = typer.Option(None, help="Output folder (default: engine/assets/ragspeed-demo, replaced)."),
     data_dir: Optional[Path] = typer.Option(None, help="Folder with wiki_passages.txt and wikitext2_raw_test.txt (default: ../shared/data)."),
-    minutes: float = typer.Option(20.0, min=0.1, help="Training time budget in minutes (the learning rate decays over it)."),
+    minutes: float = typer.Option(20.0, min=0.1, help="Training time budget in minutes (the learning-rate schedule spans it)."),
     seed: int = typer.Option(0, help="Seed of the data split, examples, and weights."),
     max_steps: Optional[int] = typer.Option(None, min=1, help="Stop after this many steps, if sooner than the budget."),
     threads: Optional[int] = typer.Option(None, min=1, help="torch threads (default: 1 for the base stage, fastest on a shared CPU; 2 for the others)."),

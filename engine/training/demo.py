@@ -193,7 +193,7 @@ def build_phases(recipe: DemoRecipe, corpus: Corpus, tokenizer: PreTrainedTokeni
     chat_tokens = int(lm_tokens * recipe.chat_token_fraction / (1.0 - recipe.chat_token_fraction))
     lm_texts = corpus.train_passages + corpus.train_articles
     pattern_tokens = int((lm_tokens + chat_tokens) * recipe.pattern_token_fraction / (1.0 - recipe.pattern_token_fraction))
-    alphabet = frequent_tokens(lm_documents, recipe.pattern_alphabet_size, first_ordinary=_first_ordinary(tokenizer))
+    alphabet = frequent_tokens(lm_documents, recipe.pattern_alphabet_size, first_ordinary=_first_ordinary(tokenizer)) if pattern_tokens else []
 
     def make_phase(seq_len: int, batch_size: int, fraction: float, max_passages: int) -> Phase:
         def make_pieces(rng: random.Random) -> list[Piece]:

@@ -1,4 +1,5 @@
-"""Train a causal LM from scratch on packed rows of tokens, on the CPU, within a time budget.
+"""Train a causal LM (from scratch, or on from a saved one) on packed rows of tokens, on the
+CPU, within a time budget.
 
 The data arrives as *pieces*: token ids with a parallel loss mask (1 where the token is a
 target). A language-modelling document is all targets; a chat example has targets only on the
