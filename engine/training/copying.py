@@ -29,7 +29,7 @@ from engine.training.trainer import Piece
 
 
 def frequent_tokens(documents: Sequence[Sequence[int]], size: int, *, first_ordinary: int) -> list[int]:
-    """The `size` most frequent token ids below which ids are special (< first_ordinary)."""
+    """The `size` most frequent token ids of `documents`, special ids (< first_ordinary) left out."""
     counts = Counter(t for ids in documents for t in ids if t >= first_ordinary)
     return [token for token, _ in counts.most_common(size)]
 
