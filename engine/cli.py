@@ -82,7 +82,7 @@ def train_demo(
     seed: int = typer.Option(0, help="Seed of the data split, examples, and weights."),
     max_steps: Optional[int] = typer.Option(None, min=1, help="Stop after this many steps, if sooner than the budget."),
     threads: Optional[int] = typer.Option(None, min=1, help="torch threads (default: 1 for the base stage, fastest on a shared CPU; 2 for the others)."),
-    stage: str = typer.Option("base", help="base: from scratch; copy: the induction curriculum; finetune: the data mix again with whole-passage quotes and pattern rows (both go on from --init)."),
+    stage: str = typer.Option("base", help="base: from scratch; copy: induction (repeated patterns and passages) with language modelling kept; finetune: copying in chat (passage quotes), patterns kept (both go on from --init)."),
     init: Optional[Path] = typer.Option(None, help="The saved model the copy and finetune stages go on training (its tokenizer is kept)."),
 ) -> None:
     """Train the bundled demo model (tokenizer, tiny Llama, model card) from ../shared/data, in

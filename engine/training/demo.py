@@ -7,14 +7,14 @@ the NQ set (about 2.5-3k demo tokens) are trained. Half the tokens of each epoch
 language-modelling text, half chat examples (engine.training.examples).
 
 That *base* stage leaves a model that does not copy from its context, and prompt-lookup
-speculation needs one that does. Two more stages, each continuing a saved model (`--init`), are
-experiments towards one, not yet a recipe that gives it: *copy*, the synthetic induction
-curriculum of engine.training.copying (it teaches induction on repeated random patterns, and
-unlearns language), then *finetune*, the base data mix again in longer rows with whole-passage
-quotes and pattern rows mixed in. Measured (2-core CPU, from the bundled model): copy, ~1,940
-steps, pattern accuracy 0.91 on its own alphabet, language-modelling loss 5.9 -> 16.6; finetune,
-25 minutes, loss back to 6.3, copied tokens of held-out passage quotes 0.11 (the base model:
-0.08), and greedy replies that repeat one token. The bundled model is the base stage's.
+speculation needs one that does. Two more stages, each continuing a saved model (`--init`),
+teach it (engine.training.copying): *copy*, induction on repeated random patterns with passages
+repeated and language-modelling text mixed in, then *finetune*, copying from far back and in
+chat: long-period patterns, repeated spans of real text, passages repeated after other text,
+and chat examples whose whole-passage quotes start with the passage's label. Measured (2-core
+CPU, from the bundled model; README, "Engines"): teacher-forced, 0.90 of a
+held-out passage quote's tokens (the base stage: 0.08); greedy replies copy stretches of a
+document, then drift. The bundled model is the base stage's.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, PreTrainedModel, PreTrainedTokenizerFast
 
 from engine.training.corpus import Corpus, load_corpus
-from engine.training.copying import frequent_tokens, pairs_piece, pattern_piece
+from engine.training.copying import frequent_tokens, pattern_piece, repeat_piece, text_pattern_piece
 from engine.training.examples import (
     Message,
     make_extractive_example,
@@ -63,9 +63,6 @@ class DemoRecipe:
     chat_token_fraction: float = 0.6  # of each epoch's tokens
     generic_example_fraction: float = 0.1  # of chat examples
     repeat_example_fraction: float = 0.3  # of chat examples: copy a whole passage
-    passage_example_fraction: float = 0.0  # of chat examples: quote the passage that mentions a key
-    pattern_token_fraction: float = 0.0  # of each epoch's tokens: repeated random patterns
-    pattern_alphabet_size: int = 2048  # their tokens: the most frequent ordinary ones
     # One thread: on a CPU shared with other jobs, two OpenMP threads spin waiting for each other
     # (measured 5x slower than one thread under a load of 10 on 2 cores).
     training: TrainingConfig = TrainingConfig(
@@ -90,31 +87,45 @@ class DemoRecipe:
 
 
 @dataclass(frozen=True)
-class CopyRecipe:
-    """Stage `copy` (engine.training.copying): pairs rows for the first `pairs_fraction` of the
-    budget, then pattern rows. A constant learning rate after warm-up: the induction phase
-    change comes late (after ~1,100 pattern steps on the dev CPU) and a decaying rate delays it."""
+class MixRecipe:
+    """Stages `copy` and `finetune`: pieces of five kinds in fixed numbers per group (a group is
+    about a step's worth), packed into rows of `seq_len`: repeated random patterns, repeated
+    spans of text and repeated passages (engine.training.copying), chat examples (whole-passage
+    quotes, whole-document repeats, extractive sentences) and language-modelling text. A
+    constant learning rate after warm-up: the induction phase change comes late (~1,800 steps
+    on the dev CPU), and a decaying rate delays it."""
 
-    seq_len: int = 256
-    batch_size: int = 16
-    alphabet_size: int = 512  # the most frequent ordinary tokens of the training text
-    pairs_fraction: float = 0.1
-    rows_per_epoch: int = 256
-    training: TrainingConfig = TrainingConfig(
-        learning_rate=2e-3, min_learning_rate=2e-3, warmup_steps=30, weight_decay=0.0, adam_beta2=0.98,
-        log_every=25, num_threads=2,
+    seq_len: int
+    batch_size: int  # rows a step
+    patterns: int  # pieces per group, of each kind
+    text_patterns: int
+    repeats: int
+    chat: int
+    lm: int
+    training: TrainingConfig
+    max_period: int = 32  # of a pattern (log-uniform from 8): how far back a copy reaches
+    max_gap: int = 0  # other text between a passage and its repeat, up to this many tokens
+    alphabet_size: int = 2048  # pattern tokens: the most frequent ordinary tokens of the training text
+    groups_per_epoch: int = 32
+    max_passages: int = 5  # shown in a chat example
+    passage_fraction: float = 0.5  # of chat examples: quote the passage that mentions a key
+    repeat_fraction: float = 0.25  # of chat examples: repeat document N (the rest: extractive)
+
+
+def _constant_rate(learning_rate: float) -> TrainingConfig:
+    return TrainingConfig(
+        learning_rate=learning_rate, min_learning_rate=learning_rate, warmup_steps=30, weight_decay=0.0,
+        adam_beta2=0.98, log_every=25, num_threads=2,
     )
 
 
-# Stage `finetune`: the base data mix in rows as long as a RAG prompt of a few documents, with
-# whole-passage quotes and pattern rows, from the copy stage's model at a lower learning rate.
-FINETUNE_RECIPE = DemoRecipe(
-    phases=((1024, 4, 1.0, 5),),
-    repeat_example_fraction=0.2,
-    passage_example_fraction=0.3,
-    pattern_token_fraction=0.15,
-    training=TrainingConfig(learning_rate=1e-3, min_learning_rate=1e-4, warmup_steps=30, log_every=10, num_threads=2),
-)
+# Stage `copy`: induction, language modelling kept (no chat yet).
+COPY_RECIPE = MixRecipe(seq_len=256, batch_size=16, patterns=8, text_patterns=0, repeats=4, chat=0, lm=4,
+                        training=_constant_rate(2e-3))
+# Stage `finetune`: copying in chat and from far back, in rows as long as a RAG prompt of a few
+# documents (the copy stage's induction reaches ~32 tokens back: 0.04 of patterns of period 100-300).
+FINETUNE_RECIPE = MixRecipe(seq_len=768, batch_size=10, patterns=2, text_patterns=3, repeats=2, chat=3, lm=1,
+                            max_period=384, max_gap=400, training=_constant_rate(1.5e-3))
 STAGES = ("base", "copy", "finetune")
 
 
@@ -149,40 +160,42 @@ def chunk_documents(documents: Sequence[Sequence[int]], seq_len: int) -> list[Pi
     return pieces
 
 
-def make_chat_pieces(
+def make_chat_piece(
     corpus_passages: Sequence[str],
     lm_texts: Sequence[str],
     encoder: ChatEncoder,
     rng: random.Random,
     *,
-    num_tokens: int,
     max_passages: int,
     generic_fraction: float,
     repeat_fraction: float,
     passage_fraction: float = 0.0,
-) -> list[Piece]:
+) -> Piece | None:
+    """One chat example of a kind drawn by the fractions (the rest extractive); None when the
+    drawn example found no unique key."""
+    draw = rng.random()
+    if draw < repeat_fraction:
+        example = make_repeat_example(corpus_passages, rng, max_passages=min(max_passages, 3))
+    elif draw < repeat_fraction + generic_fraction:
+        *prompt, reply = make_generic_example(lm_texts, rng)
+        return encoder.encode(prompt, reply["content"])
+    elif draw < repeat_fraction + generic_fraction + passage_fraction:
+        example = make_passage_example(corpus_passages, rng, max_passages=max_passages)
+    else:
+        example = make_extractive_example(corpus_passages, rng, max_passages=max_passages)
+    return None if example is None else encoder.encode(example.messages, example.answer)
+
+
+def make_chat_pieces(corpus_passages: Sequence[str], lm_texts: Sequence[str], encoder: ChatEncoder, rng: random.Random,
+                     *, num_tokens: int, **kinds) -> list[Piece]:
+    """Chat examples (make_chat_piece, keyword arguments `kinds`) until `num_tokens` tokens."""
     pieces: list[Piece] = []
     total = 0
     while total < num_tokens:
-        draw = rng.random()
-        if draw < repeat_fraction:
-            repeat = make_repeat_example(corpus_passages, rng, max_passages=min(max_passages, 3))
-            piece = encoder.encode(repeat.messages, repeat.answer)
-        elif draw < repeat_fraction + generic_fraction:
-            *prompt, reply = make_generic_example(lm_texts, rng)
-            piece = encoder.encode(prompt, reply["content"])
-        elif draw < repeat_fraction + generic_fraction + passage_fraction:
-            passage = make_passage_example(corpus_passages, rng, max_passages=max_passages)
-            if passage is None:
-                continue
-            piece = encoder.encode(passage.messages, passage.answer)
-        else:
-            example = make_extractive_example(corpus_passages, rng, max_passages=max_passages)
-            if example is None:
-                continue
-            piece = encoder.encode(example.messages, example.answer)
-        pieces.append(piece)
-        total += len(piece.token_ids)
+        piece = make_chat_piece(corpus_passages, lm_texts, encoder, rng, **kinds)
+        if piece is not None:
+            pieces.append(piece)
+            total += len(piece.token_ids)
     return pieces
 
 
@@ -192,8 +205,6 @@ def build_phases(recipe: DemoRecipe, corpus: Corpus, tokenizer: PreTrainedTokeni
     lm_tokens = sum(len(ids) for ids in lm_documents)
     chat_tokens = int(lm_tokens * recipe.chat_token_fraction / (1.0 - recipe.chat_token_fraction))
     lm_texts = corpus.train_passages + corpus.train_articles
-    pattern_tokens = int((lm_tokens + chat_tokens) * recipe.pattern_token_fraction / (1.0 - recipe.pattern_token_fraction))
-    alphabet = frequent_tokens(lm_documents, recipe.pattern_alphabet_size, first_ordinary=_first_ordinary(tokenizer)) if pattern_tokens else []
 
     def make_phase(seq_len: int, batch_size: int, fraction: float, max_passages: int) -> Phase:
         def make_pieces(rng: random.Random) -> list[Piece]:
@@ -203,12 +214,7 @@ def build_phases(recipe: DemoRecipe, corpus: Corpus, tokenizer: PreTrainedTokeni
                 num_tokens=chat_tokens, max_passages=max_passages,
                 generic_fraction=recipe.generic_example_fraction,
                 repeat_fraction=recipe.repeat_example_fraction,
-                passage_fraction=recipe.passage_example_fraction,
             )
-            total = 0
-            while total < pattern_tokens:  # of every length up to the row's: copies from far back too
-                pieces.append(pattern_piece(alphabet, rng.randint(seq_len // 4, seq_len), tokenizer.bos_token_id, rng))
-                total += len(pieces[-1].token_ids)
             rng.shuffle(pieces)
             return pieces
 
@@ -221,17 +227,39 @@ def _first_ordinary(tokenizer: PreTrainedTokenizerFast) -> int:
     return max(tokenizer.all_special_ids) + 1
 
 
-def build_copy_phases(recipe: CopyRecipe, corpus: Corpus, tokenizer: PreTrainedTokenizerFast) -> list[Phase]:
+def build_mix_phase(recipe: MixRecipe, corpus: Corpus, tokenizer: PreTrainedTokenizerFast) -> Phase:
+    """One phase of MixRecipe groups (the copy and finetune stages)."""
     documents = encode_documents(tokenizer, corpus.train_passages + corpus.train_articles)
+    passages = encode_documents(tokenizer, corpus.train_passages)
     alphabet = frequent_tokens(documents, recipe.alphabet_size, first_ordinary=_first_ordinary(tokenizer))
+    lm_pieces = chunk_documents(documents, recipe.seq_len)
+    encoder = ChatEncoder(tokenizer)
+    lm_texts = corpus.train_passages + corpus.train_articles
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
 
-    def phase(make_piece, fraction: float) -> Phase:
-        def make_pieces(rng: random.Random) -> list[Piece]:
-            return [make_piece(alphabet, recipe.seq_len, tokenizer.bos_token_id, rng) for _ in range(recipe.rows_per_epoch)]
+    def chat_piece(rng: random.Random) -> Piece:
+        while True:
+            piece = make_chat_piece(
+                corpus.train_passages, lm_texts, encoder, rng, max_passages=recipe.max_passages,
+                generic_fraction=0.0, repeat_fraction=recipe.repeat_fraction, passage_fraction=recipe.passage_fraction,
+            )
+            if piece is not None and len(piece.token_ids) <= recipe.seq_len:
+                return piece
 
-        return Phase(seq_len=recipe.seq_len, batch_size=recipe.batch_size, time_fraction=fraction, make_pieces=make_pieces)
+    def make_pieces(rng: random.Random) -> list[Piece]:
+        pieces: list[Piece] = []
+        for _ in range(recipe.groups_per_epoch):
+            pieces += [pattern_piece(alphabet, recipe.seq_len, bos, rng, max_len=recipe.max_period) for _ in range(recipe.patterns)]
+            pieces += [text_pattern_piece(rng.choice(documents)[1:-1], recipe.seq_len, bos, rng, max_len=recipe.max_period)
+                       for _ in range(recipe.text_patterns)]
+            for _ in range(recipe.repeats):
+                gap = rng.choice(passages)[1:-1][: rng.randint(0, recipe.max_gap)]
+                pieces.append(repeat_piece(rng.choice(passages)[1:-1], recipe.seq_len, bos, eos, gap))
+            pieces += [chat_piece(rng) for _ in range(recipe.chat)]
+            pieces += [rng.choice(lm_pieces) for _ in range(recipe.lm)]
+        return pieces
 
-    return [phase(pairs_piece, recipe.pairs_fraction), phase(pattern_piece, 1.0 - recipe.pairs_fraction)]
+    return Phase(seq_len=recipe.seq_len, batch_size=recipe.batch_size, time_fraction=1.0, make_pieces=make_pieces)
 
 
 @torch.no_grad()
@@ -287,22 +315,44 @@ def save_demo_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, 
         path.chmod(0o644)  # safetensors are written owner-only
 
 
+@torch.no_grad()
+def copied_share(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, examples: Sequence, max_new_tokens: int = 48) -> float:
+    """Copying in free generation: over greedy replies to `examples`, the share of reply tokens
+    (after the first) that occur in the prompt right after the reply's token before them. A
+    reply that loops on itself scores ~0; teacher-forced accuracy says nothing of either."""
+    hits = count = 0
+    for example in examples:
+        prompt = tokenizer.apply_chat_template(list(example.messages), add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+        reply = model.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                               pad_token_id=tokenizer.pad_token_id)[0, prompt.shape[1] :].tolist()
+        ids = prompt[0].tolist()
+        pairs = set(zip(ids, ids[1:]))
+        hits += sum(pair in pairs for pair in zip(reply, reply[1:]))
+        count += max(len(reply) - 1, 0)
+    return hits / max(count, 1)
+
+
+PATTERN_EVAL_ALPHABET = 512  # pattern accuracy on the card: the held-out text's most frequent tokens
+
+
 def evaluate_demo(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, corpus: Corpus, *, num_examples: int, seed: int) -> dict:
     """The model card's figures, on the held-out split: language modelling, copying a sentence
     (greedy, exact match), and the share of copied tokens predicted right, teacher-forced, on
-    whole-passage quotes and on repeated random patterns (what prompt lookup would accept)."""
+    whole-passage quotes and on repeated random patterns (what prompt lookup would accept),
+    and the share of a greedy passage quote's tokens copied from the prompt (copied_share)."""
     pad_id = tokenizer.pad_token_id
     heldout_documents = encode_documents(tokenizer, corpus.heldout_passages + corpus.heldout_articles)
     rng = random.Random(seed + 3)
     encoder = ChatEncoder(tokenizer)
     quotes = [example for example in (make_passage_example(corpus.heldout_passages, rng, max_passages=3) for _ in range(2 * num_examples)) if example]
-    alphabet = frequent_tokens(heldout_documents, CopyRecipe.alphabet_size, first_ordinary=_first_ordinary(tokenizer))
+    alphabet = frequent_tokens(heldout_documents, PATTERN_EVAL_ALPHABET, first_ordinary=_first_ordinary(tokenizer))
     return {
         "heldout_lm_loss": round(evaluate_loss(model, chunk_documents(heldout_documents, 512), 512, pad_id), 4),
         "copy_exact_match_1_3_passages": round(copy_exact_match(model, tokenizer, corpus.heldout_passages, num_examples=num_examples, max_passages=3, seed=seed + 1), 3),
         "copy_exact_match_1_20_passages": round(copy_exact_match(model, tokenizer, corpus.heldout_passages, num_examples=max(1, num_examples // 5), max_passages=20, seed=seed + 2), 3),
         "passage_quote_token_accuracy": round(target_accuracy(model, [encoder.encode(q.messages, q.answer) for q in quotes[:num_examples]], 1024, pad_id), 3),
         "pattern_token_accuracy": round(target_accuracy(model, [pattern_piece(alphabet, 256, tokenizer.bos_token_id, rng) for _ in range(32)], 256, pad_id), 3),
+        "passage_quote_copied_share": round(copied_share(model, tokenizer, quotes[:num_examples]), 3),
         "sample_reply": generate_reply(model, tokenizer, SAMPLE_MESSAGES),
     }
 
@@ -339,7 +389,7 @@ def train_demo(
         raise ValueError(f"minutes must be positive, got {minutes}")
     check_stage(stage, init)
     started = time.perf_counter()
-    recipe = {"base": DemoRecipe(), "copy": CopyRecipe(), "finetune": FINETUNE_RECIPE}[stage]
+    recipe = {"base": DemoRecipe(), "copy": COPY_RECIPE, "finetune": FINETUNE_RECIPE}[stage]
     recipe = replace(recipe, training=replace(recipe.training, max_minutes=minutes, max_steps=max_steps, seed=seed,
         num_threads=num_threads or recipe.training.num_threads))
     corpus = load_corpus(Path(data_dir), seed=seed)
@@ -353,13 +403,14 @@ def train_demo(
         source = Path(init)
         card_path = Path(init) / "README.md"
         earlier_card = card_path.read_text() if card_path.is_file() else None
-    phases = build_copy_phases(recipe, corpus, tokenizer) if stage == "copy" else build_phases(recipe, corpus, tokenizer)
+    phases = build_phases(recipe, corpus, tokenizer) if stage == "base" else [build_mix_phase(recipe, corpus, tokenizer)]
     model, training_log = train_causal_lm(source, phases, recipe.training, pad_id=tokenizer.pad_token_id, log=log)
 
     figures = evaluate_demo(model, tokenizer, corpus, num_examples=num_eval_examples, seed=seed)
     log(f"held-out loss {figures['heldout_lm_loss']:.3f}; copy exact match {figures['copy_exact_match_1_3_passages']:.2f} (1-3 passages), "
         f"{figures['copy_exact_match_1_20_passages']:.2f} (1-20); copied tokens right: passage quotes "
-        f"{figures['passage_quote_token_accuracy']:.2f}, patterns {figures['pattern_token_accuracy']:.2f}")
+        f"{figures['passage_quote_token_accuracy']:.2f}, patterns {figures['pattern_token_accuracy']:.2f}; "
+        f"greedy passage quotes copied {figures['passage_quote_copied_share']:.2f}")
 
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -388,28 +439,37 @@ def train_demo(
     return figures
 
 
-def _data_description(recipe: DemoRecipe | CopyRecipe, corpus: Corpus) -> str:
-    if isinstance(recipe, CopyRecipe):
-        return f"""- Data: synthetic rows (`engine.training.copying`) over the {recipe.alphabet_size} most frequent
-  ordinary tokens of the training text, {recipe.seq_len} tokens a row, {recipe.batch_size} rows a step: *pairs*
-  (`bos a a b b ...`, loss on every second token) for the first {recipe.pairs_fraction:.0%} of the time, then
-  *patterns* (bos and a random pattern of 8-32 tokens repeated to fill the row, loss on the repeats)."""
+def _data_description(recipe: DemoRecipe | MixRecipe, corpus: Corpus) -> str:
+    if isinstance(recipe, MixRecipe):
+        return _mix_description(recipe)
     phases = "; ".join(f"{seq} tokens x {batch} rows, {frac:.0%} of the time, up to {mp} passages" for seq, batch, frac, mp in recipe.phases)
-    extra = ""
-    if recipe.passage_example_fraction:
-        extra += f""", {recipe.passage_example_fraction:.0%} 'Quote the passage that mentions "X".' and
-  similar (the whole passage that contains X copied)"""
-    if recipe.pattern_token_fraction:
-        extra += f"""; plus repeated random patterns (as in the copy stage, over the
-  {recipe.pattern_alphabet_size} most frequent tokens, a quarter to a whole row long) for {recipe.pattern_token_fraction:.0%} of the tokens"""
     return f"""- Data: `../shared/data/wiki_passages.txt` ({len(corpus.train_passages)} passages for training,
   {len(corpus.heldout_passages)} held out) and `wikitext2_raw_test.txt` ({len(corpus.train_articles)} articles for training,
   {len(corpus.heldout_articles)} held out; WikiText tokenisation undone), as language modelling, plus
   chat examples rendered through the chat template ({recipe.chat_token_fraction:.0%} of the tokens): extractive ones (passages, then
   'Quote the sentence that mentions "X".' or 'What do the documents say about X?', answered by
   that sentence copied exactly), {recipe.repeat_example_fraction:.0%} 'Repeat document N word for word.'
-  (a whole passage copied), {recipe.generic_example_fraction:.0%} generic turns{extra}. Loss only on replies for chat examples.
+  (a whole passage copied), {recipe.generic_example_fraction:.0%} generic turns. Loss only on replies for chat examples.
   Phases: {phases}."""
+
+
+def _mix_description(recipe: MixRecipe) -> str:
+    kinds = (
+        (recipe.patterns, f"repeated random patterns: bos and a pattern of 8-{recipe.max_period} tokens (log-uniform) of the "
+                          f"{recipe.alphabet_size} most frequent, repeated to fill the row; loss on the repeats"),
+        (recipe.text_patterns, "repeated spans of text: as the patterns, the pattern a span of a training document"),
+        (recipe.repeats, f"repeated passages: bos, a training passage, eos, {f'0-{recipe.max_gap} tokens of another passage, ' if recipe.max_gap else ''}"
+                         "the passage again; loss on all"),
+        (recipe.chat, f"chat examples over up to {recipe.max_passages} passages: {recipe.passage_fraction:.0%} 'Quote the passage that "
+                      f"mentions \"X\".' and similar, answered by the passage's label and the whole passage; "
+                      f"{recipe.repeat_fraction:.0%} 'Repeat document N word for word.'; the rest extractive sentences; loss on replies"),
+        (recipe.lm, "language-modelling chunks of the training text"),
+    )
+    listed = "\n".join(f"  - {count} x {kind}" for count, kind in kinds if count)
+    return f"""- Data (`engine.training.copying`, `engine.training.examples`; the training split of
+  `../shared/data`): groups of pieces, packed into rows of {recipe.seq_len} tokens, {recipe.batch_size} rows a step;
+  each group:
+{listed}"""
 
 
 def _learning_rates(training: TrainingConfig) -> str:
@@ -418,7 +478,7 @@ def _learning_rates(training: TrainingConfig) -> str:
     return f"{training.learning_rate:g} to {training.min_learning_rate:g}, cosine over the time budget"
 
 
-def model_card(recipe: DemoRecipe | CopyRecipe, corpus: Corpus, config, figures: dict, earlier_card: str | None) -> str:
+def model_card(recipe: DemoRecipe | MixRecipe, corpus: Corpus, config, figures: dict, earlier_card: str | None) -> str:
     """The card of this stage; an earlier stage's card (the init model's) follows it."""
     losses = ", ".join(f"{step}: {loss:.2f}" for step, loss in figures["losses"][:: max(1, len(figures["losses"]) // 12)])
     stage_flags = "" if figures["stage"] == "base" else f" --stage {figures['stage']} --init {figures['init']}"
@@ -458,6 +518,7 @@ ragspeed train-demo{stage_flags} --minutes {figures['minutes']:g} --seed {figure
 | copy a sentence, exact match, 1-20 passages | {figures['copy_exact_match_1_20_passages']:.2f} |
 | quote a passage: copied tokens predicted right (teacher-forced) | {figures['passage_quote_token_accuracy']:.2f} |
 | repeated random patterns: repeats predicted right | {figures['pattern_token_accuracy']:.2f} |
+| quote a passage, greedy: reply tokens copied from the prompt (copied_share) | {figures['passage_quote_copied_share']:.2f} |
 
 Training loss by step: {losses}.
 

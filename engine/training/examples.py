@@ -10,6 +10,7 @@ demo model answers something readable without documents.
 
 from __future__ import annotations
 
+import functools
 import random
 import re
 from collections.abc import Callable, Sequence
@@ -42,23 +43,17 @@ def split_sentences(text: str) -> list[str]:
     return [s.strip() for s in _SENTENCE_END.split(text) if s.strip()]
 
 
-def _format_numbered(passages: Sequence[str]) -> str:
-    return "\n\n".join(f"[{i}] {p}" for i, p in enumerate(passages, start=1))
+# Several layouts so the model does not depend on the one the gateway happens to use: each
+# passage follows its label, and passages are separated by a blank line.
+DOCUMENT_LABELS: tuple[str, ...] = ("[{i}] ", "Document {i}: ", "### Document {i}\n")
 
 
-def _format_titled(passages: Sequence[str]) -> str:
-    return "\n\n".join(f"Document {i}: {p}" for i, p in enumerate(passages, start=1))
+def format_documents(passages: Sequence[str], label: str) -> str:
+    return "\n\n".join(label.format(i=i) + p for i, p in enumerate(passages, start=1))
 
 
-def _format_headed(passages: Sequence[str]) -> str:
-    return "\n\n".join(f"### Document {i}\n{p}" for i, p in enumerate(passages, start=1))
-
-
-# Several layouts so the model does not depend on the one the gateway happens to use.
-DOCUMENT_FORMATS: tuple[Callable[[Sequence[str]], str], ...] = (
-    _format_numbered,
-    _format_titled,
-    _format_headed,
+DOCUMENT_FORMATS: tuple[Callable[[Sequence[str]], str], ...] = tuple(
+    functools.partial(format_documents, label=label) for label in DOCUMENT_LABELS
 )
 
 
@@ -127,8 +122,9 @@ PASSAGE_INSTRUCTIONS = (
 
 
 def make_passage_example(passages: Sequence[str], rng: random.Random, *, max_passages: int = 5) -> ExtractiveExample | None:
-    """Quote a whole passage, chosen by a key that only it contains (a RAG answer that quotes
-    its source: long copies, where prompt lookup pays most); None when no unique key was found."""
+    """Quote a whole passage, with its label, chosen by a key that only it contains (a RAG answer
+    that cites and quotes its source: long copies, where prompt lookup pays most); None when no
+    unique key was found."""
     shown = rng.sample(list(passages), k=rng.randint(1, min(max_passages, len(passages))))
     target = rng.randrange(len(shown))
     other_text = "\n".join(p for i, p in enumerate(shown) if i != target)
@@ -136,12 +132,14 @@ def make_passage_example(passages: Sequence[str], rng: random.Random, *, max_pas
     key = _unique_key(rng.choice(sentences), other_text, rng) if sentences else None
     if key is None:
         return None
-    documents = rng.choice(DOCUMENT_FORMATS)(shown)
+    label = rng.choice(DOCUMENT_LABELS)
     messages = (
         {"role": "system", "content": rng.choice(SYSTEM_PROMPTS)},
-        {"role": "user", "content": f"Documents:\n{documents}\n\n{rng.choice(PASSAGE_INSTRUCTIONS).format(key=key)}"},
+        {"role": "user", "content": f"Documents:\n{format_documents(shown, label)}\n\n{rng.choice(PASSAGE_INSTRUCTIONS).format(key=key)}"},
     )
-    return ExtractiveExample(messages=messages, answer=shown[target])
+    # The quote starts with the passage's label, as shown: the model picks a document (one
+    # token), then copies what follows that label in the prompt, which induction does.
+    return ExtractiveExample(messages=messages, answer=label.format(i=target + 1) + shown[target])
 
 
 REPEAT_INSTRUCTIONS = (
@@ -156,7 +154,7 @@ def make_repeat_example(passages: Sequence[str], rng: random.Random, *, max_pass
     mechanism (induction heads) far sooner than the sentence task alone."""
     shown = rng.sample(list(passages), k=rng.randint(1, min(max_passages, len(passages))))
     index = rng.randrange(len(shown))
-    documents = _format_numbered(shown) if rng.random() < 0.5 else _format_titled(shown)
+    documents = format_documents(shown, DOCUMENT_LABELS[0] if rng.random() < 0.5 else DOCUMENT_LABELS[1])
     instruction = rng.choice(REPEAT_INSTRUCTIONS).format(index=index + 1)
     messages = (
         {"role": "system", "content": rng.choice(SYSTEM_PROMPTS)},

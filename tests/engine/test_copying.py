@@ -1,4 +1,4 @@
-"""The copy curriculum's rows, whole-passage quotes, the accuracy figure, and the demo's stages."""
+"""The copy curriculum's rows, whole-passage quotes, the copying figures, and the demo's stages."""
 
 import random
 import re
@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.training.copying import frequent_tokens, pairs_piece, pattern_piece
-from engine.training.demo import check_stage
+from engine.training.copying import frequent_tokens, pattern_piece, repeat_piece, text_pattern_piece
+from engine.training.demo import check_stage, copied_share
 from engine.training.examples import make_passage_example
 from engine.training.trainer import Piece, target_accuracy
 
@@ -29,25 +29,39 @@ def test_frequent_tokens_skips_special_ids_and_orders_by_count():
     assert frequent_tokens(documents, 10, first_ordinary=7) == [9, 8, 7]
 
 
-def test_pairs_piece_targets_each_second_token_which_repeats_the_first():
-    piece = pairs_piece([10, 11, 12], 9, bos_id=1, rng=random.Random(0))
-    ids, mask = piece.token_ids, piece.loss_mask
-    assert len(ids) == len(mask) == 9 and ids[0] == 1
-    assert mask == (0, 0, 1, 0, 1, 0, 1, 0, 1)
-    assert all(ids[i] == ids[i - 1] for i in range(2, 9, 2))
-    assert set(ids[1:]) <= {10, 11, 12}
+def test_repeat_piece_is_the_text_twice_cut_to_fit():
+    piece = repeat_piece([10, 11, 12, 13, 14], 9, bos_id=1, eos_id=2)
+    assert piece.token_ids == (1, 10, 11, 12, 2, 10, 11, 12) and all(piece.loss_mask)
+    assert repeat_piece([10, 11], 9, bos_id=1, eos_id=2).token_ids == (1, 10, 11, 2, 10, 11)
+    with_gap = repeat_piece([10, 11, 12, 13], 12, bos_id=1, eos_id=2, gap=[7] * 20)
+    assert with_gap.token_ids == (1, 10, 11, 2, 7, 7, 7, 7, 7, 7, 10, 11)  # the text keeps a quarter of the row
 
 
 def test_pattern_piece_repeats_a_pattern_and_targets_only_the_repeats():
     rng = random.Random(3)
-    for _ in range(20):
+    lengths = []
+    for _ in range(200):
         piece = pattern_piece(list(range(10, 60)), 100, bos_id=1, rng=rng, min_len=4, max_len=12)
         ids, mask = piece.token_ids, piece.loss_mask
         first = mask.index(1)
         length = first - 1
         assert 4 <= length <= 12 and len(ids) == 100 and ids[0] == 1
+        lengths.append(length)
         assert all(ids[i] == ids[i - length] for i in range(first, 100))
         assert all(mask[first:]) and not any(mask[:first])
+    assert 0.35 < sum(length < 7 for length in lengths) / len(lengths) < 0.65  # log-uniform: half below sqrt(4 * 12)
+
+
+def test_text_pattern_piece_repeats_a_span_of_the_document():
+    document = list(range(100, 150))
+    rng = random.Random(0)
+    for _ in range(20):
+        piece = text_pattern_piece(document, 64, bos_id=1, rng=rng, min_len=4, max_len=16)
+        ids, first = piece.token_ids, piece.loss_mask.index(1)
+        span = list(ids[1:first])
+        assert 4 <= len(span) <= 16 and span == document[span[0] - 100 : span[0] - 100 + len(span)]
+        assert all(ids[i] == ids[i - len(span)] for i in range(first, 64))
+    assert text_pattern_piece([7, 8], 6, bos_id=1, rng=rng).token_ids == (1, 7, 8, 7, 8, 7)  # shorter than min_len
 
 
 def test_passage_example_quotes_the_one_passage_holding_its_key():
@@ -57,11 +71,13 @@ def test_passage_example_quotes_the_one_passage_holding_its_key():
     assert len(examples) >= 20
     for example in examples:
         user = example.messages[-1]["content"]
-        assert example.answer in PASSAGES and example.answer in user
+        assert example.answer in user  # as shown: the label, then the passage
+        label, passage = next((example.answer[: -len(p)], p) for p in PASSAGES if example.answer.endswith(p))
+        assert label in ("[1] ", "[2] ", "[3] ", "Document 1: ", "Document 2: ", "Document 3: ") or label.startswith("### Document ")
         instruction = user.rsplit("\n\n", 1)[-1]
-        others = [p for p in PASSAGES if p != example.answer and p in user]
+        others = [p for p in PASSAGES if p != passage and p in user]
         words = [w for w in re.findall(r"[\w'-]+", instruction) if len(w) > 2]
-        assert any(w in example.answer and all(w not in p for p in others) for w in words), instruction
+        assert any(w in passage and all(w not in p for p in others) for w in words), instruction
 
 
 def test_target_accuracy_counts_only_targets():
@@ -80,6 +96,61 @@ def test_target_accuracy_counts_only_targets():
     assert target_accuracy(model, [only_wrong], 16, pad_id=0) == 0.0
     both = target_accuracy(model, [only_right, only_wrong], 16, pad_id=0)
     assert both == pytest.approx(5 / 9)
+
+
+def test_mix_phase_groups_pieces_of_each_kind(shared_data, demo_tokenizer):
+    from dataclasses import replace
+
+    from engine.training.corpus import load_corpus
+    from engine.training.demo import FINETUNE_RECIPE, build_mix_phase
+
+    recipe = replace(FINETUNE_RECIPE, groups_per_epoch=3)
+    phase = build_mix_phase(recipe, load_corpus(shared_data, seed=0), demo_tokenizer)
+    pieces = phase.make_pieces(random.Random(0))
+    kinds = (recipe.patterns, recipe.text_patterns, recipe.repeats, recipe.chat, recipe.lm)
+    assert len(pieces) == 3 * sum(kinds) and (phase.seq_len, phase.batch_size) == (768, 10)
+    assert all(len(piece.token_ids) <= 768 for piece in pieces)
+    patterns, text_patterns, repeats, chat, lm = (pieces[sum(kinds[:i]) : sum(kinds[: i + 1])] for i in range(5))
+    bos, eos = demo_tokenizer.bos_token_id, demo_tokenizer.eos_token_id
+    assert all(len(p.token_ids) == 768 and p.loss_mask[0] == 0 and p.loss_mask[-1] == 1 for p in patterns + text_patterns)
+    for piece in repeats:
+        ids = piece.token_ids
+        text = ids[1 : ids.index(eos)]
+        assert ids[0] == bos and ids[-len(text) :] == text and all(piece.loss_mask)
+        assert len(ids) - 2 * len(text) - 2 <= recipe.max_gap  # the other text between
+    assert all(p.loss_mask[0] == 0 and p.loss_mask[-1] == 1 and p.token_ids[-1] == eos for p in chat)
+    assert all(all(p.loss_mask) for p in lm)
+
+
+@pytest.fixture(scope="module")
+def demo_tokenizer():
+    from transformers import PreTrainedTokenizerFast
+
+    from engine.training.demo import DEMO_MODEL_DIR
+
+    return PreTrainedTokenizerFast.from_pretrained(str(DEMO_MODEL_DIR))
+
+
+class _Replies:
+    """Stands in for a model's generate(): appends fixed replies, in turn."""
+
+    def __init__(self, *replies):
+        self.replies = list(replies)
+
+    def generate(self, prompt, **_):
+        return torch.cat([prompt, torch.tensor([self.replies.pop(0)])], dim=1)
+
+
+def test_copied_share_counts_pairs_found_in_the_prompt(demo_tokenizer):
+    example = make_passage_example(PASSAGES[:1], random.Random(0), max_passages=1)
+    prompt = demo_tokenizer.apply_chat_template(list(example.messages), add_generation_prompt=True, tokenize=True)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    span = prompt[-40:-28]  # a stretch of the prompt (of the passage shown)
+    loop = [span[0]] * 12  # a one-token loop: its pairs are not in the prompt
+    assert (span[0], span[0]) not in set(zip(prompt, prompt[1:]))
+    assert copied_share(_Replies(span), demo_tokenizer, [example]) == 1.0
+    assert copied_share(_Replies(loop), demo_tokenizer, [example]) == 0.0
+    assert copied_share(_Replies(span[:7], loop[:7]), demo_tokenizer, [example, example]) == 0.5
 
 
 def test_check_stage(tmp_path):
