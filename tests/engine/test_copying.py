@@ -23,6 +23,15 @@ PASSAGES = (
 )
 
 
+@pytest.fixture(scope="module")
+def demo_tokenizer():
+    from transformers import PreTrainedTokenizerFast
+
+    from engine.training.demo import DEMO_MODEL_DIR
+
+    return PreTrainedTokenizerFast.from_pretrained(str(DEMO_MODEL_DIR))
+
+
 def test_frequent_tokens_skips_special_ids_and_orders_by_count():
     documents = [[1, 9, 9, 9, 8, 8, 2], [1, 7, 9, 8, 2, 0, 0]]
     assert frequent_tokens(documents, 2, first_ordinary=7) == [9, 8]
@@ -120,15 +129,6 @@ def test_mix_phase_groups_pieces_of_each_kind(shared_data, demo_tokenizer):
         assert len(ids) - 2 * len(text) - 2 <= recipe.max_gap  # the other text between
     assert all(p.loss_mask[0] == 0 and p.loss_mask[-1] == 1 and p.token_ids[-1] == eos for p in chat)
     assert all(all(p.loss_mask) for p in lm)
-
-
-@pytest.fixture(scope="module")
-def demo_tokenizer():
-    from transformers import PreTrainedTokenizerFast
-
-    from engine.training.demo import DEMO_MODEL_DIR
-
-    return PreTrainedTokenizerFast.from_pretrained(str(DEMO_MODEL_DIR))
 
 
 class _Replies:
