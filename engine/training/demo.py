@@ -230,7 +230,7 @@ def _first_ordinary(tokenizer: PreTrainedTokenizerFast) -> int:
 def build_mix_phase(recipe: MixRecipe, corpus: Corpus, tokenizer: PreTrainedTokenizerFast) -> Phase:
     """One phase of MixRecipe groups (the copy and finetune stages)."""
     documents = encode_documents(tokenizer, corpus.train_passages + corpus.train_articles)
-    passages = encode_documents(tokenizer, corpus.train_passages)
+    passages = documents[: len(corpus.train_passages)]
     alphabet = frequent_tokens(documents, recipe.alphabet_size, first_ordinary=_first_ordinary(tokenizer))
     lm_pieces = chunk_documents(documents, recipe.seq_len)
     encoder = ChatEncoder(tokenizer)

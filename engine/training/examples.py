@@ -10,10 +10,9 @@ demo model answers something readable without documents.
 
 from __future__ import annotations
 
-import functools
 import random
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 Message = dict[str, str]
@@ -50,11 +49,6 @@ DOCUMENT_LABELS: tuple[str, ...] = ("[{i}] ", "Document {i}: ", "### Document {i
 
 def format_documents(passages: Sequence[str], label: str) -> str:
     return "\n\n".join(label.format(i=i) + p for i, p in enumerate(passages, start=1))
-
-
-DOCUMENT_FORMATS: tuple[Callable[[Sequence[str]], str], ...] = tuple(
-    functools.partial(format_documents, label=label) for label in DOCUMENT_LABELS
-)
 
 
 @dataclass(frozen=True)
@@ -96,7 +90,7 @@ def make_extractive_example(
     key = _unique_key(answer, other_text, rng)
     if key is None:
         return None
-    documents = rng.choice(DOCUMENT_FORMATS)(shown)
+    documents = format_documents(shown, rng.choice(DOCUMENT_LABELS))
     instruction = rng.choice(INSTRUCTIONS).format(key=key)
     system = rng.choice(SYSTEM_PROMPTS)
     # Documents either in the user turn (question last) or appended to the system prompt.
