@@ -18,6 +18,11 @@ Figures (one run; warm-up first; medians of `repeats` runs; JSON keys in bracket
 - batch 16 of the RAG prompts at once, adaptive speculation on (the default controller):
   output tokens/s over the whole run [batch16_plain_tokens_per_s, batch16_ngram_tokens_per_s,
   batch16_ratio = ngram / plain].
+- the ceiling of prompt lookup on this machine and model: batch 1, the RAG prompts, drafts that
+  replay the plain run's own greedy output (every draft accepted), k drafts a step: what
+  verification costs against a plain step, whatever a proposer guesses
+  [ceiling_decode_tokens_per_s, ceiling_speedup = ceiling / plain, ceiling_acceptance (1.0
+  unless batched and lone greedy runs disagree)].
 A *ratio* or *speedup* divides the speculative contender's rate by the plain one's.
 Targets (issue 6): ngram_speedup >= 2; draft_speedup >= 1.5; batch16_ratio >= 0.95.
 """
@@ -93,6 +98,27 @@ def _median_rates(contenders: dict, prompts: list[tuple], max_tokens: int, repea
     return {name: statistics.median(r) for name, r in rates.items()}, identical
 
 
+class ReplayProposer:
+    """Drafts each prompt's recorded greedy continuation (the target's own output), so every
+    draft is accepted: speculation's best case, for the ceiling figure."""
+
+    name = "replay"
+
+    def __init__(self, continuations: dict[tuple, list[int]]):
+        self.continuations = continuations
+
+    def propose_batch(self, requests, num_tokens) -> list[list[int]]:
+        drafts = []
+        for request, k in zip(requests, num_tokens):
+            output = self.continuations.get(tuple(request.prompt_token_ids), [])
+            done = request.num_output_tokens
+            drafts.append(list(output[done : done + k]))
+        return drafts
+
+    def release(self, request_id: str) -> None:
+        pass
+
+
 class _Contender:
     def __init__(self, engine):
         self.engine = engine
@@ -151,11 +177,12 @@ def run_bench_spec(
         num_speculative_tokens=num_speculative_tokens,
     )
     draft = LLMEngine(draft_config, loaded=loaded, tokenizer=plain.tokenizer)
+    ceiling = LLMEngine(spec_config, loaded=loaded, tokenizer=plain.tokenizer)
     prompts = rag_prompts(data_path, plain.tokenizer, max(num_prompts, 16), num_documents)
     wiki = wiki_prompts(data_path.parent, plain.tokenizer, num_prompts, wiki_prompt_tokens)
     contenders = {"plain": _Contender(plain), "ngram": _Contender(ngram)}
     draft_contenders = {"plain": contenders["plain"], "draft": _Contender(draft)}
-    for engine in (plain, ngram, draft):
+    for engine in (plain, ngram, draft, ceiling):
         # Touch every page of the KV pool now: first writes fault pages in, which would
         # otherwise be timed (the free list hands out never-used blocks before reused ones).
         engine.kv_pool.kv.fill_(0.0)
@@ -165,6 +192,12 @@ def run_bench_spec(
         c.run(prompts[:16], 4)
     for prompt in wiki:
         draft_contenders["draft"].run([prompt], max_tokens)
+    ceiling.speculator.proposer = ReplayProposer(
+        {p: ids for p, (ids, _) in zip(prompts, contenders["plain"].run(prompts[:num_prompts], max_tokens))}
+    )
+    ceiling_contenders = {"plain": contenders["plain"], "ceiling": _Contender(ceiling)}
+    for prompt in prompts[:num_prompts]:
+        ceiling_contenders["ceiling"].run([prompt], max_tokens)
 
     # batch 1: one decode rate per (prompt, repeat), the contenders alternating; medians
     # (robust to the stalls other processes cause on a shared machine)
@@ -179,6 +212,9 @@ def run_bench_spec(
     num_accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
     num_verified = after["spec_verifications"] - before["spec_verifications"]
     num_switched_off = after["spec_steps_switched_off"] - before["spec_steps_switched_off"]
+
+    # batch 1, RAG prompts: plain against drafts that are always right
+    ceiling_rates, _ = _median_rates(ceiling_contenders, prompts[:num_prompts], max_tokens, repeats)
 
     # batch 16: adaptive speculation against none, whole-run output rate
     batch: dict[str, list[float]] = {"plain": [], "ngram": []}
@@ -213,6 +249,9 @@ def run_bench_spec(
         "draft_mean_accepted_length": num_accepted / num_verified if num_verified else 0.0,
         "draft_outputs_identical": draft_identical,
         "draft_steps_switched_off": num_switched_off,
+        "ceiling_decode_tokens_per_s": ceiling_rates["ceiling"],
+        "ceiling_speedup": ceiling_rates["ceiling"] / ceiling_rates["plain"],
+        "ceiling_acceptance": ceiling.stats()["spec_acceptance_rate"],
         "batch16_plain_tokens_per_s": b_plain,
         "batch16_ngram_tokens_per_s": b_ngram,
         "batch16_ratio": b_ngram / b_plain,
@@ -229,6 +268,8 @@ def print_table(r: dict[str, Any]) -> None:
           f"  (target >= 2)")
     print(f"  acceptance {r['ngram_acceptance']:.3f}, mean accepted length"
           f" {r['ngram_mean_accepted_length']:.2f}, outputs identical: {r['outputs_identical']}")
+    print(f"  ceiling (drafts replay the plain output, all accepted):"
+          f" {r['ceiling_decode_tokens_per_s']:8.1f} tokens/s, speedup {r['ceiling_speedup']:.2f}x")
     print(f"batch 1 ({r['num_wiki_prompts']} wiki prompts of"
           f" ~{r['mean_wiki_prompt_tokens']:.0f} tokens, draft {Path(r['draft_model']).name},"
           f" {r['draft_quantization']} weights):")

@@ -82,4 +82,6 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerFast, out_dir: Path) -> None:
     config = json.loads(config_path.read_text())
     config["chat_template"] = CHAT_TEMPLATE
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    for key in ("is_local", "local_files_only"):  # how a loaded tokenizer was found, written back by 5.x
+        config.pop(key, None)
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n")

@@ -157,7 +157,7 @@ def test_check_stage(tmp_path):
     check_stage("base", None)
     (tmp_path / "config.json").write_text("{}")
     check_stage("copy", tmp_path)
-    with pytest.raises(ValueError, match="^stage: must be one of base, copy, finetune, got 'warm'"):
+    with pytest.raises(ValueError, match="^stage: must be one of base, copy, finetune, anneal, got 'warm'"):
         check_stage("warm", None)
     with pytest.raises(ValueError, match="^init: the base stage trains from scratch"):
         check_stage("base", tmp_path)
@@ -169,18 +169,18 @@ def test_check_stage(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--stage", "copy"], "the copy stage goes on training a saved model"),
-    (["--stage", "late"], "must be one of base, copy, finetune"),
+    (["--stage", "late"], "must be one of base, copy, finetune, anneal"),
 ])
 def test_train_demo_cli_rejects_bad_stages_before_training(tmp_path, args, message):
     result = subprocess.run([sys.executable, "-m", "gateway", "train-demo", "--out", str(tmp_path / "m"), *args],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
-    assert message in " ".join(result.stderr.split())
+    assert message in " ".join(result.stderr.replace("│", " ").split())  # typer boxes the message
     assert not (tmp_path / "m").exists()
 
 
 @pytest.mark.slow
-def test_copy_then_finetune_stages_end_to_end(tmp_path, shared_data):
+def test_copy_finetune_anneal_stages_end_to_end(tmp_path, shared_data):
     from engine.model_zoo import resolve_model
     from engine.training.demo import train_demo
 
@@ -193,3 +193,7 @@ def test_copy_then_finetune_stages_end_to_end(tmp_path, shared_data):
     card = (tmp_path / "tuned" / "README.md").read_text()
     assert "--stage finetune --init" in card and "### How it was made (stage copy" in card
     assert "#### How it was made\n" in card  # the base stage's card, two levels down
+    train_demo(tmp_path / "annealed", data_dir=shared_data, minutes=1, max_steps=1, num_eval_examples=1,
+               stage="anneal", init=tmp_path / "tuned", log=lambda _: None)
+    card = (tmp_path / "annealed" / "README.md").read_text()
+    assert "--stage anneal --init" in card and "lr 0.0015 to 1e-05, cosine" in card and "5 x chat examples" in card

@@ -379,6 +379,7 @@ def test_bench_spec_runs_on_the_demo_model(shared_data):
     )
     assert result["outputs_identical"] is True
     assert 0 <= result["ngram_acceptance"] <= 1 and result["batch16_ratio"] > 0
+    assert result["ceiling_acceptance"] == 1.0 and result["ceiling_speedup"] > 0
 
 
 @pytest.mark.parametrize("quantization", [None, "int8"])
