@@ -83,7 +83,7 @@ def train_demo(
     max_steps: Optional[int] = typer.Option(None, min=1, help="Stop after this many steps, if sooner than the budget."),
     threads: Optional[int] = typer.Option(None, min=1, help="torch threads (default: 1 for the base stage, fastest on a shared CPU; 2 for the others)."),
     stage: str = typer.Option("base", help="base: from scratch; copy: induction (repeated patterns and passages) with language modelling kept; finetune: copying in chat (passage quotes), patterns kept; anneal: the finetune rows, more chat, the learning rate decaying to ~0 (the last three go on from --init)."),
-    init: Optional[Path] = typer.Option(None, help="The saved model the copy and finetune stages go on training (its tokenizer is kept)."),
+    init: Optional[Path] = typer.Option(None, help="The saved model the later stages (copy, finetune, anneal) go on training (its tokenizer is kept)."),
 ) -> None:
     """Train the bundled demo model (tokenizer, tiny Llama, model card) from ../shared/data, in
     stages: base, copy, finetune, anneal."""

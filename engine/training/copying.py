@@ -31,7 +31,7 @@ of "membrane" and "membranes"): the model copies after the previous token's othe
   free generation worse (prompt lookup 1.20x -> 1.02x). Dropped;
 - the finetune rows with more chat and the learning rate decayed to ~0 (stage `anneal`, 24
   minutes): quotes 0.92 -> 0.95, greedy copied share 0.75 -> 0.83, prompt lookup 1.20x ->
-  1.54-2.01x;
+  1.35-2.01x;
 - then replies with copy errors in their input (8% of the targets of 70% of the pieces replaced
   by the token after another occurrence of the previous token, the next target kept; 24 minutes,
   learning rate 1e-3 decayed): copied share 0.83 -> 0.76, prompt lookup 1.14x. Dropped.

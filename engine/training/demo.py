@@ -128,7 +128,7 @@ FINETUNE_RECIPE = MixRecipe(seq_len=768, batch_size=10, patterns=2, text_pattern
                             max_period=384, max_gap=400, training=_constant_rate(1.5e-3))
 # Stage `anneal`: the finetune rows, more of them chat, the learning rate decaying to ~0. After
 # 55 minutes of `finetune`, whose free-generation copying had stalled, 24 minutes of it took
-# prompt lookup on bench spec's RAG prompts from 1.20x to 1.54x (acceptance 0.56 -> 0.70).
+# prompt lookup on bench spec's RAG prompts from 1.20x to 1.35-2.01x (acceptance 0.56 -> 0.70).
 ANNEAL_RECIPE = replace(
     FINETUNE_RECIPE, patterns=1, text_patterns=2, repeats=1, chat=5, passage_fraction=0.6, repeat_fraction=0.3,
     training=replace(_constant_rate(1.5e-3), min_learning_rate=1e-5),
