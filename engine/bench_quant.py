@@ -9,7 +9,7 @@ Figures (one run, after a warm-up, medians of `repeats` runs; JSON keys in brack
   fp32_ttft_512_ms];
 - resident weight bytes [int8_weight_bytes, fp32_weight_bytes];
 - quality of int8 against fp32 on `text` (see engine.quant.quality) [ppl_increase (a fraction),
-  top1_agreement, ppl_fp32, ppl_int8].
+  top1_agreement, logit_rms_error, ppl_fp32, ppl_int8].
 Targets (issue 5, bench-0.5b): int8_tpot_ms <= 2.5 x int8_tpot_bound_ms; fp32/int8 TPOT >= 3;
 int8 TTFT no worse than fp32. A *ratio* divides two contenders' times; `*_over_bound` a time by
 its bound.
@@ -150,6 +150,7 @@ def run_bench_quant(
         ppl_int8=quality.ppl_quantized,
         ppl_increase=quality.ppl_increase,
         top1_agreement=quality.top1_agreement,
+        logit_rms_error=quality.logit_rms_error,
     )
     results["target_int8_tpot_within_2_5x_bound"] = results["int8_tpot_over_bound"] <= 2.5
     results["target_fp32_over_int8_tpot_ge_3"] = results["fp32_over_int8_tpot"] >= 3
@@ -184,7 +185,7 @@ def print_table(r: dict[str, Any], ttft_len: int) -> None:
         f"fp32/int8 TPOT {r['fp32_over_int8_tpot']:.2f}x, int8/fp32 TTFT "
         f"{r['int8_over_fp32_ttft']:.2f}x; int8 vs fp32 on {r['quality_tokens']} tokens: "
         f"ppl {r['ppl_fp32']:.2f} -> {r['ppl_int8']:.2f} ({r['ppl_increase']:+.2%}), "
-        f"top-1 agreement {r['top1_agreement']:.2%}"
+        f"top-1 agreement {r['top1_agreement']:.2%}, logit RMS error {r['logit_rms_error']:.3f}"
     )
     targets = [k for k in r if k.startswith("target_")]
     print("targets: " + ", ".join(f"{k[7:]}={'pass' if r[k] else 'FAIL'}" for k in targets))
