@@ -91,15 +91,19 @@ def test_turned_off_or_failed_build_means_no_kernels(fresh_build, monkeypatch, c
 
 
 @pytest.mark.parametrize("score_scale", [0.125, 40.0])  # 40: most weights underflow to 0
-def test_decode_attention_over_a_long_scattered_context(score_scale):
+# 5 and 40: contexts that end inside a block, heads that end inside a vector
+@pytest.mark.parametrize("block_size, head_dim", [(16, 32), (5, 40)])
+def test_decode_attention_over_a_long_scattered_context(score_scale, block_size, head_dim):
     from engine.cpu_kernels.attention import paged_decode_attention
 
     gen = torch.Generator().manual_seed(11)
-    block_size, num_heads, num_kv_heads, head_dim = 16, 6, 2, 32
+    num_heads, num_kv_heads = 6, 2
     lengths = [1000, 37]
-    tables = [torch.randperm(80, generator=gen)[:63], torch.randperm(80, generator=gen)[:63]]
-    k_cache = torch.randn(80 * block_size, num_kv_heads, head_dim, generator=gen)
-    v_cache = torch.randn(80 * block_size, num_kv_heads, head_dim, generator=gen)
+    num_blocks = -(-1000 // block_size)  # per table; the pool holds more, in random order
+    pool_blocks = num_blocks + 17
+    tables = [torch.randperm(pool_blocks, generator=gen)[:num_blocks] for _ in lengths]
+    k_cache = torch.randn(pool_blocks * block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(pool_blocks * block_size, num_kv_heads, head_dim, generator=gen)
     q = torch.randn(2, num_heads, head_dim, generator=gen)
     out = paged_decode_attention(
         q, k_cache, v_cache, torch.stack(tables), torch.tensor(lengths), block_size, score_scale
