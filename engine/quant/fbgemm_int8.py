@@ -21,13 +21,13 @@ bitwise batch-invariant.
 Some models lose more. A copy-trained demo model keeps 93.8% top-1 agreement here (logit RMS
 error 0.10, the bundled model's 0.034), 97.8% with activations to ~16 bits. Its rows are only
 somewhat spikier (median max |x| / RMS per product 4-22, the bundled model's 3-12): it is the
-model that amplifies the rounding. Tried on it (the gate's WikiText windows; 512-token prefill
-on the development CPU: fp32 58 ms, this path 40 ms): SmoothQuant scales (alpha 0.5-0.8,
-calibrated on other text) 95.8-95.9%; the columns where some |x| exceeds 6x its row's RMS
-multiplied in fp32 (LLM.int8-style, ~40 columns a product) 97.1%; bf16 activations through
-oneDNN (int8 values are exact in bf16) 97.3%, 44 ms; a second pass over each row's rounding
-residual (~16-bit activations) 97.8%, but 68 ms, and 2.9 s against fp32's 2.7 s on bench-0.5b;
-that pass only for the rows whose max |x| / RMS exceeds 8-12, 96.7-95.1%. None is
+model that amplifies the rounding. Tried on it (the gate's WikiText windows; a 512-token window
+scored at every position on the development CPU: fp32 58 ms, this path 40 ms): SmoothQuant
+scales (alpha 0.5-0.8, calibrated on other text) 95.8-95.9%; the columns where some |x| exceeds
+6x its row's RMS multiplied in fp32 (LLM.int8-style, ~40 columns a product) 97.1%; bf16
+activations through oneDNN (int8 values are exact in bf16) 97.3%, 44 ms; a second pass over each
+row's rounding residual (~16-bit activations) 97.8%, but 68 ms, and 2.9 s against fp32's 2.7 s
+on bench-0.5b; that pass only for the rows whose max |x| / RMS exceeds 8-12, 96.7-95.1%. None is
 both as precise as unquantized activations and faster than fp32, so this path stays as it is.
 """
 
