@@ -1,11 +1,11 @@
 """ragspeed compression: question-aware context compression under a token budget.
 
-    from compression import Document, build_compressor
+    from ragspeed.compression import Document, build_compressor
     compressor = build_compressor("coarse-to-fine")
     result = compressor.compress(question, documents, tokenizer=tok, rate=0.25)
 """
 
-from compression.base import (
+from ragspeed.compression.base import (
     CompressedDocument,
     CompressionError,
     CompressionResult,
@@ -27,8 +27,8 @@ __all__ = [
     "count_tokens",
 ]
 
-from compression.policy import CompressionPolicy, PolicyOutcome, apply_policy, break_even_tokens  # noqa: E402
-from compression.registry import COMPRESSORS, DEFAULT_METHOD, build_compressor  # noqa: E402
+from ragspeed.compression.policy import CompressionPolicy, PolicyOutcome, apply_policy, break_even_tokens  # noqa: E402
+from ragspeed.compression.registry import COMPRESSORS, DEFAULT_METHOD, build_compressor  # noqa: E402
 
 __all__ += [
     "COMPRESSORS",

@@ -23,7 +23,7 @@ def resolve_budget(
     tighter one wins.
     Raises CompressionError naming the parameter for bad values.
     """
-    from compression.base import CompressionError
+    from ragspeed.compression.base import CompressionError
 
     if isinstance(protected_tokens, bool) or not isinstance(protected_tokens, int) or protected_tokens < 0:
         raise CompressionError(f"protected_tokens must be an integer >= 0, got {protected_tokens!r}", "protected_tokens")

@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from compression.evaluation import FACTORS, evaluate, flatten, format_table, load_examples
+from ragspeed.compression.evaluation import FACTORS, evaluate, flatten, format_table, load_examples
 
 eval_app = typer.Typer(help="Quality and latency evaluations.", no_args_is_help=True)
 
@@ -26,7 +26,7 @@ def load_tokenizer(name_or_path: str | None):
     """A tokenizer by local path or name; default: the bundled MiniLM's."""
     from transformers import AutoTokenizer
 
-    from compression.scoring.static_encoder import minilm_path
+    from ragspeed.compression.scoring.static_encoder import minilm_path
 
     try:
         return AutoTokenizer.from_pretrained(name_or_path or minilm_path())
@@ -47,9 +47,9 @@ def run_compression_eval(
 ) -> dict:
     """Run the evaluation; returns {"flat": {...}, "results": {...}, "setup": {...}}."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from compression.registry import build_compressor
-    from compression.scoring.embedding_cache import EmbeddingCache
-    from compression.scoring.static_encoder import ensure_static_model
+    from ragspeed.compression.registry import build_compressor
+    from ragspeed.compression.scoring.embedding_cache import EmbeddingCache
+    from ragspeed.compression.scoring.static_encoder import ensure_static_model
 
     examples = load_examples(data, limit)
     tok = load_tokenizer(tokenizer)

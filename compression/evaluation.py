@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from compression.base import Compressor, Document, Tokenizer
+from ragspeed.compression.base import Compressor, Document, Tokenizer
 
 FACTORS = (4, 8, 16, 32)
 _PUNCT = set(string.punctuation)

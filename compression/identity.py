@@ -6,9 +6,9 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
-from compression.base import CompressionResult, DocumentLike, Tokenizer
-from compression.budget import resolve_budget
-from compression.policy import passthrough
+from ragspeed.compression.base import CompressionResult, DocumentLike, Tokenizer
+from ragspeed.compression.budget import resolve_budget
+from ragspeed.compression.policy import passthrough
 
 
 class IdentityCompressor:

@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from compression.base import (
+from ragspeed.compression.base import (
     CompressedDocument,
     CompressionError,
     CompressionResult,
@@ -30,7 +30,7 @@ from compression.base import (
     as_documents,
     count_tokens,
 )
-from compression.budget import resolve_budget
+from ragspeed.compression.budget import resolve_budget
 
 _WORDPIECE_FAMILY = "bert-base-multilingual-cased"
 _SENTENCEPIECE_FAMILY = "xlm-roberta-large"

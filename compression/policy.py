@@ -26,7 +26,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from compression.base import (
+from ragspeed.compression.base import (
     CompressedDocument,
     CompressionError,
     CompressionResult,
@@ -36,8 +36,8 @@ from compression.base import (
     as_documents,
     count_tokens,
 )
-from compression.budget import resolve_budget
-from compression.sentences import split_sentences
+from ragspeed.compression.budget import resolve_budget
+from ragspeed.compression.sentences import split_sentences
 
 logger = logging.getLogger(__name__)
 

@@ -19,12 +19,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from compression.base import CompressionError, Compressor
-from compression.identity import IdentityCompressor
-from compression.scoring.bm25 import BM25Scorer
-from compression.scoring.embedding_cache import EmbeddingCache
-from compression.scoring.position import PositionScorer
-from compression.sentence_compressor import SentenceCompressor
+from ragspeed.compression.base import CompressionError, Compressor
+from ragspeed.compression.identity import IdentityCompressor
+from ragspeed.compression.scoring.bm25 import BM25Scorer
+from ragspeed.compression.scoring.embedding_cache import EmbeddingCache
+from ragspeed.compression.scoring.position import PositionScorer
+from ragspeed.compression.sentence_compressor import SentenceCompressor
 
 DEFAULT_METHOD = "coarse-to-fine"
 DEFAULT_CACHE_SIZE = 100_000
@@ -37,8 +37,8 @@ def _cache(options: dict[str, Any]) -> EmbeddingCache:
 
 
 def _static_scorer(options: dict[str, Any], cache: EmbeddingCache):
-    from compression.scoring.static_bm25 import StaticBM25Scorer
-    from compression.scoring.static_encoder import StaticEncoder
+    from ragspeed.compression.scoring.static_bm25 import StaticBM25Scorer
+    from ragspeed.compression.scoring.static_encoder import StaticEncoder
 
     encoder = options.pop("static_encoder", None) or StaticEncoder(options.pop("static_model_path", None), cache=cache)
     return StaticBM25Scorer(
@@ -55,8 +55,8 @@ def _build_fast(options: dict[str, Any]) -> Compressor:
 
 
 def _build_coarse_to_fine(options: dict[str, Any]) -> Compressor:
-    from compression.scoring.cascade import CascadeScorer
-    from compression.scoring.minilm_encoder import MiniLMEncoder
+    from ragspeed.compression.scoring.cascade import CascadeScorer
+    from ragspeed.compression.scoring.minilm_encoder import MiniLMEncoder
 
     cache = _cache(options)
     cheap = _static_scorer(options, cache)
@@ -75,7 +75,7 @@ def _build_coarse_to_fine(options: dict[str, Any]) -> Compressor:
 
 
 def _build_llmlingua2(options: dict[str, Any]) -> Compressor:
-    from compression.llmlingua2 import LLMLingua2Compressor
+    from ragspeed.compression.llmlingua2 import LLMLingua2Compressor
 
     return LLMLingua2Compressor(options.pop("model_path", None), device=options.pop("device", "cpu"))
 

@@ -9,7 +9,7 @@ from typing import Protocol
 
 import numpy as np
 
-from compression.base import (
+from ragspeed.compression.base import (
     CompressedDocument,
     CompressionError,
     CompressionResult,
@@ -17,9 +17,9 @@ from compression.base import (
     Tokenizer,
     as_documents,
 )
-from compression.budget import resolve_budget
-from compression.selection import ORDERINGS, select_units
-from compression.units import TokenCounter, UnitTable, build_unit_table
+from ragspeed.compression.budget import resolve_budget
+from ragspeed.compression.selection import ORDERINGS, select_units
+from ragspeed.compression.units import TokenCounter, UnitTable, build_unit_table
 
 
 class UnitScorer(Protocol):

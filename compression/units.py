@@ -9,8 +9,8 @@ from collections import OrderedDict
 
 import numpy as np
 
-from compression.base import Document, Tokenizer, count_tokens_many
-from compression.sentences import split_sentences
+from ragspeed.compression.base import Document, Tokenizer, count_tokens_many
+from ragspeed.compression.sentences import split_sentences
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_kernels.attention import decode_kernel_applies, paged_decode_attention
+from ragspeed.engine.cpu_kernels.attention import decode_kernel_applies, paged_decode_attention
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,8 @@ from typing import Annotated, Any, Optional
 import torch
 import typer
 
-from engine.config import EngineConfig
-from engine.protocol import GenerationRequest, SamplingParams
+from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.protocol import GenerationRequest, SamplingParams
 
 
 def read_bandwidth_samples(num_bytes: int = 512 * 2**20, repeats: int = 9) -> list[float]:
@@ -201,8 +201,8 @@ def bench_engine(
     seed: int = 0,
 ) -> dict[str, Any]:
     """Measure the native engine (and transformers beside it); print a table, return flat JSON."""
-    from engine.llm_engine import LLMEngine
-    from engine.loader import resolve_model_path
+    from ragspeed.engine.llm_engine import LLMEngine
+    from ragspeed.engine.loader import resolve_model_path
 
     for name, value in [
         ("num_requests", num_requests), ("prompt_len", prompt_len), ("output_len", output_len),

@@ -35,8 +35,8 @@ from typing import Annotated, Any, Optional
 import torch
 import typer
 
-from engine.config import EngineConfig
-from engine.protocol import GenerationRequest, SamplingParams
+from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.protocol import GenerationRequest, SamplingParams
 
 SYSTEM_PROMPT_FILE = Path(__file__).resolve().parent.parent / "examples" / "ab" / "system_prompt.txt"
 QUESTIONS = (
@@ -76,9 +76,9 @@ def bench_cache(
     seed: int = 0,
 ) -> dict[str, Any]:
     """Cache on and warm vs cache off; print a table, return (and write) flat JSON."""
-    from engine.llm_engine import LLMEngine
-    from engine.loader import resolve_model_path
-    from prompt_cache.hashing import hash_request_blocks
+    from ragspeed.engine.llm_engine import LLMEngine
+    from ragspeed.engine.loader import resolve_model_path
+    from ragspeed.prompt_cache.hashing import hash_request_blocks
 
     for name, value in [("num_questions", num_questions), ("num_cold", num_cold),
                         ("no_hit_prompts", no_hit_prompts), ("no_hit_len", no_hit_len),

@@ -26,13 +26,13 @@ from typing import Annotated, Any, Optional
 import torch
 import typer
 
-from engine.bench import (
+from ragspeed.engine.bench import (
     _NativeContender,
     _random_prompt,
     _TransformersContender,
     BandwidthProbe,
 )
-from engine.config import EngineConfig
+from ragspeed.engine.config import EngineConfig
 
 DEFAULT_TEXT = "../shared/data/wikitext2_raw_test.txt"
 
@@ -53,9 +53,9 @@ def run_bench_quant(
     seed: int = 0,
 ) -> dict[str, Any]:
     """Measure int8 vs fp32 (and transformers); print a table, return flat JSON."""
-    from engine.llm_engine import LLMEngine
-    from engine.loader import resolve_model_path
-    from engine.quant.quality import compare_quality, text_windows
+    from ragspeed.engine.llm_engine import LLMEngine
+    from ragspeed.engine.loader import resolve_model_path
+    from ragspeed.engine.quant.quality import compare_quality, text_windows
 
     for name, value in [
         ("prompt_len", prompt_len), ("output_len", output_len), ("repeats", repeats),

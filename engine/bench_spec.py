@@ -39,8 +39,8 @@ from typing import Any
 import click
 import torch
 
-from engine.config import EngineConfig
-from engine.protocol import GenerationRequest, SamplingParams
+from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.protocol import GenerationRequest, SamplingParams
 
 SYSTEM = "Answer the question by quoting the documents."
 INSTRUCTION = "Quote the passage that answers the question: {question}"
@@ -72,8 +72,8 @@ def rag_prompts(data_path: Path, tokenizer, num_prompts: int, num_documents: int
 def wiki_prompts(data_dir: Path, tokenizer, num_prompts: int, num_tokens: int) -> list[tuple]:
     """Plain-text prompts: bos + the first `num_tokens` tokens of held-out wiki passages (the
     demo model's and the draft's held-out split, so neither was trained on them)."""
-    from engine.training.corpus import load_corpus
-    from engine.training.distill import text_prompts
+    from ragspeed.engine.training.corpus import load_corpus
+    from ragspeed.engine.training.distill import text_prompts
 
     passages = load_corpus(data_dir, seed=0).heldout_passages
     prompts = text_prompts(tokenizer, passages, num_tokens)[:num_prompts]
@@ -159,10 +159,10 @@ def run_bench_spec(
     draft_quantization: str | None = "auto",
     wiki_prompt_tokens: int = 64,
 ) -> dict[str, Any]:
-    from engine.llm_engine import LLMEngine
-    from engine.loader import load_model, resolve_model_path
-    from engine.spec_decode.draft import draft_quantization as resolve_draft_quantization
-    from engine.training.distill import DRAFT_MODEL_DIR
+    from ragspeed.engine.llm_engine import LLMEngine
+    from ragspeed.engine.loader import load_model, resolve_model_path
+    from ragspeed.engine.spec_decode.draft import draft_quantization as resolve_draft_quantization
+    from ragspeed.engine.training.distill import DRAFT_MODEL_DIR
 
     draft_model = str(draft_model or DRAFT_MODEL_DIR)
 

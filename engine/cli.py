@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import typer
 
-from engine.model_zoo import BENCH_MODELS, ZOO_NAMES, build_bench_model, list_models
+from ragspeed.engine.model_zoo import BENCH_MODELS, ZOO_NAMES, build_bench_model, list_models
 
 models_app = typer.Typer(help=f"The model zoo: {', '.join(ZOO_NAMES)}.", no_args_is_help=True)
 
@@ -69,7 +69,7 @@ def run_train_demo(
     out: Path, data_dir: Path, minutes: float, seed: int, max_steps: int | None, threads: int | None,
     stage: str = "base", init: Path | None = None,
 ) -> dict[str, Any]:
-    from engine.training.demo import train_demo  # torch and transformers load only when training
+    from ragspeed.engine.training.demo import train_demo  # torch and transformers load only when training
 
     return train_demo(out, data_dir=data_dir, minutes=minutes, seed=seed, max_steps=max_steps, num_threads=threads,
                       stage=stage, init=init)
@@ -87,7 +87,7 @@ def train_demo(
 ) -> None:
     """Train the bundled demo model (tokenizer, tiny Llama, model card) from ../shared/data, in
     stages: base, copy, finetune, anneal."""
-    from engine.training.demo import DEFAULT_DATA_DIR, DEMO_MODEL_DIR, check_stage
+    from ragspeed.engine.training.demo import DEFAULT_DATA_DIR, DEMO_MODEL_DIR, check_stage
 
     try:
         check_stage(stage, init)
@@ -103,7 +103,7 @@ def run_train_draft(
     target: Path, out: Path, data_dir: Path, minutes: float, seed: int, max_steps: int | None,
     threads: int | None, num_layers: int = 2, command: str | None = None,
 ) -> dict[str, Any]:
-    from engine.training.distill import DistillRecipe, distill_draft  # torch loads only here
+    from ragspeed.engine.training.distill import DistillRecipe, distill_draft  # torch loads only here
 
     return distill_draft(
         target, out, data_dir=data_dir, minutes=minutes, seed=seed, max_steps=max_steps,
@@ -122,8 +122,8 @@ def train_draft(
     num_layers: int = typer.Option(2, min=1, max=4, help="Draft layers (initialised from the target's first and last)."),
 ) -> None:
     """Distil a small draft model from the demo model (knowledge distillation), with a model card."""
-    from engine.training.demo import DEFAULT_DATA_DIR, DEMO_MODEL_DIR
-    from engine.training.distill import DRAFT_MODEL_DIR
+    from ragspeed.engine.training.demo import DEFAULT_DATA_DIR, DEMO_MODEL_DIR
+    from ragspeed.engine.training.distill import DRAFT_MODEL_DIR
 
     options = {
         "--target": target, "--out": out, "--data-dir": data_dir, "--max-steps": max_steps,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.models.arch import ModelArch
+from ragspeed.engine.models.arch import ModelArch
 
 
 class PoolTooSmallError(ValueError):

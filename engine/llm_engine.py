@@ -15,26 +15,26 @@ from typing import Any
 
 import torch
 
-from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
-from engine.kv_cache import KVCachePool, plan_num_blocks
-from engine.loader import LoadedModel, load_for_engine, resolve_model_path
-from engine.logprobs import token_logprobs
-from engine.model_runner import ModelRunner
-from engine.protocol import (
+from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.detokenizer import IncrementalDetokenizer
+from ragspeed.engine.kv_cache import KVCachePool, plan_num_blocks
+from ragspeed.engine.loader import LoadedModel, load_for_engine, resolve_model_path
+from ragspeed.engine.logprobs import token_logprobs
+from ragspeed.engine.model_runner import ModelRunner
+from ragspeed.engine.protocol import (
     EngineError,
     GenerationRequest,
     TokenDelta,
     TokenLogprob,
     check_context_length,
 )
-from engine.quant import resident_weight_bytes, unquantized_weight_bytes
-from engine.request import Request
-from engine.sampler import Sampler
-from engine.sampling import SamplingState, validate_sampling
-from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
-from engine.spec_decode import build_speculator
-from prompt_cache.manager import KVCacheManager
+from ragspeed.engine.quant import resident_weight_bytes, unquantized_weight_bytes
+from ragspeed.engine.request import Request
+from ragspeed.engine.sampler import Sampler
+from ragspeed.engine.sampling import SamplingState, validate_sampling
+from ragspeed.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from ragspeed.engine.spec_decode import build_speculator
+from ragspeed.prompt_cache.manager import KVCacheManager
 
 logger = logging.getLogger(__name__)
 

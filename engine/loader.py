@@ -18,12 +18,12 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from engine.config import EngineConfig
-from engine.models.arch import ModelArch
-from engine.models.decoder import DecoderLM
-from engine.models.rotary import RotaryEmbedding, permute_heads
-from engine.quant import check_quantization
-from engine.threads import cpu_threads
+from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.models.arch import ModelArch
+from ragspeed.engine.models.decoder import DecoderLM
+from ragspeed.engine.models.rotary import RotaryEmbedding, permute_heads
+from ragspeed.engine.quant import check_quantization
+from ragspeed.engine.threads import cpu_threads
 
 logger = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ def resolve_model_path(name: str) -> Path:
     if path.is_dir():
         return path
     try:
-        from engine.model_zoo import resolve_model
+        from ragspeed.engine.model_zoo import resolve_model
     except ImportError:  # the zoo is optional for this module
         resolve_model = None
     if resolve_model is not None:

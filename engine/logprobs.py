@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.protocol import TokenLogprob
+from ragspeed.engine.protocol import TokenLogprob
 
 
 def token_logprobs(

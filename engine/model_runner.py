@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import build_metadata, slots
-from engine.kv_cache import KVCachePool
-from engine.models.decoder import DecoderLM
-from engine.models.rotary import RotaryEmbedding
-from engine.scheduler import SchedulerOutput
-from engine.threads import forward_pass
+from ragspeed.engine.attention import build_metadata, slots
+from ragspeed.engine.kv_cache import KVCachePool
+from ragspeed.engine.models.decoder import DecoderLM
+from ragspeed.engine.models.rotary import RotaryEmbedding
+from ragspeed.engine.scheduler import SchedulerOutput
+from ragspeed.engine.threads import forward_pass
 
 
 class ModelRunner:

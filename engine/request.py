@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import enum
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.protocol import GenerationRequest
-from engine.sampling import SamplingState
-from engine.stop import StopStringMatcher
+from ragspeed.engine.detokenizer import IncrementalDetokenizer
+from ragspeed.engine.protocol import GenerationRequest
+from ragspeed.engine.sampling import SamplingState
+from ragspeed.engine.stop import StopStringMatcher
 
 
 class RequestStatus(enum.Enum):

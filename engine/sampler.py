@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampling import SamplingState
+from ragspeed.engine.sampling import SamplingState
 
 
 def _filter_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.protocol import MAX_LOGPROBS, EngineError, SamplingParams
+from ragspeed.engine.protocol import MAX_LOGPROBS, EngineError, SamplingParams
 
 
 def validate_sampling(params: SamplingParams, vocab_size: int) -> None:

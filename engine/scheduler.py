@@ -22,8 +22,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.request import Request, RequestStatus
-from prompt_cache.manager import KVCacheManager
+from ragspeed.engine.request import Request, RequestStatus
+from ragspeed.prompt_cache.manager import KVCacheManager
 
 
 @dataclass(frozen=True)

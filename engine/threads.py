@@ -16,8 +16,8 @@ from contextlib import contextmanager
 
 import torch
 
-from engine.attention import SMALL_CHUNK_QUERIES
-from engine.cpu_kernels import decode_step
+from ragspeed.engine.attention import SMALL_CHUNK_QUERIES
+from ragspeed.engine.cpu_kernels import decode_step
 
 
 # A step of at most this many tokens runs its small ops on one thread.

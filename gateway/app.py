@@ -13,17 +13,17 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from engine.backends import build_engine
-from gateway.compress import CompressionStage
-from gateway.retrieval_service import RetrievalService
-from gateway.errors import install_error_handlers
-from gateway.experiments import ArmError, ArmHintsMiddleware, build_live_experiment
-from gateway.limits import AdmissionMiddleware, AdmissionQueue, BodyLimitMiddleware, Rejections
-from gateway.metrics import GatewayMetrics
-from gateway.pipeline import Pipeline
-from gateway.routes import collections, experiments, openai, ops, prompts
-from gateway.security import KeyRing, SecurityMiddleware, warn_if_exposed
-from gateway.settings import ConfigError, Settings
+from ragspeed.engine.backends import build_engine
+from ragspeed.gateway.compress import CompressionStage
+from ragspeed.gateway.retrieval_service import RetrievalService
+from ragspeed.gateway.errors import install_error_handlers
+from ragspeed.gateway.experiments import ArmError, ArmHintsMiddleware, build_live_experiment
+from ragspeed.gateway.limits import AdmissionMiddleware, AdmissionQueue, BodyLimitMiddleware, Rejections
+from ragspeed.gateway.metrics import GatewayMetrics
+from ragspeed.gateway.pipeline import Pipeline
+from ragspeed.gateway.routes import collections, experiments, openai, ops, prompts
+from ragspeed.gateway.security import KeyRing, SecurityMiddleware, warn_if_exposed
+from ragspeed.gateway.settings import ConfigError, Settings
 
 logger = logging.getLogger("ragspeed.gateway")
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 import httpx
 
-from gateway.launcher import ServerProcess
+from ragspeed.gateway.launcher import ServerProcess
 
 QUESTIONS = [
     "Who received the first Nobel Prize in Physics?",

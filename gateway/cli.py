@@ -16,7 +16,7 @@ from typing import Any, get_args, get_origin
 
 import click
 
-from gateway.settings import ConfigError, Settings, load_settings
+from ragspeed.gateway.settings import ConfigError, Settings, load_settings
 
 _FLAG_NAMES = {"upstreams": "upstream"}  # list options read better in the singular
 
@@ -67,7 +67,7 @@ def serve(config_file: str | None, **flags: Any) -> None:
     """Serve the OpenAI-compatible RAG gateway (default: the bundled demo model, native engine)."""
     import uvicorn
 
-    from gateway.app import create_app
+    from ragspeed.gateway.app import create_app
 
     flags = {k: (list(v) if isinstance(v, tuple) else v) for k, v in flags.items()}
     flags = {k: v for k, v in flags.items() if v not in (None, [])}
@@ -100,7 +100,7 @@ def serve(config_file: str | None, **flags: Any) -> None:
 def chat(question: str, docs: tuple[str, ...], system: str | None, url: str, api_key: str | None,
          max_tokens: int, temperature: float, compression_rate: float | None, stream: bool) -> None:
     """Send one chat request to a running server and print the answer and its figures."""
-    from gateway.client import RagspeedClient, RagspeedError
+    from ragspeed.gateway.client import RagspeedClient, RagspeedError
 
     documents = [{"title": Path(p).name, "text": Path(p).read_text(encoding="utf-8", errors="replace")}
                  for p in docs]
@@ -141,20 +141,20 @@ def eval_group() -> None:
 
 # Sub-commands that live in other packages: (parent group, module, attribute, name).
 _MOUNTS = (
-    (bench, "gateway.bench", "bench_gateway", "gateway"),
-    (bench, "engine.bench", "bench_engine_command", "engine"),
-    (bench, "engine.bench_cache", "bench_cache_command", "cache"),
-    (bench, "engine.bench_quant", "bench_quant", "quant"),
-    (bench, "engine.bench_spec", "bench_spec", "spec"),
-    (cli, "engine.cli", "models_app", "models"),
-    (cli, "engine.cli", "train_demo", "train-demo"),
-    (cli, "engine.cli", "train_draft", "train-draft"),
-    (eval_group, "compression.cli", "eval_app", "compression"),
-    (eval_group, "retrieval.cli", "eval_app", "retrieval"),
-    (cli, "retrieval.cli", "index_app", "index"),
-    (bench, "gateway.loadtest", "bench_load", "load"),
-    (cli, "gateway.security", "keys", "keys"),
-    (cli, "gateway.ab.cli", "ab", "ab"),
+    (bench, "ragspeed.gateway.bench", "bench_gateway", "gateway"),
+    (bench, "ragspeed.engine.bench", "bench_engine_command", "engine"),
+    (bench, "ragspeed.engine.bench_cache", "bench_cache_command", "cache"),
+    (bench, "ragspeed.engine.bench_quant", "bench_quant", "quant"),
+    (bench, "ragspeed.engine.bench_spec", "bench_spec", "spec"),
+    (cli, "ragspeed.engine.cli", "models_app", "models"),
+    (cli, "ragspeed.engine.cli", "train_demo", "train-demo"),
+    (cli, "ragspeed.engine.cli", "train_draft", "train-draft"),
+    (eval_group, "ragspeed.compression.cli", "eval_app", "compression"),
+    (eval_group, "ragspeed.retrieval.cli", "eval_app", "retrieval"),
+    (cli, "ragspeed.retrieval.cli", "index_app", "index"),
+    (bench, "ragspeed.gateway.loadtest", "bench_load", "load"),
+    (cli, "ragspeed.gateway.security", "keys", "keys"),
+    (cli, "ragspeed.gateway.ab.cli", "ab", "ab"),
 )
 
 

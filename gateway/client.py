@@ -1,6 +1,6 @@
 """ragspeed's Python SDK: sync and async clients over httpx, with typed results.
 
-    from gateway.client import RagspeedClient
+    from ragspeed.gateway.client import RagspeedClient
     client = RagspeedClient("http://127.0.0.1:8000")
     result = client.chat("Who won?", documents=["...", {"title": "T", "text": "..."}],
                          system="Answer from the documents.", compression={"rate": 0.25})

@@ -11,13 +11,13 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from compression import CompressionError, CompressionPolicy, apply_policy, build_compressor
-from compression.scoring.embedding_cache import EmbeddingCache
-from gateway.errors import APIError
-from gateway.pipeline import CompressionReport
-from gateway.prompt import Document, Segments
-from gateway.protocol import CompressionOptions
-from gateway.settings import Settings
+from ragspeed.compression import CompressionError, CompressionPolicy, apply_policy, build_compressor
+from ragspeed.compression.scoring.embedding_cache import EmbeddingCache
+from ragspeed.gateway.errors import APIError
+from ragspeed.gateway.pipeline import CompressionReport
+from ragspeed.gateway.prompt import Document, Segments
+from ragspeed.gateway.protocol import CompressionOptions
+from ragspeed.gateway.settings import Settings
 
 
 class CompressionStage:

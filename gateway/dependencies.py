@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from fastapi import Request
 
-from gateway.errors import APIError
-from gateway.pipeline import Pipeline
+from ragspeed.gateway.errors import APIError
+from ragspeed.gateway.pipeline import Pipeline
 
 
 def ready_pipeline(request: Request) -> Pipeline:

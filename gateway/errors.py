@@ -9,7 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.protocol import EngineError
+from ragspeed.engine.protocol import EngineError
 
 logger = logging.getLogger("ragspeed.gateway")
 

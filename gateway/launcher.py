@@ -44,7 +44,7 @@ class ServerProcess:
 
     def start(self) -> ServerProcess:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "serve", *self._args],
+            [sys.executable, "-m", "ragspeed", "serve", *self._args],
             stdout=self._log, stderr=subprocess.STDOUT, env=self._env,
         )
         deadline = time.monotonic() + self._ready_timeout_s

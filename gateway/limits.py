@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 from prometheus_client import Counter
 
-from gateway.errors import APIError, error_body
+from ragspeed.gateway.errors import APIError, error_body
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

@@ -27,7 +27,7 @@ from typing import Any
 import click
 import httpx
 
-from gateway.launcher import ServerProcess
+from ragspeed.gateway.launcher import ServerProcess
 
 _DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "nq_dev.jsonl"
 _DOC_CHARS = 500  # each document is cut to this many characters

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from engine.protocol import TokenLogprob
+from ragspeed.engine.protocol import TokenLogprob
 
 _MIN_LOGPROB = -9999.0
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from engine.protocol import (
+from ragspeed.engine.protocol import (
     EngineClient,
     GenerationRequest,
     PromptTooLongError,
@@ -24,14 +24,14 @@ from engine.protocol import (
     TokenDelta,
     TokenLogprob,
 )
-from gateway.errors import APIError
-from gateway.experiments import LiveExperiment, current_hints
-from gateway.limits import DeadlineExceeded, next_before
-from gateway.metrics import GatewayMetrics
-from gateway.prompt import Document, Prompt, Segments, assemble_prompt, split_segments
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
-from gateway.security import Principal, current_principal
-from gateway.settings import Settings
+from ragspeed.gateway.errors import APIError
+from ragspeed.gateway.experiments import LiveExperiment, current_hints
+from ragspeed.gateway.limits import DeadlineExceeded, next_before
+from ragspeed.gateway.metrics import GatewayMetrics
+from ragspeed.gateway.prompt import Document, Prompt, Segments, assemble_prompt, split_segments
+from ragspeed.gateway.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from ragspeed.gateway.security import Principal, current_principal
+from ragspeed.gateway.settings import Settings
 
 DEFAULT_ARM = "default"
 

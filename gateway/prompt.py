@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.protocol import ChatMessage, DocumentIn
+from ragspeed.gateway.protocol import ChatMessage, DocumentIn
 
 
 @dataclass(frozen=True)

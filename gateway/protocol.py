@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from engine.protocol import MAX_LOGPROBS
+from ragspeed.engine.protocol import MAX_LOGPROBS
 
 
 class _Strict(BaseModel):

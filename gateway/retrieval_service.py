@@ -10,10 +10,10 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from gateway.errors import APIError
-from gateway.prompt import Document
-from gateway.protocol import RetrievalOptions
-from gateway.settings import Settings
+from ragspeed.gateway.errors import APIError
+from ragspeed.gateway.prompt import Document
+from ragspeed.gateway.protocol import RetrievalOptions
+from ragspeed.gateway.settings import Settings
 
 T = TypeVar("T")
 
@@ -28,7 +28,7 @@ class RetrievalService:
     def store(self) -> Any:
         with self._lock:
             if self._store is None:
-                from retrieval import CollectionStore, SentenceTransformerEmbedder
+                from ragspeed.retrieval import CollectionStore, SentenceTransformerEmbedder
 
                 embedder = SentenceTransformerEmbedder(self._settings.embedding_model)
                 self._store = CollectionStore(self._settings.collections_dir, embedder)
@@ -36,7 +36,7 @@ class RetrievalService:
 
     def call(self, method: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a store method, mapping retrieval errors onto HTTP errors."""
-        from retrieval.errors import CollectionNotFound, CorruptCollectionError, RetrievalError
+        from ragspeed.retrieval.errors import CollectionNotFound, CorruptCollectionError, RetrievalError
 
         try:
             return method(*args, **kwargs)

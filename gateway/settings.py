@@ -14,8 +14,8 @@ import yaml
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from engine.config import EngineConfig
-from gateway.security import ApiKeyEntry, KeyHash
+from ragspeed.engine.config import EngineConfig
+from ragspeed.gateway.security import ApiKeyEntry, KeyHash
 
 
 class ConfigError(ValueError):

@@ -17,11 +17,11 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from engine.protocol import EngineError, TokenDelta
-from gateway.errors import error_body
-from gateway.limits import DeadlineExceeded
-from gateway.logprobs import LogprobsFormatter
-from gateway.pipeline import Generation
+from ragspeed.engine.protocol import EngineError, TokenDelta
+from ragspeed.gateway.errors import error_body
+from ragspeed.gateway.limits import DeadlineExceeded
+from ragspeed.gateway.logprobs import LogprobsFormatter
+from ragspeed.gateway.pipeline import Generation
 
 
 @dataclass(frozen=True)

@@ -5,12 +5,12 @@ chained block hashes (hashing.py); `PromptRegistry` (registry.py) names pinned s
 store.py persists pinned prefixes atomically, taking the tensor writer and reader as callables.
 """
 
-from prompt_cache.block_pool import Block, BlockPool
-from prompt_cache.hashing import BlockHash, hash_block_tokens, hash_request_blocks
-from prompt_cache.manager import KVCacheManager
-from prompt_cache.registry import PromptRegistry, RegisteredPrompt
-from prompt_cache.stats import PrefixCacheStats
-from prompt_cache.store import LoadedPrefix, load_prefix, save_prefix
+from ragspeed.prompt_cache.block_pool import Block, BlockPool
+from ragspeed.prompt_cache.hashing import BlockHash, hash_block_tokens, hash_request_blocks
+from ragspeed.prompt_cache.manager import KVCacheManager
+from ragspeed.prompt_cache.registry import PromptRegistry, RegisteredPrompt
+from ragspeed.prompt_cache.stats import PrefixCacheStats
+from ragspeed.prompt_cache.store import LoadedPrefix, load_prefix, save_prefix
 
 __all__ = [
     "Block",

@@ -21,7 +21,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from prompt_cache.manager import KVCacheManager
+from ragspeed.prompt_cache.manager import KVCacheManager
 
 CONTENDERS = ("off", "miss", "hit")
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from prompt_cache.hashing import BlockHash
+from ragspeed.prompt_cache.hashing import BlockHash
 
 
 @dataclass(eq=False, slots=True)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from prompt_cache.bench import CONTENDERS, bench_manager
+from ragspeed.prompt_cache.bench import CONTENDERS, bench_manager
 
 app = typer.Typer(help="Prefix-cache tools.", no_args_is_help=True)
 

@@ -36,15 +36,15 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from prompt_cache.block_pool import Block, BlockPool
-from prompt_cache.hashing import (
+from ragspeed.prompt_cache.block_pool import Block, BlockPool
+from ragspeed.prompt_cache.hashing import (
     BlockHash,
     HashFunction,
     block_extras,
     encode_block,
     resolve_hash_function,
 )
-from prompt_cache.stats import PrefixCacheStats
+from ragspeed.prompt_cache.stats import PrefixCacheStats
 
 
 @dataclass

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prompt_cache.registry import validate_prompt_name
+from ragspeed.prompt_cache.registry import validate_prompt_name
 
 logger = logging.getLogger(__name__)
 

@@ -6,9 +6,9 @@ The gateway uses `CollectionStore` (collections on disk) and the frozen values `
 Heavy dependencies (faiss, torch) load on first use of the classes that need them.
 """
 
-from retrieval.config import IndexConfig, RetrievalConfig
-from retrieval.documents import Document, Hit
-from retrieval.errors import CollectionNotFound, CorruptCollectionError, RetrievalError
+from ragspeed.retrieval.config import IndexConfig, RetrievalConfig
+from ragspeed.retrieval.documents import Document, Hit
+from ragspeed.retrieval.errors import CollectionNotFound, CorruptCollectionError, RetrievalError
 
 __all__ = [
     "AddResult",
@@ -26,11 +26,11 @@ __all__ = [
 ]
 
 _LAZY = {
-    "AddResult": "retrieval.collection",
-    "Collection": "retrieval.collection",
-    "CollectionStats": "retrieval.collection",
-    "CollectionStore": "retrieval.store",
-    "SentenceTransformerEmbedder": "retrieval.embedders",
+    "AddResult": "ragspeed.retrieval.collection",
+    "Collection": "ragspeed.retrieval.collection",
+    "CollectionStats": "ragspeed.retrieval.collection",
+    "CollectionStore": "ragspeed.retrieval.store",
+    "SentenceTransformerEmbedder": "ragspeed.retrieval.embedders",
 }
 
 

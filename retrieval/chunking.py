@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from retrieval.errors import RetrievalError
+from ragspeed.retrieval.errors import RetrievalError
 
 
 class Tokenizer(Protocol):

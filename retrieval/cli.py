@@ -12,8 +12,8 @@ from typing import Any
 
 import typer
 
-from retrieval.config import IndexConfig, RetrievalConfig
-from retrieval.errors import CollectionNotFound, RetrievalError
+from ragspeed.retrieval.config import IndexConfig, RetrievalConfig
+from ragspeed.retrieval.errors import CollectionNotFound, RetrievalError
 
 DEFAULT_ROOT = Path(".ragspeed") / "collections"
 
@@ -23,8 +23,8 @@ eval_app = typer.Typer(help="Quality and speed evaluations.", no_args_is_help=Tr
 
 def _store(root: Path, model: str | None, config: RetrievalConfig, embedder=None):
     """A store over `root`; `embedder` (already loaded) wins over `model`."""
-    from retrieval.embedders import SentenceTransformerEmbedder
-    from retrieval.store import CollectionStore
+    from ragspeed.retrieval.embedders import SentenceTransformerEmbedder
+    from ragspeed.retrieval.store import CollectionStore
 
     if embedder is None:
         embedder = SentenceTransformerEmbedder(
@@ -100,14 +100,14 @@ def run_retrieval_eval(
     model: str | None,
     config: RetrievalConfig | None = None,
 ) -> dict[str, Any]:
-    from retrieval.evaluation import evaluate_quality, evaluate_scale
+    from ragspeed.retrieval.evaluation import evaluate_quality, evaluate_scale
 
     result: dict[str, Any] = {}
     if not data.is_file():
         raise RetrievalError(f"--data {data} is not a file", "data")
     if distractors is not None and not distractors.is_file():
         raise RetrievalError(f"--distractors {distractors} is not a file", "distractors")
-    from retrieval.embedders import SentenceTransformerEmbedder
+    from ragspeed.retrieval.embedders import SentenceTransformerEmbedder
 
     config = config or RetrievalConfig()
     embedder = SentenceTransformerEmbedder(model, progress_min_texts=config.progress_min_texts)

@@ -16,14 +16,14 @@ from typing import Any
 
 import numpy as np
 
-from retrieval.bm25 import BM25Index
-from retrieval.config import QUERY_MODES, RetrievalConfig
-from retrieval.documents import Document, Hit, content_key, embedding_text
-from retrieval.embedders import Embedder
-from retrieval.errors import RetrievalError
-from retrieval.faiss_index import VectorIndex
-from retrieval.fusion import reciprocal_rank_fusion
-from retrieval.ingest import drop_duplicates
+from ragspeed.retrieval.bm25 import BM25Index
+from ragspeed.retrieval.config import QUERY_MODES, RetrievalConfig
+from ragspeed.retrieval.documents import Document, Hit, content_key, embedding_text
+from ragspeed.retrieval.embedders import Embedder
+from ragspeed.retrieval.errors import RetrievalError
+from ragspeed.retrieval.faiss_index import VectorIndex
+from ragspeed.retrieval.fusion import reciprocal_rank_fusion
+from ragspeed.retrieval.ingest import drop_duplicates
 
 MAX_TOP_K = 1000
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from retrieval.errors import RetrievalError
+from ragspeed.retrieval.errors import RetrievalError
 
 INDEX_KINDS = ("auto", "flat", "ivf", "hnsw")
 QUERY_MODES = ("dense", "bm25", "hybrid")

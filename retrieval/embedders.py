@@ -12,7 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from retrieval.errors import RetrievalError
+from ragspeed.retrieval.errors import RetrievalError
 
 
 @runtime_checkable

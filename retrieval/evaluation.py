@@ -23,11 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from retrieval.collection import Collection
-from retrieval.config import IndexConfig, RetrievalConfig
-from retrieval.documents import Document, content_key, document_id
-from retrieval.embedders import Embedder
-from retrieval.errors import RetrievalError
+from ragspeed.retrieval.collection import Collection
+from ragspeed.retrieval.config import IndexConfig, RetrievalConfig
+from ragspeed.retrieval.documents import Document, content_key, document_id
+from ragspeed.retrieval.embedders import Embedder
+from ragspeed.retrieval.errors import RetrievalError
 
 RECALL_KS = (1, 5, 20)
 MODES = ("dense", "bm25", "hybrid")
@@ -185,7 +185,7 @@ def evaluate_scale(
 ) -> dict[str, Any]:
     import faiss
 
-    from retrieval.faiss_index import VectorIndex
+    from ragspeed.retrieval.faiss_index import VectorIndex
 
     if num_vectors < 100:
         raise RetrievalError(f"scale size must be >= 100 vectors, got {num_vectors}", "scale_n")

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import faiss
 import numpy as np
 
-from retrieval.config import IndexConfig
-from retrieval.errors import RetrievalError
+from ragspeed.retrieval.config import IndexConfig
+from ragspeed.retrieval.errors import RetrievalError
 
 GPU_KINDS = frozenset({"flat", "ivf"})
 # Recall@10 that IVF calibration aims for on a sample of the indexed vectors.

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from retrieval.chunking import chunk_text
-from retrieval.documents import Document, content_key, document_id
+from ragspeed.retrieval.chunking import chunk_text
+from ragspeed.retrieval.documents import Document, content_key, document_id
 
 # Bytes sniffed for NUL, which UTF-8 text never contains but binary files nearly always do.
 SNIFF_BYTES = 8192

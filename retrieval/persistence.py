@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from retrieval.errors import CorruptCollectionError
+from ragspeed.retrieval.errors import CorruptCollectionError
 
 MAGIC = b"RAGSPEED-COLL\x00\x00\x01"
 FORMAT_VERSION = 1

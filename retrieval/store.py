@@ -16,13 +16,13 @@ import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from retrieval.collection import AddResult, Collection, CollectionStats
-from retrieval.config import RetrievalConfig
-from retrieval.documents import Document, Hit
-from retrieval.embedders import Embedder
-from retrieval.errors import CollectionNotFound, CorruptCollectionError, RetrievalError
-from retrieval.ingest import IngestReport, SourceRecord, documents_from_records, ingest_paths
-from retrieval.persistence import load_collection_file, save_collection_file
+from ragspeed.retrieval.collection import AddResult, Collection, CollectionStats
+from ragspeed.retrieval.config import RetrievalConfig
+from ragspeed.retrieval.documents import Document, Hit
+from ragspeed.retrieval.embedders import Embedder
+from ragspeed.retrieval.errors import CollectionNotFound, CorruptCollectionError, RetrievalError
+from ragspeed.retrieval.ingest import IngestReport, SourceRecord, documents_from_records, ingest_paths
+from ragspeed.retrieval.persistence import load_collection_file, save_collection_file
 
 logger = logging.getLogger(__name__)
 

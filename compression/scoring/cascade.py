@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from compression.scoring.minilm_encoder import MiniLMEncoder
-from compression.scoring.static_bm25 import CheapScores, StaticBM25Scorer
-from compression.units import UnitTable
+from ragspeed.compression.scoring.minilm_encoder import MiniLMEncoder
+from ragspeed.compression.scoring.static_bm25 import CheapScores, StaticBM25Scorer
+from ragspeed.compression.units import UnitTable
 
 
 class CascadeScorer:

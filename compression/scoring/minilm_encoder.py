@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from compression.scoring.embedding_cache import EmbeddingCache, encode_cached
-from compression.scoring.static_encoder import minilm_path
+from ragspeed.compression.scoring.embedding_cache import EmbeddingCache, encode_cached
+from ragspeed.compression.scoring.static_encoder import minilm_path
 
 
 class MiniLMEncoder:

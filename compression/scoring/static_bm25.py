@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from compression.scoring.bm25 import bm25_scores
-from compression.scoring.static_encoder import StaticEncoder
-from compression.units import UnitTable
+from ragspeed.compression.scoring.bm25 import bm25_scores
+from ragspeed.compression.scoring.static_encoder import StaticEncoder
+from ragspeed.compression.units import UnitTable
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from compression.scoring.embedding_cache import EmbeddingCache, encode_cached
+from ragspeed.compression.scoring.embedding_cache import EmbeddingCache, encode_cached
 
 STATIC_MODEL_NAME = "minilm-l6-static-256"
 

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import importlib
 
-from engine.config import EngineConfig
-from engine.protocol import EngineClient
+from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.protocol import EngineClient
 
 # backend name -> "module:class"; each class is built as `cls(config)`.
 BACKENDS: dict[str, str] = {
-    "native": "engine.backends.native:NativeEngine",
-    "transformers": "engine.backends.transformers_backend:TransformersEngine",
-    "openai": "engine.backends.openai_backend:OpenAIEngine",
-    "vllm": "engine.backends.vllm:VLLMEngine",
+    "native": "ragspeed.engine.backends.native:NativeEngine",
+    "transformers": "ragspeed.engine.backends.transformers_backend:TransformersEngine",
+    "openai": "ragspeed.engine.backends.openai_backend:OpenAIEngine",
+    "vllm": "ragspeed.engine.backends.vllm:VLLMEngine",
 }
 
 # Backends that implement EngineConfig.speculative (the others refuse it at start-up).

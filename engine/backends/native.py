@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, StepOutput
-from engine.protocol import EngineError, GenerationRequest, SamplingParams, TokenDelta
+from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.llm_engine import LLMEngine, StepOutput
+from ragspeed.engine.protocol import EngineError, GenerationRequest, SamplingParams, TokenDelta
 
 logger = logging.getLogger(__name__)
 

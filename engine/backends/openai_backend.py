@@ -26,10 +26,10 @@ from typing import Any
 import httpx
 from transformers import AutoConfig, AutoTokenizer
 
-from engine.backends.routing import AffinityRouter
-from engine.config import EngineConfig
-from engine.model_zoo import resolve_model
-from engine.protocol import (
+from ragspeed.engine.backends.routing import AffinityRouter
+from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.model_zoo import resolve_model
+from ragspeed.engine.protocol import (
     EngineError,
     GenerationRequest,
     SamplingParams,

@@ -25,7 +25,7 @@ import hashlib
 import math
 from collections.abc import Callable, Collection, Sequence
 
-from prompt_cache.hashing import hash_request_blocks
+from ragspeed.prompt_cache.hashing import hash_request_blocks
 
 
 class AffinityRouter:

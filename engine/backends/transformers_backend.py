@@ -16,17 +16,17 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
-from engine.model_zoo import resolve_model
-from engine.protocol import (
+from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.detokenizer import IncrementalDetokenizer
+from ragspeed.engine.model_zoo import resolve_model
+from ragspeed.engine.protocol import (
     EngineError,
     GenerationRequest,
     PromptTooLongError,
     SamplingParams,
     TokenDelta,
 )
-from engine.stop import StopStringMatcher
+from ragspeed.engine.stop import StopStringMatcher
 
 _DONE = object()
 

@@ -23,8 +23,8 @@ import importlib.util
 from collections.abc import AsyncIterator
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.protocol import (
+from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.protocol import (
     EngineError,
     GenerationRequest,
     SamplingParams,
@@ -159,7 +159,7 @@ class VLLMEngine:
         except ImportError:  # older vLLM
             from vllm import AsyncLLMEngine as engine_cls
 
-        from engine.loader import resolve_model_path
+        from ragspeed.engine.loader import resolve_model_path
 
         path = str(resolve_model_path(self.config.model))
         args = AsyncEngineArgs(**vllm_engine_args(self.config, path))

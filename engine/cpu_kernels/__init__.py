@@ -9,13 +9,13 @@ possible, and the model then runs layer by layer on oneDNN / fbgemm / SDPA alone
 a model's decode steps (and a draft's greedy steps) in one call each.
 """
 
-from engine.cpu_kernels.blocked import (
+from ragspeed.engine.cpu_kernels.blocked import (
     BlockedWeight,
     blocked_kernels_available,
     decode_step,
     takes_blocked,
 )
-from engine.cpu_kernels.build import load_library
+from ragspeed.engine.cpu_kernels.build import load_library
 
 __all__ = [
     "BlockedWeight", "blocked_kernels_available", "decode_step", "load_library", "takes_blocked",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.cpu_kernels.build import load_library
+from ragspeed.engine.cpu_kernels.build import load_library
 
 MAX_GROUP = 16  # query heads per KV head (kernels.c's MAX_GROUP)
 MAX_HEAD_DIM = 256

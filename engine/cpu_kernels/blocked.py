@@ -21,7 +21,7 @@ from contextlib import contextmanager
 
 import torch
 
-from engine.cpu_kernels.build import load_library
+from ragspeed.engine.cpu_kernels.build import load_library
 
 BLOCK = 16
 

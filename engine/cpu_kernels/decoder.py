@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.cpu_kernels.attention import MAX_GROUP, MAX_HEAD_DIM
-from engine.cpu_kernels.blocked import BlockedWeight, in_decode_step
-from engine.cpu_kernels.build import load_library
+from ragspeed.engine.cpu_kernels.attention import MAX_GROUP, MAX_HEAD_DIM
+from ragspeed.engine.cpu_kernels.blocked import BlockedWeight, in_decode_step
+from ragspeed.engine.cpu_kernels.build import load_library
 
 if TYPE_CHECKING:
-    from engine.attention import AttentionMetadata
+    from ragspeed.engine.attention import AttentionMetadata
 
 
 class _Linear(ctypes.Structure):

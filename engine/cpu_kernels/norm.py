@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.cpu_kernels.build import load_library
+from ragspeed.engine.cpu_kernels.build import load_library
 
 
 def add_rms_norm_applies(x: torch.Tensor) -> bool:

@@ -17,12 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention
-from engine.cpu_kernels.decoder import FusedDecoder
-from engine.cpu_kernels.norm import add_rms_norm, add_rms_norm_applies
-from engine.models.arch import ModelArch
-from engine.models.linear import build_linear
-from engine.models.rotary import apply_rotary
+from ragspeed.engine.attention import AttentionMetadata, paged_attention
+from ragspeed.engine.cpu_kernels.decoder import FusedDecoder
+from ragspeed.engine.cpu_kernels.norm import add_rms_norm, add_rms_norm_applies
+from ragspeed.engine.models.arch import ModelArch
+from ragspeed.engine.models.linear import build_linear
+from ragspeed.engine.models.rotary import apply_rotary
 
 
 class RMSNorm(nn.Module):

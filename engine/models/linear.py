@@ -20,10 +20,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from engine.cpu_kernels import BlockedWeight, blocked_kernels_available, takes_blocked
-from engine.linear_kind import LinearKind
-from engine.quant import QUANT_KINDS
-from engine.threads import linear_threads
+from ragspeed.engine.cpu_kernels import BlockedWeight, blocked_kernels_available, takes_blocked
+from ragspeed.engine.linear_kind import LinearKind
+from ragspeed.engine.quant import QUANT_KINDS
+from ragspeed.engine.threads import linear_threads
 
 
 def onednn_available(device: torch.device) -> bool:

@@ -4,9 +4,9 @@
 from `engine.models`, so the model code depends on it and not the other way round.
 """
 
-from engine.quant.memory import resident_weight_bytes, unquantized_weight_bytes
-from engine.quant.per_channel import Int8Weight, quantize_per_channel
-from engine.quant.registry import (
+from ragspeed.engine.quant.memory import resident_weight_bytes, unquantized_weight_bytes
+from ragspeed.engine.quant.per_channel import Int8Weight, quantize_per_channel
+from ragspeed.engine.quant.registry import (
     QUANT_KINDS,
     Int8Linear,
     QuantizationUnavailableError,

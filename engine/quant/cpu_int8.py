@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.cpu_kernels import BlockedWeight, blocked_kernels_available, takes_blocked
-from engine.quant.fbgemm_int8 import FbgemmInt8Kernel, fbgemm_available
-from engine.quant.per_channel import Int8Weight
+from ragspeed.engine.cpu_kernels import BlockedWeight, blocked_kernels_available, takes_blocked
+from ragspeed.engine.quant.fbgemm_int8 import FbgemmInt8Kernel, fbgemm_available
+from ragspeed.engine.quant.per_channel import Int8Weight
 
 
 class CpuInt8Kernel:

@@ -37,7 +37,7 @@ import warnings
 
 import torch
 
-from engine.quant.per_channel import Int8Weight
+from ragspeed.engine.quant.per_channel import Int8Weight
 
 # Quantized CPU engines whose linear_prepack / linear_dynamic run fbgemm kernels.
 FBGEMM_ENGINES = ("x86", "fbgemm")

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.attention import build_metadata
-from engine.kv_cache import KVCachePool
-from engine.loader import LoadedModel
+from ragspeed.engine.attention import build_metadata
+from ragspeed.engine.kv_cache import KVCachePool
+from ragspeed.engine.loader import LoadedModel
 
 
 @dataclass(frozen=True)

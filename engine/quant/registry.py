@@ -14,11 +14,11 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from engine.quant.cpu_int8 import CpuInt8Kernel
-from engine.quant.per_channel import quantize_per_channel
-from engine.quant.weight_only_int8 import WeightOnlyInt8Kernel
-from engine.linear_kind import LinearKind
-from engine.threads import linear_threads
+from ragspeed.engine.quant.cpu_int8 import CpuInt8Kernel
+from ragspeed.engine.quant.per_channel import quantize_per_channel
+from ragspeed.engine.quant.weight_only_int8 import WeightOnlyInt8Kernel
+from ragspeed.engine.linear_kind import LinearKind
+from ragspeed.engine.threads import linear_threads
 
 
 class QuantizationUnavailableError(ValueError):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.quant.per_channel import Int8Weight
+from ragspeed.engine.quant.per_channel import Int8Weight
 
 
 def _int8pack_mm_works(device: torch.device, dtype: torch.dtype) -> bool:

@@ -14,15 +14,15 @@ Terms (used throughout the package):
 Draft tokens never enter `all_token_ids` nor the prefix cache until accepted.
 """
 
-from engine.spec_decode.controller import AdaptiveController
-from engine.spec_decode.ngram import NgramProposer
-from engine.spec_decode.draft import DraftProposer
-from engine.spec_decode.proposer import (
+from ragspeed.engine.spec_decode.controller import AdaptiveController
+from ragspeed.engine.spec_decode.ngram import NgramProposer
+from ragspeed.engine.spec_decode.draft import DraftProposer
+from ragspeed.engine.spec_decode.proposer import (
     PROPOSERS, PerRequestProposer, Proposer, TokenProposer, build_proposer,
 )
-from engine.spec_decode.rejection import verify_greedy, verify_sampled
-from engine.spec_decode.speculator import Speculator, build_speculator
-from engine.spec_decode.stats import SpecStats
+from ragspeed.engine.spec_decode.rejection import verify_greedy, verify_sampled
+from ragspeed.engine.spec_decode.speculator import Speculator, build_speculator
+from ragspeed.engine.spec_decode.stats import SpecStats
 
 __all__ = [
     "PROPOSERS", "AdaptiveController", "DraftProposer", "NgramProposer", "PerRequestProposer",

@@ -34,14 +34,14 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 
-from engine.attention import SMALL_CHUNK_QUERIES, build_metadata, padded_tables, slots
-from engine.config import EngineConfig
-from engine.kv_cache import KVCachePool
-from engine.loader import LoadedModel, load_for_engine, resolve_model_path
-from engine.threads import forward_pass
-from engine.protocol import EngineError
-from engine.quant import QuantizationUnavailableError, available_quantizations
-from prompt_cache.manager import KVCacheManager
+from ragspeed.engine.attention import SMALL_CHUNK_QUERIES, build_metadata, padded_tables, slots
+from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.kv_cache import KVCachePool
+from ragspeed.engine.loader import LoadedModel, load_for_engine, resolve_model_path
+from ragspeed.engine.threads import forward_pass
+from ragspeed.engine.protocol import EngineError
+from ragspeed.engine.quant import QuantizationUnavailableError, available_quantizations
+from ragspeed.prompt_cache.manager import KVCacheManager
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Callable, Protocol, Sequence, runtime_checkable
 
-from engine.config import EngineConfig
-from engine.protocol import EngineError
+from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.protocol import EngineError
 
 
 class TokenProposer(Protocol):
@@ -64,7 +64,7 @@ def as_batch_proposer(proposer: Proposer | TokenProposer) -> Proposer:
 
 
 def _build_ngram(config: EngineConfig, engine) -> Proposer:
-    from engine.spec_decode.ngram import NgramProposer
+    from ragspeed.engine.spec_decode.ngram import NgramProposer
 
     return NgramProposer()
 
@@ -74,7 +74,7 @@ def _build_draft(config: EngineConfig, engine) -> Proposer:
         raise EngineError(
             "speculative='draft' needs a draft model: pass --draft-model PATH", param="draft_model"
         )
-    from engine.spec_decode.draft import build_draft_proposer
+    from ragspeed.engine.spec_decode.draft import build_draft_proposer
 
     return build_draft_proposer(config, engine)
 

@@ -23,8 +23,8 @@ from typing import Sequence
 
 import torch
 
-from engine.sampler import _filter_top_k, _filter_top_p
-from engine.sampling import SamplingState
+from ragspeed.engine.sampler import _filter_top_k, _filter_top_p
+from ragspeed.engine.sampling import SamplingState
 
 
 def verify_greedy(logits: torch.Tensor, draft_token_ids: Sequence[int]) -> list[int]:

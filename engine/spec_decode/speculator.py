@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import EngineConfig
-from engine.request import Request
-from engine.spec_decode.controller import AdaptiveController
-from engine.spec_decode.proposer import Proposer, TokenProposer, as_batch_proposer, build_proposer
-from engine.spec_decode.rejection import verify_greedy, verify_sampled
-from engine.spec_decode.stats import SpecStats
+from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.request import Request
+from ragspeed.engine.spec_decode.controller import AdaptiveController
+from ragspeed.engine.spec_decode.proposer import Proposer, TokenProposer, as_batch_proposer, build_proposer
+from ragspeed.engine.spec_decode.rejection import verify_greedy, verify_sampled
+from ragspeed.engine.spec_decode.stats import SpecStats
 
 
 class Speculator:

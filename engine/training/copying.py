@@ -47,7 +47,7 @@ import random
 from collections import Counter
 from collections.abc import Sequence
 
-from engine.training.trainer import Piece
+from ragspeed.engine.training.trainer import Piece
 
 
 def frequent_tokens(documents: Sequence[Sequence[int]], size: int, *, first_ordinary: int) -> list[int]:

@@ -33,17 +33,17 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, LlamaConfig, PreTrainedModel, PreTrainedTokenizerFast
 
-from engine.training.corpus import Corpus, load_corpus
-from engine.training.copying import frequent_tokens, pattern_piece, repeat_piece, text_pattern_piece
-from engine.training.examples import (
+from ragspeed.engine.training.corpus import Corpus, load_corpus
+from ragspeed.engine.training.copying import frequent_tokens, pattern_piece, repeat_piece, text_pattern_piece
+from ragspeed.engine.training.examples import (
     Message,
     make_extractive_example,
     make_generic_example,
     make_passage_example,
     make_repeat_example,
 )
-from engine.training.tokenizer import save_tokenizer, train_tokenizer
-from engine.training.trainer import Phase, Piece, TrainingConfig, evaluate_loss, target_accuracy, train_causal_lm
+from ragspeed.engine.training.tokenizer import save_tokenizer, train_tokenizer
+from ragspeed.engine.training.trainer import Phase, Piece, TrainingConfig, evaluate_loss, target_accuracy, train_causal_lm
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "ragspeed-demo"
 DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data"

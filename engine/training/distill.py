@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from engine.training.corpus import load_corpus
-from engine.training.demo import (
+from ragspeed.engine.training.corpus import load_corpus
+from ragspeed.engine.training.demo import (
     DEFAULT_DATA_DIR,
     DEMO_MODEL_DIR,
     ChatEncoder,
@@ -47,8 +47,8 @@ from engine.training.demo import (
     encode_documents,
     make_chat_pieces,
 )
-from engine.training.examples import make_extractive_example, make_generic_example, make_repeat_example
-from engine.training.trainer import Phase, Piece, TrainingConfig, TrainingLog, train_loop
+from ragspeed.engine.training.examples import make_extractive_example, make_generic_example, make_repeat_example
+from ragspeed.engine.training.trainer import Phase, Piece, TrainingConfig, TrainingLog, train_loop
 
 DRAFT_MODEL_DIR = DEMO_MODEL_DIR.parent / "ragspeed-demo-draft"
 # Files of the target's folder that are not the draft's own (weights, config, card).
@@ -120,7 +120,7 @@ def generate_continuations(
 ) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """(prompt, target continuation) pairs through the native engine, batch by batch, until the
     prompts or the time (`deadline`, perf_counter seconds) run out."""
-    from engine.protocol import GenerationRequest, SamplingParams
+    from ragspeed.engine.protocol import GenerationRequest, SamplingParams
 
     rng = random.Random(seed)
     pairs = []
@@ -228,9 +228,9 @@ def engine_acceptance(
     max_model_len: int,
 ) -> dict[str, float]:
     """Acceptance of the draft in the native engine (greedy, k = 4, adaptive), one request at a time."""
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.protocol import GenerationRequest, SamplingParams
+    from ragspeed.engine.config import EngineConfig
+    from ragspeed.engine.llm_engine import LLMEngine
+    from ragspeed.engine.protocol import GenerationRequest, SamplingParams
 
     engine = LLMEngine(EngineConfig(
         model=str(target_path), speculative="draft", draft_model=str(draft_path),
@@ -300,8 +300,8 @@ def distill_draft(
     max_model_len = recipe.seq_len + recipe.max_new_tokens
 
     # 1. the target's own continuations of text and chat prompts
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from ragspeed.engine.config import EngineConfig
+    from ragspeed.engine.llm_engine import LLMEngine
 
     generator = LLMEngine(EngineConfig(
         model=str(target_dir), max_model_len=max_model_len,

@@ -28,8 +28,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from gateway.protocol import ChatCompletionRequest
-from gateway.settings import Settings
+from ragspeed.gateway.protocol import ChatCompletionRequest
+from ragspeed.gateway.settings import Settings
 
 # The keys of an arm that are not Settings fields.
 REQUEST_KEY = "request"
@@ -116,7 +116,7 @@ def check_settings(doc: YamlDoc, values: dict[str, Any], prefix: tuple[str, ...]
         err = exc.errors()[0]
         key = str(err["loc"][0]) if err["loc"] else next(iter(values), "?")
         raise doc.error(prefix + (key,), f"{err['msg']} (got {err.get('input')!r})") from exc
-    from engine.backends import BACKENDS
+    from ragspeed.engine.backends import BACKENDS
 
     if settings.engine not in BACKENDS:
         raise doc.error(prefix + ("engine",),

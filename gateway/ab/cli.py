@@ -12,10 +12,10 @@ from typing import Any
 
 import click
 
-from gateway.ab.arms import Arm, ArmError, load_all_arms, with_overrides
-from gateway.ab.report import build_report, format_text, render_html
-from gateway.ab.runner import LoadShape, Observation, arm_servers, replay
-from gateway.ab.workload import Workload, load_workload
+from ragspeed.gateway.ab.arms import Arm, ArmError, load_all_arms, with_overrides
+from ragspeed.gateway.ab.report import build_report, format_text, render_html
+from ragspeed.gateway.ab.runner import LoadShape, Observation, arm_servers, replay
+from ragspeed.gateway.ab.workload import Workload, load_workload
 
 
 def run_ab(arms: list[Arm], workload: Workload, shape: LoadShape, *,

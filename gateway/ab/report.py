@@ -14,10 +14,10 @@ import math
 import statistics
 from typing import Any
 
-from gateway.ab.arms import Arm
-from gateway.ab.runner import LoadShape, Observation, RunResult
-from gateway.ab.stats import QUANTILES, bootstrap_median_difference, bootstrap_quantiles, mann_whitney_u
-from gateway.ab.workload import Workload
+from ragspeed.gateway.ab.arms import Arm
+from ragspeed.gateway.ab.runner import LoadShape, Observation, RunResult
+from ragspeed.gateway.ab.stats import QUANTILES, bootstrap_median_difference, bootstrap_quantiles, mann_whitney_u
+from ragspeed.gateway.ab.workload import Workload
 
 LATENCY_METRICS = ("ttft_ms", "tpot_ms", "e2e_ms")
 ALPHA = 0.05

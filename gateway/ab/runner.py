@@ -33,10 +33,10 @@ from typing import Any
 import httpx
 import yaml
 
-from gateway.ab.arms import Arm
-from gateway.ab.quality import accuracy, contains_answer, exact_match, f1
-from gateway.ab.workload import WorkItem
-from gateway.launcher import ServerProcess
+from ragspeed.gateway.ab.arms import Arm
+from ragspeed.gateway.ab.quality import accuracy, contains_answer, exact_match, f1
+from ragspeed.gateway.ab.workload import WorkItem
+from ragspeed.gateway.launcher import ServerProcess
 
 
 @dataclass(frozen=True)

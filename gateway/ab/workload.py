@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from gateway.protocol import ChatCompletionRequest
+from ragspeed.gateway.protocol import ChatCompletionRequest
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ async def delete_collection(name: str, request: Request):
 
 @router.post("/{name}/documents")
 async def add_documents(name: str, body: AddDocuments, request: Request):
-    from retrieval import Document
+    from ragspeed.retrieval import Document
 
     documents = [Document(id=d.id or "", text=d.text, title=d.title, metadata=d.metadata) for d in body.documents]
     result = await _run(request, "add_documents", name, documents, chunk=body.chunk)

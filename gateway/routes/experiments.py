@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from gateway.errors import APIError
+from ragspeed.gateway.errors import APIError
 
 router = APIRouter()
 

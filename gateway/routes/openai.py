@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 
-from gateway.dependencies import ready_pipeline
-from gateway.pipeline import Generation, Pipeline
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.streaming import CHAT, TEXT, complete, stream
+from ragspeed.gateway.dependencies import ready_pipeline
+from ragspeed.gateway.pipeline import Generation, Pipeline
+from ragspeed.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from ragspeed.gateway.streaming import CHAT, TEXT, complete, stream
 
 router = APIRouter()
 

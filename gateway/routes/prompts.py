@@ -29,10 +29,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gateway.errors import APIError
-from gateway.prompt import Segments, assemble_prompt
-from gateway.security import tenant_cache_salt
-from prompt_cache.registry import PromptRegistry, RegisteredPrompt, validate_prompt_name
+from ragspeed.gateway.errors import APIError
+from ragspeed.gateway.prompt import Segments, assemble_prompt
+from ragspeed.gateway.security import tenant_cache_salt
+from ragspeed.prompt_cache.registry import PromptRegistry, RegisteredPrompt, validate_prompt_name
 
 logger = logging.getLogger("ragspeed.gateway")
 
@@ -73,7 +73,7 @@ class PromptService:
         """After the engine started: open the store and restore every saved prefix."""
         if not self.pins or self.directory is None:
             return
-        from engine.prefix_store import PrefixStore, engine_fingerprint, restore_prefix
+        from ragspeed.engine.prefix_store import PrefixStore, engine_fingerprint, restore_prefix
 
         fingerprint = await self.engine.call(engine_fingerprint)
         self._store = PrefixStore(self.directory, fingerprint)
@@ -101,7 +101,7 @@ class PromptService:
                 raise APIError(400, "text renders to no tokens", param="text")
             block_ids: tuple[int, ...] = ()
             if self.pins:
-                from engine.prefix_store import PinnedPrefix, export_kv, pin_prefix
+                from ragspeed.engine.prefix_store import PinnedPrefix, export_kv, pin_prefix
 
                 await self.engine.warm(token_ids, cache_salt)
                 block_ids = await self.engine.call(lambda e: pin_prefix(e, token_ids, cache_salt))
@@ -118,7 +118,7 @@ class PromptService:
             if prompt is None:
                 return None
             if prompt.block_ids:
-                from engine.prefix_store import unpin_prefix
+                from ragspeed.engine.prefix_store import unpin_prefix
 
                 await self.engine.call(lambda e: unpin_prefix(e, prompt.block_ids))
             if self._store is not None:

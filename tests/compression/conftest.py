@@ -18,7 +18,7 @@ def ws_tokenizer():
 
 @pytest.fixture(scope="session")
 def static_encoder():
-    from compression.scoring.static_encoder import StaticEncoder
+    from ragspeed.compression.scoring.static_encoder import StaticEncoder
 
     return StaticEncoder()
 
@@ -27,6 +27,6 @@ def static_encoder():
 def minilm_tokenizer():
     from transformers import AutoTokenizer
 
-    from compression.scoring.static_encoder import minilm_path
+    from ragspeed.compression.scoring.static_encoder import minilm_path
 
     return AutoTokenizer.from_pretrained(minilm_path())

@@ -2,8 +2,8 @@ import math
 
 import pytest
 
-from compression import CompressionError
-from compression.budget import resolve_budget
+from ragspeed.compression import CompressionError
+from ragspeed.compression.budget import resolve_budget
 
 
 def test_rate_and_target():

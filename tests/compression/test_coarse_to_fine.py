@@ -2,9 +2,9 @@
 
 import pytest
 
-from compression import Document, build_compressor
-from compression.scoring.embedding_cache import EmbeddingCache
-from compression.scoring.minilm_encoder import MiniLMEncoder
+from ragspeed.compression import Document, build_compressor
+from ragspeed.compression.scoring.embedding_cache import EmbeddingCache
+from ragspeed.compression.scoring.minilm_encoder import MiniLMEncoder
 
 DOCS = [
     Document("0", "The Amazon is a river in South America. It carries more water than any other river.", "Amazon River"),

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from compression import CompressionError, Document, build_compressor
+from ragspeed.compression import CompressionError, Document, build_compressor
 
 DOCS = [
     Document("d0", "Paris is the capital of France. It is known for the Eiffel Tower.", "Paris"),

@@ -4,8 +4,8 @@ import json
 
 from typer.testing import CliRunner
 
-from compression.cli import eval_app
-from compression.evaluation import answer_retained, normalize_answer
+from ragspeed.compression.cli import eval_app
+from ragspeed.compression.evaluation import answer_retained, normalize_answer
 
 
 def test_normalisation_as_in_lost_in_the_middle():

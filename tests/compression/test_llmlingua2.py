@@ -2,8 +2,8 @@
 
 import pytest
 
-from compression import CompressionError, Document
-from compression.llmlingua2 import LLMLingua2Compressor
+from ragspeed.compression import CompressionError, Document
+from ragspeed.compression.llmlingua2 import LLMLingua2Compressor
 
 WORDS = (
     "the capital of france is paris . it lies on the seine river and has many museums "

@@ -1,6 +1,6 @@
 import numpy as np
 
-from compression.selection import edges_order, original_order, select_units
+from ragspeed.compression.selection import edges_order, original_order, select_units
 
 
 def test_greedy_skips_what_does_not_fit_and_fills_the_rest():

@@ -1,4 +1,4 @@
-from compression.sentences import MAX_UNIT_CHARS, split_sentences
+from ragspeed.compression.sentences import MAX_UNIT_CHARS, split_sentences
 
 
 def test_splits_on_terminators_not_abbreviations_or_initials():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.llm_engine import LLMEngine
 from tests.engine.tiny_models import build_tiny_checkpoint
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from engine import attention as attention_module
-from engine.attention import SMALL_CHUNK_QUERIES, build_metadata, causal_mask, paged_attention
-from engine.cpu_kernels import load_library
+from ragspeed.engine import attention as attention_module
+from ragspeed.engine.attention import SMALL_CHUNK_QUERIES, build_metadata, causal_mask, paged_attention
+from ragspeed.engine.cpu_kernels import load_library
 
 
 def test_causal_mask_shifts_by_the_cached_prefix():

@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.training.copying import frequent_tokens, pattern_piece, repeat_piece, text_pattern_piece
-from engine.training.demo import check_stage, copied_share
-from engine.training.examples import make_passage_example
-from engine.training.trainer import Piece, target_accuracy
+from ragspeed.engine.training.copying import frequent_tokens, pattern_piece, repeat_piece, text_pattern_piece
+from ragspeed.engine.training.demo import check_stage, copied_share
+from ragspeed.engine.training.examples import make_passage_example
+from ragspeed.engine.training.trainer import Piece, target_accuracy
 
 PASSAGES = (
     "The first Nobel Prize in Physics was awarded in 1901 to Wilhelm Conrad Röntgen. "
@@ -27,7 +27,7 @@ PASSAGES = (
 def demo_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
-    from engine.training.demo import DEMO_MODEL_DIR
+    from ragspeed.engine.training.demo import DEMO_MODEL_DIR
 
     return PreTrainedTokenizerFast.from_pretrained(str(DEMO_MODEL_DIR))
 
@@ -110,8 +110,8 @@ def test_target_accuracy_counts_only_targets():
 def test_mix_phase_groups_pieces_of_each_kind(shared_data, demo_tokenizer):
     from dataclasses import replace
 
-    from engine.training.corpus import load_corpus
-    from engine.training.demo import FINETUNE_RECIPE, build_mix_phase
+    from ragspeed.engine.training.corpus import load_corpus
+    from ragspeed.engine.training.demo import FINETUNE_RECIPE, build_mix_phase
 
     recipe = replace(FINETUNE_RECIPE, groups_per_epoch=3)
     phase = build_mix_phase(recipe, load_corpus(shared_data, seed=0), demo_tokenizer)
@@ -172,7 +172,7 @@ def test_check_stage(tmp_path):
     (["--stage", "late"], "must be one of base, copy, finetune, anneal"),
 ])
 def test_train_demo_cli_rejects_bad_stages_before_training(tmp_path, args, message):
-    result = subprocess.run([sys.executable, "-m", "gateway", "train-demo", "--out", str(tmp_path / "m"), *args],
+    result = subprocess.run([sys.executable, "-m", "ragspeed", "train-demo", "--out", str(tmp_path / "m"), *args],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert message in " ".join(result.stderr.replace("│", " ").split())  # typer boxes the message
@@ -181,8 +181,8 @@ def test_train_demo_cli_rejects_bad_stages_before_training(tmp_path, args, messa
 
 @pytest.mark.slow
 def test_copy_finetune_anneal_stages_end_to_end(tmp_path, shared_data):
-    from engine.model_zoo import resolve_model
-    from engine.training.demo import train_demo
+    from ragspeed.engine.model_zoo import resolve_model
+    from ragspeed.engine.training.demo import train_demo
 
     copy = train_demo(tmp_path / "copy", data_dir=shared_data, minutes=1, max_steps=1, num_eval_examples=1,
                       stage="copy", init=resolve_model("ragspeed-demo"), log=lambda _: None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.protocol import GenerationRequest, SamplingParams
+from ragspeed.engine.protocol import GenerationRequest, SamplingParams
 from tests.engine.conftest import FAMILIES, assert_all_blocks_free, hf_greedy, make_engine
 
 # 8 requests of different lengths: (prompt length, max_tokens)

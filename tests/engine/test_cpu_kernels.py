@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.cpu_kernels import BlockedWeight, build, load_library
-from engine.quant.per_channel import quantize_per_channel
+from ragspeed.engine.cpu_kernels import BlockedWeight, build, load_library
+from ragspeed.engine.quant.per_channel import quantize_per_channel
 
 pytestmark = pytest.mark.skipif(load_library() is None, reason="ragspeed's CPU kernels could not be built here")
 
@@ -94,7 +94,7 @@ def test_turned_off_or_failed_build_means_no_kernels(fresh_build, monkeypatch, c
 # 5 and 40: contexts that end inside a block, heads that end inside a vector
 @pytest.mark.parametrize("block_size, head_dim", [(16, 32), (5, 40)])
 def test_decode_attention_over_a_long_scattered_context(score_scale, block_size, head_dim):
-    from engine.cpu_kernels.attention import paged_decode_attention
+    from ragspeed.engine.cpu_kernels.attention import paged_decode_attention
 
     gen = torch.Generator().manual_seed(11)
     num_heads, num_kv_heads = 6, 2
@@ -120,7 +120,7 @@ def test_decode_attention_over_a_long_scattered_context(score_scale, block_size,
 @pytest.mark.parametrize("rows, dim", [(1, 576), (3, 37), (100, 64)])  # 100 rows: threaded
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_add_rms_norm_equals_torch(rows, dim, with_residual):
-    from engine.cpu_kernels.norm import add_rms_norm
+    from ragspeed.engine.cpu_kernels.norm import add_rms_norm
 
     gen = torch.Generator().manual_seed(rows + dim)
     x = torch.randn(rows, dim, generator=gen)

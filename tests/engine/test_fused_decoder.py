@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import build_metadata, slots
-from engine.cpu_kernels import blocked_kernels_available, decode_step
-from engine.kv_cache import KVCachePool
-from engine.loader import load_model
+from ragspeed.engine.attention import build_metadata, slots
+from ragspeed.engine.cpu_kernels import blocked_kernels_available, decode_step
+from ragspeed.engine.kv_cache import KVCachePool
+from ragspeed.engine.loader import load_model
 from tests.engine.conftest import FAMILIES
 from tests.engine.tiny_models import build_tiny_checkpoint
 
@@ -90,7 +90,7 @@ def test_a_row_gets_the_same_bits_in_any_batch(tiny_checkpoints):
 
 
 def test_prefill_steps_and_unsupported_models_take_the_layer_by_layer_path(tiny_checkpoints):
-    from engine.cpu_kernels.decoder import FusedDecoder
+    from ragspeed.engine.cpu_kernels.decoder import FusedDecoder
 
     loaded = load_model(tiny_checkpoints["llama"], max_model_len=256)
     meta = build_metadata([], [], [[0, 1, 2]], [20], [20], list(range(20)), BLOCK_SIZE, "cpu")

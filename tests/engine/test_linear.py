@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.cpu_kernels import blocked_kernels_available
-from engine.threads import cpu_threads
-from engine.models import linear as linear_module
-from engine.models.linear import DenseLinear
+from ragspeed.engine.cpu_kernels import blocked_kernels_available
+from ragspeed.engine.threads import cpu_threads
+from ragspeed.engine.models import linear as linear_module
+from ragspeed.engine.models.linear import DenseLinear
 
 
 @pytest.fixture(params=["blocked", "onednn", "mm"])
@@ -63,7 +63,7 @@ def test_cpu_threads_restores_the_previous_count():
 def test_engine_num_threads_reaches_the_linears_and_greedy_output_does_not_change(
     tiny_checkpoints, num_threads
 ):
-    from engine.protocol import GenerationRequest, SamplingParams
+    from ragspeed.engine.protocol import GenerationRequest, SamplingParams
     from tests.engine.conftest import make_engine
 
     before = torch.get_num_threads()

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from engine.logprobs import token_logprobs
-from engine.protocol import EngineError, GenerationRequest, SamplingParams, TokenLogprob
+from ragspeed.engine.logprobs import token_logprobs
+from ragspeed.engine.protocol import EngineError, GenerationRequest, SamplingParams, TokenLogprob
 from tests.engine.conftest import (
     assert_all_blocks_free,
     hf_greedy,
@@ -166,9 +166,9 @@ def test_sampled_speculation_reports_the_raw_target_logprobs(tiny_checkpoints, h
 
 @pytest.mark.parametrize("backend", ["transformers", "openai"])
 def test_backends_without_logprobs_refuse_them_by_name(backend):
-    from engine.backends.openai_backend import OpenAIEngine
-    from engine.backends.transformers_backend import TransformersEngine
-    from engine.config import EngineConfig
+    from ragspeed.engine.backends.openai_backend import OpenAIEngine
+    from ragspeed.engine.backends.transformers_backend import TransformersEngine
+    from ragspeed.engine.config import EngineConfig
 
     engine_cls = {"transformers": TransformersEngine, "openai": OpenAIEngine}[backend]
     engine = engine_cls(EngineConfig(backend=backend, model="unused", upstreams=("http://x",)))

@@ -10,9 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
-from engine import model_zoo
-from engine.cli import models_app
-from engine.model_zoo import (
+from ragspeed.engine import model_zoo
+from ragspeed.engine.cli import models_app
+from ragspeed.engine.model_zoo import (
     ASSETS_DIR,
     BENCH_MODELS,
     ZOO,

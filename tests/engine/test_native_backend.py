@@ -6,12 +6,12 @@ import asyncio
 
 import pytest
 
-from engine.backends.native import NativeEngine
-from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
-from engine.protocol import EngineClient, GenerationRequest, PromptTooLongError, SamplingParams
-from engine.request import Request
-from engine.sampling import SamplingState
+from ragspeed.engine.backends.native import NativeEngine
+from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.detokenizer import IncrementalDetokenizer
+from ragspeed.engine.protocol import EngineClient, GenerationRequest, PromptTooLongError, SamplingParams
+from ragspeed.engine.request import Request
+from ragspeed.engine.sampling import SamplingState
 
 PROMPT = tuple(range(10, 50))
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.prefix_store import pin_prefix, unpin_prefix
-from engine.protocol import GenerationRequest, SamplingParams
+from ragspeed.engine.prefix_store import pin_prefix, unpin_prefix
+from ragspeed.engine.protocol import GenerationRequest, SamplingParams
 from tests.engine.conftest import hf_greedy, make_engine, speculate_every_step
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from engine.prefix_store import (
+from ragspeed.engine.prefix_store import (
     PinnedPrefix,
     PrefixStore,
     engine_fingerprint,
@@ -15,7 +15,7 @@ from engine.prefix_store import (
     pin_prefix,
     restore_prefix,
 )
-from engine.protocol import GenerationRequest, SamplingParams
+from ragspeed.engine.protocol import GenerationRequest, SamplingParams
 from tests.engine.conftest import make_engine
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -63,7 +63,7 @@ def test_changed_model_or_corrupt_file_is_refused_with_a_log_line(tiny_checkpoin
     source = make_engine(tiny_checkpoints["llama"])
     _save(source, tmp_path)
     other_model = make_engine(tiny_checkpoints["mistral"], block_size=8)
-    with caplog.at_level(logging.WARNING, logger="prompt_cache.store"):
+    with caplog.at_level(logging.WARNING, logger="ragspeed.prompt_cache.store"):
         assert PrefixStore(tmp_path, engine_fingerprint(other_model)).load_all() == []
     assert "fingerprint mismatch" in caplog.text
 
@@ -75,7 +75,7 @@ def test_changed_model_or_corrupt_file_is_refused_with_a_log_line(tiny_checkpoin
     data[-5] ^= 0xFF
     tensor_file.write_bytes(bytes(data))
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="prompt_cache.store"):
+    with caplog.at_level(logging.WARNING, logger="ragspeed.prompt_cache.store"):
         assert PrefixStore(tmp_path, fingerprint).load_all() == []
     assert "checksum mismatch" in caplog.text
 

@@ -6,20 +6,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.cpu_kernels import blocked_kernels_available
-from engine.loader import load_model
-from engine.models.linear import LINEAR_KINDS, DenseLinear, build_linear
-from engine.protocol import GenerationRequest, SamplingParams
-from engine.quant import (
+from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.cpu_kernels import blocked_kernels_available
+from ragspeed.engine.loader import load_model
+from ragspeed.engine.models.linear import LINEAR_KINDS, DenseLinear, build_linear
+from ragspeed.engine.protocol import GenerationRequest, SamplingParams
+from ragspeed.engine.quant import (
     Int8Linear,
     QuantizationUnavailableError,
     available_quantizations,
     check_quantization,
     quantize_per_channel,
 )
-from engine.quant.quality import compare_quality, text_windows
-from engine.quant.weight_only_int8 import WeightOnlyInt8Kernel
+from ragspeed.engine.quant.quality import compare_quality, text_windows
+from ragspeed.engine.quant.weight_only_int8 import WeightOnlyInt8Kernel
 from tests.engine.conftest import make_engine
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -27,7 +27,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 @pytest.fixture(scope="module")
 def demo_path():
-    from engine.model_zoo import resolve_model
+    from ragspeed.engine.model_zoo import resolve_model
 
     return resolve_model("ragspeed-demo")
 

@@ -6,10 +6,10 @@ from collections import Counter
 
 import pytest
 
-from engine.backends.openai_backend import OpenAIEngine
-from engine.backends.routing import AffinityRouter
-from engine.config import EngineConfig
-from engine.protocol import GenerationRequest
+from ragspeed.engine.backends.openai_backend import OpenAIEngine
+from ragspeed.engine.backends.routing import AffinityRouter
+from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.protocol import GenerationRequest
 
 UPSTREAMS = ("http://a:8000/v1", "http://b:8000/v1", "http://c:8000/v1")
 

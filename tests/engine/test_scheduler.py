@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from engine.protocol import GenerationRequest, SamplingParams
-from engine.request import Request, RequestStatus
-from engine.sampling import SamplingState
-from engine.scheduler import Scheduler
-from prompt_cache.manager import KVCacheManager
+from ragspeed.engine.protocol import GenerationRequest, SamplingParams
+from ragspeed.engine.request import Request, RequestStatus
+from ragspeed.engine.sampling import SamplingState
+from ragspeed.engine.scheduler import Scheduler
+from ragspeed.prompt_cache.manager import KVCacheManager
 
 
 def make_request(request_id: str, num_prompt: int, max_tokens: int = 8) -> Request:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.backends import build_engine
-from engine.config import EngineConfig
-from engine.protocol import EngineError, GenerationRequest, SamplingParams
-from engine.sampling import SamplingState
-from engine.spec_decode import AdaptiveController, NgramProposer, verify_greedy, verify_sampled
-from engine.spec_decode.rejection import target_probs
+from ragspeed.engine.backends import build_engine
+from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.protocol import EngineError, GenerationRequest, SamplingParams
+from ragspeed.engine.sampling import SamplingState
+from ragspeed.engine.spec_decode import AdaptiveController, NgramProposer, verify_greedy, verify_sampled
+from ragspeed.engine.spec_decode.rejection import target_probs
 from tests.engine.conftest import assert_all_blocks_free, make_engine, speculate_every_step
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -132,7 +132,7 @@ def test_a_proposers_one_time_work_is_not_counted_as_the_steps_cost():
     `setup_seconds` and left out of the step cost the controller compares."""
     from types import SimpleNamespace
 
-    from engine.spec_decode.speculator import Speculator
+    from ragspeed.engine.spec_decode.speculator import Speculator
 
     class Proposer:
         name = "once"
@@ -371,7 +371,7 @@ def test_bad_speculation_settings_fail_at_start_up(tiny_checkpoints):
 
 @pytest.mark.slow
 def test_bench_spec_runs_on_the_demo_model(shared_data):
-    from engine.bench_spec import run_bench_spec
+    from ragspeed.engine.bench_spec import run_bench_spec
 
     result = run_bench_spec(
         data_path=shared_data / "nq_dev.jsonl", num_prompts=2, max_tokens=16,

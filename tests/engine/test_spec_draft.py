@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.backends import build_engine
-from engine.config import EngineConfig
-from engine.loader import load_model
-from engine.protocol import EngineError, GenerationRequest, SamplingParams
-from engine.spec_decode import DraftProposer
+from ragspeed.engine.backends import build_engine
+from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.loader import load_model
+from ragspeed.engine.protocol import EngineError, GenerationRequest, SamplingParams
+from ragspeed.engine.spec_decode import DraftProposer
 from tests.engine.conftest import assert_all_blocks_free, make_engine, speculate_every_step
 from tests.engine.tiny_models import build_tiny_checkpoint, build_tokenizer
 
@@ -108,8 +108,8 @@ def test_greedy_single_and_batched_identical_to_plain_decoding(
 
 
 def test_draft_quantization_auto_is_int8_on_a_cpu(tiny_checkpoints, drafts):
-    from engine.quant import Int8Linear
-    from engine.spec_decode.draft import draft_quantization
+    from ragspeed.engine.quant import Int8Linear
+    from ragspeed.engine.spec_decode.draft import draft_quantization
 
     base = EngineConfig(speculative="draft", draft_model="d")
     assert draft_quantization(base) == "int8"
@@ -268,7 +268,7 @@ def tiny_demo_target(tmp_path_factory):
     """A 2-layer Llama with the demo tokenizer (4,096 tokens, chat template), random weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from engine.model_zoo import resolve_model
+    from ragspeed.engine.model_zoo import resolve_model
 
     demo = resolve_model("ragspeed-demo")
     path = tmp_path_factory.mktemp("tiny-demo")
@@ -306,7 +306,7 @@ def small_data(shared_data, tmp_path_factory):
 def test_tiny_distillation_writes_a_loadable_draft_and_lowers_the_kd_loss(
     tiny_demo_target, small_data, tmp_path
 ):
-    from engine.training.distill import DistillRecipe, TrainingConfig, distill_draft
+    from ragspeed.engine.training.distill import DistillRecipe, TrainingConfig, distill_draft
 
     recipe = DistillRecipe(
         num_hidden_layers=1, init_from_layers=(0,), seq_len=128, batch_size=2, prompt_tokens=16,
@@ -339,7 +339,7 @@ def test_tiny_distillation_writes_a_loadable_draft_and_lowers_the_kd_loss(
 
 @pytest.mark.slow
 def test_bench_spec_runs_the_draft_contender(shared_data):
-    from engine.bench_spec import run_bench_spec
+    from ragspeed.engine.bench_spec import run_bench_spec
 
     result = run_bench_spec(
         data_path=shared_data / "nq_dev.jsonl", num_prompts=2, max_tokens=16,

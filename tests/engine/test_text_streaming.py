@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from transformers import AutoTokenizer
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.model_zoo import resolve_model
-from engine.stop import StopStringMatcher
+from ragspeed.engine.detokenizer import IncrementalDetokenizer
+from ragspeed.engine.model_zoo import resolve_model
+from ragspeed.engine.stop import StopStringMatcher
 
 
 def test_stop_string_split_across_deltas():

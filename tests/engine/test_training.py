@@ -7,12 +7,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-from engine.model_zoo import resolve_model
-from engine.training.corpus import detokenize_wikitext, load_corpus, read_wikitext_articles
-from engine.training.demo import ChatEncoder, chunk_documents, encode_documents
-from engine.training.examples import make_extractive_example, split_sentences
-from engine.training.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, save_tokenizer, train_tokenizer
-from engine.training.trainer import Phase, Piece, TrainingConfig, masked_lm_loss, pack_rows, train_causal_lm
+from ragspeed.engine.model_zoo import resolve_model
+from ragspeed.engine.training.corpus import detokenize_wikitext, load_corpus, read_wikitext_articles
+from ragspeed.engine.training.demo import ChatEncoder, chunk_documents, encode_documents
+from ragspeed.engine.training.examples import make_extractive_example, split_sentences
+from ragspeed.engine.training.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, save_tokenizer, train_tokenizer
+from ragspeed.engine.training.trainer import Phase, Piece, TrainingConfig, masked_lm_loss, pack_rows, train_causal_lm
 
 PASSAGES = (
     "The first Nobel Prize in Physics was awarded in 1901 to Wilhelm Conrad Röntgen. "
@@ -177,7 +177,7 @@ def test_demo_model_loads_fp32_and_generates_deterministically(demo_model, demo_
 
 @pytest.mark.slow
 def test_train_demo_end_to_end(tmp_path, shared_data):
-    from engine.training.demo import train_demo
+    from ragspeed.engine.training.demo import train_demo
 
     figures = train_demo(tmp_path / "demo", data_dir=shared_data, minutes=1, max_steps=2, num_eval_examples=1, log=lambda _: None)
     assert figures["steps"] == 2

@@ -7,15 +7,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.backends.vllm import (
+from ragspeed.engine.backends.vllm import (
     VLLMEngine,
     vllm_available,
     vllm_engine_args,
     vllm_sampling_kwargs,
     vllm_token_logprobs,
 )
-from engine.config import EngineConfig
-from engine.protocol import GenerationRequest, SamplingParams, TokenLogprob
+from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.protocol import GenerationRequest, SamplingParams, TokenLogprob
 
 
 def test_engine_args_map_the_native_config():
@@ -118,7 +118,7 @@ def test_vllm_engine_streams_a_greedy_completion(tiny_checkpoints):
 def test_start_without_vllm_says_what_to_install():
     if vllm_available():
         pytest.skip("vllm is installed")
-    from engine.protocol import EngineError
+    from ragspeed.engine.protocol import EngineError
 
     with pytest.raises(EngineError, match="pip install ragspeed\\[gpu\\]"):
         asyncio.run(VLLMEngine(EngineConfig(backend="vllm")).start())

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from gateway.ab.arms import ArmError, load_all_arms, load_arms
-from gateway.ab.cli import run_ab
-from gateway.ab.quality import accuracy, contains_answer, exact_match, f1
-from gateway.ab.report import build_report, format_text, render_html
-from gateway.ab.runner import LoadShape, Observation, RunResult, arm_order, blocks, request_body
-from gateway.ab.stats import bootstrap_median_difference, bootstrap_quantiles, mann_whitney_u
-from gateway.ab.workload import keep_documents, load_workload
+from ragspeed.gateway.ab.arms import ArmError, load_all_arms, load_arms
+from ragspeed.gateway.ab.cli import run_ab
+from ragspeed.gateway.ab.quality import accuracy, contains_answer, exact_match, f1
+from ragspeed.gateway.ab.report import build_report, format_text, render_html
+from ragspeed.gateway.ab.runner import LoadShape, Observation, RunResult, arm_order, blocks, request_body
+from ragspeed.gateway.ab.stats import bootstrap_median_difference, bootstrap_quantiles, mann_whitney_u
+from ragspeed.gateway.ab.workload import keep_documents, load_workload
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -270,7 +270,7 @@ def test_replay_against_a_running_server(transformers_server, tmp_path, shared_d
 
 def test_cli_refuses_a_bad_arm_before_starting_anything(tmp_path):
     bad = write(tmp_path / "bad.yaml", "engine: native\nspeculatve: ngram\n")
-    result = subprocess.run([sys.executable, "-m", "gateway", "ab", "--arm", str(bad), "--data",
+    result = subprocess.run([sys.executable, "-m", "ragspeed", "ab", "--arm", str(bad), "--data",
                              str(tmp_path / "none.jsonl")], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert result.returncode == 2
     assert f"{bad}:2: key 'speculatve': unknown option" in result.stderr
@@ -284,7 +284,7 @@ def test_cli_runs_one_arm_end_to_end(tiny_model, tmp_path):
         json.dumps({"messages": [{"role": "user", "content": "hello"}]}),
     ]) + "\n")
     out_json, out_html = tmp_path / "r.json", tmp_path / "r.html"
-    result = subprocess.run([sys.executable, "-m", "gateway", "ab", "--arm", str(arm), "--data", str(data),
+    result = subprocess.run([sys.executable, "-m", "ragspeed", "ab", "--arm", str(arm), "--data", str(data),
                              "--max-tokens", "3", "--warmup", "1", "--json", str(out_json), "--html", str(out_html)],
                             capture_output=True, text=True, timeout=300, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -8,11 +8,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.errors import APIError
-from gateway.experiments import (HOLDOUT_ARM, ArmError, ArmHints, ExperimentArm, LiveExperiment,
+from ragspeed.gateway.errors import APIError
+from ragspeed.gateway.experiments import (HOLDOUT_ARM, ArmError, ArmHints, ExperimentArm, LiveExperiment,
                                  load_experiment)
-from gateway.launcher import ServerProcess
-from gateway.protocol import ChatCompletionRequest
+from ragspeed.gateway.launcher import ServerProcess
+from ragspeed.gateway.protocol import ChatCompletionRequest
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -13,12 +13,12 @@ import time
 import httpx
 import pytest
 
-from engine.backends.openai_backend import CircuitBreaker, OpenAIEngine
-from engine.config import EngineConfig
-from engine.protocol import GenerationRequest, SamplingParams, UpstreamError
-from gateway.errors import APIError
-from gateway.launcher import ServerProcess, free_port
-from gateway.limits import AdmissionQueue
+from ragspeed.engine.backends.openai_backend import CircuitBreaker, OpenAIEngine
+from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.protocol import GenerationRequest, SamplingParams, UpstreamError
+from ragspeed.gateway.errors import APIError
+from ragspeed.gateway.launcher import ServerProcess, free_port
+from ragspeed.gateway.limits import AdmissionQueue
 
 
 class FakeClock:

@@ -11,8 +11,8 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
-from gateway.launcher import ServerProcess
-from gateway.loadtest import LoadConfig, _percentile, bench_load, bench_load_run, read_gauge, run_load
+from ragspeed.gateway.launcher import ServerProcess
+from ragspeed.gateway.loadtest import LoadConfig, _percentile, bench_load, bench_load_run, read_gauge, run_load
 
 
 def test_percentile_and_gauge_parsing():

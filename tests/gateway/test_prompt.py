@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from gateway.prompt import Document, assemble_prompt, extract_documents, split_segments
-from gateway.protocol import ChatMessage, DocumentIn
+from ragspeed.gateway.prompt import Document, assemble_prompt, extract_documents, split_segments
+from ragspeed.gateway.protocol import ChatMessage, DocumentIn
 
 
 def messages(*pairs):

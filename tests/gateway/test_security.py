@@ -8,10 +8,10 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
-from gateway.launcher import ServerProcess
-from gateway.limits import TokenBucket
-from gateway.loadtest import read_gauge
-from gateway.security import (
+from ragspeed.gateway.launcher import ServerProcess
+from ragspeed.gateway.limits import TokenBucket
+from ragspeed.gateway.loadtest import read_gauge
+from ragspeed.gateway.security import (
     ApiKeyEntry,
     KeyRing,
     bearer_key,
@@ -21,7 +21,7 @@ from gateway.security import (
     tenant_cache_salt,
     warn_if_exposed,
 )
-from gateway.settings import ConfigError, load_settings
+from ragspeed.gateway.settings import ConfigError, load_settings
 
 SECRET_HASH = "sha256:2bb80d537b1da3e38bd30361aa855686bde0eacd7162fef6a25fe97bf527a25b"  # "secret"
 ACME_KEY, GLOBEX_KEY, SLOW_KEY, THRIFTY_KEY, ADMIN_KEY = (
@@ -205,11 +205,11 @@ def test_tenant_salt_overrides_the_client_salt(tiny_model):
     """The salt the engine receives is the tenant's, whatever the client sent."""
     import asyncio
 
-    from engine.backends import build_engine
-    from gateway.metrics import GatewayMetrics
-    from gateway.pipeline import Pipeline
-    from gateway.protocol import CompletionRequest
-    from gateway.security import _current_principal
+    from ragspeed.engine.backends import build_engine
+    from ragspeed.gateway.metrics import GatewayMetrics
+    from ragspeed.gateway.pipeline import Pipeline
+    from ragspeed.gateway.protocol import CompletionRequest
+    from ragspeed.gateway.security import _current_principal
 
     settings = load_settings(engine="transformers", model=str(tiny_model))
     engine = build_engine(settings.engine_config())

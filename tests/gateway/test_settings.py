@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.settings import ConfigError, load_settings
+from ragspeed.gateway.settings import ConfigError, load_settings
 
 
 def test_precedence_flags_over_env_over_file(tmp_path, monkeypatch):

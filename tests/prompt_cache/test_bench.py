@@ -2,8 +2,8 @@ import json
 
 from typer.testing import CliRunner
 
-from prompt_cache.bench import bench_manager
-from prompt_cache.cli import app
+from ragspeed.prompt_cache.bench import bench_manager
+from ragspeed.prompt_cache.cli import app
 
 
 def test_bench_manager_returns_a_flat_dict_of_numbers():

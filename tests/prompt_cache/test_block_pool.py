@@ -1,6 +1,6 @@
 import pytest
 
-from prompt_cache.block_pool import BlockPool
+from ragspeed.prompt_cache.block_pool import BlockPool
 
 
 def test_free_queue_pops_left_appends_right_and_removes_from_the_middle():

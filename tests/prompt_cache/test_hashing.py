@@ -2,7 +2,7 @@ import hashlib
 
 import pytest
 
-from prompt_cache.hashing import (
+from ragspeed.prompt_cache.hashing import (
     block_extras,
     encode_block,
     hash_block_tokens,

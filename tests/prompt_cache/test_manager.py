@@ -6,8 +6,8 @@ import hashlib
 
 import pytest
 
-from prompt_cache.hashing import hash_request_blocks
-from prompt_cache.manager import KVCacheManager
+from ragspeed.prompt_cache.hashing import hash_request_blocks
+from ragspeed.prompt_cache.manager import KVCacheManager
 
 COMMON = list(range(8))  # two full blocks shared by the requests below
 

@@ -13,7 +13,7 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from prompt_cache.manager import KVCacheManager
+from ragspeed.prompt_cache.manager import KVCacheManager
 
 BLOCK_SIZE = 2
 NUM_BLOCKS = 12

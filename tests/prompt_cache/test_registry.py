@@ -1,7 +1,7 @@
 import pytest
 
-from prompt_cache.manager import KVCacheManager
-from prompt_cache.registry import PromptRegistry, RegisteredPrompt
+from ragspeed.prompt_cache.manager import KVCacheManager
+from ragspeed.prompt_cache.registry import PromptRegistry, RegisteredPrompt
 
 
 def test_register_list_hit_and_remove_with_the_manager():

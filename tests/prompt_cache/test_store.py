@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from prompt_cache.store import (
+from ragspeed.prompt_cache.store import (
     delete_prefix,
     list_saved_prefixes,
     load_prefix,

@@ -3,7 +3,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def embedder():
-    from retrieval.embedders import SentenceTransformerEmbedder
+    from ragspeed.retrieval.embedders import SentenceTransformerEmbedder
 
     return SentenceTransformerEmbedder(progress_min_texts=10**9)
 

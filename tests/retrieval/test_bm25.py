@@ -1,4 +1,4 @@
-from retrieval.bm25 import BM25Index, tokenize
+from ragspeed.retrieval.bm25 import BM25Index, tokenize
 
 
 def test_tokenize_lowercases_stems_and_drops_stop_words():

@@ -1,7 +1,7 @@
 import pytest
 
-from retrieval.chunking import chunk_text
-from retrieval.errors import RetrievalError
+from ragspeed.retrieval.chunking import chunk_text
+from ragspeed.retrieval.errors import RetrievalError
 
 
 def test_short_text_is_one_chunk(tokenizer):

@@ -2,8 +2,8 @@ import json
 
 from typer.testing import CliRunner
 
-from retrieval.cli import collection_stats, eval_app, index_app, ingest_into_collection, query_collection
-from retrieval.config import RetrievalConfig
+from ragspeed.retrieval.cli import collection_stats, eval_app, index_app, ingest_into_collection, query_collection
+from ragspeed.retrieval.config import RetrievalConfig
 
 runner = CliRunner()
 

@@ -1,7 +1,7 @@
 import numpy as np
 
-from retrieval.config import IndexConfig
-from retrieval.evaluation import evaluate_scale, gaussian_mixture, load_nq
+from ragspeed.retrieval.config import IndexConfig
+from ragspeed.retrieval.evaluation import evaluate_scale, gaussian_mixture, load_nq
 
 
 def test_gaussian_mixture_is_seeded_unit_and_clustered():
@@ -39,8 +39,8 @@ def test_scale_run_at_10k():
 def test_evaluate_quality_on_a_tiny_file(tmp_path, embedder):
     import json
 
-    from retrieval.config import RetrievalConfig
-    from retrieval.evaluation import evaluate_quality
+    from ragspeed.retrieval.config import RetrievalConfig
+    from ragspeed.retrieval.evaluation import evaluate_quality
 
     passages = [
         ("Eiffel Tower", "The Eiffel Tower is a wrought-iron lattice tower in Paris."),

@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
-from retrieval.config import IndexConfig
-from retrieval.errors import RetrievalError
-from retrieval.faiss_index import (
+from ragspeed.retrieval.config import IndexConfig
+from ragspeed.retrieval.errors import RetrievalError
+from ragspeed.retrieval.faiss_index import (
     IndexPlan,
     VectorIndex,
     choose_device,
@@ -117,7 +117,7 @@ def test_empty_index_and_bad_input():
 
 
 def test_ivf_recall_on_clustered_data():
-    from retrieval.evaluation import gaussian_mixture
+    from ragspeed.retrieval.evaluation import gaussian_mixture
 
     x = gaussian_mixture(20_000, 64, num_clusters=50, seed=3)
     q = gaussian_mixture(200, 64, num_clusters=50, seed=3, first=10**9)
@@ -131,7 +131,7 @@ def test_ivf_recall_on_clustered_data():
 
 
 def test_hnsw_tombstones_are_compacted(monkeypatch):
-    import retrieval.faiss_index as faiss_index
+    import ragspeed.retrieval.faiss_index as faiss_index
 
     monkeypatch.setattr(faiss_index, "TOMBSTONE_MIN_COMPACT", 5)
     x = _unit_vectors(100)

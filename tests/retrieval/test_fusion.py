@@ -1,6 +1,6 @@
 import pytest
 
-from retrieval.fusion import reciprocal_rank_fusion
+from ragspeed.retrieval.fusion import reciprocal_rank_fusion
 
 
 def test_rrf_scores_are_sums_of_reciprocal_ranks():

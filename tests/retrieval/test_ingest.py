@@ -1,7 +1,7 @@
 import json
 
-from retrieval.documents import Document, document_id
-from retrieval.ingest import drop_duplicates, ingest_paths
+from ragspeed.retrieval.documents import Document, document_id
+from ragspeed.retrieval.ingest import drop_duplicates, ingest_paths
 
 
 def _write_corpus(tmp_path):

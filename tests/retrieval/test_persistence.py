@@ -1,7 +1,7 @@
 import pytest
 
-from retrieval.errors import CorruptCollectionError
-from retrieval.persistence import MAGIC, load_collection_file, save_collection_file
+from ragspeed.retrieval.errors import CorruptCollectionError
+from ragspeed.retrieval.persistence import MAGIC, load_collection_file, save_collection_file
 
 
 def test_roundtrip_and_no_temp_files_left(tmp_path):

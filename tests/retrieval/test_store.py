@@ -1,9 +1,9 @@
 import pytest
 
-from retrieval.config import IndexConfig, RetrievalConfig
-from retrieval.documents import Document
-from retrieval.errors import CollectionNotFound, CorruptCollectionError, RetrievalError
-from retrieval.store import CollectionStore
+from ragspeed.retrieval.config import IndexConfig, RetrievalConfig
+from ragspeed.retrieval.documents import Document
+from ragspeed.retrieval.errors import CollectionNotFound, CorruptCollectionError, RetrievalError
+from ragspeed.retrieval.store import CollectionStore
 
 DOCS = [
     Document("eiffel", "The Eiffel Tower is a wrought-iron tower in Paris, France.", "Eiffel Tower"),

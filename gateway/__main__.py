@@ -1,3 +1,0 @@
-from gateway.cli import main
-
-main()

@@ -1,0 +1,3 @@
+from ragspeed.gateway.cli import main
+
+main()
