@@ -30,9 +30,13 @@ class CompressionError(ValueError):
 
 @runtime_checkable
 class DocumentLike(Protocol):
-    id: str
-    text: str
-    title: str
+    # Read-only members, so that frozen dataclasses (retrieval's Document) conform.
+    @property
+    def id(self) -> str: ...
+    @property
+    def text(self) -> str: ...
+    @property
+    def title(self) -> str: ...
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ was evicted and cached again (under a new cache id) becomes unreachable until it
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from ragspeed.prompt_cache.hashing import BlockHash
@@ -67,11 +67,13 @@ class FreeBlockQueue:
         block = self._head.next_free
         if block is self._tail:
             raise IndexError("no free block")
+        assert block is not None  # between the sentinels every block has both links
         self.remove(block)
         return block
 
     def append(self, block: Block) -> None:
         last = self._tail.prev_free
+        assert last is not None
         last.next_free = block
         block.prev_free = last
         block.next_free = self._tail
@@ -80,14 +82,16 @@ class FreeBlockQueue:
 
     def remove(self, block: Block) -> None:
         """Unlink a block from anywhere in the list (a cache hit on a free block)."""
-        block.prev_free.next_free = block.next_free
-        block.next_free.prev_free = block.prev_free
+        previous, following = block.prev_free, block.next_free
+        assert previous is not None and following is not None, f"block {block.block_id} is not free"
+        previous.next_free = following
+        following.prev_free = previous
         block.prev_free = block.next_free = None
         self.num_free_blocks -= 1
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Block]:
         block = self._head.next_free
-        while block is not self._tail:
+        while block is not None and block is not self._tail:
             yield block
             block = block.next_free
 
@@ -99,6 +103,7 @@ class FreeBlockQueue:
         """Assert the links are consistent both ways and the count is right."""
         count, previous, block = 0, self._head, self._head.next_free
         while block is not self._tail:
+            assert block is not None, f"broken forward link after block {previous.block_id}"
             assert block.prev_free is previous, f"broken back link at block {block.block_id}"
             count += 1
             previous, block = block, block.next_free

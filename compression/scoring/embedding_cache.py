@@ -68,4 +68,5 @@ def encode_cached(namespace: str, texts: Sequence[str], cache: EmbeddingCache | 
             cache.put(key, vec)
         by_text = dict(zip(missing, fresh))
         found = [by_text[t] if v is None else v for t, v in zip(texts, found)]
-    return np.stack(found) if found else np.zeros((0, 0), dtype=np.float32)
+    vectors = [v for v in found if v is not None]  # every miss was filled above
+    return np.stack(vectors) if vectors else np.zeros((0, 0), dtype=np.float32)
