@@ -7,7 +7,7 @@ saves is larger:
 
 so below `break_even_tokens(...)` document tokens the documents go through untouched. The
 default `min_document_tokens` comes from measurements on the development CPU (the compression
-eval on nq_dev, 4x): bench-135m prefills at about 3.4 ms per token (DESIGN.md: 6.9 s for 2,048)
+eval on nq_dev, 4x): bench-135m prefills at about 3.4 ms per token (6.9 s for 2,048 tokens)
 and a coarse-to-fine compression took 0.40 s cold (p50, CPU shared at load ~10) and 13 ms warm,
 so the break-even is about 160 document tokens cold and 5 warm; we keep a margin (256) because a
 short context is also where compression risks the most quality for the least gain. On a GPU (prefill near 0.1 ms per token) it is thousands of tokens: set it

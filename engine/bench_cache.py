@@ -96,7 +96,7 @@ def bench_cache(
     plain = LLMEngine(EngineConfig(**base, enable_prefix_caching=False), loaded=cached.loaded,
                       tokenizer=cached.tokenizer)
     tokenizer = cached.tokenizer
-    # Static prefix first (DESIGN.md contract 1); the question after it.
+    # Static prefix first (docs/architecture.md, contract 1); the question after it.
     static = tuple(tokenizer.encode(f"System: {system_text}\n\n", add_special_tokens=False))
     prompts = [static + tuple(tokenizer.encode(f"User: {q}\nAssistant:", add_special_tokens=False))
                for q in QUESTIONS[:num_questions]]

@@ -1,4 +1,7 @@
-"""OpenAI-style error bodies (`{"error": {"message", "type", "param", "code"}}`), contract 6."""
+"""OpenAI-style error bodies (`{"error": {"message", "type", "param", "code"}}`).
+
+The statuses are those of docs/architecture.md, contract 6.
+"""
 
 from __future__ import annotations
 

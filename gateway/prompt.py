@@ -1,4 +1,4 @@
-"""Segments of a RAG request and the prompt layout of DESIGN.md (contract 1).
+"""Segments of a RAG request and the prompt layout of docs/architecture.md (contract 1).
 
 A request is split into four segments:
 

@@ -1,4 +1,4 @@
-"""Chained block hashes (DESIGN.md, contract 3).
+"""Chained block hashes (docs/architecture.md, contract 3).
 
 A *block* is `block_size` consecutive token ids of a prompt; only *full* blocks are hashed and
 cached. The hash of block i is `H(hash of block i-1, token ids of block i, extras of block i)`,

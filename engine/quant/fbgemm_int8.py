@@ -3,7 +3,8 @@
 `torch.ops.quantized.linear_dynamic` quantizes the activations per tensor (min/max of the whole
 `[num_tokens, in_features]` input) to uint8 on the fly, multiplies by the prepacked int8 weight
 with int32 accumulation, and rescales to fp32 with the per-row weight scales and the bias.
-At batch 1 it reads a quarter of fp32's bytes and runs about 9x faster here (DESIGN.md).
+At batch 1 it reads a quarter of fp32's bytes and runs about 9x faster than fp32 on AMD EPYC
+Zen 3 (AVX2).
 
 `reduce_range=False`: the full 8-bit activation range. fbgemm's AVX2 kernel may saturate its
 16-bit pair sums in rare worst cases; the quality gates (perplexity, top-1 agreement) measure

@@ -1,8 +1,8 @@
 """Schemathesis against the gateway's own OpenAPI schema, served by a real `ragspeed serve`.
 
 Every operation, a bounded number of generated requests each (valid ones, then invalid ones); no 5xx,
-only the statuses of contract 6, and every error in the OpenAI error shape. The server's context
-is kept short so that any generated `max_tokens` finishes quickly.
+only the statuses of contract 6 (docs/architecture.md), and every error in the OpenAI error
+shape. The server's context is kept short so that any generated `max_tokens` finishes quickly.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Segments and the prompt layout (DESIGN.md contract 1), on the demo tokenizer's chat template."""
+"""Segments and the prompt layout (docs/architecture.md, contract 1), on the demo tokenizer's chat template."""
 
 from __future__ import annotations
 

