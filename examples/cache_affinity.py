@@ -17,7 +17,7 @@ import json
 import httpx
 
 from ragspeed.engine.model_zoo import resolve_model
-from ragspeed.gateway.launcher import ServerProcess
+from ragspeed.bench.launcher import ServerProcess
 
 TOPICS = ("billing", "shipping", "accounts", "returns", "security", "hardware")
 

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from ragspeed.engine.model_zoo import resolve_model
-from ragspeed.gateway.launcher import ServerProcess
+from ragspeed.bench.launcher import ServerProcess
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "chat_template.jinja")

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ragspeed.gateway.client import AsyncRagspeedClient, RagspeedClient, RagspeedError
-from ragspeed.gateway.launcher import ServerProcess
+from ragspeed.bench.launcher import ServerProcess
 
 QUESTION = "Who received the first Nobel Prize in Physics?"
 DOCUMENTS = [
