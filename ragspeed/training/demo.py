@@ -33,6 +33,7 @@ from ragspeed.training.examples import (
 from ragspeed.training.tokenizer import save_tokenizer, train_tokenizer
 from ragspeed.training.trainer import Phase, Piece, TrainingConfig, evaluate_loss, target_accuracy, train_causal_lm
 
+
 @dataclass(frozen=True)
 class DemoRecipe:
     vocab_size: int = 4096

@@ -39,12 +39,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from ragspeed.training.corpus import load_corpus
-from ragspeed.training.demo import (
-    ChatEncoder,
-    chunk_documents,
-    encode_documents,
-    make_chat_pieces,
-)
+from ragspeed.training.demo import ChatEncoder, chunk_documents, encode_documents, make_chat_pieces
 from ragspeed.training.examples import make_extractive_example, make_generic_example, make_repeat_example
 from ragspeed.training.trainer import Phase, Piece, TrainingConfig, TrainingLog, train_loop
 

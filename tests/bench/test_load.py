@@ -11,8 +11,8 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
-from ragspeed.bench.launcher import ServerProcess
 from ragspeed.bench.common import percentile
+from ragspeed.bench.launcher import ServerProcess
 from ragspeed.bench.load import LoadConfig, bench_load, bench_load_run, read_gauge, run_load
 
 

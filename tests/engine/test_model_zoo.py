@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 from click.testing import CliRunner
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ragspeed.engine import model_zoo
 from ragspeed.engine.cli import models_group

@@ -41,8 +41,8 @@ def test_scale_run_at_10k():
 def test_evaluate_quality_on_a_tiny_file(tmp_path, embedder):
     import json
 
-    from ragspeed.retrieval.config import RetrievalConfig
     from ragspeed.evals.retrieval import evaluate_quality
+    from ragspeed.retrieval.config import RetrievalConfig
 
     passages = [
         ("Eiffel Tower", "The Eiffel Tower is a wrought-iron lattice tower in Paris."),

@@ -9,8 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 from ragspeed.bench.launcher import ServerProcess
-from ragspeed.gateway.limits import TokenBucket
 from ragspeed.bench.load import read_gauge
+from ragspeed.gateway.limits import TokenBucket
 from ragspeed.gateway.security import (
     ApiKeyEntry,
     KeyRing,

@@ -12,12 +12,20 @@ from click.testing import CliRunner
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from ragspeed.engine.model_zoo import resolve_model
-from ragspeed.training.corpus import detokenize_wikitext, load_corpus, read_wikitext_articles
 from ragspeed.training.cli import train_demo, train_draft
+from ragspeed.training.corpus import detokenize_wikitext, load_corpus, read_wikitext_articles
 from ragspeed.training.demo import ChatEncoder, chunk_documents, copied_share, encode_documents
 from ragspeed.training.examples import make_extractive_example, make_passage_example, split_sentences
 from ragspeed.training.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, save_tokenizer, train_tokenizer
-from ragspeed.training.trainer import Phase, Piece, TrainingConfig, masked_lm_loss, pack_rows, target_accuracy, train_causal_lm
+from ragspeed.training.trainer import (
+    Phase,
+    Piece,
+    TrainingConfig,
+    masked_lm_loss,
+    pack_rows,
+    target_accuracy,
+    train_causal_lm,
+)
 
 PASSAGES = (
     "The first Nobel Prize in Physics was awarded in 1901 to Wilhelm Conrad Röntgen. "
