@@ -71,7 +71,12 @@ class LLMLingua2Compressor:
                 "a tokenizer, e.g. a local copy of microsoft/llmlingua-2-xlm-roberta-large-meetingbank)",
                 "model_path",
             )
-        from llmlingua import PromptCompressor
+        try:
+            from llmlingua import PromptCompressor  # an extra: only this compressor needs it
+        except ImportError as error:
+            raise CompressionError(
+                "llmlingua2 needs the llmlingua package: pip install 'ragspeed[llmlingua]'"
+            ) from error
 
         compressor = PromptCompressor.__new__(PromptCompressor)  # skips the tiktoken download
         compressor.model_name = str(path)

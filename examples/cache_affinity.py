@@ -16,8 +16,8 @@ import json
 
 import httpx
 
+from ragspeed.bench.launcher import ServerProcess
 from ragspeed.engine.model_zoo import resolve_model
-from ragspeed.gateway.launcher import ServerProcess
 
 TOPICS = ("billing", "shipping", "accounts", "returns", "security", "hardware")
 

@@ -39,10 +39,10 @@ from typing import Any
 import numpy as np
 from pydantic import ValidationError
 
-from ragspeed.gateway.ab.arms import ArmError, YamlDoc, check_settings, read_yaml
 from ragspeed.gateway.errors import APIError
 from ragspeed.gateway.limits import ASGIApp, Receive, Scope, Send, header
 from ragspeed.gateway.protocol import ChatCompletionRequest, RagspeedOptions
+from ragspeed.gateway.yaml_settings import ArmError, YamlDoc, check_settings, read_yaml
 
 ARM_HEADER = "x-ragspeed-arm"
 HOLDOUT_ARM = "holdout"

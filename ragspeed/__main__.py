@@ -1,3 +1,3 @@
-from ragspeed.gateway.cli import main
+from ragspeed.cli import main
 
 main()

@@ -11,7 +11,8 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+# The QA and text data: ../shared/data beside the checkout, or where RAGSPEED_DATA_DIR says.
+SHARED_DATA = Path(os.environ.get("RAGSPEED_DATA_DIR") or REPO_ROOT.parent / "shared" / "data")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -26,5 +27,5 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
-        pytest.skip(f"{SHARED_DATA} not found (../shared/data beside the checkout)")
+        pytest.skip(f"{SHARED_DATA} not found (../shared/data beside the checkout, or set RAGSPEED_DATA_DIR)")
     return SHARED_DATA

@@ -20,11 +20,13 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from importlib import resources
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels.c")
+# Package data; a file on disk in every install (the compiler is given its path).
+SOURCE = Path(str(resources.files("ragspeed.engine.cpu_kernels") / "kernels.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-lm")
 ENABLE_ENV = "RAGSPEED_CPU_KERNELS"
 CACHE_ENV = "RAGSPEED_KERNEL_CACHE"

@@ -62,3 +62,10 @@ def test_missing_model_is_a_clear_error(tmp_path):
     assert "no LLMLingua-2 model" in str(err.value)
     with pytest.raises(CompressionError):
         LLMLingua2Compressor(None)
+
+
+def test_without_llmlingua_the_error_names_the_extra(tiny_model, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "llmlingua", None)  # as if not installed
+    with pytest.raises(CompressionError) as error:
+        LLMLingua2Compressor(tiny_model)
+    assert error.value.message == "llmlingua2 needs the llmlingua package: pip install 'ragspeed[llmlingua]'"

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from typer.testing import CliRunner
 
 from ragspeed.engine import model_zoo
-from ragspeed.engine.cli import models_app
+from ragspeed.engine.cli import models_group
 from ragspeed.engine.model_zoo import (
     ASSETS_DIR,
     BENCH_MODELS,
@@ -122,9 +122,9 @@ def test_default_cache_dir(monkeypatch, tmp_path):
 def test_cli_list_and_bad_build(tmp_path, monkeypatch):
     monkeypatch.setenv("RAGSPEED_CACHE_DIR", str(tmp_path))
     runner = CliRunner()
-    result = runner.invoke(models_app, ["list", "--json"])
+    result = runner.invoke(models_group, ["list", "--json"])
     assert result.exit_code == 0, result.output
     assert [row["name"] for row in json.loads(result.output)] == list(ZOO_NAMES)
-    result = runner.invoke(models_app, ["build", "ragspeed-demo"])
+    result = runner.invoke(models_group, ["build", "ragspeed-demo"])
     assert result.exit_code == 2
     assert "not a bench model" in result.output

@@ -371,7 +371,7 @@ def test_bad_speculation_settings_fail_at_start_up(tiny_checkpoints):
 
 @pytest.mark.slow
 def test_bench_spec_runs_on_the_demo_model(shared_data):
-    from ragspeed.engine.bench_spec import run_bench_spec
+    from ragspeed.bench.spec import run_bench_spec
 
     result = run_bench_spec(
         data_path=shared_data / "nq_dev.jsonl", num_prompts=2, max_tokens=16,

@@ -306,7 +306,7 @@ def small_data(shared_data, tmp_path_factory):
 def test_tiny_distillation_writes_a_loadable_draft_and_lowers_the_kd_loss(
     tiny_demo_target, small_data, tmp_path
 ):
-    from ragspeed.engine.training.distill import DistillRecipe, TrainingConfig, distill_draft
+    from ragspeed.training.distill import DistillRecipe, TrainingConfig, distill_draft
 
     recipe = DistillRecipe(
         num_hidden_layers=1, init_from_layers=(0,), seq_len=128, batch_size=2, prompt_tokens=16,
@@ -339,7 +339,7 @@ def test_tiny_distillation_writes_a_loadable_draft_and_lowers_the_kd_loss(
 
 @pytest.mark.slow
 def test_bench_spec_runs_the_draft_contender(shared_data):
-    from ragspeed.engine.bench_spec import run_bench_spec
+    from ragspeed.bench.spec import run_bench_spec
 
     result = run_bench_spec(
         data_path=shared_data / "nq_dev.jsonl", num_prompts=2, max_tokens=16,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from ragspeed.gateway.launcher import ServerProcess
+from ragspeed.bench.launcher import ServerProcess
 
 PASSAGES = [
     {"id": "nobel", "title": "Nobel Prize in Physics",

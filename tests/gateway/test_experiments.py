@@ -8,10 +8,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ragspeed.bench.launcher import ServerProcess
 from ragspeed.gateway.errors import APIError
-from ragspeed.gateway.experiments import (HOLDOUT_ARM, ArmError, ArmHints, ExperimentArm, LiveExperiment,
-                                 load_experiment)
-from ragspeed.gateway.launcher import ServerProcess
+from ragspeed.gateway.experiments import HOLDOUT_ARM, ArmError, ArmHints, ExperimentArm, LiveExperiment, load_experiment
 from ragspeed.gateway.protocol import ChatCompletionRequest
 
 REPO = Path(__file__).resolve().parents[2]

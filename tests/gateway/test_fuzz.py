@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-from ragspeed.gateway.launcher import ServerProcess
+from ragspeed.bench.launcher import ServerProcess
 
 # Contract 6 plus 403 (admin paths) and 405 (a method a path does not have); an operation may
 # document more (201 for a created collection, ...).

@@ -13,11 +13,11 @@ import time
 import httpx
 import pytest
 
+from ragspeed.bench.launcher import ServerProcess, free_port
 from ragspeed.engine.backends.openai_backend import CircuitBreaker, OpenAIEngine
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.protocol import GenerationRequest, SamplingParams, UpstreamError
 from ragspeed.gateway.errors import APIError
-from ragspeed.gateway.launcher import ServerProcess, free_port
 from ragspeed.gateway.limits import AdmissionQueue
 
 

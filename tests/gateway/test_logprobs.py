@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from ragspeed.gateway.launcher import ServerProcess
+from ragspeed.bench.launcher import ServerProcess
 
 MESSAGES = [{"role": "user", "content": "Name three colours of the rainbow."}]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from ragspeed.gateway.launcher import ServerProcess
+from ragspeed.bench.launcher import ServerProcess
 
 SYSTEM = ("You are the support assistant of the Example Company. Answer briefly, cite the "
           "documents you use, and say so when they do not hold the answer. ") * 6

@@ -8,9 +8,9 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
-from ragspeed.gateway.launcher import ServerProcess
+from ragspeed.bench.launcher import ServerProcess
+from ragspeed.bench.load import read_gauge
 from ragspeed.gateway.limits import TokenBucket
-from ragspeed.gateway.loadtest import read_gauge
 from ragspeed.gateway.security import (
     ApiKeyEntry,
     KeyRing,

@@ -13,8 +13,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from ragspeed.bench.launcher import ServerProcess
 from ragspeed.gateway.client import AsyncRagspeedClient, RagspeedClient, RagspeedError
-from ragspeed.gateway.launcher import ServerProcess
 
 QUESTION = "Who received the first Nobel Prize in Physics?"
 DOCUMENTS = [

@@ -8,8 +8,8 @@ import httpx
 import openai
 import pytest
 
-from ragspeed.gateway.launcher import ServerProcess
-from ragspeed.gateway.loadtest import read_gauge
+from ragspeed.bench.launcher import ServerProcess
+from ragspeed.bench.load import read_gauge
 
 COMMON = ["--engine", "native", "--model", "ragspeed-demo", "--served-model-name", "demo",
           "--num-kv-cache-tokens", "8192", "--log-level", "warning"]

@@ -1,8 +1,8 @@
 import json
 
-from typer.testing import CliRunner
+from click.testing import CliRunner
 
-from ragspeed.retrieval.cli import collection_stats, eval_app, index_app, ingest_into_collection, query_collection
+from ragspeed.retrieval.cli import collection_stats, index_group, ingest_into_collection, query_collection
 from ragspeed.retrieval.config import RetrievalConfig
 
 runner = CliRunner()
@@ -19,7 +19,7 @@ def _corpus(tmp_path):
 def test_index_build_command(tmp_path):
     corpus = _corpus(tmp_path)
     args = ["build", str(corpus), "--root", str(tmp_path / "store"), "-c", "kb", "--json", str(tmp_path / "b.json")]
-    out = runner.invoke(index_app, args)
+    out = runner.invoke(index_group, args)
     assert out.exit_code == 0, out.output
     summary = json.loads((tmp_path / "b.json").read_text())
     assert (summary["num_added"], summary["num_skipped"], summary["num_documents"]) == (2, 1, 2)
@@ -43,8 +43,3 @@ def test_index_functions(tmp_path, embedder):
     assert [(s["name"], s["num_documents"], s["index_kind"]) for s in stats["collections"]] == [("kb", 2, "flat")]
     assert stats["refused"] == {}
 
-
-def test_eval_rejects_missing_data(tmp_path):
-    out = runner.invoke(eval_app, ["retrieval", "--data", str(tmp_path / "none.jsonl"), "--scale-n", "0"])
-    assert out.exit_code == 2
-    assert "--data" in out.output

@@ -117,7 +117,7 @@ def test_empty_index_and_bad_input():
 
 
 def test_ivf_recall_on_clustered_data():
-    from ragspeed.retrieval.evaluation import gaussian_mixture
+    from ragspeed.evals.retrieval import gaussian_mixture
 
     x = gaussian_mixture(20_000, 64, num_clusters=50, seed=3)
     q = gaussian_mixture(200, 64, num_clusters=50, seed=3, first=10**9)

@@ -1,0 +1,206 @@
+"""`ragspeed bench cache`: time to first token with the static system prompt's KV cached or not.
+
+Workloads (one run, one process, both contenders share the model's weights, each has its own
+KV pool; TTFT measured in-process on `LLMEngine`, from `add_request` to the step that samples
+the first token):
+
+- *shared prefix*: a ~2,000-word static system prompt (shipped as ragspeed/bench/system_prompt.txt, or `--system-prompt FILE`) followed
+  by each of 20 distinct short questions. *cold*: prefix caching off, every request prefills the
+  whole prompt [ttft_cold_ms]; *warm*: prefix caching on, the system prompt prefilled once
+  before timing, so each request prefills only its question's tokens and the last partial
+  block [ttft_warm_ms]. `ttft_speedup` = cold / warm (medians). Target >= 10.
+- *no hit*: prompts of random tokens that share nothing (so caching can only cost: hashing
+  every full block, bookkeeping). Each prompt runs on both engines back to back, the order
+  alternating; `no_hit_overhead` = median over prompts of (on / off) - 1. Target <= 0.03.
+  `no_hit_hash_ms` is the hashing alone (`cache_blocks`' work), measured directly: the noise
+  floor of a shared CPU is larger than the overhead itself, so this is the figure that holds.
+
+Cold requests are slow (a full prefill each), so by default only the first `num_cold` questions
+are also timed with the cache off. One torch thread by default: on a shared, loaded CPU two
+threads stall on each other at every op (measured: a 24-token step 0.17 s with one thread,
+0.4-2.4 s with two, at load 6-9).
+
+The limit beside the figure: a warm request still prefills `warm_prefill_tokens` tokens, so its
+TTFT cannot drop below that prefill; `ttft_speedup_bound` = prompt tokens / warm prefill tokens.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+
+from ragspeed.bench.common import machine_line, write_json
+from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.protocol import GenerationRequest, SamplingParams
+
+QUESTIONS = (
+    "How do I reset my password?", "What is the refund window?", "Can I change my delivery address?",
+    "Where is my invoice?", "How do I cancel my subscription?", "Do you ship abroad?",
+    "Which payment methods do you accept?", "How long does shipping take?",
+    "Can I talk to a human?", "Is my data encrypted?", "How do I export my data?",
+    "What does the premium plan include?", "Why was my card declined?", "How do I add a user?",
+    "Can I pause my plan?", "Where do I find the API key?", "What are your opening hours?",
+    "How do I report a bug?", "Can I get a discount for a nonprofit?", "How do I delete my account?",
+)
+_GREEDY = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+
+def _ttft_s(engine: Any, request_id: str, prompt: tuple[int, ...]) -> tuple[float, int]:
+    """Seconds from admission to the first sampled token; and the cached tokens reported."""
+    start = time.perf_counter()
+    engine.add_request(GenerationRequest(request_id, prompt, _GREEDY))
+    while True:
+        for out in engine.step():
+            if out.request_id == request_id and out.delta.token_ids:
+                elapsed = time.perf_counter() - start
+                while engine.has_unfinished():
+                    engine.step()
+                return elapsed, out.delta.num_cached_tokens
+
+
+def run_bench_cache(
+    model: str = "bench-135m",
+    json_path: str | None = None,
+    *,
+    num_questions: int = 20,
+    num_cold: int = 5,
+    no_hit_prompts: int = 12,
+    no_hit_len: int = 512,
+    threads: int = 1,
+    seed: int = 0,
+    system_prompt: str | None = None,
+) -> dict[str, Any]:
+    """Cache on and warm vs cache off; print a table, return (and write) flat JSON.
+    `system_prompt`: the static prefix's text (default: the shipped system_prompt.txt)."""
+    from ragspeed.engine.llm_engine import LLMEngine
+    from ragspeed.engine.loader import resolve_model_path
+    from ragspeed.prompt_cache.hashing import hash_request_blocks
+
+    for name, value in [("num_questions", num_questions), ("num_cold", num_cold),
+                        ("no_hit_prompts", no_hit_prompts), ("no_hit_len", no_hit_len),
+                        ("threads", threads)]:
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if num_questions > len(QUESTIONS):
+        raise ValueError(f"num_questions must be <= {len(QUESTIONS)}, got {num_questions}")
+    torch.set_num_threads(threads)
+    path = resolve_model_path(model)
+    if system_prompt is None:
+        system_prompt = resources.files("ragspeed.bench").joinpath("system_prompt.txt").read_text(encoding="utf-8")
+    system_text = system_prompt.strip()
+    base = dict(model=str(path), max_model_len=4096, num_kv_cache_tokens=16384,
+                max_num_batched_tokens=4096, seed=seed)
+    cached = LLMEngine(EngineConfig(**base, enable_prefix_caching=True))
+    plain = LLMEngine(EngineConfig(**base, enable_prefix_caching=False), loaded=cached.loaded,
+                      tokenizer=cached.tokenizer)
+    tokenizer = cached.tokenizer
+    # Static prefix first (docs/architecture.md, contract 1); the question after it.
+    static = tuple(tokenizer.encode(f"System: {system_text}\n\n", add_special_tokens=False))
+    prompts = [static + tuple(tokenizer.encode(f"User: {q}\nAssistant:", add_special_tokens=False))
+               for q in QUESTIONS[:num_questions]]
+    if max(len(p) for p in prompts) + 1 > base["max_model_len"]:
+        raise ValueError(f"the prompt has {max(len(p) for p in prompts)} tokens; max_model_len is 4096")
+
+    with torch.inference_mode():
+        # Warm-up: both engines run once (allocators, kernels); this also caches the static
+        # prefix in the cached engine, which is the "warm" state being measured.
+        _ttft_s(plain, "warmup-off", prompts[0])
+        _ttft_s(cached, "warmup-on", prompts[0])
+        cold, warm, cached_tokens = [], [], []
+        for i, prompt in enumerate(prompts):
+            if i < num_cold:
+                cold.append(_ttft_s(plain, f"cold-{i}", prompt)[0])
+            seconds, num_cached = _ttft_s(cached, f"warm-{i}", prompt)
+            warm.append(seconds)
+            cached_tokens.append(num_cached)
+
+        gen = torch.Generator().manual_seed(seed)
+        vocab = cached.arch.vocab_size
+        random_prompts = [tuple(torch.randint(0, vocab, (no_hit_len,), generator=gen).tolist())
+                          for _ in range(no_hit_prompts + 1)]
+        _ttft_s(cached, "nh-warmup-on", random_prompts[-1])
+        _ttft_s(plain, "nh-warmup-off", random_prompts[-1])
+        ratios, on_times, off_times, hits = [], [], [], 0
+        for i, prompt in enumerate(random_prompts[:-1]):
+            order = [(cached, "on"), (plain, "off")] if i % 2 == 0 else [(plain, "off"), (cached, "on")]
+            times = {}
+            for engine, label in order:
+                times[label], num_cached = _ttft_s(engine, f"nh-{label}-{i}", prompt)
+                hits += num_cached
+            ratios.append(times["on"] / times["off"])
+            on_times.append(times["on"])
+            off_times.append(times["off"])
+        block_size = cached.manager.block_size
+        hash_times = []
+        for prompt in random_prompts[:-1]:
+            start = time.perf_counter()
+            hash_request_blocks(prompt, block_size, extra_key=cached.manager.extra_key)
+            hash_times.append(time.perf_counter() - start)
+
+    warm_prefill = len(prompts[0]) - statistics.median(cached_tokens)
+    results: dict[str, Any] = {
+        "model": model,
+        "prompt_tokens": len(prompts[0]),
+        "static_tokens": len(static),
+        "num_questions": num_questions,
+        "num_cold": num_cold,
+        "ttft_cold_ms": statistics.median(cold) * 1000,
+        "ttft_warm_ms": statistics.median(warm) * 1000,
+        "ttft_speedup": statistics.median(cold) / statistics.median(warm),
+        "cached_tokens_median": statistics.median(cached_tokens),
+        "warm_prefill_tokens": warm_prefill,
+        "ttft_speedup_bound": len(prompts[0]) / max(warm_prefill, 1),
+        "no_hit_prompt_tokens": no_hit_len,
+        "no_hit_ttft_on_ms": statistics.median(on_times) * 1000,
+        "no_hit_ttft_off_ms": statistics.median(off_times) * 1000,
+        "no_hit_overhead": statistics.median(ratios) - 1.0,
+        "no_hit_cached_tokens": hits,
+        "no_hit_hash_ms": statistics.median(hash_times) * 1000,
+        "no_hit_hash_share": statistics.median(hash_times) / statistics.median(off_times),
+        "threads": threads,
+    }
+    print_table(results)
+    write_json(json_path, results)
+    return results
+
+
+def print_table(r: dict[str, Any]) -> None:
+    print(machine_line(r["threads"]))
+    print(f"prefix cache, {r['model']}: {r['prompt_tokens']}-token prompts "
+          f"({r['static_tokens']} static), {r['num_questions']} questions")
+    print(f"  {'TTFT cache off (cold)':32s} {r['ttft_cold_ms']:10.1f} ms")
+    print(f"  {'TTFT cache on, warm':32s} {r['ttft_warm_ms']:10.1f} ms"
+          f"   ({r['cached_tokens_median']:.0f} cached, {r['warm_prefill_tokens']:.0f} prefilled)")
+    print(f"  {'speedup (target >= 10)':32s} {r['ttft_speedup']:10.1f} x"
+          f"   (bound {r['ttft_speedup_bound']:.0f} x)")
+    print(f"  no shared prefix, {r['no_hit_prompt_tokens']} tokens: on {r['no_hit_ttft_on_ms']:.1f} ms,"
+          f" off {r['no_hit_ttft_off_ms']:.1f} ms")
+    print(f"  {'no-hit overhead (target <= 0.03)':32s} {r['no_hit_overhead']:+10.3f}"
+          f"   (hashing alone {r['no_hit_hash_ms']:.2f} ms = {r['no_hit_hash_share']:.4f})")
+
+
+@click.command("cache")
+@click.option("--model", default="bench-135m", help="model-zoo name, local folder or hub id")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
+              help="write the flat JSON figures here")
+@click.option("--num-questions", default=20, type=int, help="distinct questions after the system prompt")
+@click.option("--num-cold", default=5, type=int, help="questions also timed with the cache off")
+@click.option("--threads", default=1, type=int, help="torch CPU threads")
+@click.option("--system-prompt", "system_prompt_file", default=None,
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="text file of the static system prompt  [default: the shipped system_prompt.txt]")
+def bench_cache(model: str, json_path: str | None, num_questions: int, num_cold: int, threads: int,
+                system_prompt_file: Path | None) -> None:
+    """TTFT with the static system prompt cached (warm) vs prefix caching off (cold)."""
+    system_prompt = system_prompt_file.read_text(encoding="utf-8") if system_prompt_file else None
+    try:
+        run_bench_cache(model, json_path, num_questions=num_questions, num_cold=num_cold, threads=threads,
+                        system_prompt=system_prompt)
+    except ValueError as error:
+        raise click.UsageError(str(error)) from error

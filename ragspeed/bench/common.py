@@ -1,0 +1,58 @@
+"""What every benchmark shares: the machine line, percentiles, and the flat JSON file."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo, else what `platform` knows."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_line(threads: int | None = None) -> str:
+    """One line naming the machine a figure was measured on: CPU, cores, torch threads, load."""
+    parts = [cpu_name(), f"{os.cpu_count()} cores"]
+    if threads is not None:
+        parts.append(f"{threads} torch threads")
+    parts.append(f"load {os.getloadavg()[0]:.1f}")
+    return "machine: " + ", ".join(parts)
+
+
+def percentile(values: Iterable[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 1]) of `values`, which need not be sorted."""
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("percentile of no values")
+    rank = max(0, min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1))
+    return ordered[rank]
+
+
+def print_rows(rows: Iterable[tuple[str, Any]], echo=print) -> None:
+    """`key  value` rows, the keys padded to one width."""
+    rows = list(rows)
+    width = max((len(key) for key, _ in rows), default=0)
+    for key, value in rows:
+        echo(f"{key:<{width}}  {value}")
+
+
+def write_json(path: str | Path | None, figures: Mapping[str, Any]) -> None:
+    """Write the flat figures as indented JSON (nothing when `path` is None)."""
+    if path is None:
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(figures, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -1,0 +1,338 @@
+"""`ragspeed bench engine`: the native engine against transformers, with the hardware bounds.
+
+Figures (all from one run, after a warm-up, medians of `repeats` runs; JSON keys in brackets):
+- throughput: `num_requests` concurrent requests of `prompt_len` random tokens, `output_len`
+  greedy tokens each, EOS ignored; the native engine batches them, transformers runs
+  `generate()` one request after another (its rate does not depend on how many wait, so it is
+  measured on `transformers_requests` of them) [native_tokens_per_s, transformers_tokens_per_s,
+  throughput_ratio]. Output tokens only.
+- time per output token at batch 1 [tpot_ms, transformers_tpot_ms] against the bandwidth bound:
+  weight bytes read per token / read bandwidth measured here, 9 reads before and 9 after the
+  contenders, their median [tpot_bound_ms, read_bandwidth_gb_s; the spread in
+  read_bandwidth_{first,last,min,max}_gb_s].
+- time to first token of a `ttft_prompt_len`-token prompt [ttft_2048_ms] against the FLOP bound:
+  FLOPs (projections, attention, one LM-head row) / fp32 GEMM rate measured here
+  [ttft_2048_bound_ms].
+A *ratio* divides two rates or two times of contenders; `*_over_bound` divides a time by its bound.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+
+from ragspeed.bench.common import machine_line, write_json
+from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.protocol import GenerationRequest, SamplingParams
+
+
+def read_bandwidth_samples(num_bytes: int = 512 * 2**20, repeats: int = 9) -> list[float]:
+    """Bytes per second of `repeats` streaming reads (a sum over a tensor far larger than the
+    caches), with the threads torch runs on."""
+    data = torch.ones(num_bytes // 4, dtype=torch.float32)
+    data.sum()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        samples.append(num_bytes / (time.perf_counter() - start))
+    return samples
+
+
+class BandwidthProbe:
+    """Read bandwidth measured before and after the contenders of a benchmark.
+
+    Single reads on the development CPU spread widely with two threads (31 to 55 GB/s within
+    one run, against 25 GB/s steady on one thread), so the bound uses the median of all the
+    reads of both probes, and the JSON keeps the spread.
+    """
+
+    def __init__(self):
+        self.first = read_bandwidth_samples()
+        self.last: list[float] = []
+
+    def finish(self) -> dict[str, float]:
+        """Probe again; the JSON figures (GB/s)."""
+        self.last = read_bandwidth_samples()
+        return {
+            "read_bandwidth_gb_s": self.bandwidth / 1e9,
+            "read_bandwidth_first_gb_s": statistics.median(self.first) / 1e9,
+            "read_bandwidth_last_gb_s": statistics.median(self.last) / 1e9,
+            "read_bandwidth_min_gb_s": min(self.first + self.last) / 1e9,
+            "read_bandwidth_max_gb_s": max(self.first + self.last) / 1e9,
+        }
+
+    @property
+    def bandwidth(self) -> float:
+        return statistics.median(self.first + self.last)
+
+
+def measure_gemm_rate(m: int = 2048, k: int = 1024, n: int = 2048, repeats: int = 5) -> float:
+    """fp32 FLOP/s of a prefill-sized matrix product."""
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    a @ b
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - start)
+    return 2 * m * k * n / statistics.median(times)
+
+
+def prefill_flops(engine, num_tokens: int) -> float:
+    """FLOPs of one prefill: every projection for every token, causal attention, one LM row."""
+    arch = engine.arch
+    model = engine.loaded.model
+    projection_params = sum(
+        m.num_params for m in model.layers.modules() if hasattr(m, "num_params")
+    )
+    attention = 2 * 2 * arch.num_layers * arch.num_heads * arch.head_dim * num_tokens**2 / 2
+    return 2 * projection_params * num_tokens + attention + 2 * arch.vocab_size * arch.hidden_size
+
+
+def _random_prompt(generator: torch.Generator, length: int, vocab_size: int) -> tuple[int, ...]:
+    # Ids from 2 on: 0/1 are special tokens in the bench models' tokenizers.
+    return tuple(torch.randint(2, vocab_size, (length,), generator=generator).tolist())
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+class _NativeContender:
+    def __init__(self, engine):
+        self.engine = engine
+        self._ids = 0
+
+    def _run(self, prompts: list[tuple[int, ...]], max_tokens: int) -> list[list[float]]:
+        """Run requests together; per request the times its tokens arrived."""
+        start = time.perf_counter()
+        arrivals: dict[str, list[float]] = {}
+        for prompt in prompts:
+            self._ids += 1
+            request_id = f"bench-{self._ids}"
+            arrivals[request_id] = []
+            self.engine.add_request(GenerationRequest(request_id, prompt, _greedy(max_tokens)))
+        while self.engine.has_unfinished():
+            outputs = self.engine.step()
+            now = time.perf_counter() - start
+            for out in outputs:
+                arrivals[out.request_id].extend([now] * len(out.delta.token_ids))
+        return list(arrivals.values())
+
+    def throughput(self, prompts, max_tokens) -> float:
+        start = time.perf_counter()
+        arrivals = self._run(prompts, max_tokens)
+        return sum(len(a) for a in arrivals) / (time.perf_counter() - start)
+
+    def tpot(self, prompt, max_tokens) -> float:
+        (arrival,) = self._run([prompt], max_tokens)
+        return statistics.median(b - a for a, b in zip(arrival, arrival[1:]))
+
+    def ttft(self, prompt) -> float:
+        (arrival,) = self._run([prompt], 1)
+        return arrival[0]
+
+
+class _TransformersContender:
+    """Plain `generate()`, one request at a time, token times from a streamer."""
+
+    def __init__(self, path: Path):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    def _generate(self, prompt: tuple[int, ...], max_tokens: int) -> list[float]:
+        from transformers.generation.streamers import BaseStreamer
+
+        times: list[float] = []
+        start = time.perf_counter()
+
+        class Clock(BaseStreamer):
+            def put(self, value):
+                times.append(time.perf_counter() - start)
+
+            def end(self):
+                pass
+
+        with torch.inference_mode():
+            self.model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=0,
+                streamer=Clock(),
+            )
+        return times[1:]  # the first put is the prompt
+
+    def throughput(self, prompts, max_tokens) -> float:
+        start = time.perf_counter()
+        num_tokens = sum(len(self._generate(p, max_tokens)) for p in prompts)
+        return num_tokens / (time.perf_counter() - start)
+
+    def tpot(self, prompt, max_tokens) -> float:
+        arrival = self._generate(prompt, max_tokens)
+        return statistics.median(b - a for a, b in zip(arrival, arrival[1:]))
+
+    def ttft(self, prompt) -> float:
+        return self._generate(prompt, 1)[0]
+
+
+def bench_engine(
+    model: str = "bench-135m",
+    json_path: str | None = None,
+    *,
+    num_requests: int = 16,
+    prompt_len: int = 256,
+    output_len: int = 64,
+    ttft_prompt_len: int = 2048,
+    repeats: int = 3,
+    transformers_requests: int = 4,
+    threads: int = 2,
+    with_transformers: bool = True,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Measure the native engine (and transformers beside it); print a table, return flat JSON."""
+    from ragspeed.engine.llm_engine import LLMEngine
+    from ragspeed.engine.loader import resolve_model_path
+
+    for name, value in [
+        ("num_requests", num_requests), ("prompt_len", prompt_len), ("output_len", output_len),
+        ("ttft_prompt_len", ttft_prompt_len), ("repeats", repeats), ("threads", threads),
+        ("transformers_requests", transformers_requests),
+    ]:
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    torch.set_num_threads(threads)
+    path = resolve_model_path(model)
+    max_model_len = max(prompt_len + output_len, ttft_prompt_len + 1, 64 + 4)  # 64 + 4: warm-up
+    config = EngineConfig(
+        model=str(path),
+        max_model_len=max_model_len,
+        num_kv_cache_tokens=max(num_requests * (prompt_len + output_len), max_model_len) + 1024,
+        max_num_seqs=max(num_requests, 1),
+        enable_prefix_caching=False,  # random prompts share nothing; keep the pool honest
+        seed=seed,
+    )
+    engine = LLMEngine(config)
+    vocab = engine.arch.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+
+    def prompts(n: int, length: int) -> list[tuple[int, ...]]:
+        return [_random_prompt(gen, length, vocab) for _ in range(n)]
+
+    contenders: dict[str, Any] = {"native": _NativeContender(engine)}
+    if with_transformers:
+        contenders["transformers"] = _TransformersContender(path)
+
+    probe = BandwidthProbe()
+    gemm_rate = measure_gemm_rate()
+    results: dict[str, Any] = {
+        "model": model,
+        "threads": threads,
+        "num_requests": num_requests,
+        "prompt_len": prompt_len,
+        "output_len": output_len,
+        "repeats": repeats,
+        "transformers_requests": transformers_requests,
+        "gemm_gflop_s": gemm_rate / 1e9,
+    }
+    with torch.inference_mode():
+        for name, contender in contenders.items():  # warm-up: every code path once
+            contender.throughput(prompts(2, 32), 4)
+            contender.ttft(prompts(1, 64)[0])
+        for name, contender in contenders.items():
+            n = num_requests if name == "native" else transformers_requests
+            rates = [
+                contender.throughput(prompts(n, prompt_len), output_len) for _ in range(repeats)
+            ]
+            results[f"{name}_tokens_per_s"] = statistics.median(rates)
+            tpots = [contender.tpot(prompts(1, prompt_len)[0], output_len) for _ in range(repeats)]
+            results[f"{name}_tpot_ms"] = statistics.median(tpots) * 1e3
+            ttfts = [contender.ttft(prompts(1, ttft_prompt_len)[0]) for _ in range(repeats)]
+            results[f"{name}_ttft_{ttft_prompt_len}_ms"] = statistics.median(ttfts) * 1e3
+            print(  # progress: a slow baseline on a busy machine can take many minutes
+                f"{name}: {results[f'{name}_tokens_per_s']:.1f} tok/s, TPOT "
+                f"{results[f'{name}_tpot_ms']:.1f} ms, TTFT {ttft_prompt_len} "
+                f"{results[f'{name}_ttft_{ttft_prompt_len}_ms']:.0f} ms",
+                file=sys.stderr, flush=True,
+            )
+
+    results.update(probe.finish())
+    bandwidth = probe.bandwidth
+    weight_bytes = engine.loaded.model.num_weight_bytes_per_token
+    results["weight_bytes_per_token"] = weight_bytes
+    results["tpot_ms"] = results.pop("native_tpot_ms")
+    results["tpot_bound_ms"] = weight_bytes / bandwidth * 1e3
+    results["tpot_over_bound"] = results["tpot_ms"] / results["tpot_bound_ms"]
+    results[f"ttft_{ttft_prompt_len}_ms"] = results.pop(f"native_ttft_{ttft_prompt_len}_ms")
+    results[f"ttft_{ttft_prompt_len}_bound_ms"] = (
+        prefill_flops(engine, ttft_prompt_len) / gemm_rate * 1e3
+    )
+    results["ttft_over_bound"] = (
+        results[f"ttft_{ttft_prompt_len}_ms"] / results[f"ttft_{ttft_prompt_len}_bound_ms"]
+    )
+    if with_transformers:
+        results["throughput_ratio"] = (
+            results["native_tokens_per_s"] / results["transformers_tokens_per_s"]
+        )
+        results["transformers_tpot_over_bound"] = (
+            results["transformers_tpot_ms"] / results["tpot_bound_ms"]
+        )
+    print_table(results, ttft_prompt_len)
+    write_json(json_path, results)
+    return results
+
+
+def print_table(r: dict[str, Any], ttft_len: int) -> None:
+    def fmt(value: Any, unit: str = "") -> str:
+        return "-" if value is None else f"{value:,.1f}{unit}"
+
+    rows = [
+        ("throughput (tok/s)", r.get("native_tokens_per_s"), r.get("transformers_tokens_per_s"),
+         None, r.get("throughput_ratio")),
+        ("TPOT batch 1 (ms)", r.get("tpot_ms"), r.get("transformers_tpot_ms"),
+         r.get("tpot_bound_ms"), r.get("tpot_over_bound")),
+        (f"TTFT {ttft_len} (ms)", r.get(f"ttft_{ttft_len}_ms"),
+         r.get(f"transformers_ttft_{ttft_len}_ms"), r.get(f"ttft_{ttft_len}_bound_ms"),
+         r.get("ttft_over_bound")),
+    ]
+    print(machine_line(r["threads"]))
+    print(
+        f"model {r['model']}, {r['threads']} threads: read {r['read_bandwidth_gb_s']:.1f} GB/s, "
+        f"GEMM {r['gemm_gflop_s']:.0f} GFLOP/s"
+    )
+    print(f"{'figure':<22}{'native':>12}{'transformers':>14}{'bound':>10}{'ratio':>8}")
+    for name, native, hf, bound, ratio in rows:
+        ratio_text = "-" if ratio is None else f"{ratio:.2f}x"
+        print(f"{name:<22}{fmt(native):>12}{fmt(hf):>14}{fmt(bound):>10}{ratio_text:>8}")
+    print("ratio: native/transformers for throughput; native/bound for times")
+
+
+@click.command("engine")
+@click.option("--model", default="bench-135m", help="model-zoo name, local folder or hub id")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
+              help="write the flat JSON figures here")
+@click.option("--repeats", default=3, type=int, help="runs per figure; the median is reported")
+@click.option("--threads", default=2, type=int, help="torch CPU threads")
+@click.option("--transformers-requests", default=4, type=int, help="requests through generate()")
+@click.option("--transformers/--no-transformers", "with_transformers", default=True,
+              help="run the baseline beside")
+def bench_engine_command(model: str, json_path: str | None, repeats: int, threads: int,
+                         transformers_requests: int, with_transformers: bool) -> None:
+    """Native engine vs transformers: throughput, TPOT and TTFT against the hardware bounds."""
+    try:
+        bench_engine(
+            model, json_path, repeats=repeats, threads=threads,
+            transformers_requests=transformers_requests, with_transformers=with_transformers,
+        )
+    except ValueError as error:
+        raise click.UsageError(str(error)) from error

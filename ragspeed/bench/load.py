@@ -1,0 +1,259 @@
+"""`ragspeed bench load`: N concurrent streaming clients against a real server, on loopback.
+
+Each client loops: pick a prompt (a question with 0 to 4 retrieved documents, so prompt lengths
+mix), stream a chat completion, and with probability `disconnect_fraction` hang up after a
+random number of chunks (the server must abort that request and free its KV blocks).
+
+Terms: *TTFT* here is the client's view, from sending the request to the first SSE chunk (the
+server primes a stream with its first token before it starts the response). The *steady state*
+runs from the end of the warm-up (`warmup_fraction` of the run) to the end of the load;
+`rss_growth` is (RSS at its end - RSS at its start) / RSS at its start, the server's resident
+memory read from /proc. `blocks_in_use_at_end` is the engine's `num_blocks_used` gauge once every
+client has stopped and the server has gone idle (None for engines without a paged KV cache).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+import httpx
+
+from ragspeed.bench.common import machine_line, percentile, write_json
+from ragspeed.bench.launcher import ServerProcess
+
+_DOC_CHARS = 500  # each document is cut to this many characters
+_DOC_COUNTS = (0, 1, 2, 4)  # documents per request: the prompt length mix
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    clients: int = 8
+    duration_s: float = 60.0
+    warmup_fraction: float = 0.2
+    disconnect_fraction: float = 0.2
+    min_tokens: int = 4
+    max_tokens: int = 48
+    seed: int = 0
+    max_requests: int | None = None  # stop sending once this many have started (None: by time only)
+
+
+@dataclass
+class LoadTally:
+    """What the clients saw; one instance shared by all of them (one event loop, no locks)."""
+
+    started: int = 0
+    completed: int = 0
+    disconnected: int = 0
+    server_errors: int = 0
+    client_errors: int = 0  # 4xx: 429 when the server sheds load, 400 for a prompt too long
+    transport_errors: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+    status_counts: dict[int, int] = field(default_factory=dict)
+
+
+def load_prompts(path: Path | None = None, limit: int = 64) -> list[tuple[str, list[str]]]:
+    """(question, documents) pairs from an nq_dev.jsonl-style file, or synthetic ones without one."""
+    prompts: list[tuple[str, list[str]]] = []
+    if path is not None:
+        if not path.is_file():
+            raise FileNotFoundError(f"--data: {path} is not a file")
+        with path.open(encoding="utf-8") as lines:
+            for line in lines:
+                row = json.loads(line)
+                prompts.append((row["question"], [d["text"][:_DOC_CHARS] for d in row["documents"][:4]]))
+                if len(prompts) >= limit:
+                    break
+    if not prompts:
+        words = "the a model cache token block prefix document answer question engine".split()
+        rng = random.Random(0)
+        for i in range(limit):
+            docs = [" ".join(rng.choices(words, k=80)) for _ in range(4)]
+            prompts.append((f"question {i}: which block holds the answer?", docs))
+    return prompts
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def read_gauge(metrics_text: str, name: str) -> float | None:
+    """Sum of a Prometheus sample's values over its label sets; None when it is absent."""
+    values = [float(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines()
+              if line.startswith(name + "{") or line.startswith(name + " ")]
+    return sum(values) if values else None
+
+
+async def _one_request(http: httpx.AsyncClient, model: str, rng: random.Random, config: LoadConfig,
+                       prompts: list[tuple[str, list[str]]], tally: LoadTally) -> None:
+    question, documents = rng.choice(prompts)
+    body = {
+        "model": model, "stream": True, "temperature": 0.0, "ignore_eos": True,
+        "max_tokens": rng.randint(config.min_tokens, config.max_tokens),
+        "messages": [{"role": "system", "content": "Answer from the documents."},
+                     {"role": "user", "content": question}],
+        "documents": documents[:rng.choice(_DOC_COUNTS)],
+    }
+    hang_up_after = rng.randint(1, 8) if rng.random() < config.disconnect_fraction else None
+    tally.started += 1
+    sent = time.perf_counter()
+    try:
+        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            tally.status_counts[response.status_code] = tally.status_counts.get(response.status_code, 0) + 1
+            if response.status_code >= 500:
+                tally.server_errors += 1
+                return
+            if response.status_code != 200:
+                tally.client_errors += 1
+                return
+            chunks = 0
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                if chunks == 0:
+                    tally.ttft_s.append(time.perf_counter() - sent)
+                chunks += 1
+                if line.strip() == "data: [DONE]":
+                    tally.completed += 1
+                    return
+                if hang_up_after is not None and chunks >= hang_up_after:
+                    tally.disconnected += 1
+                    return  # leaving the block closes the connection mid-stream
+            tally.server_errors += 1  # the stream ended without [DONE]
+    except httpx.HTTPError:
+        tally.transport_errors += 1
+
+
+async def _client(url: str, model: str, seed: int, config: LoadConfig, stop_at: float,
+                  prompts: list[tuple[str, list[str]]], tally: LoadTally) -> None:
+    rng = random.Random(seed)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(120.0, connect=10.0)) as http:
+        while time.perf_counter() < stop_at and (config.max_requests is None or tally.started < config.max_requests):
+            await _one_request(http, model, rng, config, prompts, tally)
+
+
+async def _settle(http: httpx.AsyncClient, timeout_s: float = 30.0) -> str:
+    """/metrics once no request is in flight and the engine holds no running request."""
+    deadline = time.perf_counter() + timeout_s
+    while True:
+        text = (await http.get("/metrics")).text
+        in_flight = read_gauge(text, "ragspeed_requests_in_flight") or 0.0
+        running = read_gauge(text, "ragspeed_engine_num_requests_running") or 0.0
+        waiting = read_gauge(text, "ragspeed_engine_num_requests_waiting") or 0.0
+        if (in_flight == 0 and running == 0 and waiting == 0) or time.perf_counter() > deadline:
+            return text
+        await asyncio.sleep(0.2)
+
+
+async def run_load(url: str, config: LoadConfig, server_pid: int | None = None,
+                   prompts: list[tuple[str, list[str]]] | None = None) -> dict[str, Any]:
+    prompts = prompts or load_prompts()
+    tally = LoadTally()
+    async with httpx.AsyncClient(base_url=url, timeout=30.0) as http:
+        model = (await http.get("/v1/models")).json()["data"][0]["id"]
+        t0 = time.perf_counter()
+        stop_at = t0 + config.duration_s
+        clients = [asyncio.create_task(_client(url, model, config.seed * 1_000 + i, config, stop_at, prompts, tally))
+                   for i in range(config.clients)]
+        await asyncio.wait(clients, timeout=config.duration_s * config.warmup_fraction)
+        rss_start = rss_bytes(server_pid) if server_pid else None
+        completed_at_start, steady_from = tally.completed, time.perf_counter()
+        await asyncio.wait(clients, timeout=max(0.0, stop_at - time.perf_counter()))
+        rss_end = rss_bytes(server_pid) if server_pid else None
+        steady_s = time.perf_counter() - steady_from
+        await asyncio.gather(*clients)  # each finishes the request it is in
+        elapsed = time.perf_counter() - t0
+        metrics = await _settle(http)
+    ttft_ms = sorted(t * 1000 for t in tally.ttft_s)
+    blocks_used = read_gauge(metrics, "ragspeed_engine_num_blocks_used")
+    return {
+        "clients": config.clients,
+        "duration_s": round(elapsed, 2),
+        "requests_started": tally.started,
+        "requests_completed": tally.completed,
+        "requests_disconnected": tally.disconnected,
+        "requests_per_s_steady": round((tally.completed - completed_at_start) / steady_s, 3) if steady_s else None,
+        "server_errors": tally.server_errors,
+        "client_errors": tally.client_errors,
+        "transport_errors": tally.transport_errors,
+        **{f"status_{code}": n for code, n in sorted(tally.status_counts.items())},
+        "ttft_p50_ms": round(statistics.median(ttft_ms), 1) if ttft_ms else None,
+        "ttft_p99_ms": round(percentile(ttft_ms, 0.99), 1) if ttft_ms else None,
+        "rss_start_mb": round(rss_start / 2**20, 1) if rss_start else None,
+        "rss_end_mb": round(rss_end / 2**20, 1) if rss_end else None,
+        "rss_growth": round((rss_end - rss_start) / rss_start, 4) if rss_start and rss_end else None,
+        "blocks_in_use_at_end": int(blocks_used) if blocks_used is not None else None,
+        "blocks_total": _int_or_none(read_gauge(metrics, "ragspeed_engine_num_blocks_total")),
+    }
+
+
+def _int_or_none(value: float | None) -> int | None:
+    return None if value is None else int(value)
+
+
+def bench_load_run(*, clients: int, duration_s: float, engine: str, model: str,
+                   server_args: tuple[str, ...] = (), url: str | None = None,
+                   disconnect_fraction: float = 0.2, max_tokens: int = 48, seed: int = 0,
+                   data: Path | None = None) -> dict[str, Any]:
+    """Start a server (unless `url` is given) and run the load; returns the flat figures.
+    `data`: an nq_dev.jsonl-style file of questions and documents (None: synthetic prompts)."""
+    prompts = load_prompts(data)
+    config = LoadConfig(clients=clients, duration_s=duration_s, disconnect_fraction=disconnect_fraction,
+                        max_tokens=max_tokens, min_tokens=min(4, max_tokens), seed=seed)
+    if url is not None:
+        return {"engine": engine, "model": model, **asyncio.run(run_load(url, config, prompts=prompts))}
+    args = ["--engine", engine, "--model", model, "--log-level", "warning",
+            "--max-concurrent-requests", str(max(64, clients)), *server_args]
+    with ServerProcess(args) as server:
+        figures = asyncio.run(run_load(server.url, config, server_pid=server.process.pid, prompts=prompts))
+    return {"engine": engine, "model": model, **figures}
+
+
+_TABLE_KEYS = ("clients", "duration_s", "requests_completed", "requests_disconnected", "requests_per_s_steady",
+               "server_errors", "client_errors", "transport_errors", "ttft_p50_ms", "ttft_p99_ms",
+               "rss_start_mb", "rss_end_mb", "rss_growth", "blocks_in_use_at_end", "blocks_total")
+
+
+@click.command(name="load")
+@click.option("--clients", type=click.IntRange(min=1), default=8, show_default=True, help="Concurrent streaming clients.")
+@click.option("--minutes", type=click.FloatRange(min=0, min_open=True), default=None, help="Run length in minutes.")
+@click.option("--seconds", type=click.FloatRange(min=0, min_open=True), default=None, help="Run length in seconds (default 60).")
+@click.option("--engine", default="native", show_default=True, help="Engine of the server started for the run.")
+@click.option("--model", default="ragspeed-demo", show_default=True, help="Model of the server started for the run.")
+@click.option("--server-arg", "server_args", multiple=True, help="Extra `ragspeed serve` argument (repeatable).")
+@click.option("--url", default=None, help="Load an already running server instead (no RSS figures).")
+@click.option("--disconnect-fraction", type=click.FloatRange(0, 1), default=0.2, show_default=True,
+              help="Share of requests whose client hangs up mid-stream.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=48, show_default=True, help="Most tokens per request.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--data", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="nq_dev.jsonl-style questions with documents (default: synthetic prompts).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the figures as flat JSON.")
+def bench_load(clients: int, minutes: float | None, seconds: float | None, engine: str, model: str,
+               server_args: tuple[str, ...], url: str | None, disconnect_fraction: float, max_tokens: int,
+               seed: int, data: Path | None, json_path: str | None) -> None:
+    """Load and soak: concurrent streaming clients, some hanging up; errors, TTFT, RSS, KV blocks."""
+    if minutes is not None and seconds is not None:
+        raise click.BadParameter("give --minutes or --seconds, not both", param_hint="--minutes")
+    duration_s = minutes * 60 if minutes is not None else (seconds if seconds is not None else 60.0)
+    figures = bench_load_run(clients=clients, duration_s=duration_s, engine=engine, model=model,
+                             server_args=server_args, url=url, disconnect_fraction=disconnect_fraction,
+                             max_tokens=max_tokens, seed=seed, data=data)
+    click.echo(machine_line())
+    click.echo(f"ragspeed bench load: {figures['engine']} / {figures['model']}")
+    for key in _TABLE_KEYS:
+        click.echo(f"  {key:<24} {figures[key]}")
+    for key in sorted(k for k in figures if k.startswith("status_")):
+        click.echo(f"  {key:<24} {figures[key]}")
+    write_json(json_path, figures)

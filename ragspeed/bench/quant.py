@@ -1,0 +1,212 @@
+"""`ragspeed bench quant`: int8 weights against fp32 in the native engine, and transformers fp32.
+
+Figures (one run, after a warm-up, medians of `repeats` runs; JSON keys in brackets):
+- time per output token at batch 1 of native int8, native fp32 and transformers fp32
+  [int8_tpot_ms, fp32_tpot_ms, transformers_tpot_ms], each beside its bandwidth bound: weight
+  bytes read per token / read bandwidth measured in this run [int8_tpot_bound_ms,
+  fp32_tpot_bound_ms; transformers reads the fp32 bytes];
+- time to first token of a `ttft_prompt_len`-token prompt, int8 and fp32 [int8_ttft_512_ms,
+  fp32_ttft_512_ms];
+- resident weight bytes [int8_weight_bytes, fp32_weight_bytes];
+- quality of int8 against fp32 on `text` (see engine.quant.quality) [ppl_increase (a fraction),
+  top1_agreement, logit_rms_error, ppl_fp32, ppl_int8].
+Targets (issue 5, bench-0.5b): int8_tpot_ms <= 2.5 x int8_tpot_bound_ms; fp32/int8 TPOT >= 3;
+int8 TTFT no worse than fp32. A *ratio* divides two contenders' times; `*_over_bound` a time by
+its bound.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+
+from ragspeed.bench.common import machine_line, write_json
+from ragspeed.bench.engine import (
+    _NativeContender,
+    _random_prompt,
+    _TransformersContender,
+    BandwidthProbe,
+)
+from ragspeed.engine.config import EngineConfig
+
+
+def run_bench_quant(
+    model: str = "bench-0.5b",
+    json_path: str | None = None,
+    *,
+    text: str,
+    prompt_len: int = 64,
+    output_len: int = 32,
+    ttft_prompt_len: int = 512,
+    repeats: int = 3,
+    threads: int = 2,
+    with_transformers: bool = True,
+    quality_window: int = 128,
+    quality_windows: int = 16,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Measure int8 vs fp32 (and transformers); print a table, return flat JSON."""
+    from ragspeed.engine.llm_engine import LLMEngine
+    from ragspeed.engine.loader import resolve_model_path
+    from ragspeed.engine.quant.quality import compare_quality, text_windows
+
+    for name, value in [
+        ("prompt_len", prompt_len), ("output_len", output_len), ("repeats", repeats),
+        ("ttft_prompt_len", ttft_prompt_len), ("threads", threads),
+        ("quality_window", quality_window), ("quality_windows", quality_windows),
+    ]:
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if output_len < 2:
+        raise ValueError(f"output_len must be >= 2 (a TPOT needs two tokens), got {output_len}")
+    if not Path(text).is_file():
+        raise ValueError(f"text {text!r} is not a file")
+    torch.set_num_threads(threads)
+    path = resolve_model_path(model)
+    max_model_len = max(prompt_len + output_len, ttft_prompt_len + 1, quality_window)
+    engines = {
+        quantization or "fp32": LLMEngine(EngineConfig(
+            model=str(path),
+            quantization=quantization,
+            max_model_len=max_model_len,
+            num_kv_cache_tokens=max_model_len + 1024,
+            max_num_seqs=4,
+            enable_prefix_caching=False,  # repeated prompts must not hit the cache
+            seed=seed,
+        ))
+        for quantization in ("int8", None)
+    }
+    contenders: dict[str, Any] = {name: _NativeContender(e) for name, e in engines.items()}
+    if with_transformers:
+        contenders["transformers"] = _TransformersContender(path)
+    vocab = engines["fp32"].arch.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+
+    probe = BandwidthProbe()
+    results: dict[str, Any] = {
+        "model": model,
+        "threads": threads,
+        "load_avg_1m": os.getloadavg()[0],
+        "prompt_len": prompt_len,
+        "output_len": output_len,
+        "repeats": repeats,
+    }
+    with torch.inference_mode():
+        for contender in contenders.values():  # warm-up: prefill and decode paths once
+            contender.tpot(_random_prompt(gen, 32, vocab), 4)
+        # Contenders alternate within each repeat, so a change of the machine's speed during
+        # the run (this VM's read bandwidth switches between ~33 and ~55 GB/s) reaches all of
+        # them alike instead of tilting the ratios; medians over the repeats.
+        tpots: dict[str, list[float]] = {name: [] for name in contenders}
+        ttfts: dict[str, list[float]] = {name: [] for name in engines}
+        for _ in range(repeats):
+            prompt = _random_prompt(gen, prompt_len, vocab)
+            for name, contender in contenders.items():
+                tpots[name].append(contender.tpot(prompt, output_len))
+        for _ in range(repeats):
+            prompt = _random_prompt(gen, ttft_prompt_len, vocab)
+            for name in engines:
+                ttfts[name].append(contenders[name].ttft(prompt))
+        for name, times in tpots.items():
+            results[f"{name}_tpot_ms"] = statistics.median(times) * 1e3
+        for name, times in ttfts.items():
+            results[f"{name}_ttft_{ttft_prompt_len}_ms"] = statistics.median(times) * 1e3
+
+    results.update(probe.finish())
+    bandwidth = probe.bandwidth
+    for name, engine in engines.items():
+        stats = engine.stats()
+        results[f"{name}_weight_bytes"] = int(stats["weight_bytes"])
+        per_token = engine.loaded.model.num_weight_bytes_per_token
+        results[f"{name}_weight_bytes_per_token"] = per_token
+        results[f"{name}_tpot_bound_ms"] = per_token / bandwidth * 1e3
+        results[f"{name}_tpot_over_bound"] = (
+            results[f"{name}_tpot_ms"] / results[f"{name}_tpot_bound_ms"]
+        )
+    results["fp32_over_int8_tpot"] = results["fp32_tpot_ms"] / results["int8_tpot_ms"]
+    results["int8_over_fp32_ttft"] = (
+        results[f"int8_ttft_{ttft_prompt_len}_ms"] / results[f"fp32_ttft_{ttft_prompt_len}_ms"]
+    )
+    if with_transformers:
+        results["transformers_tpot_bound_ms"] = results["fp32_tpot_bound_ms"]
+        results["transformers_tpot_over_bound"] = (
+            results["transformers_tpot_ms"] / results["transformers_tpot_bound_ms"]
+        )
+
+    windows = text_windows(
+        engines["fp32"].tokenizer, text, window=quality_window, num_windows=quality_windows
+    )
+    quality = compare_quality(engines["fp32"].loaded, engines["int8"].loaded, windows)
+    results.update(
+        quality_tokens=quality.num_predictions,
+        ppl_fp32=quality.ppl_reference,
+        ppl_int8=quality.ppl_quantized,
+        ppl_increase=quality.ppl_increase,
+        top1_agreement=quality.top1_agreement,
+        logit_rms_error=quality.logit_rms_error,
+    )
+    results["target_int8_tpot_within_2_5x_bound"] = results["int8_tpot_over_bound"] <= 2.5
+    results["target_fp32_over_int8_tpot_ge_3"] = results["fp32_over_int8_tpot"] >= 3
+    results["target_int8_ttft_no_worse"] = results["int8_over_fp32_ttft"] <= 1.0
+    print_table(results, ttft_prompt_len)
+    write_json(json_path, results)
+    return results
+
+
+def print_table(r: dict[str, Any], ttft_len: int) -> None:
+    def fmt(value: Any) -> str:
+        return "-" if value is None else f"{value:,.1f}"
+
+    print(machine_line(r["threads"]))
+    print(
+        f"model {r['model']}, {r['threads']} threads, load {r['load_avg_1m']:.1f}: "
+        f"read {r['read_bandwidth_gb_s']:.1f} GB/s"
+    )
+    print(f"{'contender':<16}{'TPOT ms':>10}{'bound ms':>10}{'/bound':>8}"
+          f"{f'TTFT {ttft_len} ms':>15}{'weights MB':>12}")
+    for name in ("int8", "fp32", "transformers"):
+        if f"{name}_tpot_ms" not in r:
+            continue
+        ttft = r.get(f"{name}_ttft_{ttft_len}_ms")
+        weight = r.get(f"{name}_weight_bytes")
+        print(
+            f"{name:<16}{fmt(r[f'{name}_tpot_ms']):>10}{fmt(r[f'{name}_tpot_bound_ms']):>10}"
+            f"{r[f'{name}_tpot_over_bound']:>7.2f}x{fmt(ttft):>15}"
+            f"{fmt(None if weight is None else weight / 1e6):>12}"
+        )
+    print(
+        f"fp32/int8 TPOT {r['fp32_over_int8_tpot']:.2f}x, int8/fp32 TTFT "
+        f"{r['int8_over_fp32_ttft']:.2f}x; int8 vs fp32 on {r['quality_tokens']} tokens: "
+        f"ppl {r['ppl_fp32']:.2f} -> {r['ppl_int8']:.2f} ({r['ppl_increase']:+.2%}), "
+        f"top-1 agreement {r['top1_agreement']:.2%}, logit RMS error {r['logit_rms_error']:.3f}"
+    )
+    targets = [k for k in r if k.startswith("target_")]
+    print("targets: " + ", ".join(f"{k[7:]}={'pass' if r[k] else 'FAIL'}" for k in targets))
+
+
+@click.command("quant")
+@click.option("--model", default="bench-0.5b", help="model-zoo name, local folder or hub id")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
+              help="write the flat JSON figures here")
+@click.option("--repeats", default=3, type=int, help="runs per figure; the median is reported")
+@click.option("--threads", default=2, type=int, help="torch CPU threads")
+@click.option("--output-len", default=32, type=int, help="tokens per TPOT run")
+@click.option("--transformers/--no-transformers", "with_transformers", default=True,
+              help="run the baseline beside")
+@click.option("--text", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="text file for perplexity and agreement (e.g. ../shared/data/wikitext2_raw_test.txt)")
+def bench_quant(model: str, json_path: str | None, repeats: int, threads: int, output_len: int,
+                with_transformers: bool, text: str) -> None:
+    """int8 vs fp32 weights: TPOT beside the bandwidth bound, TTFT, perplexity, agreement."""
+    try:
+        run_bench_quant(
+            model, json_path, repeats=repeats, threads=threads, output_len=output_len,
+            with_transformers=with_transformers, text=text,
+        )
+    except ValueError as error:
+        raise click.UsageError(str(error)) from error

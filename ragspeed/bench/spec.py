@@ -1,0 +1,315 @@
+"""`ragspeed bench spec`: speculative decoding (prompt lookup, draft model) in the native engine.
+
+Figures (one run; warm-up first; medians of `repeats` runs; JSON keys in brackets), greedy:
+- batch 1, extractive RAG prompts from nq_dev.jsonl (the documents, then an instruction to
+  quote the passage that answers), each prompt run without and with n-gram speculation, side by
+  side: decode tokens/s = (output tokens - 1) / (time of the last token - time of the first),
+  the median over prompts and repeats [plain_decode_tokens_per_s, ngram_decode_tokens_per_s,
+  ngram_speedup = ngram / plain], acceptance rate and mean accepted length [ngram_acceptance,
+  ngram_mean_accepted_length], and whether both gave the same tokens [outputs_identical].
+- batch 1, wiki-style prompts (the first 64 tokens of held-out passages of the demo's split, as
+  plain text to continue), without speculation and with the draft model (`--draft-model`,
+  default the distilled demo draft; its weights as `--draft-quantization` says, default int8 on
+  a CPU [draft_quantization]), side by side: [draft_plain_decode_tokens_per_s,
+  draft_decode_tokens_per_s, draft_speedup = draft / plain], acceptance and mean accepted
+  length over the timed runs [draft_acceptance, draft_mean_accepted_length],
+  [draft_outputs_identical], and the timed steps the controller ran without drafts
+  [draft_steps_switched_off].
+- batch 16 of the RAG prompts at once, adaptive speculation on (the default controller):
+  output tokens/s over the whole run [batch16_plain_tokens_per_s, batch16_ngram_tokens_per_s,
+  batch16_ratio = ngram / plain].
+- the ceiling of prompt lookup on this machine and model: batch 1, the RAG prompts, drafts that
+  replay the plain run's own greedy output (every draft accepted), k drafts a step: what
+  verification costs against a plain step, whatever a proposer guesses
+  [ceiling_decode_tokens_per_s, ceiling_speedup = ceiling / plain, ceiling_acceptance (1.0
+  unless batched and lone greedy runs disagree)].
+A *ratio* or *speedup* divides the speculative contender's rate by the plain one's.
+Targets (issue 6): ngram_speedup >= 2; draft_speedup >= 1.5; batch16_ratio >= 0.95.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+
+from ragspeed.bench.common import machine_line, write_json
+from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.protocol import GenerationRequest, SamplingParams
+
+SYSTEM = "Answer the question by quoting the documents."
+INSTRUCTION = "Quote the passage that answers the question: {question}"
+
+
+def rag_prompts(data_path: Path, tokenizer, num_prompts: int, num_documents: int) -> list[tuple]:
+    """Chat prompts: numbered documents, then the instruction, through the chat template."""
+    prompts = []
+    with open(data_path) as f:
+        for line in f:
+            if len(prompts) == num_prompts:
+                break
+            example = json.loads(line)
+            docs = example["documents"][:num_documents]
+            body = "\n\n".join(f"[{i}] {d['title']}: {d['text']}" for i, d in enumerate(docs, 1))
+            messages = [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": body + "\n\n" + INSTRUCTION.format(**example)},
+            ]
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            prompts.append(tuple(int(t) for t in ids))
+    if not prompts:
+        raise click.BadParameter(f"no examples in {data_path}", param_hint="--data")
+    return prompts
+
+
+def wiki_prompts(data_dir: Path, tokenizer, num_prompts: int, num_tokens: int) -> list[tuple]:
+    """Plain-text prompts: bos + the first `num_tokens` tokens of held-out wiki passages (the
+    demo model's and the draft's held-out split, so neither was trained on them)."""
+    from ragspeed.training.corpus import load_corpus
+    from ragspeed.training.distill import text_prompts
+
+    passages = load_corpus(data_dir, seed=0).heldout_passages
+    prompts = text_prompts(tokenizer, passages, num_tokens)[:num_prompts]
+    if not prompts:
+        raise click.BadParameter(f"no held-out passages in {data_dir}", param_hint="--data")
+    return prompts
+
+
+def _median_rates(contenders: dict, prompts: list[tuple], max_tokens: int, repeats: int):
+    """Batch-1 decode rate per (prompt, repeat), the contenders alternating; whether every
+    contender gave the first one's tokens."""
+    rates: dict[str, list[float]] = {name: [] for name in contenders}
+    identical = True
+    for _ in range(repeats):
+        for prompt in prompts:
+            outs = []
+            for name, contender in contenders.items():
+                ((ids, times),) = contender.run([prompt], max_tokens)
+                outs.append(ids)
+                rates[name].append((len(ids) - 1) / (times[-1] - times[0]))
+            identical &= all(ids == outs[0] for ids in outs)
+    return {name: statistics.median(r) for name, r in rates.items()}, identical
+
+
+class ReplayProposer:
+    """Drafts each prompt's recorded greedy continuation (the target's own output), so every
+    draft is accepted: speculation's best case, for the ceiling figure."""
+
+    name = "replay"
+
+    def __init__(self, continuations: dict[tuple, list[int]]):
+        self.continuations = continuations
+
+    def propose_batch(self, requests, num_tokens) -> list[list[int]]:
+        drafts = []
+        for request, k in zip(requests, num_tokens):
+            output = self.continuations.get(tuple(request.prompt_token_ids), [])
+            done = request.num_output_tokens
+            drafts.append(list(output[done : done + k]))
+        return drafts
+
+    def release(self, request_id: str) -> None:
+        pass
+
+
+class _Contender:
+    def __init__(self, engine):
+        self.engine = engine
+        self._ids = 0
+
+    def run(self, prompts: list[tuple], max_tokens: int) -> list[tuple[list[int], list[float]]]:
+        """Requests together; per request its token ids and their arrival times."""
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        start = time.perf_counter()
+        results: dict[str, tuple[list[int], list[float]]] = {}
+        for prompt in prompts:
+            self._ids += 1
+            request_id = f"spec-bench-{self._ids}"
+            results[request_id] = ([], [])
+            self.engine.add_request(GenerationRequest(request_id, prompt, params))
+        while self.engine.has_unfinished():
+            outputs = self.engine.step()
+            now = time.perf_counter() - start
+            for out in outputs:
+                ids, times = results[out.request_id]
+                ids.extend(out.delta.token_ids)
+                times.extend([now] * len(out.delta.token_ids))
+        return list(results.values())
+
+
+def run_bench_spec(
+    model: str = "ragspeed-demo",
+    *,
+    data_path: Path,
+    num_prompts: int = 8,
+    num_documents: int = 3,
+    max_tokens: int = 64,
+    batch_max_tokens: int = 32,
+    num_speculative_tokens: int = 4,
+    repeats: int = 3,
+    threads: int = 2,
+    draft_model: str | Path | None = None,
+    draft_quantization: str | None = "auto",
+    wiki_prompt_tokens: int = 64,
+) -> dict[str, Any]:
+    from ragspeed.engine.llm_engine import LLMEngine
+    from ragspeed.engine.loader import load_model, resolve_model_path
+    from ragspeed.engine.spec_decode.draft import draft_quantization as resolve_draft_quantization
+
+    draft_model = str(draft_model or "ragspeed-demo-draft")
+
+    torch.set_num_threads(threads)
+    base = EngineConfig(model=model, num_kv_cache_tokens=32 * 1024, max_model_len=4096)
+    loaded = load_model(resolve_model_path(model), device="cpu", dtype="float32", max_model_len=4096)
+    plain = LLMEngine(base, loaded=loaded)
+    spec_config = replace(base, speculative="ngram", num_speculative_tokens=num_speculative_tokens)
+    ngram = LLMEngine(spec_config, loaded=loaded, tokenizer=plain.tokenizer)
+    draft_config = replace(
+        base, speculative="draft", draft_model=draft_model, draft_quantization=draft_quantization,
+        num_speculative_tokens=num_speculative_tokens,
+    )
+    draft = LLMEngine(draft_config, loaded=loaded, tokenizer=plain.tokenizer)
+    ceiling = LLMEngine(spec_config, loaded=loaded, tokenizer=plain.tokenizer)
+    prompts = rag_prompts(data_path, plain.tokenizer, max(num_prompts, 16), num_documents)
+    wiki = wiki_prompts(data_path.parent, plain.tokenizer, num_prompts, wiki_prompt_tokens)
+    contenders = {"plain": _Contender(plain), "ngram": _Contender(ngram)}
+    draft_contenders = {"plain": contenders["plain"], "draft": _Contender(draft)}
+    for engine in (plain, ngram, draft, ceiling):
+        # Touch every page of the KV pool now: first writes fault pages in, which would
+        # otherwise be timed (the free list hands out never-used blocks before reused ones).
+        engine.kv_pool.kv.fill_(0.0)
+    for c in contenders.values():  # warm-up: both step shapes (verification too), both batches
+        for prompt in prompts[:num_prompts]:
+            c.run([prompt], max_tokens)
+        c.run(prompts[:16], 4)
+    for prompt in wiki:
+        draft_contenders["draft"].run([prompt], max_tokens)
+    ceiling.speculator.proposer = ReplayProposer(
+        {p: ids for p, (ids, _) in zip(prompts, contenders["plain"].run(prompts[:num_prompts], max_tokens))}
+    )
+    ceiling_contenders = {"plain": contenders["plain"], "ceiling": _Contender(ceiling)}
+    for prompt in prompts[:num_prompts]:
+        ceiling_contenders["ceiling"].run([prompt], max_tokens)
+
+    # batch 1: one decode rate per (prompt, repeat), the contenders alternating; medians
+    # (robust to the stalls other processes cause on a shared machine)
+    rates, identical = _median_rates(contenders, prompts[:num_prompts], max_tokens, repeats)
+    spec_stats = ngram.stats()
+
+    # batch 1, wiki prompts: plain against the draft model; acceptance over the timed runs only
+    before = draft.stats()
+    draft_rates, draft_identical = _median_rates(draft_contenders, wiki, max_tokens, repeats)
+    after = draft.stats()
+    num_drafted = after["spec_draft_tokens"] - before["spec_draft_tokens"]
+    num_accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    num_verified = after["spec_verifications"] - before["spec_verifications"]
+    num_switched_off = after["spec_steps_switched_off"] - before["spec_steps_switched_off"]
+
+    # batch 1, RAG prompts: plain against drafts that are always right
+    ceiling_rates, _ = _median_rates(ceiling_contenders, prompts[:num_prompts], max_tokens, repeats)
+
+    # batch 16: adaptive speculation against none, whole-run output rate
+    batch: dict[str, list[float]] = {"plain": [], "ngram": []}
+    for _ in range(repeats):
+        for name, contender in contenders.items():
+            start = time.perf_counter()
+            outs = contender.run(prompts[:16], batch_max_tokens)
+            batch[name].append(sum(len(ids) for ids, _ in outs) / (time.perf_counter() - start))
+
+    plain_rate, ngram_rate = rates["plain"], rates["ngram"]
+    b_plain, b_ngram = statistics.median(batch["plain"]), statistics.median(batch["ngram"])
+    return {
+        "model": model,
+        "num_prompts": num_prompts,
+        "mean_prompt_tokens": statistics.mean(len(p) for p in prompts[:num_prompts]),
+        "max_tokens": max_tokens,
+        "num_speculative_tokens": num_speculative_tokens,
+        "plain_decode_tokens_per_s": plain_rate,
+        "ngram_decode_tokens_per_s": ngram_rate,
+        "ngram_speedup": ngram_rate / plain_rate,
+        "ngram_acceptance": spec_stats["spec_acceptance_rate"],
+        "ngram_mean_accepted_length": spec_stats["spec_mean_accepted_length"],
+        "outputs_identical": identical,
+        "draft_model": draft_model,
+        "draft_quantization": resolve_draft_quantization(draft_config) or "none",
+        "num_wiki_prompts": len(wiki),
+        "mean_wiki_prompt_tokens": statistics.mean(len(p) for p in wiki),
+        "draft_plain_decode_tokens_per_s": draft_rates["plain"],
+        "draft_decode_tokens_per_s": draft_rates["draft"],
+        "draft_speedup": draft_rates["draft"] / draft_rates["plain"],
+        "draft_acceptance": num_accepted / num_drafted if num_drafted else 0.0,
+        "draft_mean_accepted_length": num_accepted / num_verified if num_verified else 0.0,
+        "draft_outputs_identical": draft_identical,
+        "draft_steps_switched_off": num_switched_off,
+        "ceiling_decode_tokens_per_s": ceiling_rates["ceiling"],
+        "ceiling_speedup": ceiling_rates["ceiling"] / ceiling_rates["plain"],
+        "ceiling_acceptance": ceiling.stats()["spec_acceptance_rate"],
+        "batch16_plain_tokens_per_s": b_plain,
+        "batch16_ngram_tokens_per_s": b_ngram,
+        "batch16_ratio": b_ngram / b_plain,
+        "batch16_steps_switched_off": ngram.stats()["spec_steps_switched_off"],
+        "threads": threads,
+    }
+
+
+def print_table(r: dict[str, Any]) -> None:
+    print(machine_line(r["threads"]))
+    print(f"speculative decoding, {r['model']}, greedy, k={r['num_speculative_tokens']}")
+    print(f"batch 1 ({r['num_prompts']} RAG prompts of ~{r['mean_prompt_tokens']:.0f} tokens,"
+          f" {r['max_tokens']} output tokens):")
+    print(f"  decode tokens/s   plain {r['plain_decode_tokens_per_s']:8.1f}"
+          f"   ngram {r['ngram_decode_tokens_per_s']:8.1f}   speedup {r['ngram_speedup']:.2f}x"
+          f"  (target >= 2)")
+    print(f"  acceptance {r['ngram_acceptance']:.3f}, mean accepted length"
+          f" {r['ngram_mean_accepted_length']:.2f}, outputs identical: {r['outputs_identical']}")
+    print(f"  ceiling (drafts replay the plain output, all accepted):"
+          f" {r['ceiling_decode_tokens_per_s']:8.1f} tokens/s, speedup {r['ceiling_speedup']:.2f}x")
+    print(f"batch 1 ({r['num_wiki_prompts']} wiki prompts of"
+          f" ~{r['mean_wiki_prompt_tokens']:.0f} tokens, draft {Path(r['draft_model']).name},"
+          f" {r['draft_quantization']} weights):")
+    print(f"  decode tokens/s   plain {r['draft_plain_decode_tokens_per_s']:8.1f}"
+          f"   draft {r['draft_decode_tokens_per_s']:8.1f}   speedup {r['draft_speedup']:.2f}x"
+          f"  (target >= 1.5)")
+    print(f"  acceptance {r['draft_acceptance']:.3f}, mean accepted length"
+          f" {r['draft_mean_accepted_length']:.2f}, outputs identical:"
+          f" {r['draft_outputs_identical']}")
+    print(f"batch 16 (adaptive):  plain {r['batch16_plain_tokens_per_s']:8.1f} tokens/s"
+          f"   ngram {r['batch16_ngram_tokens_per_s']:8.1f}   ratio {r['batch16_ratio']:.2f}"
+          f"  (target >= 0.95)")
+
+
+@click.command("spec")
+@click.option("--model", default="ragspeed-demo", show_default=True, help="target model")
+@click.option("--data", "data_path", required=True,
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="nq_dev.jsonl; wiki_passages.txt and wikitext2_raw_test.txt beside it (e.g. ../shared/data)")
+@click.option("--num-prompts", default=8, show_default=True, type=click.IntRange(1, 16))
+@click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(2))
+@click.option("--num-speculative-tokens", default=4, show_default=True, type=click.IntRange(1))
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1))
+@click.option("--threads", default=2, show_default=True, type=click.IntRange(1))
+@click.option("--draft-model", default=None, type=click.Path(exists=True, file_okay=False),
+              help="draft model folder  [default: the bundled ragspeed-demo-draft]")
+@click.option("--draft-quantization", default="auto", show_default=True,
+              type=click.Choice(["auto", "none", "int8"]),
+              help="the draft's weights (auto: int8 on a CPU)")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
+              help="write the flat JSON figures here")
+def bench_spec(model, data_path, num_prompts, max_tokens, num_speculative_tokens, repeats,
+               threads, draft_model, draft_quantization, json_path) -> None:
+    """Speculative decoding on and off: prompt lookup and draft model at batch 1, batch-16 ratio."""
+    result = run_bench_spec(
+        model, data_path=data_path, num_prompts=num_prompts, max_tokens=max_tokens,
+        num_speculative_tokens=num_speculative_tokens, repeats=repeats, threads=threads,
+        draft_model=draft_model, draft_quantization=draft_quantization,
+    )
+    print_table(result)
+    write_json(json_path, result)

@@ -1,0 +1,207 @@
+"""`ragspeed eval compression` (every method side by side with the baselines, in one run) and
+`ragspeed eval retrieval` (recall and latency of dense, BM25 and hybrid search; the index at scale).
+
+Command logic lives in plain functions returning dicts; the click commands print them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ragspeed.bench.common import machine_line, print_rows, write_json
+from ragspeed.evals.compression import FACTORS, evaluate, flatten, format_table, load_examples
+from ragspeed.retrieval.config import IndexConfig, RetrievalConfig
+from ragspeed.retrieval.errors import RetrievalError
+
+DEFAULT_METHODS = "first-docs,bm25,fast,coarse-to-fine"
+
+
+@click.group(name="eval")
+def eval_group() -> None:
+    """Quality evaluations of compression and retrieval on QA data files."""
+
+
+def load_tokenizer(name_or_path: str | None):
+    """A tokenizer by local path or name; default: the bundled MiniLM's."""
+    from transformers import AutoTokenizer
+
+    from ragspeed.compression.scoring.static_encoder import minilm_path
+
+    try:
+        return AutoTokenizer.from_pretrained(name_or_path or minilm_path())
+    except (OSError, ValueError) as exc:
+        raise click.BadParameter(f"cannot load tokenizer {name_or_path!r}: {exc}", param_hint="--tokenizer") from exc
+
+
+def run_compression_eval(
+    data: str,
+    *,
+    limit: int | None = None,
+    methods: str = DEFAULT_METHODS,
+    factors: tuple[int, ...] = FACTORS,
+    tokenizer: str | None = None,
+    llmlingua2_model: str | None = None,
+    order: str = "original",
+    cold_every_factor: bool = False,
+) -> dict:
+    """Run the evaluation; returns {"flat": {...}, "results": {...}, "setup": {...}}."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from ragspeed.compression.registry import build_compressor
+    from ragspeed.compression.scoring.embedding_cache import EmbeddingCache
+    from ragspeed.compression.scoring.static_encoder import ensure_static_model
+
+    examples = load_examples(data, limit)
+    tok = load_tokenizer(tokenizer)
+    names = [m.strip() for m in methods.split(",") if m.strip()]
+    if llmlingua2_model and "llmlingua2" not in names:
+        names.append("llmlingua2")
+    import torch
+
+    setup: dict = {
+        "num_examples": len(examples),
+        "cpu_load_1min": os.getloadavg()[0],
+        "tokenizer": tokenizer or "minilm",
+        "torch_threads": torch.get_num_threads(),
+    }
+    if {"fast", "coarse-to-fine"} & set(names):
+        _, setup["static_distill_s"] = ensure_static_model()
+    compressors = {}
+    for name in names:
+        start = time.perf_counter()
+        if name in ("fast", "coarse-to-fine"):
+            compressors[name] = build_compressor(name, cache=EmbeddingCache(100_000), order=order)
+        elif name == "llmlingua2":
+            compressors[name] = build_compressor(name, model_path=llmlingua2_model)
+        else:
+            compressors[name] = build_compressor(name)
+        setup[f"{name}_load_s"] = round(time.perf_counter() - start, 2)
+    results = evaluate(examples, compressors, tok, factors=factors, cold_every_factor=cold_every_factor)
+    setup["cpu_load_1min_after"] = os.getloadavg()[0]
+    return {"flat": flatten(results), "results": results, "setup": setup}
+
+
+@eval_group.command("compression")
+@click.option("--data", required=True, type=click.Path(path_type=Path),
+              help="QA jsonl (nq_dev.jsonl, hotpot_dev100.jsonl)")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False, path_type=Path),
+              help="write the flat figures here")
+@click.option("--limit", default=None, type=click.IntRange(min=1), help="first N examples")
+@click.option("--methods", default=DEFAULT_METHODS, help="comma-separated method names")
+@click.option("--rates", default="4,8,16,32", help="compression factors (4 = keep 1/4)")
+@click.option("--tokenizer", default=None, help="target tokenizer: local path or name")
+@click.option("--llmlingua2-model", default=None, help="local LLMLingua-2 folder")
+@click.option("--order", default="original", help="original | edges")
+@click.option("--cold-every-rate", "cold_every_factor", is_flag=True,
+              help="cold latency at every rate, not only the first")
+@click.option("--threads", default=None, type=click.IntRange(min=1),
+              help="torch threads for this run (default: torch's)")
+def compression_command(data: Path, json_path: Path | None, limit: int | None, methods: str, rates: str,
+                        tokenizer: str | None, llmlingua2_model: str | None, order: str,
+                        cold_every_factor: bool, threads: int | None) -> None:
+    """Answer retention, achieved ratio and cold/warm latency, per method and rate."""
+    try:
+        factors = tuple(int(r) for r in rates.split(","))
+    except ValueError as exc:
+        raise click.BadParameter(f"expected integers like 4,8,16,32, got {rates!r}", param_hint="--rates") from exc
+    if any(f < 1 for f in factors):
+        raise click.BadParameter("factors must be >= 1", param_hint="--rates")
+    if not data.is_file():
+        raise click.BadParameter(f"{data} is not a file", param_hint="--data")
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    out = run_compression_eval(
+        str(data), limit=limit, methods=methods, factors=factors, tokenizer=tokenizer,
+        llmlingua2_model=llmlingua2_model, order=order, cold_every_factor=cold_every_factor,
+    )
+    setup = out["setup"]
+    click.echo(machine_line(setup["torch_threads"]))
+    click.echo(
+        f"{setup['num_examples']} examples from {data}; static model distilled in "
+        f"{setup.get('static_distill_s', 0.0):.1f} s (0 = cached on disk); CPU load "
+        f"{setup['cpu_load_1min']:.1f} -> {setup['cpu_load_1min_after']:.1f}"
+    )
+    click.echo(format_table(out["results"]))
+    if json_path is not None:
+        write_json(json_path, {**out["flat"], **{f"setup_{k}": v for k, v in setup.items()}})
+        click.echo(f"wrote {json_path}")
+
+
+def run_retrieval_eval(
+    data: Path,
+    *,
+    distractors: Path | None,
+    scale_n: int,
+    scale_index: str,
+    scale_queries: int,
+    scale_clusters: int,
+    model: str | None,
+    config: RetrievalConfig | None = None,
+) -> dict[str, Any]:
+    from ragspeed.evals.retrieval import evaluate_quality, evaluate_scale
+
+    result: dict[str, Any] = {}
+    if not data.is_file():
+        raise RetrievalError(f"--data {data} is not a file", "data")
+    if distractors is not None and not distractors.is_file():
+        raise RetrievalError(f"--distractors {distractors} is not a file", "distractors")
+    from ragspeed.retrieval.embedders import SentenceTransformerEmbedder
+
+    config = config or RetrievalConfig()
+    embedder = SentenceTransformerEmbedder(model, progress_min_texts=config.progress_min_texts)
+    result.update(evaluate_quality(data, embedder, config, distractors))
+    if scale_n > 0:
+        # The scale run measures the large-collection index, so "auto" means the large kind.
+        kind = IndexConfig().large_index_kind if scale_index == "auto" else scale_index
+        result.update(
+            evaluate_scale(
+                scale_n, IndexConfig(kind=kind), num_queries=scale_queries, num_clusters=scale_clusters
+            )
+        )
+    return result
+
+
+@eval_group.command("retrieval")
+@click.option("--data", required=True, type=click.Path(path_type=Path), help="NQ-style QA JSONL.")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False, path_type=Path),
+              help="Write flat JSON results here.")
+@click.option("--distractors", default=None, type=click.Path(path_type=Path),
+              help="Text file, one extra passage per line.")
+@click.option("--scale-n", default=1_000_000, type=int, help="Synthetic vectors for the scale run (0 skips it).")
+@click.option("--scale-index", default="auto", help="auto | ivf | hnsw | flat for the scale run.")
+@click.option("--scale-queries", default=1000, type=int, help="Queries timed in the scale run.")
+@click.option("--scale-clusters", default=4096, type=int,
+              help="Gaussian mixture components (~4 per IVF cell at 1M).")
+@click.option("--model", default=None, help="Sentence-transformers model path (default: bundled MiniLM).")
+@click.option("--rrf-k", default=RetrievalConfig().rrf_k, type=int, help="Reciprocal rank fusion constant k.")
+@click.option("--dense-weight", default=RetrievalConfig().dense_weight, type=float,
+              help="Fusion weight of the dense ranking.")
+@click.option("--bm25-weight", default=RetrievalConfig().bm25_weight, type=float,
+              help="Fusion weight of the BM25 ranking.")
+def eval_retrieval_cmd(data: Path, json_path: Path | None, distractors: Path | None, scale_n: int,
+                       scale_index: str, scale_queries: int, scale_clusters: int, model: str | None,
+                       rrf_k: int, dense_weight: float, bm25_weight: float) -> None:
+    """Recall@1/5/20 (dense, BM25, hybrid) and latency on NQ passages; HNSW/IVF at scale."""
+    try:
+        out = run_retrieval_eval(
+            data,
+            distractors=distractors,
+            scale_n=scale_n,
+            scale_index=scale_index,
+            scale_queries=scale_queries,
+            scale_clusters=scale_clusters,
+            model=model,
+            config=RetrievalConfig(rrf_k=rrf_k, dense_weight=dense_weight, bm25_weight=bm25_weight),
+        )
+    except RetrievalError as exc:
+        click.echo(f"error: {getattr(exc, 'message', exc)}", err=True)
+        raise click.exceptions.Exit(2) from exc
+    click.echo(machine_line())
+    print_rows(out.items(), echo=click.echo)
+    write_json(json_path, out)
