@@ -25,7 +25,7 @@ import click
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from ragspeed.gateway import cli
+from ragspeed import cli
 from ragspeed.gateway.settings import Settings
 
 OUTPUT = Path(__file__).resolve().parent / "configuration.md"
@@ -106,7 +106,7 @@ def _serve_flags() -> dict[str, str]:
     command = cli.serve
     if not isinstance(command, click.Command):
         raise TypeError(
-            f"ragspeed.gateway.cli.serve is a {type(command).__name__}, not a click "
+            f"ragspeed.cli.serve is a {type(command).__name__}, not a click "
             "command; teach docs/gen_configuration.py where the serve flags are"
         )
     flags = {}

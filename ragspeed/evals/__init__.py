@@ -1,0 +1,1 @@
+"""Quality evaluations: `ragspeed eval compression` and `ragspeed eval retrieval`."""
