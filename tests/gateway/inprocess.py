@@ -95,10 +95,12 @@ async def serve(settings: Settings, *, ready: bool = True) -> AsyncIterator[Gate
             yield client
 
 
-async def hang_up(client: GatewayClient, path: str, body: dict[str, Any], *,
-                  after_chunks: int, headers: dict[str, str] | None = None) -> tuple[int, list[bytes]]:
-    """POST `body` to the app and disconnect once `after_chunks` body chunks have arrived (as a
-    client closing its socket mid-stream does); returns the status and the chunks received.
+async def hang_up(client: GatewayClient, path: str, body: dict[str, Any], *, after_chunks: int = 0,
+                  when: asyncio.Event | None = None,
+                  headers: dict[str, str] | None = None) -> tuple[int | None, list[bytes]]:
+    """POST `body` to the app and disconnect, as a client closing its socket does, once
+    `after_chunks` body chunks have arrived and `when` (if given) is set; returns the status
+    (None: no response had started) and the chunks received. Returns once the app has returned.
 
     `httpx.ASGITransport` reads a response whole, so this drives the app over ASGI itself.
     """
@@ -106,37 +108,48 @@ async def hang_up(client: GatewayClient, path: str, body: dict[str, Any], *,
     raw_headers = [(b"host", b"gateway.test"), (b"content-type", b"application/json"),
                    (b"content-length", str(len(payload)).encode())]
     raw_headers += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    # spec_version 2.3: the server reports a disconnect through `receive` (Starlette then
+    # cancels the response), not by failing `send`.
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
              "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
              "query_string": b"", "root_path": "", "headers": raw_headers,
              "server": ("gateway.test", 80), "client": ("127.0.0.1", 50000)}
-    gone = asyncio.Event()
+    enough_chunks = asyncio.Event()
+    if after_chunks == 0:
+        enough_chunks.set()
+    closed = asyncio.Event()  # the response ended before the client hung up
+    gone = False
     sent_body = False
-    status = 0
+    status = None
     chunks: list[bytes] = []
 
     async def receive() -> dict[str, Any]:
-        nonlocal sent_body
+        nonlocal sent_body, gone
         if not sent_body:
             sent_body = True
             return {"type": "http.request", "body": payload, "more_body": False}
-        await gone.wait()
+        await enough_chunks.wait()
+        if when is not None:
+            await when.wait()
+        gone = True
         return {"type": "http.disconnect"}
 
     async def send(message: dict[str, Any]) -> None:
         nonlocal status
-        if gone.is_set():
+        if gone:
             return  # a closed socket takes nothing more
         if message["type"] == "http.response.start":
             status = message["status"]
-        elif message["type"] == "http.response.body" and message.get("body"):
-            chunks.append(message["body"])
+        elif message["type"] == "http.response.body":
+            if message.get("body"):
+                chunks.append(message["body"])
             if len(chunks) >= after_chunks:
-                gone.set()
-        if message["type"] == "http.response.body" and not message.get("more_body", False):
-            gone.set()  # the response ended before we hung up
+                enough_chunks.set()
+            if not message.get("more_body", False):
+                closed.set()
 
     await client.app(scope, receive, send)
+    assert not closed.is_set(), f"the response ended before the client hung up: {b''.join(chunks)!r}"
     return status, chunks
 
 
