@@ -108,35 +108,38 @@ class FakeEngine:
         aborted = self._running[request_id] = asyncio.Event()
         pieces = reply.pieces[: request.sampling.max_tokens]
         finish = reply.finish_reason if len(pieces) == len(reply.pieces) else "length"
-        done = False
+        ended = failed = False  # ended: the last delta is out (or the abort delta)
         try:
             self._hold(request_id, num_prompt)
             for index, piece in enumerate(pieces):
                 if reply.error is not None and index == reply.error_at:
-                    done = True
                     raise reply.error
                 if reply.stall is not None and index == reply.stall.at:
                     reply.stall.reached.set()
                     await _first(reply.stall.release, aborted)
                 if aborted.is_set():
+                    ended = True
                     yield TokenDelta("", finish_reason="abort", num_prompt_tokens=num_prompt)
                     return
                 self._hold(request_id, num_prompt + index + 1)
                 last = index == len(pieces) - 1
-                done = last
+                ended = last
                 yield TokenDelta(piece, token_ids=(index + 1,), finish_reason=finish if last else None,
                                  num_prompt_tokens=num_prompt, num_cached_tokens=reply.num_cached_tokens)
             if not pieces:
-                done = True
+                ended = True
                 yield TokenDelta("", finish_reason=finish, num_prompt_tokens=num_prompt)
+        except EngineError:
+            failed = True  # refused (a full pool) or the scripted error: not an abort
+            raise
         finally:
             # Closed early (the gateway's abort), cancelled (a deadline) or failed: free it all.
             self._blocks.pop(request_id, None)
             self._running.pop(request_id, None)
-            if done and reply.error is None:
-                self.finished.append(request_id)
-            elif not done and request_id not in self.aborted:
+            if not (ended or failed):
                 self.aborted.append(request_id)
+            elif ended and not aborted.is_set():  # abort() recorded its own
+                self.finished.append(request_id)
 
     async def abort(self, request_id: str) -> None:
         event = self._running.get(request_id)
