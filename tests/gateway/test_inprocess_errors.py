@@ -103,7 +103,8 @@ async def test_503_when_the_engine_failed_to_start(fake):
         await wait_for(settled, "failed")
         health = await client.get("/healthz")
         response = await client.post("/v1/completions", json={"prompt": "hi"})
-    assert (health.status_code, health.json()) == (503, {"status": "failed", "error": "RuntimeError: weights not found"})
+    assert health.status_code == 503
+    assert health.json() == {"status": "failed", "error": "RuntimeError: weights not found"}
     assert response.status_code == 503
     assert response.json()["error"] == {"message": "the engine failed to start: RuntimeError: weights not found",
                                         "type": "service_unavailable", "param": None, "code": "engine_failed"}

@@ -30,7 +30,8 @@ async def _chat(client, question: str, *, prompt: str | None = None, system: str
     ({"text": "t"}, "name", "missing required parameter 'name'"),
     ({"name": "a" * 65, "text": "t"}, "name", "invalid value for 'name': String should have at most 64 characters"),
     ({"name": "a", "text": "t", "tenant": "x", "cache_salt": "y"}, None, "give either tenant or cache_salt, not both"),
-    ({"name": "a", "text": "t", "colour": "red"}, "colour", "invalid value for 'colour': Extra inputs are not permitted"),
+    ({"name": "a", "text": "t", "colour": "red"}, "colour",
+     "invalid value for 'colour': Extra inputs are not permitted"),
     ({"name": "../x", "text": "t"}, "name", None),
 ])
 async def test_bad_register_bodies_are_400(fake, body, param, message):
@@ -63,6 +64,7 @@ async def test_engines_without_prefix_cache_substitute_text_and_pin_nothing(fake
     assert info["num_tokens"] > 100
     assert again.status_code == 400 and again.json()["error"]["code"] == "prompt_exists"
     body = used.json()
+    assert (used.status_code, inline.status_code) == (200, 200)
     assert body["ragspeed"]["num_static_tokens"] > 100
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     # The registered text became the static system prompt: the same prompt as sending it inline.
