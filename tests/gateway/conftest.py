@@ -1,4 +1,5 @@
-"""Real servers for the gateway tests: a tiny seeded Llama served by `ragspeed serve`."""
+"""Gateway test fixtures: real servers (a tiny seeded Llama served by `ragspeed serve`) for the
+end-to-end tests, and the fake engine for the in-process ones (`tests.gateway.inprocess`)."""
 
 from __future__ import annotations
 
@@ -54,3 +55,26 @@ def gateway_server(transformers_server, tiny_model):
                         "tiny-via-gateway", "--upstream", transformers_server.url,
                         "--upstream-model", "tiny"]) as server:
         yield server
+
+
+# ---------------------------------------------------------------------- in-process (fake engine)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def demo_tokenizer():
+    """The demo model's tokenizer and chat template: what the fake engine tokenizes with (the
+    tiny Llama above has the same, so token counts match the subprocess tests')."""
+    return AutoTokenizer.from_pretrained(resolve_model("ragspeed-demo"))
+
+
+@pytest.fixture
+def fake(monkeypatch, demo_tokenizer):
+    """Backend "fake" registered for this test: `serve(fake_settings(...))` builds its engines."""
+    from tests.gateway.fake_engine import install
+
+    return install(monkeypatch, demo_tokenizer)

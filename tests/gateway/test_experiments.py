@@ -1,14 +1,13 @@
-"""Live A/B experiments: the experiment file, sticky weighted assignment, and a real server."""
+"""Live A/B experiments: the experiment file and sticky weighted assignment (a server running one
+is tested in-process: test_inprocess_experiments.py)."""
 
 from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
 
-import httpx
 import pytest
 
-from ragspeed.bench.launcher import ServerProcess
 from ragspeed.gateway.errors import APIError
 from ragspeed.gateway.experiments import HOLDOUT_ARM, ArmError, ArmHints, ExperimentArm, LiveExperiment, load_experiment
 from ragspeed.gateway.protocol import ChatCompletionRequest
@@ -94,61 +93,3 @@ def test_bad_experiment_files(tmp_path, text, line, message):
 def test_example_live_experiment_loads():
     spec = load_experiment(REPO / "examples/ab/live_experiment.yaml")
     assert (spec.name, [a.name for a in spec.arms], spec.holdout_share) == ("compression-4x", ["control", "compressed"], 0.05)
-
-
-@pytest.fixture(scope="module")
-def experiment_server(tiny_model, tmp_path_factory):
-    path = tmp_path_factory.mktemp("exp") / "live.yaml"
-    write(path, "name: live\nsticky_by: user\narms:\n  control: {weight: 1, ragspeed: {compression: false}}\n"
-                "  short:\n    weight: 1\n    engine: {max_model_len: 32}\n")
-    with ServerProcess(["--engine", "transformers", "--model", str(tiny_model), "--served-model-name", "tiny",
-                        "--experiment", str(path)]) as server:
-        yield server
-
-
-def _chat(server, content: str, user: str | None = None, arm: str | None = None) -> httpx.Response:
-    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 3, "temperature": 0}
-    if user:
-        body["user"] = user
-    headers = {"x-ragspeed-arm": arm} if arm else {}
-    return httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers, timeout=60)
-
-
-def test_live_server_splits_and_reports(experiment_server):
-    server = experiment_server
-    arms = []
-    for i in range(8):
-        response = _chat(server, "hi", user=f"user-{i}")
-        assert response.status_code == 200, response.text
-        assert response.headers["x-ragspeed-arm"] == response.json()["ragspeed"]["arm"]
-        arms.append(response.json()["ragspeed"]["arm"])
-    assert set(arms) == {"control", "short"}
-    assert _chat(server, "hi", user="user-3").json()["ragspeed"]["arm"] == arms[3]  # sticky
-    # The arm that owns an engine with a 32-token context refuses a long prompt; the control serves it.
-    long = "the history of the city " * 12
-    refused = _chat(server, long, arm="short")
-    assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
-    assert _chat(server, long, arm="control").status_code == 200
-    bad = _chat(server, "hi", arm="nope")
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-ragspeed-arm"
-
-    summary = httpx.get(f"{server.url}/v1/experiments/live", timeout=10).json()
-    control, short = summary["arms"]["control"], summary["arms"]["short"]
-    assert control["assigned"] == arms.count("control") + (arms[3] == "control") + 1
-    assert short["completed"] == arms.count("short") + (arms[3] == "short")
-    assert set(control["ttft_ms"]) == {"p50", "p90", "p99"} and control["e2e_ms"]["p50"] > 0
-    assert httpx.get(f"{server.url}/v1/experiments", timeout=10).json()["data"][0]["name"] == "live"
-    missing = httpx.get(f"{server.url}/v1/experiments/other", timeout=10)
-    assert missing.status_code == 404 and missing.json()["error"]["code"] == "experiment_not_found"
-    metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
-    assert 'ragspeed_e2e_request_latency_seconds_count{arm="short",model="tiny"}' in metrics
-
-
-def test_serve_refuses_a_bad_experiment_file(tiny_model, tmp_path):
-    path = write(tmp_path / "bad.yaml", "arms:\n  a: {weight: 0}\n")
-    server = ServerProcess(["--engine", "transformers", "--model", str(tiny_model), "--experiment", str(path)],
-                           ready_timeout_s=60)
-    with pytest.raises(RuntimeError) as exc:
-        server.start()
-    server.stop()
-    assert f"{path}:1: key 'arms': the arms' weights must sum to a positive number" in str(exc.value)

@@ -1,11 +1,15 @@
-"""Compression through the gateway: per-request options, figures in the response, bad input."""
+"""Compression through the gateway, in-process over the fake engine (the demo tokenizer, as the
+tiny Llama's): per-request options, figures in the response, bad input."""
 
 from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
+
+from tests.gateway.inprocess import fake_settings, serve
+
+pytestmark = pytest.mark.anyio
 
 QUESTION = "Who received the first Nobel Prize in Physics?"
 
@@ -17,18 +21,19 @@ def documents(shared_data):
     return [{"title": d["title"], "text": d["text"]} for d in example["documents"][:8]], example["question"]
 
 
-def chat(server, **body):
-    return httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+async def chat(client, **body):
+    return await client.post("/v1/chat/completions", json={
         "messages": [{"role": "system", "content": "Answer from the documents."},
                      {"role": "user", "content": body.pop("question", QUESTION)}],
         "max_tokens": 2, "temperature": 0, **body})
 
 
-def test_per_request_compression_shrinks_the_prompt(transformers_server, documents):
+async def test_per_request_compression_shrinks_the_prompt(fake, documents):
     docs, question = documents
-    plain = chat(transformers_server, documents=docs, question=question).json()
-    squeezed = chat(transformers_server, documents=docs, question=question,
-                    ragspeed={"compression": {"method": "bm25", "rate": 0.25}}).json()
+    async with serve(fake_settings()) as client:
+        plain = (await chat(client, documents=docs, question=question)).json()
+        squeezed = (await chat(client, documents=docs, question=question,
+                               ragspeed={"compression": {"method": "bm25", "rate": 0.25}})).json()
     report = squeezed["ragspeed"]["compression"]
     assert report["method"] == "bm25" and not report["failed"] and report["skipped_reason"] is None
     assert report["original_tokens"] > 1000
@@ -39,9 +44,10 @@ def test_per_request_compression_shrinks_the_prompt(transformers_server, documen
     assert "compression" not in plain["ragspeed"]  # the server default is off
 
 
-def test_short_documents_skip_compression(transformers_server):
-    body = chat(transformers_server, documents=["Röntgen won it in 1901."],
-                ragspeed={"compression": {"method": "bm25", "rate": 0.5}}).json()
+async def test_short_documents_skip_compression(fake):
+    async with serve(fake_settings()) as client:
+        body = (await chat(client, documents=["Röntgen won it in 1901."],
+                           ragspeed={"compression": {"method": "bm25", "rate": 0.5}})).json()
     assert body["ragspeed"]["compression"]["skipped_reason"] == "below_break_even"
 
 
@@ -50,7 +56,8 @@ def test_short_documents_skip_compression(transformers_server):
     ({"method": "bm25", "target_tokens": 3}, "ragspeed.compression.target_tokens"),
     ({"method": "bm25", "rate": 0}, "ragspeed.compression.rate"),
 ])
-def test_bad_compression_options(transformers_server, documents, compression, param):
-    response = chat(transformers_server, documents=documents[0], ragspeed={"compression": compression})
+async def test_bad_compression_options(fake, documents, compression, param):
+    async with serve(fake_settings()) as client:
+        response = await chat(client, documents=documents[0], ragspeed={"compression": compression})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
