@@ -5,7 +5,8 @@ template exactly as a request with only that system message starts (`gateway.pro
 it once and pins its full KV blocks in the native engine, so they are never evicted while it is
 registered; it is also saved to `prompt_cache_dir` (KV, token ids, model and tokenizer
 fingerprint; `engine.prefix_store`) and restored at start-up, so a restart does not pay the
-prefill again. A chat request names it with `ragspeed.system_prompt`: its text becomes the
+prefill again. The engine does the pinning, exporting and restoring through its
+`PrefixCacheControl` (`engine.protocol`). A chat request names it with `ragspeed.system_prompt`: its text becomes the
 request's static system prompt. Such a request must not carry a system message of its own (400:
 two system prompts would be ambiguous, and silently merging them would change the prefix).
 
@@ -15,8 +16,9 @@ that salt themselves (auth off); neither: requests without a salt. A request of 
 may still name the prompt (its text is substituted) but never hits those blocks: tenants never
 share a block (DESIGN.md, contract 3).
 
-Engines without a prefix cache (transformers, openai, native with caching off): the registry
-still works by text substitution; nothing is pinned (`pinned_tokens: 0`).
+Engines without a prefix cache (`prefix_cache()` is None: transformers, openai, vllm, native
+with caching off): the registry still works by text substitution; nothing is pinned
+(`pinned_tokens: 0`).
 """
 
 from __future__ import annotations
@@ -24,15 +26,19 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ragspeed.engine.protocol import EngineClient, PrefixCacheControl
 from ragspeed.gateway.errors import APIError
 from ragspeed.gateway.prompt import Segments, assemble_prompt
 from ragspeed.gateway.security import tenant_cache_salt
 from ragspeed.prompt_cache.registry import PromptRegistry, RegisteredPrompt, validate_prompt_name
+
+if TYPE_CHECKING:  # the store is torch's half; imported when a directory is set
+    from ragspeed.engine.prefix_store import PrefixStore
 
 logger = logging.getLogger("ragspeed.gateway")
 
@@ -46,23 +52,25 @@ def static_prefix_ids(tokenizer: Any, text: str) -> tuple[int, ...]:
 
 
 class PromptService:
-    """Registry + pins + persistence of one engine; built in the lifespan."""
+    """Registry + pins + persistence over one engine's `PrefixCacheControl`; built with the app."""
 
-    def __init__(self, engine: Any, directory: str | None):
-        self.engine = engine
+    def __init__(self, engine: EngineClient, directory: str | None):
+        self._engine = engine  # for its tokenizer, there once the engine has started
+        self.cache: PrefixCacheControl | None = engine.prefix_cache()
         self.directory = directory
         self.registry = PromptRegistry()
-        self._store: Any = None  # engine.prefix_store.PrefixStore, once the engine is up
+        self._store: PrefixStore | None = None  # once the engine is up and a directory is set
         self._lock = asyncio.Lock()
 
     @property
     def pins(self) -> bool:
         """Whether this engine pins blocks (the native engine with prefix caching on)."""
-        return callable(getattr(self.engine, "call", None)) and bool(
-            getattr(self.engine.config, "enable_prefix_caching", False))
+        return self.cache is not None
 
     def pinned_tokens(self, prompt: RegisteredPrompt) -> int:
-        return len(prompt.block_ids) * self.engine.config.block_size if prompt.block_ids else 0
+        if self.cache is None or not prompt.block_ids:
+            return 0
+        return len(prompt.block_ids) * self.cache.block_size
 
     def describe(self, prompt: RegisteredPrompt) -> dict[str, Any]:
         return {"object": "prompt", "name": prompt.name, "text": prompt.text,
@@ -71,24 +79,23 @@ class PromptService:
 
     async def start(self) -> None:
         """After the engine started: open the store and restore every saved prefix."""
-        if not self.pins or self.directory is None:
+        cache = self.cache
+        if cache is None or self.directory is None:
             return
-        from ragspeed.engine.prefix_store import PrefixStore, engine_fingerprint, restore_prefix
+        from ragspeed.engine.prefix_store import PrefixStore
 
-        fingerprint = await self.engine.call(engine_fingerprint)
-        self._store = PrefixStore(self.directory, fingerprint)
+        self._store = PrefixStore(self.directory, await cache.fingerprint())
         for saved, kv in await asyncio.to_thread(self._store.load_all):
             if saved.name in self.registry:
                 continue
-            block_ids = await self.engine.call(
-                lambda e, s=saved, k=kv: restore_prefix(e, s.token_ids, k, s.cache_salt))
+            block_ids = await cache.restore(saved.token_ids, kv, saved.cache_salt)
             if block_ids is None:
                 logger.warning("saved prompt %s not restored: the KV pool is full", saved.name)
                 continue
             self.registry.register(saved.name, saved.token_ids, block_ids, text=saved.text,
                                    cache_salt=saved.cache_salt)
             logger.info("restored prompt %s: %d tokens, %d pinned", saved.name,
-                        len(saved.token_ids), len(block_ids) * self.engine.config.block_size)
+                        len(saved.token_ids), len(block_ids) * cache.block_size)
 
     async def register(self, name: str, text: str, cache_salt: str | None) -> RegisteredPrompt:
         validate_prompt_name(name)
@@ -96,17 +103,16 @@ class PromptService:
             if name in self.registry:
                 raise APIError(400, f"a prompt named '{name}' is already registered; delete it first",
                                param="name", code="prompt_exists")
-            token_ids = static_prefix_ids(self.engine.tokenizer, text)
+            token_ids = static_prefix_ids(self._engine.tokenizer, text)
             if not token_ids:
                 raise APIError(400, "text renders to no tokens", param="text")
             block_ids: tuple[int, ...] = ()
-            if self.pins:
-                from ragspeed.engine.prefix_store import PinnedPrefix, export_kv, pin_prefix
-
-                await self.engine.warm(token_ids, cache_salt)
-                block_ids = await self.engine.call(lambda e: pin_prefix(e, token_ids, cache_salt))
+            if self.cache is not None:
+                block_ids = await self.cache.pin(token_ids, cache_salt)
                 if self._store is not None and block_ids:
-                    kv = await self.engine.call(lambda e: export_kv(e, block_ids))
+                    from ragspeed.engine.prefix_store import PinnedPrefix
+
+                    kv = await self.cache.export(block_ids)
                     prefix = PinnedPrefix(name, token_ids, block_ids, text, cache_salt)
                     await asyncio.to_thread(self._store.save, prefix, kv)
             return self.registry.register(name, token_ids, block_ids, text=text,
@@ -117,10 +123,8 @@ class PromptService:
             prompt = self.registry.remove(name)
             if prompt is None:
                 return None
-            if prompt.block_ids:
-                from ragspeed.engine.prefix_store import unpin_prefix
-
-                await self.engine.call(lambda e: unpin_prefix(e, prompt.block_ids))
+            if prompt.block_ids and self.cache is not None:
+                await self.cache.unpin(prompt.block_ids)
             if self._store is not None:
                 await asyncio.to_thread(self._store.delete, name)
             return prompt
