@@ -165,8 +165,10 @@ def test_prompt_longer_than_context_is_refused(transformers_server):
     response = httpx.post(f"{transformers_server.url}/v1/chat/completions",
                           json={"messages": [{"role": "user", "content": long_text}], "max_tokens": 4})
     assert response.status_code == 400
-    assert response.json()["error"]["param"] == "messages"
-    assert "4096" in response.json()["error"]["message"]
+    error = response.json()["error"]
+    assert error["param"] == "messages" and error["code"] == "context_length_exceeded"
+    # The one context check's message (engine.protocol.check_context_length).
+    assert error["message"].endswith("plus max_tokens (4) exceeds the model's context of 4096 tokens")
 
 
 def test_models_health_and_metrics(transformers_server, client):
