@@ -1,4 +1,4 @@
-"""The one protocol between the gateway and every engine backend (DESIGN.md, contract 2).
+"""The one protocol between the gateway and every engine backend (docs/architecture.md, contract 2).
 
 Terms used across the engine:
 

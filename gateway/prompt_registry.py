@@ -14,7 +14,7 @@ Tenants: the blocks are pinned under one cache salt. `tenant` pins them for that
 keys (their requests carry `tenant_cache_salt(tenant)`); `cache_salt` for clients that send
 that salt themselves (auth off); neither: requests without a salt. A request of another tenant
 may still name the prompt (its text is substituted) but never hits those blocks: tenants never
-share a block (DESIGN.md, contract 3).
+share a block (docs/architecture.md, contract 3).
 
 Engines without a prefix cache (`prefix_cache()` is None: transformers, openai, vllm, native
 with caching off): the registry still works by text substitution; nothing is pinned
