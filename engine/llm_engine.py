@@ -168,14 +168,17 @@ class LLMEngine:
         logits = self.runner.execute(output)
         self.scheduler.update_computed(output)
         results: list[StepOutput] = []
+        new_token_ids: dict[str, list[int]] = {}
         sampling = [c.request for c in output.chunks if c.samples]
         if logits is not None and any(c.draft_token_ids for c in output.chunks):
-            results.extend(self._sample_speculative(output.chunks, logits))
+            new_token_ids = self._sample_speculative(output.chunks, logits, results)
         elif logits is not None:
             tokens = self.sampler(logits, [r.sampling for r in sampling])
             logprobs = _logprobs(logits, list(range(len(tokens))), sampling, tokens)
             for request, token, logprob in zip(sampling, tokens, logprobs):
+                new_token_ids[request.request_id] = [token]
                 results.append(self._append_token(request, token, logprob))
+        self.scheduler.update_from_output(output, new_token_ids)
         for chunk in output.prefills:
             request = chunk.request
             if request.prefill_only and request.num_computed_tokens == request.num_tokens:
@@ -192,10 +195,12 @@ class LLMEngine:
         return results
 
     def _sample_speculative(
-        self, chunks: tuple[ScheduledChunk, ...], logits: torch.Tensor
-    ) -> list[StepOutput]:
+        self, chunks: tuple[ScheduledChunk, ...], logits: torch.Tensor, results: list[StepOutput]
+    ) -> dict[str, list[int]]:
         """A step with draft tokens: logits [num_sampling_rows, vocab] hold one row per plain
-        sampling chunk and 1 + k rows per decode with k drafts (engine.model_runner)."""
+        sampling chunk and 1 + k rows per decode with k drafts (engine.model_runner). Appends
+        the tokens (deltas into `results`); returns request id -> the tokens sampled or verified,
+        for the scheduler to commit the accepted drafts."""
         plain: list[tuple[ScheduledChunk, int]] = []
         spec: list[tuple[ScheduledChunk, int]] = []
         row = 0
@@ -224,7 +229,6 @@ class LLMEngine:
         computed = _logprobs(logits, pick_rows, pick_requests, pick_tokens)
         for request, logprob in zip(pick_requests, computed):
             logprobs.setdefault(request.request_id, []).append(logprob)
-        results: list[StepOutput] = []
         for chunk, _ in sorted(plain + spec, key=lambda item: item[1]):
             request = chunk.request
             tokens = new_tokens[request.request_id]
@@ -232,17 +236,7 @@ class LLMEngine:
                 results.append(self._append_token(request, token, logprob))
                 if request.is_finished:
                     break
-            request.spec_token_ids = []
-            if chunk.draft_token_ids and not request.is_finished:
-                # The accepted drafts' KV was written by this step: commit them. The rejected
-                # ones' slots are overwritten later; blocks wholly beyond the tokens are freed.
-                request.num_computed_tokens += len(tokens) - 1
-                self.manager.cache_blocks(
-                    request.request_id, request.all_token_ids, request.num_computed_tokens,
-                    request.cache_salt,
-                )
-                self.manager.trim(request.request_id, request.num_tokens)
-        return results
+        return new_tokens
 
     def _first_delta(
         self,

@@ -8,6 +8,8 @@ Terms used across the engine:
 - *cached tokens*: prompt tokens whose KV came from the prefix cache instead of a prefill.
 - *delta*: what one engine step adds to a request's output: token ids and the text they decode
   to (never a split UTF-8 character).
+- *pinned prefix*: a static prefix whose full cached blocks carry an extra reference, so they
+  are never evicted while it is pinned (a registered prompt, `PrefixCacheControl`).
 - *logprobs*: the natural log of a token's probability under the model's raw next-token
   distribution, log_softmax of the unprocessed logits (vLLM's default `raw_logprobs`): before
   temperature, top-k, top-p or min-p, so they do not depend on the sampling parameters.
@@ -120,6 +122,39 @@ class UpstreamTimeoutError(UpstreamError):
 
 
 @runtime_checkable
+class PrefixCacheControl(Protocol):
+    """Pinned static prefixes in an engine's prefix cache: what the prompt registry needs of an
+    engine (`EngineClient.prefix_cache`). Block ids are the engine's own; pass them back as
+    returned. The KV that `export` returns and `restore` takes is the engine's own layout
+    (the native engine: a tensor `[2, num_layers, num_blocks, block_size, num_kv_heads,
+    head_dim]`), saved and loaded by the store that `fingerprint` keys."""
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block: a pin of n blocks holds n * block_size prompt tokens."""
+
+    async def fingerprint(self) -> dict[str, Any]:
+        """What must be equal for exported KV to be restored here (model, tokenizer, layout)."""
+
+    async def pin(self, token_ids: tuple[int, ...], cache_salt: str | None) -> tuple[int, ...]:
+        """Prefill `token_ids` into the cache and pin its full blocks under `cache_salt`;
+        returns the pinned block ids (the longest cached prefix, () if nothing fits)."""
+
+    async def unpin(self, block_ids: tuple[int, ...]) -> None:
+        """Drop a pin (`block_ids` as `pin` or `restore` returned them); the blocks stay cached
+        and become evictable."""
+
+    async def export(self, block_ids: tuple[int, ...]) -> Any:
+        """A copy of the KV of `block_ids`, in order, for a store to save."""
+
+    async def restore(
+        self, token_ids: tuple[int, ...], kv: Any, cache_salt: str | None
+    ) -> tuple[int, ...] | None:
+        """Put exported KV of `token_ids`' leading full blocks back into the cache, pinned;
+        returns the pinned block ids, or None while the pool has no room."""
+
+
+@runtime_checkable
 class EngineClient(Protocol):
     """What the gateway needs of a backend. Implementations are built by `engine.backends`."""
 
@@ -147,3 +182,7 @@ class EngineClient(Protocol):
 
     def stats(self) -> dict[str, float]:
         """Numbers for /metrics: blocks in use, cache hits, and so on."""
+
+    def prefix_cache(self) -> PrefixCacheControl | None:
+        """This engine's pinned-prefix control; None when it has no prefix cache to pin in (a
+        remote upstream, the transformers baseline, the native engine with caching off)."""

@@ -12,6 +12,10 @@ Each step:
 2. If nothing was preempted, waiting requests are admitted strictly first-come first-served
    (the head of the queue blocks those behind it, so nobody starves) while the budget, the
    pool and `max_num_seqs` allow, starting from their prefix-cache hit.
+3. After the forward pass, `update_computed` commits each chunk's real tokens (their full blocks
+   enter the prefix cache, before a request that finishes this step frees them); after the
+   engine appended the sampled tokens, `update_from_output` commits the accepted drafts and
+   drops the rejected ones' blocks (vLLM's `Scheduler.update_from_output`).
 
 The scheduler talks to the `KVCacheManager` only: block ids, never the pool's tensors.
 """
@@ -19,7 +23,7 @@ The scheduler talks to the `KVCacheManager` only: block ids, never the pool's te
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ragspeed.engine.request import Request, RequestStatus
@@ -237,9 +241,36 @@ class Scheduler:
             request = chunk.request
             if request.status is not RequestStatus.RUNNING:
                 continue
-            # Drafts' KV is written but uncommitted: the engine counts the accepted ones.
+            # Drafts' KV is written but uncommitted until `update_from_output` has the verdict.
             request.num_computed_tokens = chunk.start + chunk.num_real_tokens
             self.manager.cache_blocks(
+                request.request_id,
+                request.all_token_ids,
+                request.num_computed_tokens,
+                request.cache_salt,
+            )
+
+    def update_from_output(
+        self, output: SchedulerOutput, new_token_ids: Mapping[str, Sequence[int]]
+    ) -> None:
+        """After the step's tokens were appended to their requests (`new_token_ids`: request id
+        -> the tokens this step sampled or verified): commit the accepted drafts.
+
+        A decode with k drafts queried positions start .. start + k; `update_computed` counted
+        only position `start`. With n tokens appended (n - 1 accepted drafts, then the recovered
+        or bonus token), positions start .. start + n - 1 hold KV of committed tokens, so
+        `num_computed_tokens` becomes start + n, one short of `num_tokens` (the last token is
+        the next step's decode). Blocks that held only rejected drafts go back to the pool.
+        Requests that finished this step already gave all their blocks back.
+        """
+        for chunk in output.chunks:
+            request = chunk.request
+            request.spec_token_ids = []  # drafts are proposed afresh for every step
+            if not chunk.draft_token_ids or request.status is not RequestStatus.RUNNING:
+                continue
+            num_accepted = len(new_token_ids[request.request_id]) - 1
+            request.num_computed_tokens += num_accepted
+            self.manager.commit_speculative(
                 request.request_id,
                 request.all_token_ids,
                 request.num_computed_tokens,

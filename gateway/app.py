@@ -1,7 +1,9 @@
-"""The app factory: `create_app(settings)`; the lifespan builds everything onto `app.state`.
+"""The app factory: `create_app(settings)`; the lifespan builds an `AppState` (gateway.state)
+onto `app.state.services`.
 
-The engine loads in the background so that `/healthz` can answer "loading" (503) meanwhile;
-requests are served once it is ready.
+The engines, the compression stage's models and retrieval's embedder load in the background, so
+that `/healthz` can answer "loading" (503) meanwhile; the pipeline is built once all of them are
+loaded, and requests are served from then on.
 """
 
 from __future__ import annotations
@@ -9,26 +11,35 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
 from ragspeed.engine.backends import build_engine
+from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.protocol import EngineClient
 from ragspeed.gateway.compress import CompressionStage
-from ragspeed.gateway.retrieval_service import RetrievalService
 from ragspeed.gateway.errors import install_error_handlers
 from ragspeed.gateway.experiments import ArmError, ArmHintsMiddleware, build_live_experiment
 from ragspeed.gateway.limits import AdmissionMiddleware, AdmissionQueue, BodyLimitMiddleware, Rejections
 from ragspeed.gateway.metrics import GatewayMetrics
 from ragspeed.gateway.pipeline import Pipeline
+from ragspeed.gateway.prompt_registry import PromptService
+from ragspeed.gateway.retrieval_service import RetrievalService
 from ragspeed.gateway.routes import collections, experiments, openai, ops, prompts
 from ragspeed.gateway.security import KeyRing, SecurityMiddleware, warn_if_exposed
 from ragspeed.gateway.settings import ConfigError, Settings
+from ragspeed.gateway.state import AppState
 
 logger = logging.getLogger("ragspeed.gateway")
 
 
-def create_app(settings: Settings) -> FastAPI:
+def create_app(
+    settings: Settings, *, engine_factory: Callable[[EngineConfig], EngineClient] = build_engine
+) -> FastAPI:
+    """The app; `engine_factory` builds the main engine and each A/B arm's own (tests pass a
+    fake)."""
     keyring = KeyRing(settings.api_keys, settings.admin_key_hashes)
     rejections = Rejections()
     experiment = None
@@ -40,41 +51,42 @@ def create_app(settings: Settings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        state = app.state
-        state.settings = settings
-        state.started_at = int(time.time())
         warn_if_exposed(settings.host, keyring, logger)
-        state.metrics = GatewayMetrics()
-        state.metrics.registry.register(rejections.counter)
-        state.engine = build_engine(settings.engine_config())
-        state.engine_ready, state.engine_error = False, None
+        metrics = GatewayMetrics()
+        metrics.registry.register(rejections.counter)
+        engine = engine_factory(settings.engine_config())
         # A/B arms with `engine` overrides get an engine of their own, started with the main one.
-        state.experiment = experiment
-        arm_engines = {arm.name: build_engine(settings.model_copy(update=dict(arm.engine)).engine_config())
+        arm_engines = {arm.name: engine_factory(settings.model_copy(update=dict(arm.engine)).engine_config())
                        for arm in (experiment.spec.arms if experiment else ()) if arm.engine}
-        state.pipeline = Pipeline(settings=settings, engine=state.engine, metrics=state.metrics,
-                                  experiment=experiment, arm_engines=arm_engines)
-        state.metrics.watch_engine(state.engine.stats, settings.model_id)
-        state.retrieval = RetrievalService(settings)
-        state.pipeline.retrieve = state.retrieval
-        state.prompts = prompts.PromptService(state.engine, settings.prompt_cache_dir)
-        state.pipeline.prompts = state.prompts
+        metrics.watch_engine(engine.stats, settings.model_id)
+        state = AppState(
+            settings=settings, metrics=metrics, engine=engine,
+            retrieval=RetrievalService(settings),
+            prompts=PromptService(engine, settings.prompt_cache_dir),
+            started_at=int(time.time()), experiment=experiment, arm_engines=arm_engines,
+        )
+        app.state.services = state
 
         async def load() -> None:
             t0 = time.perf_counter()
             try:
-                await state.engine.start()
+                await engine.start()
                 for arm_engine in arm_engines.values():
                     await arm_engine.start()
                 await state.prompts.start()  # restore the pinned prompts saved before a restart
-                compress = CompressionStage(settings, state.engine.tokenizer)
-                await asyncio.to_thread(compress.warm)
-                state.pipeline.compress = compress
+                state.compression = CompressionStage(settings, engine.tokenizer)
+                await asyncio.to_thread(state.compression.warm)
+                await asyncio.to_thread(state.retrieval.warm)
             except Exception as exc:
                 state.engine_error = f"{type(exc).__name__}: {exc}"
                 logger.exception("engine %s failed to start", settings.engine)
                 return
-            state.engine_ready = True
+            # Every service is loaded: the pipeline is complete from its first request on.
+            state.pipeline = Pipeline(
+                settings=settings, engine=engine, metrics=metrics, compress=state.compression,
+                retrieve=state.retrieval, prompts=state.prompts, experiment=experiment,
+                arm_engines=arm_engines,
+            )
             logger.info("engine %s ready with %s in %.1f s", settings.engine, settings.model,
                         time.perf_counter() - t0)
 
@@ -84,7 +96,7 @@ def create_app(settings: Settings) -> FastAPI:
         finally:
             loading.cancel()
             await asyncio.gather(loading, return_exceptions=True)
-            await state.engine.shutdown()
+            await engine.shutdown()
             for arm_engine in arm_engines.values():
                 await arm_engine.shutdown()
 

@@ -14,7 +14,7 @@ from typing import Any
 from ragspeed.compression import CompressionError, CompressionPolicy, apply_policy, build_compressor
 from ragspeed.compression.scoring.embedding_cache import EmbeddingCache
 from ragspeed.gateway.errors import APIError
-from ragspeed.gateway.pipeline import CompressionReport
+from ragspeed.gateway.prepare import CompressionReport
 from ragspeed.gateway.prompt import Document, Segments
 from ragspeed.gateway.protocol import CompressionOptions
 from ragspeed.gateway.settings import Settings

@@ -1,13 +1,16 @@
 """Gateway-side retrieval: the collection store behind `/v1/collections` and `ragspeed.retrieval`.
 
-The store (and the embedding model it needs) is built on first use, so a server that never
-retrieves never loads it. Store calls are synchronous; routes run them in a worker thread.
+The store (and the embedding model it needs) is built at start-up (`warm`) when the collections
+folder holds a collection, so no request pays the load; a server without any collection builds
+it when the first one is created, and one that never retrieves never loads the model. Store
+calls are synchronous; routes run them in a worker thread.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from ragspeed.gateway.errors import APIError
@@ -33,6 +36,14 @@ class RetrievalService:
                 embedder = SentenceTransformerEmbedder(self._settings.embedding_model)
                 self._store = CollectionStore(self._settings.collections_dir, embedder)
             return self._store
+
+    def warm(self) -> None:
+        """Build the store now (the embedding model and every collection) if there is any
+        collection to serve; thread-blocking, run it in a worker thread."""
+        from ragspeed.retrieval.store import SUFFIX
+
+        if any(Path(self._settings.collections_dir).glob(f"*{SUFFIX}")):
+            self.store  # noqa: B018 -- the property builds it
 
     def call(self, method: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a store method, mapping retrieval errors onto HTTP errors."""

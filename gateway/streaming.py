@@ -21,7 +21,7 @@ from ragspeed.engine.protocol import EngineError, TokenDelta
 from ragspeed.gateway.errors import error_body
 from ragspeed.gateway.limits import DeadlineExceeded
 from ragspeed.gateway.logprobs import LogprobsFormatter
-from ragspeed.gateway.pipeline import Generation
+from ragspeed.gateway.run import Generation
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ async def complete(gen: Generation, shape: Shape, request: Request) -> JSONRespo
         "id": f"{'chatcmpl' if shape.chat else 'cmpl'}-{gen.prepared.request_id}",
         "object": shape.object_name,
         "created": int(time.time()),
-        "model": gen.pipeline.settings.model_id,
+        "model": gen.model_id,
         "choices": [{"index": 0, **shape.whole(gen.text), "finish_reason": gen.finish_reason,
                      "logprobs": logprobs}],
         "usage": gen.usage(),
@@ -118,7 +118,7 @@ async def stream(gen: Generation, shape: Shape, include_usage: bool) -> Streamin
         "id": f"{'chatcmpl' if shape.chat else 'cmpl'}-{gen.prepared.request_id}",
         "object": shape.chunk_object,
         "created": int(time.time()),
-        "model": gen.pipeline.settings.model_id,
+        "model": gen.model_id,
     }
 
     formatter = None

@@ -9,8 +9,9 @@ The scheduler's cycle for a request:
    calls grow the block table as prefill chunks, decoded tokens and draft tokens need slots.
 3. `cache_blocks(request_id, token_ids, num_computed_tokens, cache_salt)` after each step writes
    KV: the newly full blocks of committed tokens enter the cache. Draft tokens are never passed.
-4. `trim(request_id, num_tokens)` after a rejected draft; `free(request_id)` when finished,
-   aborted or preempted.
+4. `commit_speculative(request_id, token_ids, num_computed_tokens)` after a step that verified
+   draft tokens: the accepted drafts' full blocks enter the cache and the rejected drafts' blocks
+   are dropped (`trim`); `free(request_id)` when finished, aborted or preempted.
 
 Terms: a *computed* token has its KV in the request's blocks; a *cached* block is a full block
 with a hash in the pool's map, reusable by any request with the same prefix and salt; a *pinned*
@@ -328,6 +329,21 @@ class KVCacheManager:
         # for the cache; reverse keeps the convention of `free`.
         self.block_pool.free_blocks(reversed(dropped))
         return [block.block_id for block in dropped if block.ref_cnt == 0]
+
+    def commit_speculative(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_computed_tokens: int,
+        cache_salt: str | None = None,
+    ) -> list[int]:
+        """A step verified draft tokens: `token_ids` are the request's tokens after it (accepted
+        drafts and the recovered or bonus token appended), the first `num_computed_tokens` of
+        them with KV written (the last one's KV is computed by the next step). Their full blocks
+        enter the cache; the blocks beyond `len(token_ids)` tokens, which held only rejected
+        drafts, are dropped. Returns the freed block ids, as `trim`."""
+        self.cache_blocks(request_id, token_ids, num_computed_tokens, cache_salt)
+        return self.trim(request_id, len(token_ids))
 
     def free(self, request_id: str) -> None:
         """Release a finished/aborted request: ref-1 on each block; zero-ref blocks go to the

@@ -23,7 +23,20 @@ import torch
 
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.llm_engine import LLMEngine, StepOutput
-from ragspeed.engine.protocol import EngineError, GenerationRequest, SamplingParams, TokenDelta
+from ragspeed.engine.prefix_store import (
+    engine_fingerprint,
+    export_kv,
+    pin_prefix,
+    restore_prefix,
+    unpin_prefix,
+)
+from ragspeed.engine.protocol import (
+    EngineError,
+    GenerationRequest,
+    PrefixCacheControl,
+    SamplingParams,
+    TokenDelta,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -229,3 +242,36 @@ class NativeEngine:
         if self._engine is None:
             return {}
         return self._engine.stats()
+
+    def prefix_cache(self) -> PrefixCacheControl | None:
+        return NativePrefixCache(self) if self.config.enable_prefix_caching else None
+
+
+class NativePrefixCache:
+    """`PrefixCacheControl` of a `NativeEngine`: each operation runs on the engine thread
+    (`engine.prefix_store`'s functions touch the block manager and the KV pool)."""
+
+    def __init__(self, engine: NativeEngine):
+        self._engine = engine
+
+    @property
+    def block_size(self) -> int:
+        return self._engine.config.block_size
+
+    async def fingerprint(self) -> dict[str, Any]:
+        return await self._engine.call(engine_fingerprint)
+
+    async def pin(self, token_ids: tuple[int, ...], cache_salt: str | None) -> tuple[int, ...]:
+        await self._engine.warm(token_ids, cache_salt)
+        return await self._engine.call(lambda e: pin_prefix(e, token_ids, cache_salt))
+
+    async def unpin(self, block_ids: tuple[int, ...]) -> None:
+        await self._engine.call(lambda e: unpin_prefix(e, block_ids))
+
+    async def export(self, block_ids: tuple[int, ...]) -> torch.Tensor:
+        return await self._engine.call(lambda e: export_kv(e, block_ids))
+
+    async def restore(
+        self, token_ids: tuple[int, ...], kv: torch.Tensor, cache_salt: str | None
+    ) -> tuple[int, ...] | None:
+        return await self._engine.call(lambda e: restore_prefix(e, token_ids, kv, cache_salt))

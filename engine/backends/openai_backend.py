@@ -172,6 +172,9 @@ class OpenAIEngine:
         open_circuits = sum(b.state != "closed" for b in self._breakers.values())
         return {**self._counters, "upstream_circuits_open": float(open_circuits)}
 
+    def prefix_cache(self) -> None:
+        return None  # each upstream's cache is its own; nothing here can pin in it
+
     def _pick_upstream(self, request: GenerationRequest, exclude: tuple[str, ...] = ()) -> str:
         """The static prefix's upstream (affinity on, skipping `exclude`: those this request
         already failed on), else the next upstream, round robin, whose circuit lets it through."""

@@ -22,9 +22,9 @@ from ragspeed.engine.model_zoo import resolve_model
 from ragspeed.engine.protocol import (
     EngineError,
     GenerationRequest,
-    PromptTooLongError,
     SamplingParams,
     TokenDelta,
+    check_context_length,
 )
 from ragspeed.engine.stop import StopStringMatcher
 
@@ -124,6 +124,9 @@ class TransformersEngine:
     def stats(self) -> dict[str, float]:
         return {"requests_total": float(self._num_requests)}
 
+    def prefix_cache(self) -> None:
+        return None  # no prefix cache in the baseline
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         if request.sampling.logprobs is not None:
             # generate() streams ids only; its scores come after the last token, processed.
@@ -131,14 +134,8 @@ class TransformersEngine:
                 "the transformers backend does not support logprobs; use the native engine",
                 param="logprobs", code="logprobs_unsupported",
             )
-        num_prompt = len(request.prompt_token_ids)
-        if num_prompt + request.sampling.max_tokens > self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt ({num_prompt} tokens) plus max_tokens ({request.sampling.max_tokens}) "
-                f"exceeds the model's context of {self.max_model_len} tokens",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
+        check_context_length(len(request.prompt_token_ids), request.sampling.max_tokens,
+                             self.max_model_len)
         cancel = threading.Event()
         self._cancel_events[request.request_id] = cancel
         try:

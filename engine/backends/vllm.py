@@ -230,6 +230,9 @@ class VLLMEngine:
     def stats(self) -> dict[str, float]:
         return {"requests_total": float(self._num_requests)}
 
+    def prefix_cache(self) -> None:
+        return None  # vLLM caches prefixes but offers no pins
+
 
 __all__ = [
     "VLLMEngine",

@@ -9,6 +9,8 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from ragspeed.gateway.dependencies import retrieval_service
+
 router = APIRouter(prefix="/v1/collections")
 
 
@@ -43,7 +45,7 @@ class Query(_Body):
 
 
 async def _run(request: Request, name: str, *args: Any, **kwargs: Any) -> Any:
-    service = request.app.state.retrieval
+    service = retrieval_service(request)
     return await asyncio.to_thread(lambda: service.call(getattr(service.store, name), *args, **kwargs))
 
 

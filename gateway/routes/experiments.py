@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
+from ragspeed.gateway.dependencies import app_state
 from ragspeed.gateway.errors import APIError
 
 router = APIRouter()
 
 
 def _experiments(request: Request) -> dict:
-    experiment = getattr(request.app.state, "experiment", None)
+    experiment = app_state(request).experiment
     return {experiment.spec.name: experiment} if experiment is not None else {}
 
 

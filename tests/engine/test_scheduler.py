@@ -139,3 +139,71 @@ def test_finish_frees_blocks_and_prefix_cache_hits_skip_compute():
     assert [(c.start, c.num_tokens) for c in out.chunks] == [(8, 2)]
     assert again.num_cached_tokens == 8
     manager.check_invariants()
+
+
+def _decode_with_drafts(scheduler: Scheduler, request: Request, drafts: list[int]):
+    """Prefill `request`, append its first token 7, then schedule one decode with `drafts`."""
+    finish_step(scheduler, scheduler.schedule())
+    request.spec_token_ids = drafts
+    out = scheduler.schedule()
+    scheduler.update_computed(out)
+    return out
+
+
+def test_update_from_output_commits_accepted_drafts_and_trims_rejected_blocks():
+    manager = KVCacheManager(8, 4, enable_caching=True)
+    scheduler = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=16)
+    a = make_request("a", 6)  # prompt 101..106
+    scheduler.add(a)
+    out = _decode_with_drafts(scheduler, a, [8, 9, 10, 11, 12, 13])
+    # 7 tokens + 6 drafts need 4 blocks; the decode queries its last token and the drafts
+    assert shape(out) == [("a", 6, 7, (0, 1, 2, 3))]
+    assert out.chunks[0].draft_token_ids == (8, 9, 10, 11, 12, 13)
+    assert a.num_computed_tokens == 7  # the drafts' KV is written, not yet committed
+
+    # Verification accepted drafts 8 and 9, then drew 42 where 10 was proposed.
+    a.all_token_ids.extend([8, 9, 42])
+    scheduler.update_from_output(out, {"a": [8, 9, 42]})
+    assert a.num_computed_tokens == 9  # the prompt, 7, 8 and 9; 42 is the next decode
+    assert a.spec_token_ids == []
+    assert manager.block_table("a") == [0, 1, 2]  # 10 tokens fit in 3 blocks; block 3 freed
+    assert manager.num_free_blocks == 5
+    # Blocks 0 and 1 (101..106, 7, 8) are committed: another request with that prefix hits them.
+    hit = manager.get_computed_blocks([101, 102, 103, 104, 105, 106, 7, 8, 5], record_stats=False)
+    assert hit == ([0, 1], 8)
+    manager.check_invariants()
+
+    out = scheduler.schedule()
+    assert shape(out) == [("a", 9, 1, (0, 1, 2))]
+
+
+def test_update_from_output_with_every_draft_rejected_keeps_only_the_decode():
+    manager = KVCacheManager(8, 4, enable_caching=True)
+    scheduler = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=16)
+    a = make_request("a", 6)
+    scheduler.add(a)
+    out = _decode_with_drafts(scheduler, a, [8, 9, 10, 11, 12, 13])
+    a.all_token_ids.append(42)  # the first draft was rejected: only the recovered token
+    scheduler.update_from_output(out, {"a": [42]})
+    assert a.num_computed_tokens == 7
+    assert manager.block_table("a") == [0, 1]  # 8 tokens fill 2 blocks; blocks 2 and 3 freed
+    assert manager.num_free_blocks == 6
+    # Block 1 (105, 106, 7, 42) is full but 42 has no KV yet: only block 0 is cached.
+    hit = manager.get_computed_blocks([101, 102, 103, 104, 105, 106, 7, 42, 5], record_stats=False)
+    assert hit == ([0], 4)
+    manager.check_invariants()
+
+
+def test_update_from_output_skips_a_request_that_finished_in_its_accepted_drafts():
+    manager = KVCacheManager(8, 4, enable_caching=True)
+    scheduler = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=16)
+    a = make_request("a", 6)
+    scheduler.add(a)
+    out = _decode_with_drafts(scheduler, a, [8, 9, 10])
+    a.all_token_ids.append(8)  # a stop token among the accepted drafts ends the request
+    scheduler.finish(a, "stop")
+    scheduler.update_from_output(out, {"a": [8, 9, 42]})
+    assert a.num_computed_tokens == 7
+    assert manager.block_table("a") == [] and manager.num_free_blocks == 8
+    assert not scheduler.has_unfinished()
+    manager.check_invariants()

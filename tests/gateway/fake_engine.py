@@ -150,6 +150,9 @@ class FakeEngine:
     async def warm(self, prefix_token_ids: tuple[int, ...], cache_salt: str | None = None) -> int:
         return 0
 
+    def prefix_cache(self) -> None:
+        return None  # no KV to pin: prompts fall back to text substitution, as on a remote engine
+
     def stats(self) -> dict[str, float]:
         used = sum(self._blocks.values())
         return {"num_blocks_total": float(self.num_blocks), "num_blocks_used": float(used),

@@ -64,7 +64,8 @@ async def test_prompt_longer_than_context_is_refused(fake):
     assert response.status_code == 400
     error = response.json()["error"]
     assert (error["param"], error["code"]) == ("messages", "context_length_exceeded")
-    assert error["message"].startswith("this model's context is 4096 tokens; the prompt has ")
+    assert error["message"].startswith("prompt (")
+    assert error["message"].endswith(" tokens) plus max_tokens (4) exceeds the model's context of 4096 tokens")
 
 
 async def test_unknown_route_is_404_in_the_openai_shape(fake):

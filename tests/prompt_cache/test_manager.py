@@ -323,3 +323,16 @@ def test_block_hashes_equal_hash_request_blocks():
     run_prefill(manager, "a", prompt, "tenant")
     cached = [manager.block_pool.blocks[i].block_hash for i in manager.block_table("a")[:3]]
     assert cached == hash_request_blocks(prompt, 4, cache_salt="tenant", extra_key="model-x")
+
+
+def test_commit_speculative_caches_accepted_blocks_and_drops_rejected_ones():
+    manager = KVCacheManager(num_blocks=8, block_size=4)
+    prompt = [1, 2, 3, 4, 5]
+    run_prefill(manager, "a", prompt)  # blocks [0, 1]; block 0 cached
+    assert manager.allocate_slots("a", 5 + 6) == [2]  # six draft tokens need block 2
+    # Drafts 6, 7, 8 accepted, then 9 drawn: 9 tokens, the first 8 with KV.
+    tokens = prompt + [6, 7, 8, 9]
+    assert manager.commit_speculative("a", tokens, 8) == []  # 9 tokens still need block 2
+    assert manager.block_table("a") == [0, 1, 2]
+    assert manager.get_computed_blocks(tokens, record_stats=False) == ([0, 1], 8)
+    manager.check_invariants()

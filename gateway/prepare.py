@@ -1,0 +1,240 @@
+"""Preparing a request: segments -> (retrieval) -> compression -> prompt, each stage timed.
+
+What comes out is a `PreparedRequest`: the engine's `GenerationRequest` (prompt token ids with
+the static prefix first, sampling parameters, cache salt), the engine it runs on (the A/B arm's),
+the stage timings so far and the compression report. Running it is gateway.run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from jinja2 import TemplateError
+
+from ragspeed.engine.protocol import EngineClient, GenerationRequest, SamplingParams, check_context_length
+from ragspeed.gateway.errors import APIError
+from ragspeed.gateway.experiments import LiveExperiment, current_hints
+from ragspeed.gateway.metrics import GatewayMetrics
+from ragspeed.gateway.prompt import Document, Prompt, Segments, assemble_prompt, split_segments
+from ragspeed.gateway.prompt_registry import PromptService
+from ragspeed.gateway.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from ragspeed.gateway.security import Principal, current_principal
+from ragspeed.gateway.settings import Settings
+
+DEFAULT_ARM = "default"
+
+
+class StageTimer:
+    """Seconds per stage of one request, from its arrival (`start`)."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+
+@dataclass(frozen=True)
+class CompressionReport:
+    method: str
+    original_tokens: int
+    compressed_tokens: int
+    seconds: float
+    failed: bool = False  # the compressor raised; the documents went through uncompressed
+    skipped_reason: str | None = None  # e.g. below the break-even length
+
+
+@dataclass
+class PreparedRequest:
+    """A request ready for the engine: what `run.Generation` needs, and what it reports."""
+
+    request_id: str
+    generation: GenerationRequest
+    timer: StageTimer
+    engine: EngineClient  # the engine it runs on: the A/B arm's own, else the server's
+    compression: CompressionReport | None = None
+    arm: str = DEFAULT_ARM
+    principal: Principal | None = None  # the authenticated caller; None with auth off
+    return_prompt: bool = False  # echo the prompt as sent in `ragspeed.prompt`
+
+
+# Compression and retrieval plug in as callables the app builds before the pipeline:
+#   compress(segments, documents, options) -> (documents, CompressionReport | None)
+#   retrieve(question, options) -> documents
+Compress = Callable[[Segments, tuple[Document, ...], Any], tuple[tuple[Document, ...], CompressionReport | None]]
+Retrieve = Callable[[str, Any], list[Document]]
+
+
+def sampling_params(req: _SamplingFields, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens or default_max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=max(req.top_k, 0),
+        min_p=req.min_p,
+        seed=req.seed,
+        stop=tuple(req.stop or ()),
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos,
+        logprobs=req.num_logprobs,
+    )
+
+
+def _reject_lone_surrogates(value: Any, path: str) -> None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, f"'{path}' holds a lone UTF-16 surrogate, which is not valid Unicode",
+                           param=path or None) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _reject_lone_surrogates(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _reject_lone_surrogates(item, f"{path}.{index}")
+
+
+@dataclass(frozen=True)
+class Preparer:
+    """Turns a parsed request into a `PreparedRequest`; raises APIError for what cannot run."""
+
+    settings: Settings
+    engine: EngineClient
+    metrics: GatewayMetrics
+    compress: Compress | None = None
+    retrieve: Retrieve | None = None
+    prompts: PromptService | None = None  # `ragspeed.system_prompt` names a registered prompt
+    experiment: LiveExperiment | None = None  # live A/B arms; None: every request is DEFAULT_ARM
+    arm_engines: Mapping[str, EngineClient] = field(default_factory=dict)  # arms that own an engine
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.settings.model_id:
+            raise APIError(404, f"the model '{model}' does not exist; this server serves "
+                                f"'{self.settings.model_id}'", param="model", code="model_not_found")
+
+    async def chat(self, req: ChatCompletionRequest) -> PreparedRequest:
+        self.check_model(req.model)
+        self.check_input(req)
+        arm = self.experiment.assign(req.user, current_hints()) if self.experiment is not None else None
+        if arm is not None:
+            req = arm.apply(req)  # the arm's per-request options win over the client's
+        engine = self.arm_engines.get(arm.name, self.engine) if arm is not None else self.engine
+        timer = StageTimer()
+        with timer.stage("segments"):
+            segments = split_segments(
+                req.messages, req.documents,
+                start_marker=self.settings.document_start_marker,
+                end_marker=self.settings.document_end_marker,
+            )
+        options = req.ragspeed
+        if options and options.system_prompt:
+            if self.prompts is None:
+                raise APIError(400, "this server has no prompt registry", param="ragspeed.system_prompt")
+            segments = self.prompts.apply(segments, options.system_prompt)
+        documents = segments.documents
+        if options and options.retrieval:
+            if self.retrieve is None:
+                raise APIError(400, "retrieval is not enabled on this server", param="ragspeed.retrieval")
+            with timer.stage("retrieval"):
+                retrieved = await asyncio.to_thread(self.retrieve, segments.question, options.retrieval)
+                documents = documents + tuple(retrieved)
+        if len(documents) > self.settings.max_documents:
+            raise APIError(400, f"the request has {len(documents)} documents; the limit is "
+                                f"{self.settings.max_documents} (max_documents)", param="documents",
+                           code="too_many_documents")
+        report = None
+        if documents and self.compress is not None and (options is None or options.compression is not False):
+            with timer.stage("compression"):
+                documents, report = await asyncio.to_thread(
+                    self.compress, segments, documents, options.compression if options else None)
+            if report is not None:
+                self._count_compression(report, arm.name if arm is not None else DEFAULT_ARM)
+        with timer.stage("prompt"):
+            try:
+                prompt = assemble_prompt(engine.tokenizer, segments, documents)
+            except TemplateError as exc:  # e.g. a role the model's chat template does not know
+                raise APIError(400, f"the model's chat template rejects these messages: {exc}",
+                               param="messages", code="invalid_messages") from None
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        prepared = self._prepared(req, prompt, timer, max_tokens, report, engine)
+        if arm is not None:
+            prepared.arm = arm.name
+        prepared.return_prompt = bool(options and options.return_prompt)
+        return prepared
+
+    def _count_compression(self, report: CompressionReport, arm: str) -> None:
+        labels = {"model": self.settings.model_id, "arm": arm}
+        self.metrics.documents_tokens.labels(**labels, phase="original").inc(report.original_tokens)
+        self.metrics.documents_tokens.labels(**labels, phase="compressed").inc(report.compressed_tokens)
+        if report.failed:
+            self.metrics.compression_fallbacks.labels(**labels).inc()
+
+    def check_input(self, req: _SamplingFields) -> None:
+        """What the schema cannot say: text that is valid JSON but not valid Unicode (a lone
+        surrogate cannot be tokenized), token ids outside the vocabulary, seeds torch refuses."""
+        _reject_lone_surrogates(req.model_dump(exclude_none=True), "")
+        vocab = len(self.engine.tokenizer)
+        if any(not 0 <= t < vocab for t in req.stop_token_ids or ()):
+            raise APIError(400, f"stop_token_ids must lie in [0, {vocab})", param="stop_token_ids")
+        if req.seed is not None and not -(2**63) <= req.seed < 2**64:
+            raise APIError(400, "seed must be a 64-bit integer", param="seed")
+
+    def completion(self, req: CompletionRequest) -> PreparedRequest:
+        self.check_model(req.model)
+        self.check_input(req)
+        timer = StageTimer()
+        with timer.stage("prompt"):
+            if isinstance(req.prompt, str):
+                text = req.prompt
+                token_ids = self.engine.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+            else:
+                vocab = len(self.engine.tokenizer)
+                if any(not 0 <= t < vocab for t in req.prompt):
+                    raise APIError(400, f"prompt token ids must lie in [0, {vocab})", param="prompt")
+                token_ids = list(req.prompt)
+                text = self.engine.tokenizer.decode(token_ids)
+        prompt = Prompt(text=text, token_ids=tuple(token_ids), num_static_tokens=0)
+        return self._prepared(req, prompt, timer, req.max_tokens, None, self.engine)
+
+    def _prepared(self, req: _SamplingFields, prompt: Prompt, timer: StageTimer,
+                  max_tokens: int | None, report: CompressionReport | None,
+                  engine: EngineClient) -> PreparedRequest:
+        sampling = sampling_params(req, max_tokens, self.settings.default_max_tokens)
+        # The one context check (the engines run the same one on their own inputs): here, before
+        # the key's token budget is charged.
+        check_context_length(len(prompt.token_ids), sampling.max_tokens, engine.max_model_len)
+        if not prompt.token_ids:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        max_prompt_tokens = self.settings.max_prompt_tokens
+        if max_prompt_tokens is not None and len(prompt.token_ids) > max_prompt_tokens:
+            raise APIError(400, f"the prompt has {len(prompt.token_ids)} tokens; the limit is "
+                                f"{max_prompt_tokens} (max_prompt_tokens)",
+                           param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+                           code="prompt_too_long")
+        principal = current_principal()
+        if principal is not None:
+            principal.admit_tokens(len(prompt.token_ids))  # 429 while the key's token budget is spent
+        request_id = uuid.uuid4().hex
+        generation = GenerationRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt.token_ids,
+            sampling=sampling,
+            prompt=prompt.text,
+            num_static_tokens=prompt.num_static_tokens,
+            # A tenant's salt always wins over the client's: tenants never share or time a cache.
+            cache_salt=principal.cache_salt if principal is not None else req.cache_salt,
+        )
+        return PreparedRequest(request_id, generation, timer, engine, report, principal=principal)

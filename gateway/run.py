@@ -1,0 +1,176 @@
+"""Running a prepared request: the engine's deltas, the deadline, usage, timings and metrics.
+
+Terms: *TTFT* is the time from the request's arrival to its first output token; *TPOT* the mean
+time per output token after the first; *e2e* the time to the last token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ragspeed.engine.protocol import PromptTooLongError, TokenDelta, TokenLogprob
+from ragspeed.gateway.experiments import LiveExperiment
+from ragspeed.gateway.limits import DeadlineExceeded, next_before
+from ragspeed.gateway.metrics import GatewayMetrics
+from ragspeed.gateway.prepare import PreparedRequest
+from ragspeed.gateway.settings import Settings
+
+
+@dataclass
+class Generation:
+    """One request running in its engine: iterate `deltas()`; the figures fill in as it goes."""
+
+    settings: Settings
+    metrics: GatewayMetrics
+    prepared: PreparedRequest
+    experiment: LiveExperiment | None = None  # observes the arm's latencies
+    text_parts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # when the request asked
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_completion_tokens: int = 0
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    _engine_start: float = 0.0
+    _first_token_at: float = 0.0
+
+    @property
+    def model_id(self) -> str:
+        return self.settings.model_id
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return {"model": self.settings.model_id, "arm": self.prepared.arm}
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.prepared.generation.sampling.logprobs is not None
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.prepared.engine.tokenizer
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.e2e_s is None or self.ttft_s is None or self.num_completion_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.num_completion_tokens - 1)
+
+    async def deltas(self) -> AsyncIterator[TokenDelta]:
+        metrics, labels = self.metrics, self.labels
+        timer = self.prepared.timer
+        metrics.in_flight.labels(**labels).inc()
+        outcome = "error"
+        self._engine_start = time.perf_counter()
+        counted_ids = 0
+        timeout_s = self.settings.request_timeout_s
+        deadline = None  # event-loop time; the deadline counts from the request's arrival
+        if timeout_s is not None:
+            deadline = asyncio.get_running_loop().time() + timeout_s - (self._engine_start - timer.start)
+        engine_stream = self.prepared.engine.generate(self.prepared.generation)
+        try:
+            while True:
+                try:
+                    delta = await next_before(engine_stream, deadline, timeout_s)
+                except StopAsyncIteration:
+                    break
+                now = time.perf_counter()
+                if self.ttft_s is None and (delta.token_ids or delta.text or delta.finish_reason):
+                    self.ttft_s = now - timer.start
+                    self._first_token_at = now
+                self.num_prompt_tokens = max(self.num_prompt_tokens, delta.num_prompt_tokens)
+                self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+                counted_ids += len(delta.token_ids)
+                if delta.num_completion_tokens is not None:
+                    self.num_completion_tokens = delta.num_completion_tokens
+                else:
+                    self.num_completion_tokens = counted_ids
+                self.text_parts.append(delta.text)
+                if delta.logprobs:
+                    self.logprobs.extend(delta.logprobs)
+                if delta.finish_reason is not None:
+                    self.finish_reason = delta.finish_reason
+                yield delta
+            outcome = self.finish_reason or "stop"
+        except PromptTooLongError:
+            outcome = "rejected"
+            raise
+        except DeadlineExceeded:
+            outcome = "deadline"  # the engine stream was cancelled: its request is aborted
+            raise
+        except (GeneratorExit, asyncio.CancelledError):
+            outcome = "aborted"  # the client went away; closing the engine stream aborts it
+            raise
+        finally:
+            await engine_stream.aclose()
+            if self.prepared.principal is not None:
+                self.prepared.principal.charge_tokens(self.num_completion_tokens)
+            metrics.in_flight.labels(**labels).dec()
+            metrics.requests.labels(**labels, outcome=outcome).inc()
+            if outcome not in ("error", "rejected"):
+                self._record(outcome)
+
+    def _record(self, outcome: str) -> None:
+        metrics, labels, timer = self.metrics, self.labels, self.prepared.timer
+        end = time.perf_counter()
+        self.e2e_s = end - timer.start
+        if not self.num_prompt_tokens:
+            self.num_prompt_tokens = len(self.prepared.generation.prompt_token_ids)
+        if self._first_token_at:
+            timer.seconds["engine_first_token"] = self._first_token_at - self._engine_start
+            timer.seconds["decode"] = end - self._first_token_at
+        for stage, seconds in timer.seconds.items():
+            metrics.stage.labels(**labels, stage=stage).observe(seconds)
+        if self.ttft_s is not None:
+            metrics.ttft.labels(**labels).observe(self.ttft_s)
+        if self.tpot_s is not None:
+            metrics.tpot.labels(**labels).observe(self.tpot_s)
+        metrics.e2e.labels(**labels).observe(self.e2e_s)
+        if self.experiment is not None:
+            self.experiment.observe(self.prepared.arm, self.ttft_s, self.tpot_s, self.e2e_s)
+        metrics.prompt_tokens.labels(**labels).inc(self.num_prompt_tokens)
+        metrics.cached_tokens.labels(**labels).inc(self.num_cached_tokens)
+        metrics.generation_tokens.labels(**labels).inc(self.num_completion_tokens)
+
+    def ragspeed_fields(self) -> dict[str, Any]:
+        """Per-request figures for the response's `ragspeed` object (milliseconds)."""
+        timings = {k: round(v * 1000, 3) for k, v in self.prepared.timer.seconds.items()}
+        out: dict[str, Any] = {
+            "request_id": self.prepared.request_id,
+            "arm": self.prepared.arm,
+            "timings_ms": timings,
+            "ttft_ms": round(self.ttft_s * 1000, 3) if self.ttft_s is not None else None,
+            "e2e_ms": round(self.e2e_s * 1000, 3) if self.e2e_s is not None else None,
+            "tpot_ms": round(self.tpot_s * 1000, 3) if self.tpot_s is not None else None,
+            "num_static_tokens": self.prepared.generation.num_static_tokens,
+        }
+        if self.prepared.return_prompt:
+            out["prompt"] = self.prepared.generation.prompt
+        report = self.prepared.compression
+        if report is not None:
+            out["compression"] = {
+                "method": report.method,
+                "original_tokens": report.original_tokens,
+                "compressed_tokens": report.compressed_tokens,
+                "ms": round(report.seconds * 1000, 3),
+                "failed": report.failed,
+                "skipped_reason": report.skipped_reason,
+            }
+        return out
+
+    def usage(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.num_prompt_tokens,
+            "completion_tokens": self.num_completion_tokens,
+            "total_tokens": self.num_prompt_tokens + self.num_completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
+        }

@@ -1,0 +1,36 @@
+"""`AppState`: every service the app serves with, built by the lifespan (gateway.app) and kept
+on `app.state.services`; routes read it through gateway.dependencies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ragspeed.engine.protocol import EngineClient
+from ragspeed.gateway.compress import CompressionStage
+from ragspeed.gateway.experiments import LiveExperiment
+from ragspeed.gateway.metrics import GatewayMetrics
+from ragspeed.gateway.pipeline import Pipeline
+from ragspeed.gateway.prompt_registry import PromptService
+from ragspeed.gateway.retrieval_service import RetrievalService
+from ragspeed.gateway.settings import Settings
+
+
+@dataclass
+class AppState:
+    settings: Settings
+    metrics: GatewayMetrics
+    engine: EngineClient
+    retrieval: RetrievalService
+    prompts: PromptService
+    started_at: int  # unix seconds: `created` in /v1/models
+    experiment: LiveExperiment | None = None
+    arm_engines: dict[str, EngineClient] = field(default_factory=dict)  # A/B arms with an engine
+    # Built once the engines have started (the stage counts tokens with the engine's tokenizer).
+    compression: CompressionStage | None = None
+    # Built once every service above is loaded; None while loading (and after a failed load).
+    pipeline: Pipeline | None = None
+    engine_error: str | None = None  # why loading failed: "ExceptionType: message"
+
+    @property
+    def ready(self) -> bool:
+        return self.pipeline is not None
