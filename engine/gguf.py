@@ -15,10 +15,12 @@ rows of each head interleaved (pairs (x[i], x[i + D/2]) side by side, for its ro
 adjacent pairs); they are put back in transformers' order (first halves, then second halves).
 
 The *manifest* (`ragspeed_gguf.json`, written last) names the source (path, size, mtime, the
-length and sha256 of its header) and every converted file with its size. The copy is *fresh*
-when the converter version and the source size match and either the mtime matches or the header
-hash does (a reinstalled wheel gets a new mtime, not new bytes), and *intact* when every listed
-file exists at its listed size (a truncated safetensors file fails this).
+sha256 of its header -- metadata and tensor infos -- and of the whole file) and every converted
+file with its size. The copy is *fresh* when the converter version and the source size match and
+either the mtime matches or, when it does not (a reinstalled wheel gets a new mtime, not new
+bytes), the file's sha256 does; the header hash alone would miss new weights of the same shapes.
+It is *intact* when every listed file exists at its listed size (a truncated safetensors file
+fails this).
 """
 
 from __future__ import annotations
@@ -274,9 +276,18 @@ def check_layers(names: set[str], config: dict[str, Any], path: Path) -> None:
         raise GgufError(f"{path}: missing {len(missing)} tensors, e.g. {missing[:3]}")
 
 
-def header_sha256(path: Path, header_bytes: int) -> str:
+def file_sha256(path: Path, num_bytes: int | None = None) -> str:
+    """sha256 of the first `num_bytes` of `path` (all of it by default), read 8 MiB at a time."""
+    digest = hashlib.sha256()
+    remaining = path.stat().st_size if num_bytes is None else num_bytes
     with path.open("rb") as f:
-        return hashlib.sha256(f.read(header_bytes)).hexdigest()
+        while remaining > 0:
+            chunk = f.read(min(remaining, 8 << 20))
+            if not chunk:
+                break
+            digest.update(chunk)
+            remaining -= len(chunk)
+    return digest.hexdigest()
 
 
 def convert_gguf(source: Path, out_dir: Path) -> GgufSummary:
@@ -316,15 +327,23 @@ def convert_gguf(source: Path, out_dir: Path) -> GgufSummary:
             "size": stat.st_size,
             "mtime_ns": stat.st_mtime_ns,
             "header_bytes": summary.header_bytes,
-            "header_sha256": header_sha256(source, summary.header_bytes),
+            "header_sha256": file_sha256(source, summary.header_bytes),
+            "sha256": file_sha256(source),
         },
         "architecture": summary.architecture,
         "tensor_types": summary.tensor_types,
         "files": {f.name: f.stat().st_size for f in sorted(out_dir.iterdir()) if f.is_file()},
         "convert_seconds": round(time.perf_counter() - started, 2),
     }
-    (out_dir / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+    write_manifest(out_dir, manifest)
     return summary
+
+
+def write_manifest(out_dir: Path, manifest: dict[str, Any]) -> None:
+    """Atomically: a reader sees the old manifest or the new one, never a part."""
+    staging = out_dir / f".{MANIFEST_NAME}.tmp"
+    staging.write_text(json.dumps(manifest, indent=2) + "\n")
+    staging.replace(out_dir / MANIFEST_NAME)
 
 
 def write_tokenizer(source: Path, out_dir: Path, *, max_length: int) -> None:
@@ -358,8 +377,12 @@ def copy_problem(source: Path, out_dir: Path) -> str | None:
     stat = source.stat()
     if recorded["size"] != stat.st_size:
         return f"source size {stat.st_size:,} bytes, converted from {recorded['size']:,}"
-    if recorded["mtime_ns"] != stat.st_mtime_ns and recorded["header_sha256"] != header_sha256(source, recorded["header_bytes"]):
-        return "source header changed"
+    if recorded["mtime_ns"] != stat.st_mtime_ns:
+        if recorded["sha256"] != file_sha256(source):
+            return "source bytes changed"
+        # Same bytes, new mtime: record it, so the next start skips the hash.
+        manifest["source"]["mtime_ns"] = stat.st_mtime_ns
+        write_manifest(out_dir, manifest)
     for name, size in files.items():
         path = out_dir / name
         if not path.is_file():
