@@ -48,6 +48,10 @@ _COMPLETE_MARKER = "model.safetensors"  # written last by save_pretrained's call
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
 
 
+# The files of a hub repository that a tokenizer (and the context length) needs.
+_TOKENIZER_PATTERNS = ("*.json", "*.jinja", "*.model", "*.tiktoken", "merges.txt", "vocab.txt")
+
+
 class ModelUnavailableError(FileNotFoundError):
     """A model whose files are not here and cannot be fetched now; the message says how to get them."""
 
@@ -234,8 +238,10 @@ ZOO: dict[str, ZooModel] = {
 ZOO_NAMES: tuple[str, ...] = tuple(ZOO)
 
 
-def resolve_model(name_or_path: str, *, cache_dir: Path | None = None) -> str:
-    """A local folder for a zoo name, a folder, a `.gguf` file or a hub id (module docstring)."""
+def resolve_model(name_or_path: str, *, cache_dir: Path | None = None, tokenizer_only: bool = False) -> str:
+    """A local folder for a zoo name, a folder, a `.gguf` file or a hub id (module docstring).
+    `tokenizer_only`: of a hub repository, fetch only its tokenizer and config files (a
+    remote backend counts tokens, it runs no weights)."""
     if not isinstance(name_or_path, str) or not name_or_path:
         raise ValueError(f"model must be a non-empty string, got {name_or_path!r}")
     cache_dir = cache_dir or default_cache_dir()
@@ -252,21 +258,23 @@ def resolve_model(name_or_path: str, *, cache_dir: Path | None = None) -> str:
             raise ValueError(f"model {name_or_path!r} is a file, not a .gguf file; pass a GGUF file or an HF-format folder")
         return str(converted_copy(path, gguf_cache_dir(path, cache_dir)))
     if _HUB_ID.match(name_or_path) and path.suffix.lower() != ".gguf" and ".." not in name_or_path:
-        return download_hub_model(name_or_path)
+        return download_hub_model(name_or_path, allow_patterns=_TOKENIZER_PATTERNS if tokenizer_only else None)
     raise ModelUnavailableError(
         f"model {name_or_path!r} is not a zoo name ({', '.join(ZOO)}), an existing folder or .gguf file, "
         "or a hub id (org/name)"
     )
 
 
-def download_hub_model(repo_id: str) -> str:
+def download_hub_model(repo_id: str, *, allow_patterns: tuple[str, ...] | None = None) -> str:
     """The local snapshot of a hub repository: from the hub cache (HF_HUB_CACHE), downloaded into
     it first unless HF_HUB_OFFLINE is set or the hub cannot be reached."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
 
     try:
-        return snapshot_download(repo_id)
+        if allow_patterns is None:
+            return snapshot_download(repo_id)
+        return snapshot_download(repo_id, allow_patterns=list(allow_patterns))
     except LocalEntryNotFoundError as error:
         why = ("HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE
                else "the Hugging Face hub cannot be reached")

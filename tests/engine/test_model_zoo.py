@@ -137,7 +137,12 @@ def test_a_hub_id_online_goes_to_snapshot_download(tmp_path, monkeypatch):
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
     assert resolve_model("Qwen/Qwen2.5-0.5B-Instruct") == str(tmp_path / "snapshot")
-    assert calls == [("Qwen/Qwen2.5-0.5B-Instruct", {})]
+    assert resolve_model("Qwen/Qwen2.5-0.5B-Instruct", tokenizer_only=True) == str(tmp_path / "snapshot")
+    assert calls == [
+        ("Qwen/Qwen2.5-0.5B-Instruct", {}),
+        ("Qwen/Qwen2.5-0.5B-Instruct",
+         {"allow_patterns": ["*.json", "*.jinja", "*.model", "*.tiktoken", "merges.txt", "vocab.txt"]}),
+    ]
 
 
 @pytest.mark.parametrize(
