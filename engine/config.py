@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
+
 
 @dataclass(frozen=True)
 class EngineConfig:
     backend: str = "native"  # a key of engine.backends.BACKENDS
-    model: str = "ragspeed-demo"  # a model-zoo name, a local path or a hub id
+    model: str = DEFAULT_MODEL_NAME  # a model-zoo name, a local folder, a .gguf file or a hub id
     tokenizer: str | None = None  # defaults to the model's
     device: str = "cpu"
     dtype: str = "float32"

@@ -1,5 +1,8 @@
 """Load Hugging Face-format checkpoints (config.json + safetensors + tokenizer) into `DecoderLM`.
 
+GGUF files, zoo names and hub ids reach this loader as HF-format folders: `resolve_model_path`
+converts or downloads them first (engine.model_zoo, engine.gguf).
+
 One code path for every supported family; a family is a row of `FAMILIES`, found by the
 config's `architectures` or `model_type`. Weights are read from every `*.safetensors` file of
 the folder (sharded checkpoints too), converted to the compute dtype, and fused at load:
@@ -215,19 +218,11 @@ def load_weights(model: DecoderLM, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def resolve_model_path(name: str) -> Path:
-    """A local folder, a model-zoo name, or (with network) a hub id, to a local folder."""
-    path = Path(name).expanduser()
-    if path.is_dir():
-        return path
-    try:
-        from ragspeed.engine.model_zoo import resolve_model
-    except ImportError:  # the zoo is optional for this module
-        resolve_model = None
-    if resolve_model is not None:
-        return Path(resolve_model(name))
-    from huggingface_hub import snapshot_download
+    """A model-zoo name, a local folder, a .gguf file or a hub id, to a local HF-format folder
+    (engine.model_zoo.resolve_model)."""
+    from ragspeed.engine.model_zoo import resolve_model
 
-    return Path(snapshot_download(name))
+    return Path(resolve_model(name))
 
 
 def load_for_engine(

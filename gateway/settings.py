@@ -15,6 +15,7 @@ from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
 from ragspeed.gateway.security import ApiKeyEntry, KeyHash
 
 
@@ -31,7 +32,7 @@ class Settings(BaseSettings):
     log_level: str = Field("info", description="Log level: debug, info, warning, error.")
 
     # Model and engine
-    model: str = Field("ragspeed-demo", description="Model: a zoo name (ragspeed-demo, bench-135m, bench-0.5b), a local HF-format folder or a hub id.")
+    model: str = Field(DEFAULT_MODEL_NAME, description=f"Model: a zoo name ({DEFAULT_MODEL_NAME}, bench-135m, bench-0.5b), a local HF-format folder, a .gguf file or a hub id (org/name).")
     served_model_name: str | None = Field(None, description="Model name clients use; default: the --model value.")
     engine: str = Field("native", description="Engine backend: native, transformers, openai or vllm.")
     tokenizer: str | None = Field(None, description="Tokenizer path or id; default: the model's.")
@@ -48,7 +49,7 @@ class Settings(BaseSettings):
     prompt_cache_dir: str | None = Field(".ragspeed/prompts", description="Folder where registered prompts' pinned KV is saved and restored from at start-up (native); none: not persisted.")
     quantization: str | None = Field(None, description="Weight quantization: none or int8 (native).")
     speculative: str | None = Field(None, description="Speculative decoding: ngram or draft (native).")
-    draft_model: str | None = Field(None, description="Draft model for --speculative draft: a zoo name (ragspeed-demo-draft), a local folder or a hub id; same tokenizer as the model.")
+    draft_model: str | None = Field(None, description="Draft model for --speculative draft: a zoo name, a local folder, a .gguf file or a hub id; same tokenizer as the model.")
     draft_quantization: str | None = Field("auto", description="Draft model weights: auto (int8 on a CPU, else as --quantization), none or int8. The target verifies every draft, so this moves acceptance, never the output.")
     num_speculative_tokens: int = Field(4, ge=1, description="Draft tokens proposed per step.")
 

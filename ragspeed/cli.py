@@ -93,7 +93,7 @@ def cli() -> None:
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
               help="YAML or TOML file of settings (keys as the flags, with underscores).")
 def serve(config_file: str | None, **flags: Any) -> None:
-    """Serve the OpenAI-compatible RAG gateway (default: the bundled demo model, native engine)."""
+    """Serve the OpenAI-compatible RAG gateway (default: SmolLM2-135M-Instruct, native engine)."""
     import uvicorn
 
     from ragspeed.gateway.app import create_app

