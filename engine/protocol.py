@@ -17,7 +17,7 @@ Terms used across the engine:
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -171,7 +171,7 @@ class EngineClient(Protocol):
     async def shutdown(self) -> None:
         """Abort everything and release all resources."""
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
         """Stream the request's deltas. Closing the iterator early aborts the request."""
 
     async def abort(self, request_id: str) -> None:

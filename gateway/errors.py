@@ -6,6 +6,7 @@ The statuses are those of docs/architecture.md, contract 6.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -42,7 +43,7 @@ def error_body(status_code: int, message: str, param: str | None = None, code: s
 
 
 def error_response(status_code: int, message: str, param: str | None = None,
-                   code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+                   code: str | None = None, headers: Mapping[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(status_code, message, param, code), status_code, headers=headers)
 
 

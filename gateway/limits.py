@@ -65,8 +65,9 @@ class Rejections:
         self.counter = Counter("ragspeed_rejected_requests", "Requests refused before the pipeline, by reason.",
                                ("reason",), registry=None)
 
-    async def send(self, send: Send, status_code: int, message: str, *, code: str, **kwargs: Any) -> None:
-        self.counter.labels(reason=code).inc()
+    async def send(self, send: Send, status_code: int, message: str, *, code: str | None,
+                   **kwargs: Any) -> None:
+        self.counter.labels(reason=code or str(status_code)).inc()
         await send_error(send, status_code, message, code=code, **kwargs)
 
 
@@ -253,8 +254,8 @@ class DeadlineExceeded(APIError):
                          code="deadline_exceeded")
 
 
-async def next_before(stream: AsyncIterator[T], deadline: float | None, timeout_s: float) -> T:
-    """`anext(stream)` by `deadline` (event-loop time, None: no deadline).
+async def next_before(stream: AsyncIterator[T], deadline: float | None, timeout_s: float | None) -> T:
+    """`anext(stream)` by `deadline` (event-loop time, None: no deadline; `timeout_s` names it).
 
     Past the deadline the pending `anext` is cancelled inside the stream (an engine stream
     aborts its request and frees its blocks on that) and DeadlineExceeded is raised.
@@ -265,4 +266,5 @@ async def next_before(stream: AsyncIterator[T], deadline: float | None, timeout_
         async with asyncio.timeout_at(deadline):
             return await anext(stream)
     except TimeoutError:
+        assert timeout_s is not None  # a deadline comes from a timeout
         raise DeadlineExceeded(timeout_s) from None

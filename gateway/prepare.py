@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from jinja2 import TemplateError
 
@@ -201,10 +201,11 @@ class Preparer:
                 text = req.prompt
                 token_ids = self.engine.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
             else:
+                prompt_ids = cast(list[int], req.prompt)  # the validator turns one text in a list into str
                 vocab = len(self.engine.tokenizer)
-                if any(not 0 <= t < vocab for t in req.prompt):
+                if any(not 0 <= t < vocab for t in prompt_ids):
                     raise APIError(400, f"prompt token ids must lie in [0, {vocab})", param="prompt")
-                token_ids = list(req.prompt)
+                token_ids = list(prompt_ids)
                 text = self.engine.tokenizer.decode(token_ids)
         prompt = Prompt(text=text, token_ids=tuple(token_ids), num_static_tokens=0)
         return self._prepared(req, prompt, timer, req.max_tokens, None, self.engine)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,7 +65,7 @@ class Generation:
             return None
         return (self.e2e_s - self.ttft_s) / (self.num_completion_tokens - 1)
 
-    async def deltas(self) -> AsyncIterator[TokenDelta]:
+    async def deltas(self) -> AsyncGenerator[TokenDelta, None]:
         metrics, labels = self.metrics, self.labels
         timer = self.prepared.timer
         metrics.in_flight.labels(**labels).inc()

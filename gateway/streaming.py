@@ -154,7 +154,7 @@ async def stream(gen: Generation, shape: Shape, include_usage: bool) -> Streamin
                     yield _sse(error_body(exc.status_code, exc.message, exc.param, exc.code))
                     yield b"data: [DONE]\n\n"
                     return
-            final = {"delta": {}} if shape.chat else {"text": ""}
+            final: dict[str, Any] = {"delta": {}} if shape.chat else {"text": ""}
             yield chunk({**final, "finish_reason": gen.finish_reason}, ragspeed=gen.ragspeed_fields())
             if include_usage:
                 yield chunk(None, usage=gen.usage())

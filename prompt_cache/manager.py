@@ -227,7 +227,8 @@ class KVCacheManager:
             state = self._requests[request_id] = _RequestState()
             self.block_pool.touch(computed)  # before allocating, so they cannot be evicted
             state.blocks.extend(computed)
-            state.block_hashes = [block.block_hash for block in computed]
+            # Computed blocks are cached blocks: each has its hash.
+            state.block_hashes = [block.block_hash for block in computed if block.block_hash is not None]
             state.chain_cache_id = computed[-1].cache_id if computed else None
             self._commit_pending_stats()
         new_blocks = self.block_pool.get_new_blocks(num_new)
@@ -244,7 +245,7 @@ class KVCacheManager:
                 f"computed_blocks given for request {request_id!r}, which already has blocks;"
                 " pass them on its first allocate_slots call only"
             )
-        blocks = []
+        blocks: list[Block] = []
         for block_id in computed_blocks:
             if not 0 <= block_id < self.num_blocks:
                 raise ValueError(f"computed_blocks: block id {block_id} out of range")
