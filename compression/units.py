@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-from collections import OrderedDict
 
 import numpy as np
 

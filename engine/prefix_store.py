@@ -31,7 +31,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ragspeed.prompt_cache.store import delete_prefix, list_saved_prefixes, load_prefix, prefix_path, save_prefix
+from ragspeed.prompt_cache.store import (
+    delete_prefix,
+    list_saved_prefixes,
+    load_prefix,
+    prefix_path,
+    save_prefix,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,6 @@ import torch
 from ragspeed.engine.attention import SMALL_CHUNK_QUERIES
 from ragspeed.engine.cpu_kernels import decode_step
 
-
 # A step of at most this many tokens runs its small ops on one thread.
 SMALL_STEP_TOKENS = 16
 

@@ -165,7 +165,7 @@ class ArmHints:
     api_key_hash: str | None = None  # sha256 of the bearer key; the key itself is never kept
 
 
-_current_hints: ContextVar[ArmHints] = ContextVar("ragspeed_arm_hints", default=ArmHints())
+_current_hints: ContextVar[ArmHints] = ContextVar("ragspeed_arm_hints", default=ArmHints())  # noqa: B039 (frozen)
 
 
 def current_hints() -> ArmHints:

@@ -83,7 +83,7 @@ def split_segments(
     ]
     system_parts: list[str] = []
     turns: list[Turn] = []
-    for i, message in enumerate(messages):
+    for message in messages:
         text, found = extract_documents(message.text, start_marker, end_marker)
         docs.extend(found)
         if message.role in ("system", "developer") and not turns:

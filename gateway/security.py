@@ -35,7 +35,16 @@ import click
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from ragspeed.gateway.errors import APIError
-from ragspeed.gateway.limits import ASGIApp, Receive, Rejections, Scope, Send, TokenBucket, header, retry_after
+from ragspeed.gateway.limits import (
+    ASGIApp,
+    Receive,
+    Rejections,
+    Scope,
+    Send,
+    TokenBucket,
+    header,
+    retry_after,
+)
 
 HASH_PREFIX = "sha256:"
 ADMIN_PREFIXES = ("/v1/prompts", "/v1/collections", "/v1/experiments")

@@ -31,7 +31,7 @@ def _version() -> str:
 
 
 def _base_type(annotation: Any) -> Any:
-    if get_origin(annotation) in (types.UnionType, getattr(__import__("typing"), "Union")):
+    if get_origin(annotation) in (types.UnionType, __import__("typing").Union):
         args = [a for a in get_args(annotation) if a is not type(None)]
         return _base_type(args[0])
     return annotation

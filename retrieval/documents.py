@@ -40,7 +40,7 @@ class Hit:
 
 def document_id(source: str, text: str) -> str:
     """Stable id of a chunk: hash of where it came from and what it says."""
-    digest = hashlib.sha256(f"{source}\x00{text}".encode("utf-8")).hexdigest()
+    digest = hashlib.sha256(f"{source}\x00{text}".encode()).hexdigest()
     return digest[:ID_HEX_CHARS]
 
 

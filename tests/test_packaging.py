@@ -57,7 +57,7 @@ def test_the_wheel_holds_only_the_ragspeed_namespace(tmp_path):
 def test_the_sdk_is_the_top_level_import_and_bare_packages_are_gone(tmp_path):
     # Run from an empty folder, so the checkout's own folders are not on sys.path.
     code = ("import importlib.util as u, ragspeed; from ragspeed import RagspeedClient, AsyncRagspeedClient;"
-            "print(RagspeedClient.__module__, [n for n in %r if u.find_spec(n)])" % (SERVING_FOLDERS,))
+            f"print(RagspeedClient.__module__, [n for n in {SERVING_FOLDERS!r} if u.find_spec(n)])")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                             cwd=tmp_path)
     assert result.stdout.split(maxsplit=1) == ["ragspeed.gateway.client", "[]\n"]

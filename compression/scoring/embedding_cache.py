@@ -64,7 +64,7 @@ def encode_cached(namespace: str, texts: Sequence[str], cache: EmbeddingCache | 
             missing.setdefault(text, key)
     if missing:
         fresh = encode_batch(list(missing))
-        for (text, key), vec in zip(missing.items(), fresh):
+        for key, vec in zip(missing.values(), fresh):
             cache.put(key, vec)
         by_text = dict(zip(missing, fresh))
         found = [by_text[t] if v is None else v for t, v in zip(texts, found)]

@@ -233,7 +233,7 @@ class NativeEngine:
 
     async def call(self, fn: Any) -> Any:
         """`fn(llm_engine)` run on the engine thread between steps; its result or exception."""
-        self.engine  # raises while not started
+        _ = self.engine  # raises while not started
         future = asyncio.get_running_loop().create_future()
         self._commands.put(_Call(fn, future))
         return await future

@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
@@ -38,9 +39,9 @@ from ragspeed.engine.attention import SMALL_CHUNK_QUERIES, build_metadata, padde
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.kv_cache import KVCachePool
 from ragspeed.engine.loader import LoadedModel, load_for_engine, resolve_model_path
-from ragspeed.engine.threads import forward_pass
 from ragspeed.engine.protocol import EngineError
 from ragspeed.engine.quant import QuantizationUnavailableError, available_quantizations
+from ragspeed.engine.threads import forward_pass
 from ragspeed.prompt_cache.manager import KVCacheManager
 
 logger = logging.getLogger(__name__)

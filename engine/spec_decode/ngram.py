@@ -15,7 +15,7 @@ for a 570-token RAG prompt, a sixth of the demo model's decode step, and grows w
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class NgramIndex:

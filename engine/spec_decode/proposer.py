@@ -12,7 +12,8 @@ Prompt lookup (ngram.py) is a `Proposer`: it keeps an n-gram index per request.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
 
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.protocol import EngineError

@@ -19,7 +19,7 @@ accepted prefix, so the whole appended sequence follows the target's joint distr
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -246,7 +246,7 @@ def bench_engine(
         "gemm_gflop_s": gemm_rate / 1e9,
     }
     with torch.inference_mode():
-        for name, contender in contenders.items():  # warm-up: every code path once
+        for contender in contenders.values():  # warm-up: every code path once
             contender.throughput(prompts(2, 32), 4)
             contender.ttft(prompts(1, 64)[0])
         for name, contender in contenders.items():

@@ -31,7 +31,14 @@ from ragspeed.training.examples import (
     make_repeat_example,
 )
 from ragspeed.training.tokenizer import save_tokenizer, train_tokenizer
-from ragspeed.training.trainer import Phase, Piece, TrainingConfig, evaluate_loss, target_accuracy, train_causal_lm
+from ragspeed.training.trainer import (
+    Phase,
+    Piece,
+    TrainingConfig,
+    evaluate_loss,
+    target_accuracy,
+    train_causal_lm,
+)
 
 
 @dataclass(frozen=True)

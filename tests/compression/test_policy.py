@@ -1,6 +1,13 @@
 import pytest
 
-from ragspeed.compression import CompressionError, CompressionPolicy, Document, apply_policy, break_even_tokens, build_compressor
+from ragspeed.compression import (
+    CompressionError,
+    CompressionPolicy,
+    Document,
+    apply_policy,
+    break_even_tokens,
+    build_compressor,
+)
 
 DOCS = [Document(str(i), f"Sentence number {i} is here. And another one follows it.") for i in range(10)]
 

@@ -95,7 +95,7 @@ def test_mixed_batch_of_decodes_and_chunks_matches_dense_attention(
     )
     assert out.shape == (sum(n for _, _, n in layout), num_heads * head_dim)
     start = 0
-    for i, (table, num_cached, n) in enumerate(layout):
+    for i, (_table, num_cached, n) in enumerate(layout):
         keys = torch.cat([history[i][0], ks[i]])
         values = torch.cat([history[i][1], vs[i]])
         expected = dense_reference(qs[i], keys, values, num_cached)

@@ -19,6 +19,7 @@ from ragspeed.engine.spec_decode import DraftProposer
 from tests.engine.conftest import assert_all_blocks_free, make_engine, speculate_every_step
 from tests.engine.tiny_models import build_tiny_checkpoint, build_tokenizer
 
+
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
     """Tiny models gain nothing from a second thread, and two OpenMP threads on a CPU shared

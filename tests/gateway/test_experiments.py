@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 
 from ragspeed.gateway.errors import APIError
-from ragspeed.gateway.experiments import HOLDOUT_ARM, ArmError, ArmHints, ExperimentArm, LiveExperiment, load_experiment
+from ragspeed.gateway.experiments import (
+    HOLDOUT_ARM,
+    ArmError,
+    ArmHints,
+    ExperimentArm,
+    LiveExperiment,
+    load_experiment,
+)
 from ragspeed.gateway.protocol import ChatCompletionRequest
 
 REPO = Path(__file__).resolve().parents[2]
