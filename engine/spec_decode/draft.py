@@ -237,8 +237,8 @@ class DraftProposer:
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        # The target's policy (engine.threads): draft steps are small, their small ops on one
-        # thread (on two, a bench drafting step cost about twice as much).
+        # The target's policy (engine.threads): draft steps are small, so their small ops run on
+        # one thread, where fork and join would cost more than the work they split.
         with forward_pass([len(chunk[0]) for chunk in chunks], self.num_threads, self.device):
             hidden = self.model(
                 ids, self.rotary.lookup(pos), self.pool.k_caches, self.pool.v_caches, meta
