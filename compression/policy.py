@@ -6,12 +6,12 @@ saves is larger:
     saved_s = (1 - rate) * num_document_tokens * prefill_s_per_token  >  compression_s
 
 so below `break_even_tokens(...)` document tokens the documents go through untouched. The
-default `min_document_tokens` comes from measurements on the development CPU (the compression
-eval on nq_dev, 4x): bench-135m prefills at about 3.4 ms per token (6.9 s for 2,048 tokens)
-and a coarse-to-fine compression took 0.40 s cold (p50, CPU shared at load ~10) and 13 ms warm,
-so the break-even is about 160 document tokens cold and 5 warm; we keep a margin (256) because a
-short context is also where compression risks the most quality for the least gain. On a GPU (prefill near 0.1 ms per token) it is thousands of tokens: set it
-per deployment.
+default `min_document_tokens` (256) is a CPU's break-even with a margin: a ~135M-parameter
+model prefills in a few ms per token and a coarse-to-fine compression at 4x takes a few hundred
+ms cold (tens of ms warm, its embeddings cached), which puts the break-even near 160 document
+tokens cold; the margin is there because a short context is also where compression risks the
+most quality for the least gain. On a GPU (prefill near 0.1 ms per token) the break-even is
+thousands of tokens: set it per deployment.
 
 Fail open: a compressor error never fails the request. The uncompressed documents go through,
 `PolicyOutcome.failed` is set, and the gateway counts it in a metric. Bad input

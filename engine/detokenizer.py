@@ -6,8 +6,8 @@ yields U+FFFD. Each step decodes a short window of tokens twice (vLLM's scheme):
 the tokens already emitted, once with the new ones; the difference is the new text. The window
 starts a few tokens back (at first in the prompt), so SentencePiece-style leading spaces come
 out right; it moves up once the new text is complete, and while that text ends in U+FFFD it is
-held back until the next token completes it. (Decoding the whole output at every token cost
-time quadratic in its length.)
+held back until the next token completes it. (Decoding the whole output at every token would
+cost time quadratic in its length.)
 """
 
 from __future__ import annotations

@@ -9,9 +9,8 @@ Threads (CPU): the forward pass runs on `num_threads` torch threads (EngineConfi
 by default torch's count when the engine was built), set around each step and restored after;
 a step of at most SMALL_STEP_TOKENS tokens runs its small ops on one thread and only its linear
 products on `num_threads` (engine.threads says why, and holds the policy). On a CPU shared with other jobs, one
-thread in all is faster: each parallel op waits for a descheduled thread there (a batch-1
-bench-135m step took 120-150 ms on two threads while another process held the second core,
-44 ms on one).
+thread in all is faster: each parallel op waits for a descheduled thread there, which can
+make a step several times slower than on one thread.
 """
 
 from __future__ import annotations

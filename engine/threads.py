@@ -2,9 +2,9 @@
 
 A step of a few tokens (decodes, speculative verification) is bound by reading the weights:
 its linear layers want every core, while its other ~20 ops per layer are so small that
-splitting them across threads costs more in fork and join than it saves. Measured on the
-2-core development CPU, batch-1 bench-135m fp32, per op on two threads / one: the context
-gather 50 / 20 us, attention 74 / 56 us. So the model runner runs small steps on one thread
+splitting them across threads costs more in fork and join than it saves (on two cores, the
+context gather and attention of a batch-1 decode run slower on two threads than on one). So
+the model runner runs small steps on one thread
 and the linear kinds switch to the engine's count around their product (`linear_threads`);
 prefill chunks run everything on all threads. Switching costs about 0.2 us.
 """

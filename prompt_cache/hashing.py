@@ -28,7 +28,8 @@ HashFunction = Callable[[bytes], bytes]
 
 HASH_FUNCTIONS: dict[str, HashFunction] = {
     "sha256": lambda data: hashlib.sha256(data).digest(),
-    # blake2b with a 32-byte digest: as collision resistant (slightly slower than sha256 here).
+    # blake2b with a 32-byte digest: as collision resistant (slightly slower than sha256 on CPUs
+    # with SHA extensions).
     "blake2b": lambda data: hashlib.blake2b(data, digest_size=32).digest(),
 }
 

@@ -3,7 +3,8 @@
 The bundled model runs through transformers directly (no sentence-transformers wrapper per
 call): texts sorted by length, in small batches, so little compute goes to padding (sentences
 run 10 to 70 tokens; one batch of 32 would pad them all to the longest). With `quantize=True` every Linear goes
-through fbgemm's dynamic int8 kernels (2-3x faster here, cosine to fp32 about 0.99).
+through fbgemm's dynamic int8 kernels (2-3x faster than fp32 on an AVX2 CPU, cosine to fp32
+about 0.99).
 """
 
 from __future__ import annotations

@@ -14,8 +14,7 @@ upstream on the ring once its home carries `load_factor` (1.25) times the mean l
 or losing an upstream moves only the keys it owned. An upstream that is down (its circuit open,
 or already tried by this request) is skipped: fail over to the next on the ring.
 
-A request without a full static block has no key; the caller picks as it did before (round
-robin).
+A request without a full static block has no key; the caller picks its upstream round robin.
 """
 
 from __future__ import annotations

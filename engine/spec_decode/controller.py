@@ -89,10 +89,9 @@ class AdaptiveController:
         better = expected > n and expected / spec > n / plain
         # Exploring costs about a batch's worth of extra queries: rarer at larger batches, and
         # rarer while speculation wins: then it only refreshes the plain cost, which drifts
-        # slowly, and each plain step gives up the tokens a verification would have yielded
-        # (every 8th step at batch 1 cost the demo draft ~8% of its rate). Speculation that
-        # loses is retried sooner: acceptance changes within a request, and only a
-        # verification measures it.
+        # slowly, and each plain step gives up the tokens a verification would have yielded.
+        # Speculation that loses is retried sooner: acceptance changes within a request, and
+        # only a verification measures it.
         period = self.explore_every * n * (self.plain_explore_factor if better else 1)
         speculate = not better if step % period == 0 else better
         if not speculate:
@@ -102,9 +101,8 @@ class AdaptiveController:
     def _drift_toward_prior(self, decodes: list) -> None:
         """Requests that go unverified this step: their acceptance estimates drift back toward
         the prior (their evidence ages). Without it, one unlucky verification could keep a
-        request's estimate, and so speculation, down for many steps: measured on the demo
-        draft (acceptance 0.85), a 0/4 verification took the estimate to ~0.6, below the
-        break-even, and some runs then spent 40% of their steps without speculation."""
+        request's estimate, and so speculation, down for many steps: an estimate pushed below
+        the break-even gets no verification to correct it but the rare exploring steps."""
         for request in decodes:
             control = self._control.get(request)
             if control is not None:

@@ -190,7 +190,7 @@ class DraftProposer:
         """Drafts `skip` + 1 .. k of the requests `going`, after feeding each its `fed` tokens
         from `positions` on, in one call of ragspeed's CPU kernels
         (engine.cpu_kernels.decoder): the same kernels as the step-by-step loop, without its
-        Python (the demo draft: a step 0.23 ms that way, 0.15 of it in the kernels)."""
+        Python, which for a draft this small is a large share of a step."""
         longest = max(a.num_tokens + a.k - 1 for a in going)
         tables = padded_tables([a.block_table for a in going], -(-longest // self.block_size))
         steps = fused.greedy_steps(
@@ -237,8 +237,8 @@ class DraftProposer:
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        # The target's policy (engine.threads): draft steps are small, their small ops on one
-        # thread (on two, a bench drafting step cost about twice as much).
+        # The target's policy (engine.threads): draft steps are small, so their small ops run on
+        # one thread, where fork and join would cost more than the work they split.
         with forward_pass([len(chunk[0]) for chunk in chunks], self.num_threads, self.device):
             hidden = self.model(
                 ids, self.rotary.lookup(pos), self.pool.k_caches, self.pool.v_caches, meta
@@ -287,9 +287,9 @@ def tokenizer_mismatch(target: Any, draft: Any) -> str | None:
 def draft_quantization(config: EngineConfig) -> str | None:
     """The draft's weight quantization. `auto`: int8 on a CPU where it runs, else the target's.
     A draft step reads all the draft's weights, like a target step reads the target's, and
-    the draft's precision moves only its acceptance, never the output (the target verifies):
-    the demo draft in fp32 reads 10 MB a step, a third of its target's 28 MB, in int8 a
-    quarter of that, at the same acceptance (0.84-0.85, bench spec's wiki prompts)."""
+    the draft's precision moves only its acceptance, never the output (the target verifies).
+    int8 weights are a quarter of fp32's bytes, and a distilled draft's argmax (drafts are
+    greedy) rarely changes under int8."""
     if config.draft_quantization != "auto":
         return config.draft_quantization
     cpu = config.device == "cpu" and "int8" in available_quantizations("cpu")

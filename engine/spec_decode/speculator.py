@@ -93,8 +93,8 @@ class Speculator:
         """A step of decodes only (no prefill chunk) took `seconds`, proposing included. What
         the proposer spent on requests new to it (a draft's prefill of their prompts, an n-gram
         index of them) is a one-time cost, like a prefill, not what speculating costs a step:
-        counted in, a 64-token prompt's draft prefill made one step cost 5-7 ms instead of
-        1.6, and the controller switched speculation off for the next steps."""
+        counted in, a new request's draft prefill would make that step look several times
+        dearer than a speculative step is, and switch speculation off for the next steps."""
         self.controller.observe_step(
             self._num_decodes, self._speculated, seconds - self._setup_seconds
         )
@@ -133,10 +133,11 @@ def build_speculator(config: EngineConfig, engine=None) -> Speculator | None:
         return None
     proposer = build_proposer(config, engine)
     k = config.num_speculative_tokens
-    # A quarter of the step budget: 128 query tokens by default, batch 25 at k = 4. Measured on
-    # the demo model (2 CPU cores, greedy RAG prompts, acceptance ~0.96), always-on speculation
-    # still gave 1.8x at batch 16; bigger models reach their compute knee sooner, and requests
-    # whose drafts miss lower their own k (controller.py).
+    # A quarter of the step budget: 128 query tokens by default, batch 25 at k = 4. A small
+    # model's step stays overhead-bound at such batches even with 1 + k queries per decode;
+    # bigger models reach their compute knee sooner, and there the measured step costs
+    # (controller.py) switch speculation off before this cap does. Requests whose drafts miss
+    # lower their own k.
     controller = AdaptiveController(
         k, max_verify_tokens=max(1 + k, config.max_num_batched_tokens // 4)
     )

@@ -2,7 +2,7 @@
 
 Two line shapes are accepted, and may be mixed:
 
-- a RAG QA record, as in `../shared/data/nq_dev.jsonl`: `{"question", "answers": [...],
+- a RAG QA record, as in `nq_dev.jsonl`: `{"question", "answers": [...],
   "documents": [{"title", "text"}, ...]}` → a chat request with `documents` and the question as
   the user turn, behind the static system prompt if one is given;
 - an OpenAI chat request body (`{"messages": [...], ...}`), sent as is; an optional `answers`

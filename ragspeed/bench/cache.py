@@ -17,8 +17,8 @@ the first token):
 
 Cold requests are slow (a full prefill each), so by default only the first `num_cold` questions
 are also timed with the cache off. One torch thread by default: on a shared, loaded CPU two
-threads stall on each other at every op (measured: a 24-token step 0.17 s with one thread,
-0.4-2.4 s with two, at load 6-9).
+threads stall on each other at every op, which makes a short step several times slower and
+its time erratic.
 
 The limit beside the figure: a warm request still prefills `warm_prefill_tokens` tokens, so its
 TTFT cannot drop below that prefill; `ttft_speedup_bound` = prompt tokens / warm prefill tokens.

@@ -48,9 +48,9 @@ def read_bandwidth_samples(num_bytes: int = 512 * 2**20, repeats: int = 9) -> li
 class BandwidthProbe:
     """Read bandwidth measured before and after the contenders of a benchmark.
 
-    Single reads on the development CPU spread widely with two threads (31 to 55 GB/s within
-    one run, against 25 GB/s steady on one thread), so the bound uses the median of all the
-    reads of both probes, and the JSON keeps the spread.
+    Single reads with several threads can spread widely within one run (by nearly 2x on a
+    shared 2-core CPU), so the bound uses the median of all the reads of both probes, and the
+    JSON keeps the spread.
     """
 
     def __init__(self):

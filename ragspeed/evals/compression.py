@@ -121,7 +121,7 @@ def evaluate(
 
 
 def flatten(results: dict, default_method: str = "coarse-to-fine", fast_method: str = "fast") -> dict:
-    """Flat JSON: `<method>_<metric>_<factor>x` for all, plus the issue's headline keys
+    """Flat JSON: `<method>_<metric>_<factor>x` for all, plus headline keys
     (`retention_4x`, `ratio_4x`, `latency_p50_ms`, `latency_warm_p50_ms` for the default method;
     `fast_retention_4x`, `fast_latency_p50_ms` for the fast one)."""
     flat: dict = {}

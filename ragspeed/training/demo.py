@@ -3,8 +3,9 @@
 Two phases (nano-GPT style pre-training, then a long-context stretch, as real models do):
 phase 1 packs rows of 512 tokens with extractive examples over 1-3 passages; phase 2 packs rows
 of 3072 tokens with examples over up to 20 passages, so positions as long as a RAG prompt of
-the NQ set (about 2.5-3k demo tokens) are trained. Half the tokens of each epoch are
-language-modelling text, half chat examples (ragspeed.training.examples).
+the NQ set (about 2.5-3k demo tokens) are trained. `chat_token_fraction` of each epoch's
+tokens (60% by default) are chat examples (ragspeed.training.examples), the rest
+language-modelling text.
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ class DemoRecipe:
     chat_token_fraction: float = 0.6  # of each epoch's tokens
     generic_example_fraction: float = 0.1  # of chat examples
     repeat_example_fraction: float = 0.3  # of chat examples: copy a whole passage
-    # One thread: on a CPU shared with other jobs, two OpenMP threads spin waiting for each other
-    # (measured 5x slower than one thread under a load of 10 on 2 cores).
+    # One thread: on a CPU shared with other jobs, two OpenMP threads spin waiting for each other,
+    # which can make training several times slower than on one thread.
     training: TrainingConfig = TrainingConfig(
         learning_rate=3e-3, min_learning_rate=3e-4, warmup_steps=30, log_every=10, num_threads=1
     )
