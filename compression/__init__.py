@@ -1,8 +1,8 @@
 """ragspeed compression: question-aware context compression under a token budget.
 
-    from ragspeed.compression import Document, build_compressor
-    compressor = build_compressor("coarse-to-fine")
-    result = compressor.compress(question, documents, tokenizer=tok, rate=0.25)
+from ragspeed.compression import Document, build_compressor
+compressor = build_compressor("coarse-to-fine")
+result = compressor.compress(question, documents, tokenizer=tok, rate=0.25)
 """
 
 from ragspeed.compression.base import (

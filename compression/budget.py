@@ -26,15 +26,24 @@ def resolve_budget(
     from ragspeed.compression.base import CompressionError
 
     if isinstance(protected_tokens, bool) or not isinstance(protected_tokens, int) or protected_tokens < 0:
-        raise CompressionError(f"protected_tokens must be an integer >= 0, got {protected_tokens!r}", "protected_tokens")
+        raise CompressionError(
+            f"protected_tokens must be an integer >= 0, got {protected_tokens!r}", "protected_tokens"
+        )
     budgets: list[int] = []
     if rate is not None:
-        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) or not 0 < rate <= 1:
+        if (
+            isinstance(rate, bool)
+            or not isinstance(rate, (int, float))
+            or not math.isfinite(rate)
+            or not 0 < rate <= 1
+        ):
             raise CompressionError(f"rate must be in (0, 1], got {rate!r}", "rate")
         budgets.append(int(math.floor(rate * num_document_tokens)) - protected_document_tokens)
     if target_tokens is not None:
         if isinstance(target_tokens, bool) or not isinstance(target_tokens, int):
-            raise CompressionError(f"target_tokens must be an integer, got {target_tokens!r}", "target_tokens")
+            raise CompressionError(
+                f"target_tokens must be an integer, got {target_tokens!r}", "target_tokens"
+            )
         num_protected = protected_tokens + protected_document_tokens
         if target_tokens < num_protected:
             raise CompressionError(

@@ -26,6 +26,10 @@ class IdentityCompressor:
     ) -> CompressionResult:
         start = time.perf_counter()
         result = passthrough(self.name, documents, tokenizer, 0.0)
-        budget = resolve_budget(result.num_original_tokens, rate=rate, target_tokens=target_tokens,
-                                protected_tokens=protected_tokens)
+        budget = resolve_budget(
+            result.num_original_tokens,
+            rate=rate,
+            target_tokens=target_tokens,
+            protected_tokens=protected_tokens,
+        )
         return dataclasses.replace(result, elapsed_s=time.perf_counter() - start, budget_tokens=budget)

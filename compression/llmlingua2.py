@@ -61,9 +61,13 @@ def _family(tokenizer) -> str:
 class LLMLingua2Compressor:
     name = "llmlingua2"
 
-    def __init__(self, model_path: str | Path | None = None, *, device: str = "cpu", max_batch_size: int = 50):
+    def __init__(
+        self, model_path: str | Path | None = None, *, device: str = "cpu", max_batch_size: int = 50
+    ):
         if model_path is None:
-            raise CompressionError("llmlingua2 needs model_path: a local LLMLingua-2 model folder", "model_path")
+            raise CompressionError(
+                "llmlingua2 needs model_path: a local LLMLingua-2 model folder", "model_path"
+            )
         path = Path(model_path)
         if not (path / "config.json").is_file():
             raise CompressionError(

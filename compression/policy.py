@@ -69,7 +69,9 @@ class PolicyOutcome:
     error: str | None = None
 
 
-def passthrough(method: str, documents: Sequence[DocumentLike], tokenizer: Tokenizer, elapsed_s: float) -> CompressionResult:
+def passthrough(
+    method: str, documents: Sequence[DocumentLike], tokenizer: Tokenizer, elapsed_s: float
+) -> CompressionResult:
     docs = as_documents(documents)
     out = []
     for doc in docs:
@@ -95,9 +97,13 @@ def apply_policy(
     docs = as_documents(documents)
     num_tokens = sum(count_tokens(tokenizer, d.text) for d in docs)
     # Check the parameters even when we will not compress: a bad rate is a 400 either way.
-    budget = resolve_budget(num_tokens, rate=rate, target_tokens=target_tokens, protected_tokens=protected_tokens)
+    budget = resolve_budget(
+        num_tokens, rate=rate, target_tokens=target_tokens, protected_tokens=protected_tokens
+    )
     # A target that the documents already fit is no reason to compress either.
-    if num_tokens < policy.min_document_tokens or (target_tokens is not None and rate is None and num_tokens <= budget):
+    if num_tokens < policy.min_document_tokens or (
+        target_tokens is not None and rate is None and num_tokens <= budget
+    ):
         return PolicyOutcome(
             passthrough(compressor.name, docs, tokenizer, time.perf_counter() - start),
             compressed=False,
@@ -105,7 +111,12 @@ def apply_policy(
         )
     try:
         result = compressor.compress(
-            question, docs, tokenizer=tokenizer, rate=rate, target_tokens=target_tokens, protected_tokens=protected_tokens
+            question,
+            docs,
+            tokenizer=tokenizer,
+            rate=rate,
+            target_tokens=target_tokens,
+            protected_tokens=protected_tokens,
         )
     except CompressionError:
         raise

@@ -40,7 +40,9 @@ def _static_scorer(options: dict[str, Any], cache: EmbeddingCache):
     from ragspeed.compression.scoring.static_bm25 import StaticBM25Scorer
     from ragspeed.compression.scoring.static_encoder import StaticEncoder
 
-    encoder = options.pop("static_encoder", None) or StaticEncoder(options.pop("static_model_path", None), cache=cache)
+    encoder = options.pop("static_encoder", None) or StaticEncoder(
+        options.pop("static_model_path", None), cache=cache
+    )
     return StaticBM25Scorer(
         encoder,
         doc_weight=options.pop("static_doc_weight", 1.0),
@@ -111,7 +113,9 @@ def build_compressor(method: str = DEFAULT_METHOD, **options: Any) -> Compressor
     """A compressor by name. Unknown methods and unknown options are errors naming them."""
     factory = COMPRESSORS.get(method)
     if factory is None:
-        raise CompressionError(f"unknown compression method {method!r}; known: {sorted(COMPRESSORS)}", "method")
+        raise CompressionError(
+            f"unknown compression method {method!r}; known: {sorted(COMPRESSORS)}", "method"
+        )
     compressor = factory(options)  # factories pop what they use
     for offered in _OFFERED_TO_ALL:
         options.pop(offered, None)

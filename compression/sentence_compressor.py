@@ -101,7 +101,9 @@ class SentenceCompressor:
         num_tokens = np.where(keep, table.num_tokens, budget + 1)  # never fits
         return [i for i in select_units(masked, num_tokens, budget) if keep[i]]
 
-    def _assemble(self, docs, table, scores, chosen, num_original, budget, start, counter) -> CompressionResult:
+    def _assemble(
+        self, docs, table, scores, chosen, num_original, budget, start, counter
+    ) -> CompressionResult:
         kept: dict[int, list[int]] = {}
         relevance: dict[int, float] = {}
         for i in chosen:
@@ -113,7 +115,9 @@ class SentenceCompressor:
                 kept[d] = []
                 relevance[d] = np.inf
         order = ORDERINGS[self.order](list(kept), relevance)
-        texts = [docs[d].text if docs[d].protected else " ".join(table.texts[i] for i in kept[d]) for d in order]
+        texts = [
+            docs[d].text if docs[d].protected else " ".join(table.texts[i] for i in kept[d]) for d in order
+        ]
         # Counted again as joined text: the joins may tokenize a little differently.
         kept_counts = counter.count(texts)
         out: list[CompressedDocument] = []

@@ -194,9 +194,7 @@ def render() -> str:
             if bounds:
                 kind = f"{kind} ({bounds})"
             default = "required" if info.is_required() else f"`{_default(info)!r}`"
-            out.append(
-                f"| `{name}` | `{_cell(kind)}` | {default} | {_prose(info.description or '')} |"
-            )
+            out.append(f"| `{name}` | `{_cell(kind)}` | {default} | {_prose(info.description or '')} |")
         out.append("")
     return "\n".join(out)
 

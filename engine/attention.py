@@ -196,7 +196,13 @@ def paged_attention(
     v_cache.index_copy_(0, meta.slot_mapping, v)
     if meta.row_block_tables is not None and decode_kernel_applies(q, num_kv_heads):
         out = paged_decode_attention(
-            q, k_cache, v_cache, meta.row_block_tables, meta.row_context_lens, block_size, scale,
+            q,
+            k_cache,
+            v_cache,
+            meta.row_block_tables,
+            meta.row_context_lens,
+            block_size,
+            scale,
             meta.num_threads,
         )
         return out.view(num_tokens, num_heads * head_dim)
@@ -207,8 +213,14 @@ def paged_attention(
         out = q.new_empty(num_tokens, num_heads, head_dim)
     if nd and decode_kernel_applies(q, num_kv_heads):
         od = paged_decode_attention(
-            q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-            block_size, scale, meta.num_threads,
+            q[:nd],
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            block_size,
+            scale,
+            meta.num_threads,
         )
         if out is None:
             return od.view(num_tokens, num_heads * head_dim)
@@ -231,7 +243,12 @@ def paged_attention(
         vp = gather_context(v_cache, table, block_size, span.context_len).transpose(1, 2)
         qp = q[span.query_start : span.query_end].transpose(0, 1).unsqueeze(0)
         op = F.scaled_dot_product_attention(
-            qp, kp, vp, attn_mask=span.mask, is_causal=span.mask is None, scale=scale,
+            qp,
+            kp,
+            vp,
+            attn_mask=span.mask,
+            is_causal=span.mask is None,
+            scale=scale,
             enable_gqa=num_heads != num_kv_heads,
         )  # [1, num_heads, n, head_dim]
         out[span.query_start : span.query_end] = op[0].transpose(0, 1)

@@ -43,17 +43,25 @@ def models_group() -> None:
 
 
 @models_group.command(
-    "build", help="Build a benchmark model (real architecture, seeded random weights) in HF format.\n\n"
-                  f"NAME is a bench model: {', '.join(BENCH_MODELS)}.")
+    "build",
+    help="Build a benchmark model (real architecture, seeded random weights) in HF format.\n\n"
+    f"NAME is a bench model: {', '.join(BENCH_MODELS)}.",
+)
 @click.argument("name")
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Folder to write (default: $RAGSPEED_CACHE_DIR/<name> or ~/.cache/ragspeed/models/<name>).")
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Folder to write (default: $RAGSPEED_CACHE_DIR/<name> or ~/.cache/ragspeed/models/<name>).",
+)
 def build_command(name: str, out: Path | None) -> None:
     try:
         result = build_model(name, out)
     except ValueError as error:
         raise click.BadParameter(str(error), param_hint="NAME") from error
-    click.echo(f"{result['name']}: {result['path']} ({result['size_bytes'] / 1e6:.1f} MB, {result['build_seconds']:.1f} s)")
+    click.echo(
+        f"{result['name']}: {result['path']} ({result['size_bytes'] / 1e6:.1f} MB, {result['build_seconds']:.1f} s)"
+    )
 
 
 @models_group.command("list")
@@ -66,4 +74,6 @@ def list_command(as_json: bool) -> None:
         return
     for row in rows:
         state = f"{row['size_bytes'] / 1e6:.1f} MB" if row["available"] else "not built"
-        click.echo(f"{row['name']:<14} {row['kind']:<8} {state:<10} {row['path']}\n{'':<24}{row['description']}")
+        click.echo(
+            f"{row['name']:<14} {row['kind']:<8} {state:<10} {row['path']}\n{'':<24}{row['description']}"
+        )

@@ -117,7 +117,9 @@ def open_gguf(path: Path):
         reader = GGUFReader(path, "r")
     except (ValueError, IndexError, OverflowError) as error:
         # The reader fails on the first field or tensor that runs past the end of the file.
-        raise GgufError(f"{path} is truncated or corrupt ({size:,} bytes; the GGUF reader says: {error})") from error
+        raise GgufError(
+            f"{path} is truncated or corrupt ({size:,} bytes; the GGUF reader says: {error})"
+        ) from error
     end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=reader.data_offset)
     if end > size:
         raise GgufError(f"{path} is truncated: its tensors end at byte {end:,}, the file has {size:,}")
@@ -156,7 +158,9 @@ def hf_config_fields(reader, arch: GgufArchitecture, path: Path) -> dict[str, An
     head_dim = _field(reader, f"{p}.attention.key_length") or hidden_size // num_heads
     rope_dims = _field(reader, f"{p}.rope.dimension_count", head_dim)
     if rope_dims != head_dim:
-        raise GgufError(f"{path}: partial rotary embeddings ({rope_dims} of {head_dim} dims) are not supported")
+        raise GgufError(
+            f"{path}: partial rotary embeddings ({rope_dims} of {head_dim} dims) are not supported"
+        )
     scaling = _field(reader, f"{p}.rope.scaling.type", "none")
     if scaling != "none" or "rope_freqs.weight" in {t.name for t in reader.tensors}:
         raise GgufError(f"{path}: rope scaling ({scaling}, or a rope_freqs tensor) is not supported")
@@ -172,7 +176,10 @@ def hf_config_fields(reader, arch: GgufArchitecture, path: Path) -> dict[str, An
         intermediate_size=need("feed_forward_length"),
         max_position_embeddings=need("context_length"),
         rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-        rope_parameters={"rope_type": "default", "rope_theta": float(_field(reader, f"{p}.rope.freq_base", 10000.0))},
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": float(_field(reader, f"{p}.rope.freq_base", 10000.0)),
+        },
         vocab_size=int(embedding.shape[1]),  # GGUF shapes run fastest-first: [hidden, vocab]
         tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
@@ -189,7 +196,9 @@ def hf_config_fields(reader, arch: GgufArchitecture, path: Path) -> dict[str, An
 def check_tokenizer_metadata(reader, path: Path) -> None:
     """The tokenizer must be in the file: there is no other source for a GGUF's vocabulary."""
     model = _field(reader, "tokenizer.ggml.model")
-    required = ["tokenizer.ggml.model", "tokenizer.ggml.tokens"] + (["tokenizer.ggml.merges"] if model == "gpt2" else [])
+    required = ["tokenizer.ggml.model", "tokenizer.ggml.tokens"] + (
+        ["tokenizer.ggml.merges"] if model == "gpt2" else []
+    )
     missing = [key for key in required if key not in reader.fields]
     if missing:
         raise GgufError(f"{path}: no tokenizer in the metadata (missing {', '.join(missing)})")
@@ -253,7 +262,9 @@ def tensor_of(tensor) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array).reshape(shape))
 
 
-def hf_tensors(reader, arch: GgufArchitecture, config: dict[str, Any], path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_tensors(
+    reader, arch: GgufArchitecture, config: dict[str, Any], path: Path
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(transformers name, tensor) for every tensor of the file, in file order."""
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name)
@@ -308,11 +319,18 @@ def convert_gguf(source: Path, out_dir: Path) -> GgufSummary:
     out_dir.mkdir(parents=True, exist_ok=True)
     dtypes = {t.dtype for t in tensors.values()}
     dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
-    config = AutoConfig.for_model(arch.model_type, architectures=[arch.hf_architecture],
-                                  dtype=str(dtype).removeprefix("torch."), **fields)
+    config = AutoConfig.for_model(
+        arch.model_type,
+        architectures=[arch.hf_architecture],
+        dtype=str(dtype).removeprefix("torch."),
+        **fields,
+    )
     config.save_pretrained(out_dir)
-    GenerationConfig(bos_token_id=fields["bos_token_id"], eos_token_id=fields["eos_token_id"],
-                     pad_token_id=fields["pad_token_id"]).save_pretrained(out_dir)
+    GenerationConfig(
+        bos_token_id=fields["bos_token_id"],
+        eos_token_id=fields["eos_token_id"],
+        pad_token_id=fields["pad_token_id"],
+    ).save_pretrained(out_dir)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "model.safetensors").chmod(0o644)  # safetensors writes 0600; the cache may be shared
     del tensors
@@ -417,8 +435,13 @@ def converted_copy(source: Path | str, out_dir: Path) -> Path:
             if copy_problem(source, out_dir) is not None:
                 raise
             # else: another process finished the same conversion first; keep its copy.
-        logger.info("converted %s (%s, %d tensors %s)", source.name, summary.architecture,
-                    summary.num_tensors, summary.tensor_types)
+        logger.info(
+            "converted %s (%s, %d tensors %s)",
+            source.name,
+            summary.architecture,
+            summary.num_tensors,
+            summary.tensor_types,
+        )
     finally:
         shutil.rmtree(staging, ignore_errors=True)
         if old is not None:

@@ -29,8 +29,14 @@ class KVCachePool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.kv = torch.zeros(
-            2, arch.num_layers, num_blocks, block_size, arch.num_kv_heads, arch.head_dim,
-            dtype=dtype, device=device,
+            2,
+            arch.num_layers,
+            num_blocks,
+            block_size,
+            arch.num_kv_heads,
+            arch.head_dim,
+            dtype=dtype,
+            device=device,
         )
         flat = self.kv.view(2, arch.num_layers, num_blocks * block_size, arch.num_kv_heads, -1)
         # Per-layer views, built once: the layer loop zips over them, no indexing per step.

@@ -46,9 +46,7 @@ class StepOutput:
 
 
 class LLMEngine:
-    def __init__(
-        self, config: EngineConfig, *, loaded: LoadedModel | None = None, tokenizer: Any = None
-    ):
+    def __init__(self, config: EngineConfig, *, loaded: LoadedModel | None = None, tokenizer: Any = None):
         self.config = config
         self.device = torch.device(config.device)
         num_threads = config.num_threads or torch.get_num_threads()
@@ -101,7 +99,10 @@ class LLMEngine:
         self.num_generation_tokens_total = 0
         logger.info(
             "native engine: %s (%s), KV pool %d blocks x %d tokens (%.0f MiB)",
-            config.model, self.arch.family, num_blocks, config.block_size,
+            config.model,
+            self.arch.family,
+            num_blocks,
+            config.block_size,
             self.kv_pool.num_bytes / 2**20,
         )
 
@@ -123,16 +124,12 @@ class LLMEngine:
     def add_request(self, request: GenerationRequest, *, prefill_only: bool = False) -> None:
         self.validate(request, prefill_only=prefill_only)
         if self.scheduler.get(request.request_id) is not None:
-            raise EngineError(
-                f"request_id {request.request_id!r} is already running", param="request_id"
-            )
+            raise EngineError(f"request_id {request.request_id!r} is already running", param="request_id")
         state = SamplingState.create(request.sampling, self.eos_token_ids, self.device)
         detokenizer = None
         if not prefill_only:
             detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
-        self.scheduler.add(
-            Request(request, state, detokenizer=detokenizer, prefill_only=prefill_only)
-        )
+        self.scheduler.add(Request(request, state, detokenizer=detokenizer, prefill_only=prefill_only))
 
     def abort(self, request_id: str) -> StepOutput | None:
         """Stop a request and free its blocks now; unknown ids are ignored (None)."""
@@ -151,7 +148,8 @@ class LLMEngine:
         start = time.perf_counter()
         if self.speculator is not None:
             self.speculator.propose(
-                self.scheduler.running, self.max_model_len,
+                self.scheduler.running,
+                self.max_model_len,
                 num_waiting=len(self.scheduler.waiting),
             )
         output = self.scheduler.schedule()
@@ -184,11 +182,11 @@ class LLMEngine:
             if request.prefill_only and request.num_computed_tokens == request.num_tokens:
                 self.scheduler.finish(request, "stop")
                 # warm(): report how much of the prefix is now cached (its blocks stay cached).
-                num_cached = self.num_cached_prefix_tokens(
-                    request.prompt_token_ids, request.cache_salt
-                )
+                num_cached = self.num_cached_prefix_tokens(request.prompt_token_ids, request.cache_salt)
                 delta = TokenDelta(
-                    text="", finish_reason="stop", num_prompt_tokens=request.num_prompt_tokens,
+                    text="",
+                    finish_reason="stop",
+                    num_prompt_tokens=request.num_prompt_tokens,
                     num_cached_tokens=num_cached,
                 )
                 results.append(StepOutput(request.request_id, delta))
@@ -259,9 +257,7 @@ class LLMEngine:
             logprobs=logprobs,
         )
 
-    def _append_token(
-        self, request: Request, token: int, logprob: TokenLogprob | None = None
-    ) -> StepOutput:
+    def _append_token(self, request: Request, token: int, logprob: TokenLogprob | None = None) -> StepOutput:
         request.all_token_ids.append(token)
         self.num_generation_tokens_total += 1
         params = request.sampling.params
@@ -274,8 +270,7 @@ class LLMEngine:
             if request.stop_matcher.stopped:
                 finish = "stop"
         if finish is None and (
-            request.num_output_tokens >= params.max_tokens
-            or request.num_tokens >= self.max_model_len
+            request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len
         ):
             finish = "length"
         if finish is not None:
@@ -289,9 +284,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ helpers
 
-    def num_cached_prefix_tokens(
-        self, token_ids: list[int] | tuple[int, ...], cache_salt: str | None
-    ) -> int:
+    def num_cached_prefix_tokens(self, token_ids: list[int] | tuple[int, ...], cache_salt: str | None) -> int:
         """Tokens of `token_ids` (full blocks, the last one included) now in the prefix cache."""
         # get_computed_blocks leaves the last token to compute: a sentinel makes it count them all.
         _, num_cached = self.manager.get_computed_blocks(

@@ -108,9 +108,7 @@ def context_limit(hf_config: Any) -> int:
     limit = hf_config.max_position_embeddings
     window = getattr(hf_config, "sliding_window", None)
     layer_types = getattr(hf_config, "layer_types", None) or ()
-    uses_window = "sliding_attention" in layer_types or (
-        getattr(hf_config, "model_type", "") == "mistral"
-    )
+    uses_window = "sliding_attention" in layer_types or (getattr(hf_config, "model_type", "") == "mistral")
     if window and uses_window:
         limit = min(limit, window)
     return limit
@@ -129,8 +127,7 @@ def rope_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
     init = ROPE_INIT_FUNCTIONS.get(rope_type)
     if init is None:
         raise UnsupportedModelError(
-            f"rope type {rope_type!r} is not supported; supported: default, "
-            + ", ".join(ROPE_INIT_FUNCTIONS)
+            f"rope type {rope_type!r} is not supported; supported: default, " + ", ".join(ROPE_INIT_FUNCTIONS)
         )
     inv_freq, attention_scaling = init(hf_config, "cpu")
     return inv_freq, float(attention_scaling)
@@ -182,9 +179,7 @@ def load_weights(model: DecoderLM, tensors: dict[str, torch.Tensor]) -> None:
         qkv_bias = None
         if arch.qkv_bias:
             q_b = permute_heads(take(p + "self_attn.q_proj.bias"), arch.num_heads, arch.head_dim)
-            k_b = permute_heads(
-                take(p + "self_attn.k_proj.bias"), arch.num_kv_heads, arch.head_dim
-            )
+            k_b = permute_heads(take(p + "self_attn.k_proj.bias"), arch.num_kv_heads, arch.head_dim)
             qkv_bias = torch.cat([q_b, k_b, take(p + "self_attn.v_proj.bias")])
         attn.qkv_proj.load(torch.cat([q_w, k_w, v_w]), qkv_bias)
         attn.o_proj.load(
@@ -264,9 +259,7 @@ def load_model(
     inv_freq, attention_scaling = rope_inv_freq(hf_config, arch.head_dim)
     limit = context_limit(hf_config)
     if max_model_len is not None and max_model_len > limit:
-        raise ValueError(
-            f"max_model_len={max_model_len} exceeds the model's context of {limit} tokens"
-        )
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {limit} tokens")
     max_model_len = max_model_len or limit
     rotary = RotaryEmbedding(inv_freq, max_model_len, attention_scaling, device)
     eos: Any = None

@@ -26,8 +26,10 @@ def token_logprobs(
     if not rows:
         return []
     device = logits.device
-    picked = logits if len(rows) == logits.shape[0] and rows == list(range(len(rows))) else (
-        logits[torch.tensor(rows, device=device)]
+    picked = (
+        logits
+        if len(rows) == logits.shape[0] and rows == list(range(len(rows)))
+        else (logits[torch.tensor(rows, device=device)])
     )
     logprobs = picked.float().log_softmax(dim=-1)  # [n, vocab]
     ids = torch.tensor(token_ids, dtype=torch.long, device=device).unsqueeze(1)  # [n, 1]

@@ -42,7 +42,12 @@ DEMO_MODEL_NAME = "ragspeed-demo"
 DEMO_DRAFT_MODEL_NAME = "ragspeed-demo-draft"
 CACHE_DIR_ENV = "RAGSPEED_CACHE_DIR"
 # Files copied from the demo model into every bench model.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+)
 _COMPLETE_MARKER = "model.safetensors"  # written last by save_pretrained's callers below
 # A hub repository id: `org/name`, as huggingface_hub validates them (no "..", no "--" edges).
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
@@ -85,7 +90,9 @@ class BundledModel:
 
     def materialize(self, cache_dir: Path) -> Path:
         if not (self.path / "config.json").is_file():
-            raise FileNotFoundError(f"bundled model {self.name!r} is missing from {self.path}; run `ragspeed train-demo`")
+            raise FileNotFoundError(
+                f"bundled model {self.name!r} is missing from {self.path}; run `ragspeed train-demo`"
+            )
         return self.path
 
     def describe(self) -> dict[str, Any]:
@@ -113,7 +120,11 @@ class PackagedGgufModel:
         for folder in folders:
             if (Path(folder) / self.file_name).is_file():
                 return Path(folder) / self.file_name
-        where = f"package {self.package} at {folders[0]} lacks {self.file_name}" if folders else f"package {self.package} is not installed"
+        where = (
+            f"package {self.package} at {folders[0]} lacks {self.file_name}"
+            if folders
+            else f"package {self.package} is not installed"
+        )
         raise ModelUnavailableError(f"model {self.name!r}: {where}; install it with `{self.install_command}`")
 
     def materialize(self, cache_dir: Path) -> Path:
@@ -255,10 +266,14 @@ def resolve_model(name_or_path: str, *, cache_dir: Path | None = None, tokenizer
         from ragspeed.engine.gguf import converted_copy, gguf_cache_dir
 
         if path.suffix.lower() != ".gguf":
-            raise ValueError(f"model {name_or_path!r} is a file, not a .gguf file; pass a GGUF file or an HF-format folder")
+            raise ValueError(
+                f"model {name_or_path!r} is a file, not a .gguf file; pass a GGUF file or an HF-format folder"
+            )
         return str(converted_copy(path, gguf_cache_dir(path, cache_dir)))
     if _HUB_ID.match(name_or_path) and path.suffix.lower() != ".gguf" and ".." not in name_or_path:
-        return download_hub_model(name_or_path, allow_patterns=_TOKENIZER_PATTERNS if tokenizer_only else None)
+        return download_hub_model(
+            name_or_path, allow_patterns=_TOKENIZER_PATTERNS if tokenizer_only else None
+        )
     raise ModelUnavailableError(
         f"model {name_or_path!r} is not a zoo name ({', '.join(ZOO)}), an existing folder or .gguf file, "
         "or a hub id (org/name)"
@@ -276,8 +291,9 @@ def download_hub_model(repo_id: str, *, allow_patterns: tuple[str, ...] | None =
             return snapshot_download(repo_id)
         return snapshot_download(repo_id, allow_patterns=list(allow_patterns))
     except LocalEntryNotFoundError as error:
-        why = ("HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE
-               else "the Hugging Face hub cannot be reached")
+        why = (
+            "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the Hugging Face hub cannot be reached"
+        )
         raise ModelUnavailableError(
             f"model {repo_id!r} is neither a local folder nor in the local hub cache ({constants.HF_HUB_CACHE}), "
             f"and {why}: "
@@ -325,7 +341,9 @@ def build_bench_model(
     elif spec_or_name in BENCH_MODELS:
         spec = BENCH_MODELS[spec_or_name]
     else:
-        raise ValueError(f"name: unknown bench model {spec_or_name!r}; choose one of {', '.join(BENCH_MODELS)}")
+        raise ValueError(
+            f"name: unknown bench model {spec_or_name!r}; choose one of {', '.join(BENCH_MODELS)}"
+        )
     if overrides:
         known = {f.name for f in fields(BenchModelSpec)}
         unknown = sorted(set(overrides) - known)
@@ -339,9 +357,13 @@ def build_bench_model(
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     if len(tokenizer) > spec.vocab_size:
-        raise ValueError(f"vocab_size: {spec.vocab_size} is smaller than the demo tokenizer's {len(tokenizer)} tokens")
+        raise ValueError(
+            f"vocab_size: {spec.vocab_size} is smaller than the demo tokenizer's {len(tokenizer)} tokens"
+        )
     config = spec.hf_config(
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     started = time.perf_counter()
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -353,7 +375,9 @@ def build_bench_model(
         staging.chmod(0o755)
         model.save_pretrained(str(staging), safe_serialization=True)
         GenerationConfig(
-            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
         ).save_pretrained(str(staging))
         for file_name in TOKENIZER_FILES:
             if (tokenizer_dir / file_name).is_file():
@@ -375,7 +399,10 @@ def build_bench_model(
 def _spec_json(spec: BenchModelSpec, build_seconds: float) -> str:
     import json
 
-    return json.dumps({"spec": asdict(spec), "build_seconds": round(build_seconds, 2)}, indent=2, sort_keys=True) + "\n"
+    return (
+        json.dumps({"spec": asdict(spec), "build_seconds": round(build_seconds, 2)}, indent=2, sort_keys=True)
+        + "\n"
+    )
 
 
 def list_models(cache_dir: Path | None = None) -> list[dict[str, Any]]:
@@ -389,7 +416,9 @@ def list_models(cache_dir: Path | None = None) -> list[dict[str, Any]]:
                 **entry.describe(),
                 "path": str(local_dir),
                 "available": (local_dir / _COMPLETE_MARKER).is_file(),
-                "size_bytes": sum(f.stat().st_size for f in local_dir.iterdir() if f.is_file()) if local_dir.is_dir() else 0,
+                "size_bytes": sum(f.stat().st_size for f in local_dir.iterdir() if f.is_file())
+                if local_dir.is_dir()
+                else 0,
             }
         )
     return rows

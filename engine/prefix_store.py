@@ -58,8 +58,9 @@ class PinnedPrefix:
 
 def _write_tensors(path: Path, tensors: dict[str, Any]) -> None:
     metadata = tensors.get("__metadata__") or {}
-    save_file({k: v.contiguous() for k, v in tensors.items() if k != "__metadata__"}, str(path),
-              metadata=metadata)
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items() if k != "__metadata__"}, str(path), metadata=metadata
+    )
 
 
 def _read_tensors(path: Path) -> dict[str, Any]:
@@ -109,8 +110,13 @@ def engine_fingerprint(engine: Any) -> dict[str, Any]:
     return {
         "model": model.hexdigest(),
         "tokenizer": _tokenizer_fingerprint(engine.tokenizer),
-        "kv_shape": [int(kv.shape[0]), int(kv.shape[1]), int(kv.shape[3]), int(kv.shape[4]),
-                     int(kv.shape[5])],
+        "kv_shape": [
+            int(kv.shape[0]),
+            int(kv.shape[1]),
+            int(kv.shape[3]),
+            int(kv.shape[4]),
+            int(kv.shape[5]),
+        ],
         "kv_dtype": str(kv.dtype),
         "quantization": engine.config.quantization,
     }
@@ -196,8 +202,13 @@ class PrefixStore:
             if not isinstance(kv, torch.Tensor) or kv.dim() != 6:
                 logger.warning("refusing saved prefix %s: no KV tensor of 6 dimensions", path)
                 continue
-            prefix = PinnedPrefix(name=loaded.name, token_ids=loaded.token_ids, block_ids=(),
-                                  text=metadata.get("text", ""), cache_salt=salt)
+            prefix = PinnedPrefix(
+                name=loaded.name,
+                token_ids=loaded.token_ids,
+                block_ids=(),
+                text=metadata.get("text", ""),
+                cache_salt=salt,
+            )
             out.append((prefix, kv))
         return out
 

@@ -54,10 +54,7 @@ class ScheduledChunk:
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the request's last token, so the step samples after it."""
-        return (
-            self.start + self.num_real_tokens == self.request.num_tokens
-            and not self.request.prefill_only
-        )
+        return self.start + self.num_real_tokens == self.request.num_tokens and not self.request.prefill_only
 
 
 @dataclass(frozen=True)
@@ -169,9 +166,10 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             # A decode's drafts ride along while budget and pool allow; they never preempt.
             drafts = request.spec_token_ids[: budget - num_new] if request in decodes else []
-            if drafts and self.manager.allocate_slots(
-                request.request_id, request.num_tokens + len(drafts)
-            ) is None:
+            if (
+                drafts
+                and self.manager.allocate_slots(request.request_id, request.num_tokens + len(drafts)) is None
+            ):
                 drafts = []
             total = request.num_computed_tokens + num_new
             while self.manager.allocate_slots(request.request_id, total) is None:
@@ -188,12 +186,7 @@ class Scheduler:
             scheduled[request.request_id] = self._chunk(request, num_new + len(drafts), drafts)
             budget -= num_new + len(drafts)
 
-        while (
-            not preempted
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.max_num_seqs
-        ):
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             computed_blocks, num_cached = self.manager.get_computed_blocks(
                 request.all_token_ids,
@@ -201,12 +194,7 @@ class Scheduler:
                 record_stats=request.num_preemptions == 0 and not request.prefill_only,
             )
             num_new = min(request.num_tokens - num_cached, budget)
-            if (
-                self.manager.allocate_slots(
-                    request.request_id, num_cached + num_new, computed_blocks
-                )
-                is None
-            ):
+            if self.manager.allocate_slots(request.request_id, num_cached + num_new, computed_blocks) is None:
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -250,9 +238,7 @@ class Scheduler:
                 request.cache_salt,
             )
 
-    def update_from_output(
-        self, output: SchedulerOutput, new_token_ids: Mapping[str, Sequence[int]]
-    ) -> None:
+    def update_from_output(self, output: SchedulerOutput, new_token_ids: Mapping[str, Sequence[int]]) -> None:
         """After the step's tokens were appended to their requests (`new_token_ids`: request id
         -> the tokens this step sampled or verified): commit the accepted drafts.
 

@@ -30,7 +30,7 @@ class StopStringMatcher:
             return out
         hold = self._longest_partial_match()
         out = self._pending[: len(self._pending) - hold]
-        self._pending = self._pending[len(out):]
+        self._pending = self._pending[len(out) :]
         return out
 
     def flush(self) -> str:

@@ -31,9 +31,7 @@ def forward_threads(num_tokens: int, num_threads: int, device: torch.device) -> 
 
 
 @contextmanager
-def forward_pass(
-    chunk_sizes: list[int], num_threads: int, device: torch.device
-) -> Iterator[None]:
+def forward_pass(chunk_sizes: list[int], num_threads: int, device: torch.device) -> Iterator[None]:
     """One forward pass over chunks of `chunk_sizes` tokens (the model runner's and the draft
     proposer's): its thread count (`forward_threads`) and, when every chunk is small
     (decodes, verifications), the row-invariant CPU kernels (engine.cpu_kernels.decode_step)."""

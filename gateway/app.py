@@ -56,14 +56,21 @@ def create_app(
         metrics.registry.register(rejections.counter)
         engine = engine_factory(settings.engine_config())
         # A/B arms with `engine` overrides get an engine of their own, started with the main one.
-        arm_engines = {arm.name: engine_factory(settings.model_copy(update=dict(arm.engine)).engine_config())
-                       for arm in (experiment.spec.arms if experiment else ()) if arm.engine}
+        arm_engines = {
+            arm.name: engine_factory(settings.model_copy(update=dict(arm.engine)).engine_config())
+            for arm in (experiment.spec.arms if experiment else ())
+            if arm.engine
+        }
         metrics.watch_engine(engine.stats, settings.model_id)
         state = AppState(
-            settings=settings, metrics=metrics, engine=engine,
+            settings=settings,
+            metrics=metrics,
+            engine=engine,
             retrieval=RetrievalService(settings),
             prompts=PromptService(engine, settings.prompt_cache_dir),
-            started_at=int(time.time()), experiment=experiment, arm_engines=arm_engines,
+            started_at=int(time.time()),
+            experiment=experiment,
+            arm_engines=arm_engines,
         )
         app.state.services = state
 
@@ -83,12 +90,18 @@ def create_app(
                 return
             # Every service is loaded: the pipeline is complete from its first request on.
             state.pipeline = Pipeline(
-                settings=settings, engine=engine, metrics=metrics, compress=state.compression,
-                retrieve=state.retrieval, prompts=state.prompts, experiment=experiment,
+                settings=settings,
+                engine=engine,
+                metrics=metrics,
+                compress=state.compression,
+                retrieve=state.retrieval,
+                prompts=state.prompts,
+                experiment=experiment,
                 arm_engines=arm_engines,
             )
-            logger.info("engine %s ready with %s in %.1f s", settings.engine, settings.model,
-                        time.perf_counter() - t0)
+            logger.info(
+                "engine %s ready with %s in %.1f s", settings.engine, settings.model, time.perf_counter() - t0
+            )
 
         loading = asyncio.create_task(load())
         try:
@@ -104,9 +117,13 @@ def create_app(
     install_error_handlers(app)
     # Outermost last: auth first (no body read for a bad key), then the body, read whole and
     # size-checked before admission (a slow upload must not hold a generation slot), then admission.
-    app.add_middleware(AdmissionMiddleware, queue=AdmissionQueue(
-        settings.max_concurrent_requests, settings.max_queued_requests, settings.queue_timeout_s),
-        rejections=rejections)
+    app.add_middleware(
+        AdmissionMiddleware,
+        queue=AdmissionQueue(
+            settings.max_concurrent_requests, settings.max_queued_requests, settings.queue_timeout_s
+        ),
+        rejections=rejections,
+    )
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes, rejections=rejections)
     app.add_middleware(SecurityMiddleware, keyring=keyring, rejections=rejections)
     if experiment is not None:

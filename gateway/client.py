@@ -37,8 +37,11 @@ class Usage:
     def from_wire(cls, usage: dict[str, Any] | None) -> Usage:
         usage = usage or {}
         details = usage.get("prompt_tokens_details") or {}
-        return cls(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0),
-                   details.get("cached_tokens") or 0)
+        return cls(
+            usage.get("prompt_tokens", 0),
+            usage.get("completion_tokens", 0),
+            details.get("cached_tokens") or 0,
+        )
 
 
 @dataclass(frozen=True)
@@ -68,15 +71,21 @@ class ChatResult:
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_parts(cls, text: str, finish_reason: str | None, usage: dict | None,
-                   ragspeed: dict | None, raw: dict) -> ChatResult:
+    def from_parts(
+        cls, text: str, finish_reason: str | None, usage: dict | None, ragspeed: dict | None, raw: dict
+    ) -> ChatResult:
         ragspeed = ragspeed or {}
         comp = ragspeed.get("compression")
         return cls(
-            text=text, finish_reason=finish_reason, usage=Usage.from_wire(usage),
-            timings_ms=ragspeed.get("timings_ms", {}), ttft_ms=ragspeed.get("ttft_ms"),
-            e2e_ms=ragspeed.get("e2e_ms"), arm=ragspeed.get("arm"),
-            compression=Compression(**comp) if comp else None, raw=raw,
+            text=text,
+            finish_reason=finish_reason,
+            usage=Usage.from_wire(usage),
+            timings_ms=ragspeed.get("timings_ms", {}),
+            ttft_ms=ragspeed.get("ttft_ms"),
+            e2e_ms=ragspeed.get("e2e_ms"),
+            arm=ragspeed.get("arm"),
+            compression=Compression(**comp) if comp else None,
+            raw=raw,
         )
 
 
@@ -88,15 +97,28 @@ class ChatChunk:
     result: ChatResult | None = None
 
 
-def build_chat_body(question: str | None, *, messages: Sequence[dict] | None, documents: Sequence[DocumentLike] | None,
-                    system: str | None, model: str | None, stream: bool, max_tokens: int | None,
-                    temperature: float | None, seed: int | None, compression: dict | bool | None,
-                    system_prompt: str | None, retrieval: dict | None, extra: dict[str, Any]) -> dict[str, Any]:
+def build_chat_body(
+    question: str | None,
+    *,
+    messages: Sequence[dict] | None,
+    documents: Sequence[DocumentLike] | None,
+    system: str | None,
+    model: str | None,
+    stream: bool,
+    max_tokens: int | None,
+    temperature: float | None,
+    seed: int | None,
+    compression: dict | bool | None,
+    system_prompt: str | None,
+    retrieval: dict | None,
+    extra: dict[str, Any],
+) -> dict[str, Any]:
     if messages is None:
         if question is None:
             raise ValueError("give a question or messages")
         messages = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": question}]
+            {"role": "user", "content": question}
+        ]
     body: dict[str, Any] = {"messages": list(messages), "stream": stream, **extra}
     if model is not None:
         body["model"] = model
@@ -105,8 +127,11 @@ def build_chat_body(question: str | None, *, messages: Sequence[dict] | None, do
     for key, value in (("max_tokens", max_tokens), ("temperature", temperature), ("seed", seed)):
         if value is not None:
             body[key] = value
-    options = {k: v for k, v in (("compression", compression), ("system_prompt", system_prompt),
-                                 ("retrieval", retrieval)) if v is not None}
+    options = {
+        k: v
+        for k, v in (("compression", compression), ("system_prompt", system_prompt), ("retrieval", retrieval))
+        if v is not None
+    }
     if options:
         body["ragspeed"] = options
     if stream:
@@ -155,8 +180,9 @@ class _StreamAssembler:
 
 
 class RagspeedClient:
-    def __init__(self, base_url: str = "http://127.0.0.1:8000", *, api_key: str | None = None,
-                 timeout: float = 300.0):
+    def __init__(
+        self, base_url: str = "http://127.0.0.1:8000", *, api_key: str | None = None, timeout: float = 300.0
+    ):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout, headers=headers)
 
@@ -177,8 +203,13 @@ class RagspeedClient:
         _raise_for_error(response, response.content)
         data = response.json()
         choice = data["choices"][0]
-        return ChatResult.from_parts(choice["message"]["content"], choice["finish_reason"],
-                                     data.get("usage"), data.get("ragspeed"), data)
+        return ChatResult.from_parts(
+            choice["message"]["content"],
+            choice["finish_reason"],
+            data.get("usage"),
+            data.get("ragspeed"),
+            data,
+        )
 
     def chat_stream(self, question: str | None = None, **kwargs: Any) -> Iterator[ChatChunk]:
         body = build_chat_body(question, stream=True, **_body_kwargs(kwargs))
@@ -199,8 +230,9 @@ class RagspeedClient:
 
 
 class AsyncRagspeedClient:
-    def __init__(self, base_url: str = "http://127.0.0.1:8000", *, api_key: str | None = None,
-                 timeout: float = 300.0):
+    def __init__(
+        self, base_url: str = "http://127.0.0.1:8000", *, api_key: str | None = None, timeout: float = 300.0
+    ):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout, headers=headers)
 
@@ -219,8 +251,13 @@ class AsyncRagspeedClient:
         _raise_for_error(response, response.content)
         data = response.json()
         choice = data["choices"][0]
-        return ChatResult.from_parts(choice["message"]["content"], choice["finish_reason"],
-                                     data.get("usage"), data.get("ragspeed"), data)
+        return ChatResult.from_parts(
+            choice["message"]["content"],
+            choice["finish_reason"],
+            data.get("usage"),
+            data.get("ragspeed"),
+            data,
+        )
 
     async def chat_stream(self, question: str | None = None, **kwargs: Any) -> AsyncIterator[ChatChunk]:
         body = build_chat_body(question, stream=True, **_body_kwargs(kwargs))
@@ -235,8 +272,18 @@ class AsyncRagspeedClient:
             yield ChatChunk("", assembler.result())
 
 
-_BODY_KEYS = ("messages", "documents", "system", "model", "max_tokens", "temperature", "seed",
-              "compression", "system_prompt", "retrieval")
+_BODY_KEYS = (
+    "messages",
+    "documents",
+    "system",
+    "model",
+    "max_tokens",
+    "temperature",
+    "seed",
+    "compression",
+    "system_prompt",
+    "retrieval",
+)
 
 
 def _body_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:

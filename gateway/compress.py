@@ -33,7 +33,8 @@ class CompressionStage:
         if method not in self._compressors:
             try:
                 self._compressors[method] = build_compressor(
-                    method, cache=self._cache, order=self._settings.compression_order)
+                    method, cache=self._cache, order=self._settings.compression_order
+                )
             except CompressionError as exc:
                 raise APIError(400, exc.message, param="ragspeed.compression.method") from None
         return self._compressors[method]
@@ -44,8 +45,9 @@ class CompressionStage:
             with self._lock:
                 self._compressor(self._settings.compression_method)
 
-    def __call__(self, segments: Segments, documents: tuple[Document, ...],
-                 options: CompressionOptions | None) -> tuple[tuple[Document, ...], CompressionReport | None]:
+    def __call__(
+        self, segments: Segments, documents: tuple[Document, ...], options: CompressionOptions | None
+    ) -> tuple[tuple[Document, ...], CompressionReport | None]:
         method = (options and options.method) or self._settings.compression_method
         if not method or method == "none":
             return documents, None
@@ -54,16 +56,31 @@ class CompressionStage:
         if rate is None and target_tokens is None:
             rate = self._settings.compression_rate
             target_tokens = self._settings.compression_target_tokens
-        protected = sum(len(self._tokenizer.encode(text, add_special_tokens=False)) for text in
-                        (segments.static_system_prompt, segments.question, *(t.content for t in segments.history)))
+        protected = sum(
+            len(self._tokenizer.encode(text, add_special_tokens=False))
+            for text in (
+                segments.static_system_prompt,
+                segments.question,
+                *(t.content for t in segments.history),
+            )
+        )
         with self._lock:
             compressor = self._compressor(method)
             try:
-                outcome = apply_policy(self._policy, compressor, segments.question, documents,
-                                       tokenizer=self._tokenizer, rate=rate, target_tokens=target_tokens,
-                                       protected_tokens=protected)
+                outcome = apply_policy(
+                    self._policy,
+                    compressor,
+                    segments.question,
+                    documents,
+                    tokenizer=self._tokenizer,
+                    rate=rate,
+                    target_tokens=target_tokens,
+                    protected_tokens=protected,
+                )
             except CompressionError as exc:
-                raise APIError(400, exc.message, param=f"ragspeed.compression.{exc.param or 'rate'}") from None
+                raise APIError(
+                    400, exc.message, param=f"ragspeed.compression.{exc.param or 'rate'}"
+                ) from None
         result = outcome.result
         kept = tuple(Document(id=d.id, text=d.text, title=d.title) for d in result.documents)
         report = CompressionReport(

@@ -21,8 +21,12 @@ def ready_state(request: Request) -> AppState:
     if state.engine_error is not None:
         raise APIError(503, f"the engine failed to start: {state.engine_error}", code="engine_failed")
     if not state.ready:
-        raise APIError(503, "the engine is still loading; retry shortly", code="engine_not_ready",
-                       headers={"Retry-After": "2"})
+        raise APIError(
+            503,
+            "the engine is still loading; retry shortly",
+            code="engine_not_ready",
+            headers={"Retry-After": "2"},
+        )
     return state
 
 

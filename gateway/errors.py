@@ -30,20 +30,38 @@ _TYPES = {
 
 
 class APIError(Exception):
-    def __init__(self, status_code: int, message: str, *, param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status_code, self.message, self.param, self.code = status_code, message, param, code
         self.headers = headers
 
 
 def error_body(status_code: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status_code, "server_error"),
-                      "param": param, "code": code}}
+    return {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(status_code, "server_error"),
+            "param": param,
+            "code": code,
+        }
+    }
 
 
-def error_response(status_code: int, message: str, param: str | None = None,
-                   code: str | None = None, headers: Mapping[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status_code: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
     return JSONResponse(error_body(status_code, message, param, code), status_code, headers=headers)
 
 

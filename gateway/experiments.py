@@ -84,7 +84,9 @@ class ExperimentSpec:
 HOLDOUT = ExperimentArm(HOLDOUT_ARM, 0.0, ragspeed={"compression": False})
 
 
-def _number(doc: YamlDoc, path: tuple[str, ...], value: Any, *, low: float, high: float | None = None) -> float:
+def _number(
+    doc: YamlDoc, path: tuple[str, ...], value: Any, *, low: float, high: float | None = None
+) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise doc.error(path, f"must be a number (got {value!r})")
     if value < low or (high is not None and value > high):
@@ -151,7 +153,7 @@ def _keys(value: Any) -> set[str]:
 def _unit_hash(salt: str, key: str) -> float:
     """A uniform number in [0, 1) from (salt, key): 60 bits of SHA-256."""
     digest = hashlib.sha256(f"{salt}\0{key}".encode()).hexdigest()
-    return int(digest[:15], 16) / 16 ** 15
+    return int(digest[:15], 16) / 16**15
 
 
 # ---------------------------------------------------------------- request hints
@@ -184,7 +186,11 @@ class ArmHintsMiddleware:
         override = header(scope, ARM_HEADER.encode())
         authorization = header(scope, b"authorization") or ""
         scheme, _, key = authorization.partition(" ")
-        key_hash = hashlib.sha256(key.strip().encode()).hexdigest() if scheme.lower() == "bearer" and key.strip() else None
+        key_hash = (
+            hashlib.sha256(key.strip().encode()).hexdigest()
+            if scheme.lower() == "bearer" and key.strip()
+            else None
+        )
         token = _current_hints.set(ArmHints(override.strip() if override else None, key_hash))
         try:
             await self.app(scope, receive, send)
@@ -209,8 +215,11 @@ class ArmFigures:
         out: dict[str, Any] = {"assigned": self.assigned, "completed": self.completed}
         for name in ("ttft_ms", "tpot_ms", "e2e_ms"):
             values = np.asarray(getattr(self, name), dtype=np.float64)
-            out[name] = ({f"p{q}": round(float(np.percentile(values, q)), 3) for q in (50, 90, 99)}
-                         if values.size else None)
+            out[name] = (
+                {f"p{q}": round(float(np.percentile(values, q)), 3) for q in (50, 90, 99)}
+                if values.size
+                else None
+            )
         return out
 
 
@@ -244,9 +253,13 @@ class LiveExperiment:
         if hints.override is not None:
             arm = self._arms.get(hints.override)
             if arm is None:
-                raise APIError(400, f"unknown arm '{hints.override}' in the {ARM_HEADER} header; "
-                                    f"experiment '{self.spec.name}' has {', '.join(self._arms)}",
-                               param=ARM_HEADER, code="unknown_arm")
+                raise APIError(
+                    400,
+                    f"unknown arm '{hints.override}' in the {ARM_HEADER} header; "
+                    f"experiment '{self.spec.name}' has {', '.join(self._arms)}",
+                    param=ARM_HEADER,
+                    code="unknown_arm",
+                )
         else:
             key = self.sticky_key(user, hints)
             if self.spec.holdout_share > 0:
@@ -264,7 +277,11 @@ class LiveExperiment:
         if figures is None:
             return
         figures.completed += 1
-        for values, seconds in ((figures.ttft_ms, ttft_s), (figures.tpot_ms, tpot_s), (figures.e2e_ms, e2e_s)):
+        for values, seconds in (
+            (figures.ttft_ms, ttft_s),
+            (figures.tpot_ms, tpot_s),
+            (figures.e2e_ms, e2e_s),
+        ):
             if seconds is not None:
                 values.append(seconds * 1000)
 
@@ -272,12 +289,26 @@ class LiveExperiment:
         total = sum(a.weight for a in self.spec.arms)
         arms = {}
         for name, arm in self._arms.items():
-            share = (arm.weight / total) * (1 - self.spec.holdout_share) if name != HOLDOUT_ARM \
+            share = (
+                (arm.weight / total) * (1 - self.spec.holdout_share)
+                if name != HOLDOUT_ARM
                 else self.spec.holdout_share
-            arms[name] = {"weight": arm.weight, "share": round(share, 6), "ragspeed": dict(arm.ragspeed),
-                          "engine": dict(arm.engine), **self._figures[name].summary()}
-        return {"name": self.spec.name, "object": "experiment", "sticky_by": self.spec.sticky_by,
-                "holdout_share": self.spec.holdout_share, "started_at": self.started_at, "arms": arms}
+            )
+            arms[name] = {
+                "weight": arm.weight,
+                "share": round(share, 6),
+                "ragspeed": dict(arm.ragspeed),
+                "engine": dict(arm.engine),
+                **self._figures[name].summary(),
+            }
+        return {
+            "name": self.spec.name,
+            "object": "experiment",
+            "sticky_by": self.spec.sticky_by,
+            "holdout_share": self.spec.holdout_share,
+            "started_at": self.started_at,
+            "arms": arms,
+        }
 
 
 def build_live_experiment(path: str | Path, base_settings: Mapping[str, Any]) -> LiveExperiment:
@@ -285,5 +316,16 @@ def build_live_experiment(path: str | Path, base_settings: Mapping[str, Any]) ->
     return LiveExperiment(load_experiment(path, base_settings))
 
 
-__all__ = ["ARM_HEADER", "HOLDOUT_ARM", "ArmError", "ArmHints", "ArmHintsMiddleware", "ExperimentArm",
-           "ExperimentSpec", "LiveExperiment", "build_live_experiment", "current_hints", "load_experiment"]
+__all__ = [
+    "ARM_HEADER",
+    "HOLDOUT_ARM",
+    "ArmError",
+    "ArmHints",
+    "ArmHintsMiddleware",
+    "ExperimentArm",
+    "ExperimentSpec",
+    "LiveExperiment",
+    "build_live_experiment",
+    "current_hints",
+    "load_experiment",
+]

@@ -42,9 +42,16 @@ def retry_after(seconds: float) -> str:
     return str(max(1, math.ceil(seconds)))
 
 
-async def send_error(send: Send, status_code: int, message: str, *, param: str | None = None,
-                     code: str | None = None, headers: dict[str, str] | None = None,
-                     error_type: str | None = None) -> None:
+async def send_error(
+    send: Send,
+    status_code: int,
+    message: str,
+    *,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+    error_type: str | None = None,
+) -> None:
     """Answer with an OpenAI-style error body straight from an ASGI middleware."""
     body = error_body(status_code, message, param, code)
     if error_type is not None:
@@ -62,11 +69,16 @@ class Rejections:
     metrics registry in the lifespan."""
 
     def __init__(self) -> None:
-        self.counter = Counter("ragspeed_rejected_requests", "Requests refused before the pipeline, by reason.",
-                               ("reason",), registry=None)
+        self.counter = Counter(
+            "ragspeed_rejected_requests",
+            "Requests refused before the pipeline, by reason.",
+            ("reason",),
+            registry=None,
+        )
 
-    async def send(self, send: Send, status_code: int, message: str, *, code: str | None,
-                   **kwargs: Any) -> None:
+    async def send(
+        self, send: Send, status_code: int, message: str, *, code: str | None, **kwargs: Any
+    ) -> None:
         self.counter.labels(reason=code or str(status_code)).inc()
         await send_error(send, status_code, message, code=code, **kwargs)
 
@@ -143,9 +155,13 @@ class AdmissionQueue:
             self.active += 1
             return
         if len(self._waiters) >= self.max_waiting:
-            raise APIError(429, f"the server is at capacity: {self.max_active} requests running and "
-                                f"{self.max_waiting} queued (max_queued_requests); retry later",
-                           code="queue_full", headers={"Retry-After": "1"})
+            raise APIError(
+                429,
+                f"the server is at capacity: {self.max_active} requests running and "
+                f"{self.max_waiting} queued (max_queued_requests); retry later",
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            )
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         try:
@@ -159,9 +175,12 @@ class AdmissionQueue:
                 if waiter in self._waiters:
                     self._waiters.remove(waiter)
             if isinstance(exc, TimeoutError):
-                raise APIError(429, f"no request slot freed within {self.max_wait_s:g} s "
-                                    f"(queue_timeout_s); retry later", code="queue_timeout",
-                               headers={"Retry-After": retry_after(self.max_wait_s)}) from None
+                raise APIError(
+                    429,
+                    f"no request slot freed within {self.max_wait_s:g} s (queue_timeout_s); retry later",
+                    code="queue_timeout",
+                    headers={"Retry-After": retry_after(self.max_wait_s)},
+                ) from None
             raise
 
     def leave(self) -> None:
@@ -186,7 +205,9 @@ class AdmissionMiddleware:
         try:
             await self.queue.enter()
         except APIError as exc:
-            return await self.rejections.send(send, exc.status_code, exc.message, code=exc.code, headers=exc.headers)
+            return await self.rejections.send(
+                send, exc.status_code, exc.message, code=exc.code, headers=exc.headers
+            )
         try:
             await self.app(scope, receive, send)
         finally:
@@ -207,8 +228,12 @@ class BodyLimitMiddleware:
         self.app, self.max_body_bytes, self.rejections = app, max_body_bytes, rejections
 
     def _too_large(self, send: Send, size: str) -> Awaitable[None]:
-        return self.rejections.send(send, 413, f"the request body is {size}; the limit is {self.max_body_bytes} "
-                                     f"bytes (max_body_bytes)", code="body_too_large")
+        return self.rejections.send(
+            send,
+            413,
+            f"the request body is {size}; the limit is {self.max_body_bytes} bytes (max_body_bytes)",
+            code="body_too_large",
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -216,8 +241,13 @@ class BodyLimitMiddleware:
         declared = header(scope, b"content-length")
         if declared is not None:
             if not declared.strip().isdigit():
-                return await self.rejections.send(send, 400, "the Content-Length header is not a number",
-                                        param="Content-Length", code="invalid_request")
+                return await self.rejections.send(
+                    send,
+                    400,
+                    "the Content-Length header is not a number",
+                    param="Content-Length",
+                    code="invalid_request",
+                )
             if int(declared) > self.max_body_bytes:
                 return await self._too_large(send, f"{int(declared)} bytes")
         chunks: list[bytes] = []
@@ -250,8 +280,11 @@ class BodyLimitMiddleware:
 
 class DeadlineExceeded(APIError):
     def __init__(self, timeout_s: float):
-        super().__init__(504, f"the request ran past its deadline of {timeout_s:g} s (request_timeout_s)",
-                         code="deadline_exceeded")
+        super().__init__(
+            504,
+            f"the request ran past its deadline of {timeout_s:g} s (request_timeout_s)",
+            code="deadline_exceeded",
+        )
 
 
 async def next_before(stream: AsyncIterator[T], deadline: float | None, timeout_s: float | None) -> T:

@@ -47,11 +47,15 @@ class LogprobsFormatter:
         return {"token": text, "logprob": _number(logprob), "bytes": list(text.encode("utf-8"))}
 
     def _chat_shape(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
-        return {"content": [
-            {**self._entry(lp.token_id, lp.logprob),
-             "top_logprobs": [self._entry(t, v) for t, v in lp.top]}
-            for lp in logprobs
-        ]}
+        return {
+            "content": [
+                {
+                    **self._entry(lp.token_id, lp.logprob),
+                    "top_logprobs": [self._entry(t, v) for t, v in lp.top],
+                }
+                for lp in logprobs
+            ]
+        }
 
     def _completion_shape(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
         tokens = [self.token(lp.token_id) for lp in logprobs]
@@ -61,9 +65,14 @@ class LogprobsFormatter:
             self._offset += len(text)
         # The sampled token is always listed, so a dict holds up to `logprobs` + 1 entries.
         top = [
-            {**{self.token(t): _number(v) for t, v in lp.top},
-             **({} if any(t == lp.token_id for t, _ in lp.top)
-                else {self.token(lp.token_id): _number(lp.logprob)})}
+            {
+                **{self.token(t): _number(v) for t, v in lp.top},
+                **(
+                    {}
+                    if any(t == lp.token_id for t, _ in lp.top)
+                    else {self.token(lp.token_id): _number(lp.logprob)}
+                ),
+            }
             for lp in logprobs
         ]
         return {

@@ -46,19 +46,27 @@ class _PrefixCacheCollector:
         except Exception:
             stats = {}
         for key, name, doc in (
-            ("prefix_cache_queries_tokens", "ragspeed_prefix_cache_queries",
-             "Prompt tokens looked up in the prefix cache."),
-            ("prefix_cache_hits_tokens", "ragspeed_prefix_cache_hits",
-             "Prompt tokens found in the prefix cache (their prefill skipped)."),
+            (
+                "prefix_cache_queries_tokens",
+                "ragspeed_prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache.",
+            ),
+            (
+                "prefix_cache_hits_tokens",
+                "ragspeed_prefix_cache_hits",
+                "Prompt tokens found in the prefix cache (their prefill skipped).",
+            ),
         ):
             if key in stats:
                 family = CounterMetricFamily(name, doc, labels=["model"])
                 family.add_metric([self._model], float(stats[key]))
                 yield family
         if "kv_cache_usage" in stats:
-            family = GaugeMetricFamily("ragspeed_prefix_cache_usage",
-                                       "Share of KV cache blocks in use (running requests and pins).",
-                                       labels=["model"])
+            family = GaugeMetricFamily(
+                "ragspeed_prefix_cache_usage",
+                "Share of KV cache blocks in use (running requests and pins).",
+                labels=["model"],
+            )
             family.add_metric([self._model], float(stats["kv_cache_usage"]))
             yield family
 
@@ -67,31 +75,64 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram("ragspeed_time_to_first_token_seconds", "Time to first token.",
-                              _LABELS, buckets=_LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("ragspeed_time_per_output_token_seconds",
-                              "Mean time per output token after the first, per request.",
-                              _LABELS, buckets=_TPOT_BUCKETS, registry=r)
-        self.e2e = Histogram("ragspeed_e2e_request_latency_seconds", "End-to-end request latency.",
-                             _LABELS, buckets=_LATENCY_BUCKETS, registry=r)
-        self.stage = Histogram("ragspeed_stage_seconds", "Time spent in each pipeline stage.",
-                               (*_LABELS, "stage"), buckets=_LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("ragspeed_prompt_tokens", "Prompt tokens sent to the engine.",
-                                     _LABELS, registry=r)
-        self.cached_tokens = Counter("ragspeed_cached_prompt_tokens",
-                                     "Prompt tokens served from the prefix cache.", _LABELS, registry=r)
-        self.generation_tokens = Counter("ragspeed_generation_tokens", "Generated tokens.",
-                                         _LABELS, registry=r)
-        self.requests = Counter("ragspeed_requests", "Finished requests by outcome.",
-                                (*_LABELS, "outcome"), registry=r)
-        self.in_flight = Gauge("ragspeed_requests_in_flight", "Requests being served now.",
-                               _LABELS, registry=r)
+        self.ttft = Histogram(
+            "ragspeed_time_to_first_token_seconds",
+            "Time to first token.",
+            _LABELS,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "ragspeed_time_per_output_token_seconds",
+            "Mean time per output token after the first, per request.",
+            _LABELS,
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "ragspeed_e2e_request_latency_seconds",
+            "End-to-end request latency.",
+            _LABELS,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.stage = Histogram(
+            "ragspeed_stage_seconds",
+            "Time spent in each pipeline stage.",
+            (*_LABELS, "stage"),
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "ragspeed_prompt_tokens", "Prompt tokens sent to the engine.", _LABELS, registry=r
+        )
+        self.cached_tokens = Counter(
+            "ragspeed_cached_prompt_tokens",
+            "Prompt tokens served from the prefix cache.",
+            _LABELS,
+            registry=r,
+        )
+        self.generation_tokens = Counter(
+            "ragspeed_generation_tokens", "Generated tokens.", _LABELS, registry=r
+        )
+        self.requests = Counter(
+            "ragspeed_requests", "Finished requests by outcome.", (*_LABELS, "outcome"), registry=r
+        )
+        self.in_flight = Gauge(
+            "ragspeed_requests_in_flight", "Requests being served now.", _LABELS, registry=r
+        )
         self.compression_fallbacks = Counter(
-            "ragspeed_compression_failures", "Compressions that failed open (prompt sent uncompressed).",
-            _LABELS, registry=r)
-        self.documents_tokens = Counter("ragspeed_document_tokens",
-                                        "Document tokens before and after compression.",
-                                        (*_LABELS, "phase"), registry=r)
+            "ragspeed_compression_failures",
+            "Compressions that failed open (prompt sent uncompressed).",
+            _LABELS,
+            registry=r,
+        )
+        self.documents_tokens = Counter(
+            "ragspeed_document_tokens",
+            "Document tokens before and after compression.",
+            (*_LABELS, "phase"),
+            registry=r,
+        )
 
     def watch_engine(self, stats: Callable[[], dict[str, float]], model: str) -> None:
         self.registry.register(_EngineStatsCollector(stats, model))

@@ -33,9 +33,16 @@ class Pipeline:
 
     @cached_property
     def preparer(self) -> Preparer:
-        return Preparer(self.settings, self.engine, self.metrics, compress=self.compress,
-                        retrieve=self.retrieve, prompts=self.prompts, experiment=self.experiment,
-                        arm_engines=self.arm_engines)
+        return Preparer(
+            self.settings,
+            self.engine,
+            self.metrics,
+            compress=self.compress,
+            retrieve=self.retrieve,
+            prompts=self.prompts,
+            experiment=self.experiment,
+            arm_engines=self.arm_engines,
+        )
 
     async def prepare_chat(self, req: ChatCompletionRequest) -> PreparedRequest:
         return await self.preparer.chat(req)

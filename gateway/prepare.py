@@ -73,7 +73,9 @@ class PreparedRequest:
 # Compression and retrieval plug in as callables the app builds before the pipeline:
 #   compress(segments, documents, options) -> (documents, CompressionReport | None)
 #   retrieve(question, options) -> documents
-Compress = Callable[[Segments, tuple[Document, ...], Any], tuple[tuple[Document, ...], CompressionReport | None]]
+Compress = Callable[
+    [Segments, tuple[Document, ...], Any], tuple[tuple[Document, ...], CompressionReport | None]
+]
 Retrieve = Callable[[str, Any], list[Document]]
 
 
@@ -97,8 +99,9 @@ def _reject_lone_surrogates(value: Any, path: str) -> None:
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
-            raise APIError(400, f"'{path}' holds a lone UTF-16 surrogate, which is not valid Unicode",
-                           param=path or None) from None
+            raise APIError(
+                400, f"'{path}' holds a lone UTF-16 surrogate, which is not valid Unicode", param=path or None
+            ) from None
     elif isinstance(value, dict):
         for key, item in value.items():
             _reject_lone_surrogates(item, f"{path}.{key}" if path else str(key))
@@ -122,8 +125,12 @@ class Preparer:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.settings.model_id:
-            raise APIError(404, f"the model '{model}' does not exist; this server serves "
-                                f"'{self.settings.model_id}'", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model '{model}' does not exist; this server serves '{self.settings.model_id}'",
+                param="model",
+                code="model_not_found",
+            )
 
     async def chat(self, req: ChatCompletionRequest) -> PreparedRequest:
         self.check_model(req.model)
@@ -135,7 +142,8 @@ class Preparer:
         timer = StageTimer()
         with timer.stage("segments"):
             segments = split_segments(
-                req.messages, req.documents,
+                req.messages,
+                req.documents,
                 start_marker=self.settings.document_start_marker,
                 end_marker=self.settings.document_end_marker,
             )
@@ -152,22 +160,31 @@ class Preparer:
                 retrieved = await asyncio.to_thread(self.retrieve, segments.question, options.retrieval)
                 documents = documents + tuple(retrieved)
         if len(documents) > self.settings.max_documents:
-            raise APIError(400, f"the request has {len(documents)} documents; the limit is "
-                                f"{self.settings.max_documents} (max_documents)", param="documents",
-                           code="too_many_documents")
+            raise APIError(
+                400,
+                f"the request has {len(documents)} documents; the limit is "
+                f"{self.settings.max_documents} (max_documents)",
+                param="documents",
+                code="too_many_documents",
+            )
         report = None
         if documents and self.compress is not None and (options is None or options.compression is not False):
             with timer.stage("compression"):
                 documents, report = await asyncio.to_thread(
-                    self.compress, segments, documents, options.compression if options else None)
+                    self.compress, segments, documents, options.compression if options else None
+                )
             if report is not None:
                 self._count_compression(report, arm.name if arm is not None else DEFAULT_ARM)
         with timer.stage("prompt"):
             try:
                 prompt = assemble_prompt(engine.tokenizer, segments, documents)
             except TemplateError as exc:  # e.g. a role the model's chat template does not know
-                raise APIError(400, f"the model's chat template rejects these messages: {exc}",
-                               param="messages", code="invalid_messages") from None
+                raise APIError(
+                    400,
+                    f"the model's chat template rejects these messages: {exc}",
+                    param="messages",
+                    code="invalid_messages",
+                ) from None
         max_tokens = req.max_completion_tokens or req.max_tokens
         prepared = self._prepared(req, prompt, timer, max_tokens, report, engine)
         if arm is not None:
@@ -210,9 +227,15 @@ class Preparer:
         prompt = Prompt(text=text, token_ids=tuple(token_ids), num_static_tokens=0)
         return self._prepared(req, prompt, timer, req.max_tokens, None, self.engine)
 
-    def _prepared(self, req: _SamplingFields, prompt: Prompt, timer: StageTimer,
-                  max_tokens: int | None, report: CompressionReport | None,
-                  engine: EngineClient) -> PreparedRequest:
+    def _prepared(
+        self,
+        req: _SamplingFields,
+        prompt: Prompt,
+        timer: StageTimer,
+        max_tokens: int | None,
+        report: CompressionReport | None,
+        engine: EngineClient,
+    ) -> PreparedRequest:
         sampling = sampling_params(req, max_tokens, self.settings.default_max_tokens)
         # The one context check (the engines run the same one on their own inputs): here, before
         # the key's token budget is charged.
@@ -221,10 +244,13 @@ class Preparer:
             raise APIError(400, "the prompt is empty", param="prompt")
         max_prompt_tokens = self.settings.max_prompt_tokens
         if max_prompt_tokens is not None and len(prompt.token_ids) > max_prompt_tokens:
-            raise APIError(400, f"the prompt has {len(prompt.token_ids)} tokens; the limit is "
-                                f"{max_prompt_tokens} (max_prompt_tokens)",
-                           param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
-                           code="prompt_too_long")
+            raise APIError(
+                400,
+                f"the prompt has {len(prompt.token_ids)} tokens; the limit is "
+                f"{max_prompt_tokens} (max_prompt_tokens)",
+                param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+                code="prompt_too_long",
+            )
         principal = current_principal()
         if principal is not None:
             principal.admit_tokens(len(prompt.token_ids))  # 429 while the key's token budget is spent

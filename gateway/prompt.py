@@ -63,7 +63,7 @@ def extract_documents(text: str, start: str, end: str) -> tuple[str, list[Docume
         rest.append(text[pos:i])
         j = text.find(end, i + len(start))
         body_end, pos = (len(text), len(text)) if j < 0 else (j, j + len(end))
-        body = text[i + len(start):body_end]
+        body = text[i + len(start) : body_end]
         if body.strip():
             documents.append(_document(body))
     rest.append(text[pos:])
@@ -77,10 +77,7 @@ def split_segments(
     start_marker: str,
     end_marker: str,
 ) -> Segments:
-    docs = [
-        _document(d) if isinstance(d, str) else _document(d.text, d.title, d.id)
-        for d in documents or ()
-    ]
+    docs = [_document(d) if isinstance(d, str) else _document(d.text, d.title, d.id) for d in documents or ()]
     system_parts: list[str] = []
     turns: list[Turn] = []
     for message in messages:

@@ -67,9 +67,15 @@ class PromptService:
         return len(prompt.block_ids) * self.cache.block_size
 
     def describe(self, prompt: RegisteredPrompt) -> dict[str, Any]:
-        return {"object": "prompt", "name": prompt.name, "text": prompt.text,
-                "num_tokens": prompt.num_tokens, "pinned_tokens": self.pinned_tokens(prompt),
-                "hit_count": prompt.hit_count, "salted": prompt.cache_salt is not None}
+        return {
+            "object": "prompt",
+            "name": prompt.name,
+            "text": prompt.text,
+            "num_tokens": prompt.num_tokens,
+            "pinned_tokens": self.pinned_tokens(prompt),
+            "hit_count": prompt.hit_count,
+            "salted": prompt.cache_salt is not None,
+        }
 
     async def start(self) -> None:
         """After the engine started: open the store and restore every saved prefix."""
@@ -86,17 +92,26 @@ class PromptService:
             if block_ids is None:
                 logger.warning("saved prompt %s not restored: the KV pool is full", saved.name)
                 continue
-            self.registry.register(saved.name, saved.token_ids, block_ids, text=saved.text,
-                                   cache_salt=saved.cache_salt)
-            logger.info("restored prompt %s: %d tokens, %d pinned", saved.name,
-                        len(saved.token_ids), len(block_ids) * cache.block_size)
+            self.registry.register(
+                saved.name, saved.token_ids, block_ids, text=saved.text, cache_salt=saved.cache_salt
+            )
+            logger.info(
+                "restored prompt %s: %d tokens, %d pinned",
+                saved.name,
+                len(saved.token_ids),
+                len(block_ids) * cache.block_size,
+            )
 
     async def register(self, name: str, text: str, cache_salt: str | None) -> RegisteredPrompt:
         validate_prompt_name(name)
         async with self._lock:
             if name in self.registry:
-                raise APIError(400, f"a prompt named '{name}' is already registered; delete it first",
-                               param="name", code="prompt_exists")
+                raise APIError(
+                    400,
+                    f"a prompt named '{name}' is already registered; delete it first",
+                    param="name",
+                    code="prompt_exists",
+                )
             token_ids = static_prefix_ids(self._engine.tokenizer, text)
             if not token_ids:
                 raise APIError(400, "text renders to no tokens", param="text")
@@ -109,8 +124,7 @@ class PromptService:
                     kv = await self.cache.export(block_ids)
                     prefix = PinnedPrefix(name, token_ids, block_ids, text, cache_salt)
                     await asyncio.to_thread(self._store.save, prefix, kv)
-            return self.registry.register(name, token_ids, block_ids, text=text,
-                                          cache_salt=cache_salt)
+            return self.registry.register(name, token_ids, block_ids, text=text, cache_salt=cache_salt)
 
     async def remove(self, name: str) -> RegisteredPrompt | None:
         async with self._lock:
@@ -132,11 +146,19 @@ class PromptService:
     def apply(self, segments: Segments, name: str) -> Segments:
         """The request's segments with the named prompt as its static system prompt."""
         if segments.static_system_prompt:
-            raise APIError(400, "ragspeed.system_prompt names a registered prompt, so the request "
-                                "must not also carry a system message", param="ragspeed.system_prompt",
-                           code="two_system_prompts")
+            raise APIError(
+                400,
+                "ragspeed.system_prompt names a registered prompt, so the request "
+                "must not also carry a system message",
+                param="ragspeed.system_prompt",
+                code="two_system_prompts",
+            )
         prompt = self.use(name)
         if prompt is None:
-            raise APIError(400, f"no prompt named '{name}' is registered", param="ragspeed.system_prompt",
-                           code="prompt_not_found")
+            raise APIError(
+                400,
+                f"no prompt named '{name}' is registered",
+                param="ragspeed.system_prompt",
+                code="prompt_not_found",
+            )
         return replace(segments, static_system_prompt=prompt.text)

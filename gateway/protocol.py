@@ -69,8 +69,11 @@ class RagspeedOptions(_Strict):
     system_prompt: str | None = Field(None, description="Name of a registered static system prompt.")
     compression: CompressionOptions | Literal[False] | None = None
     retrieval: RetrievalOptions | None = None
-    return_prompt: bool = Field(False, description="Return the prompt as sent to the engine (after "
-                                "compression) in the response's `ragspeed.prompt`; for A/B quality checks.")
+    return_prompt: bool = Field(
+        False,
+        description="Return the prompt as sent to the engine (after "
+        "compression) in the response's `ragspeed.prompt`; for A/B quality checks.",
+    )
 
 
 class StreamOptions(BaseModel):
@@ -123,8 +126,9 @@ class ChatCompletionRequest(_SamplingFields):
     documents: list[str | DocumentIn] | None = None
     ragspeed: RagspeedOptions | None = None
     logprobs: bool | None = Field(None, description="Return each output token's logprob.")
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
-                                     description="Also this many most likely tokens per position.")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="Also this many most likely tokens per position."
+    )
 
     @field_validator("top_logprobs")
     @classmethod
@@ -142,8 +146,12 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int]
     # vLLM's extension: a prompt already rendered through a chat template holds its BOS token.
     add_special_tokens: bool = True
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Return each output "
-                                 "token's logprob and this many most likely tokens per position.")
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="Return each output token's logprob and this many most likely tokens per position.",
+    )
 
     @property
     def num_logprobs(self) -> int | None:

@@ -56,12 +56,15 @@ class RetrievalService:
         except CorruptCollectionError as exc:
             raise APIError(503, str(exc), param="collection", code="collection_corrupt") from None
         except RetrievalError as exc:
-            raise APIError(400, getattr(exc, "message", str(exc)), param=getattr(exc, "param", None)) from None
+            raise APIError(
+                400, getattr(exc, "message", str(exc)), param=getattr(exc, "param", None)
+            ) from None
 
     def __call__(self, question: str, options: RetrievalOptions) -> list[Document]:
         """The pipeline's retrieval stage: the question's top hits as prompt documents."""
         if not question.strip():
-            raise APIError(400, "retrieval needs a question (the last user message is empty)",
-                           param="messages")
+            raise APIError(
+                400, "retrieval needs a question (the last user message is empty)", param="messages"
+            )
         hits = self.call(self.store.query, options.collection, question, options.top_k, options.mode)
         return [Document(id=h.document.id, text=h.document.text, title=h.document.title) for h in hits]

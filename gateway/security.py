@@ -73,7 +73,9 @@ class ApiKeyEntry(BaseModel):
     hash: KeyHash = Field(description="sha256:<hex> of the key (ragspeed keys hash KEY).")
     tenant: str = Field(min_length=1, description="Tenant the key belongs to; sets its cache salt.")
     requests_per_minute: float | None = Field(None, gt=0, description="Request rate limit; none: unlimited.")
-    tokens_per_minute: float | None = Field(None, gt=0, description="Prompt plus generated tokens a minute; none: unlimited.")
+    tokens_per_minute: float | None = Field(
+        None, gt=0, description="Prompt plus generated tokens a minute; none: unlimited."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -107,9 +109,13 @@ class Principal:
             return
         wait_s = self.tokens.wait_s()
         if wait_s > 0:
-            raise APIError(429, f"tenant '{self.tenant}' is over its tokens_per_minute limit of "
-                                f"{self.tokens.capacity:g}; retry in {wait_s:.1f} s",
-                           code="rate_limit_exceeded", headers={"Retry-After": retry_after(wait_s)})
+            raise APIError(
+                429,
+                f"tenant '{self.tenant}' is over its tokens_per_minute limit of "
+                f"{self.tokens.capacity:g}; retry in {wait_s:.1f} s",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": retry_after(wait_s)},
+            )
         self.tokens.charge(num_prompt_tokens)
 
     def charge_tokens(self, num_tokens: int) -> None:
@@ -129,14 +135,25 @@ def current_principal() -> Principal | None:
 class KeyRing:
     """Configured keys by hash; `authenticate` compares against every one in constant time."""
 
-    def __init__(self, entries: Sequence[ApiKeyEntry], admin_key_hashes: Sequence[str],
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        entries: Sequence[ApiKeyEntry],
+        admin_key_hashes: Sequence[str],
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self._keys: list[tuple[bytes, Principal]] = []
         for entry in entries:
-            self._add(entry.hash, Principal(
-                tenant=entry.tenant, cache_salt=tenant_cache_salt(entry.tenant),
-                requests=TokenBucket(entry.requests_per_minute, clock) if entry.requests_per_minute else None,
-                tokens=TokenBucket(entry.tokens_per_minute, clock) if entry.tokens_per_minute else None))
+            self._add(
+                entry.hash,
+                Principal(
+                    tenant=entry.tenant,
+                    cache_salt=tenant_cache_salt(entry.tenant),
+                    requests=TokenBucket(entry.requests_per_minute, clock)
+                    if entry.requests_per_minute
+                    else None,
+                    tokens=TokenBucket(entry.tokens_per_minute, clock) if entry.tokens_per_minute else None,
+                ),
+            )
         for key_hash in admin_key_hashes:
             self._add(key_hash, Principal(ADMIN_TENANT, tenant_cache_salt(ADMIN_TENANT), is_admin=True))
 
@@ -181,22 +198,40 @@ class SecurityMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if scope["type"] != "http" or not self.keyring.enabled or not (path == "/v1" or path.startswith("/v1/")):
+        if (
+            scope["type"] != "http"
+            or not self.keyring.enabled
+            or not (path == "/v1" or path.startswith("/v1/"))
+        ):
             return await self.app(scope, receive, send)
         principal = self.keyring.authenticate(bearer_key(header(scope, b"authorization")))
         if principal is None:
-            return await self.rejections.send(send, 401, "missing or invalid API key; send 'Authorization: Bearer <key>'",
-                                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            return await self.rejections.send(
+                send,
+                401,
+                "missing or invalid API key; send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         if is_admin_path(path) and not principal.is_admin:
-            return await self.rejections.send(send, 403, f"{path} needs an admin key", code="admin_key_required",
-                                    error_type="permission_error")
+            return await self.rejections.send(
+                send,
+                403,
+                f"{path} needs an admin key",
+                code="admin_key_required",
+                error_type="permission_error",
+            )
         if principal.requests is not None:
             wait_s = principal.requests.try_take(1.0)
             if wait_s > 0:
                 return await self.rejections.send(
-                    send, 429, f"tenant '{principal.tenant}' is over its requests_per_minute limit of "
-                               f"{principal.requests.capacity:g}; retry in {wait_s:.1f} s",
-                    code="rate_limit_exceeded", headers={"Retry-After": retry_after(wait_s)})
+                    send,
+                    429,
+                    f"tenant '{principal.tenant}' is over its requests_per_minute limit of "
+                    f"{principal.requests.capacity:g}; retry in {wait_s:.1f} s",
+                    code="rate_limit_exceeded",
+                    headers={"Retry-After": retry_after(wait_s)},
+                )
         scope.setdefault("state", {})["principal"] = principal
         token = _current_principal.set(principal)
         try:
@@ -219,9 +254,14 @@ def warn_if_exposed(host: str, keyring: KeyRing, logger: logging.Logger) -> bool
     if keyring.enabled or is_loopback(host):
         return False
     bar = "!" * 78
-    logger.warning("%s\nragspeed listens on %s with NO API KEYS: anyone who can reach this port can use "
-                   "the model and the admin endpoints.\nConfigure api_keys and admin_key_hashes "
-                   "(ragspeed keys hash KEY) or listen on 127.0.0.1.\n%s", bar, host, bar)
+    logger.warning(
+        "%s\nragspeed listens on %s with NO API KEYS: anyone who can reach this port can use "
+        "the model and the admin endpoints.\nConfigure api_keys and admin_key_hashes "
+        "(ragspeed keys hash KEY) or listen on 127.0.0.1.\n%s",
+        bar,
+        host,
+        bar,
+    )
     return True
 
 

@@ -32,69 +32,158 @@ class Settings(BaseSettings):
     log_level: str = Field("info", description="Log level: debug, info, warning, error.")
 
     # Model and engine
-    model: str = Field(DEFAULT_MODEL_NAME, description=f"Model: a zoo name ({DEFAULT_MODEL_NAME}, bench-135m, bench-0.5b), a local HF-format folder, a .gguf file or a hub id (org/name).")
-    served_model_name: str | None = Field(None, description="Model name clients use; default: the --model value.")
+    model: str = Field(
+        DEFAULT_MODEL_NAME,
+        description=f"Model: a zoo name ({DEFAULT_MODEL_NAME}, bench-135m, bench-0.5b), a local HF-format folder, a .gguf file or a hub id (org/name).",
+    )
+    served_model_name: str | None = Field(
+        None, description="Model name clients use; default: the --model value."
+    )
     engine: str = Field("native", description="Engine backend: native, transformers, openai or vllm.")
     tokenizer: str | None = Field(None, description="Tokenizer path or id; default: the model's.")
     device: str = Field("cpu", description="Device for embedded engines: cpu or cuda.")
     dtype: str = Field("float32", description="Compute dtype for embedded engines.")
-    num_threads: int | None = Field(None, ge=1, description="CPU threads of the native engine's forward pass; default: torch's (one per core). 1 on a CPU shared with other jobs.")
+    num_threads: int | None = Field(
+        None,
+        ge=1,
+        description="CPU threads of the native engine's forward pass; default: torch's (one per core). 1 on a CPU shared with other jobs.",
+    )
     max_model_len: int | None = Field(None, ge=16, description="Context length; default: the model's.")
     block_size: int = Field(16, ge=1, description="Tokens per KV cache block (native engine).")
-    num_kv_cache_tokens: int | None = Field(None, ge=1, description="KV cache pool size in tokens (native); default: from kv_cache_memory_fraction.")
-    kv_cache_memory_fraction: float = Field(0.1, gt=0, le=1, description="Share of free memory for the KV cache when num_kv_cache_tokens is unset.")
+    num_kv_cache_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="KV cache pool size in tokens (native); default: from kv_cache_memory_fraction.",
+    )
+    kv_cache_memory_fraction: float = Field(
+        0.1,
+        gt=0,
+        le=1,
+        description="Share of free memory for the KV cache when num_kv_cache_tokens is unset.",
+    )
     max_num_seqs: int = Field(32, ge=1, description="Most requests in one batch (native).")
-    max_num_batched_tokens: int = Field(512, ge=1, description="Token budget of one engine step: decodes plus prefill chunks (native).")
+    max_num_batched_tokens: int = Field(
+        512, ge=1, description="Token budget of one engine step: decodes plus prefill chunks (native)."
+    )
     enable_prefix_caching: bool = Field(True, description="Reuse the KV of shared prompt prefixes (native).")
-    prompt_cache_dir: str | None = Field(".ragspeed/prompts", description="Folder where registered prompts' pinned KV is saved and restored from at start-up (native); none: not persisted.")
+    prompt_cache_dir: str | None = Field(
+        ".ragspeed/prompts",
+        description="Folder where registered prompts' pinned KV is saved and restored from at start-up (native); none: not persisted.",
+    )
     quantization: str | None = Field(None, description="Weight quantization: none or int8 (native).")
     speculative: str | None = Field(None, description="Speculative decoding: ngram or draft (native).")
-    draft_model: str | None = Field(None, description="Draft model for --speculative draft: a zoo name, a local folder, a .gguf file or a hub id; same tokenizer as the model.")
-    draft_quantization: str | None = Field("auto", description="Draft model weights: auto (int8 on a CPU, else as --quantization), none or int8. The target verifies every draft, so this moves acceptance, never the output.")
+    draft_model: str | None = Field(
+        None,
+        description="Draft model for --speculative draft: a zoo name, a local folder, a .gguf file or a hub id; same tokenizer as the model.",
+    )
+    draft_quantization: str | None = Field(
+        "auto",
+        description="Draft model weights: auto (int8 on a CPU, else as --quantization), none or int8. The target verifies every draft, so this moves acceptance, never the output.",
+    )
     num_speculative_tokens: int = Field(4, ge=1, description="Draft tokens proposed per step.")
 
     # Remote upstreams (engine=openai)
-    upstreams: list[str] = Field(default_factory=list, description="OpenAI-compatible upstream base URLs (engine=openai).")
+    upstreams: list[str] = Field(
+        default_factory=list, description="OpenAI-compatible upstream base URLs (engine=openai)."
+    )
     upstream_api_key: str | None = Field(None, description="Bearer key sent to upstreams.")
     upstream_model: str | None = Field(None, description="Model name sent upstream; default: --model.")
     connect_timeout_s: float = Field(5.0, gt=0, description="Upstream connect timeout, seconds.")
     read_timeout_s: float = Field(60.0, gt=0, description="Upstream read timeout between chunks, seconds.")
-    upstream_max_retries: int = Field(2, ge=0, description="Retries, with jitter, of an upstream request that failed to connect (nothing sent yet).")
-    upstream_circuit_failures: int = Field(5, ge=1, description="Failures in a row that open an upstream's circuit breaker.")
-    upstream_circuit_reset_s: float = Field(30.0, gt=0, description="Seconds an open circuit waits before one trial request.")
-    upstream_affinity: bool = Field(True, description="Send requests with the same static prefix to the same upstream (consistent hashing with bounded load), so its prefix cache hits.")
+    upstream_max_retries: int = Field(
+        2,
+        ge=0,
+        description="Retries, with jitter, of an upstream request that failed to connect (nothing sent yet).",
+    )
+    upstream_circuit_failures: int = Field(
+        5, ge=1, description="Failures in a row that open an upstream's circuit breaker."
+    )
+    upstream_circuit_reset_s: float = Field(
+        30.0, gt=0, description="Seconds an open circuit waits before one trial request."
+    )
+    upstream_affinity: bool = Field(
+        True,
+        description="Send requests with the same static prefix to the same upstream (consistent hashing with bounded load), so its prefix cache hits.",
+    )
 
     # Compression of the documents (per request: `ragspeed.compression`)
-    compression_method: str | None = Field(None, description="Default compressor for every request: coarse-to-fine, fast, bm25, first-docs, llmlingua2, identity; none: only when a request asks.")
-    compression_rate: float = Field(0.25, gt=0, le=1, description="Default share of document tokens to keep (0.25 = 4x).")
-    compression_target_tokens: int | None = Field(None, ge=1, description="Default prompt-token target instead of a rate.")
-    compression_min_document_tokens: int = Field(256, ge=0, description="Break-even: documents shorter than this go through uncompressed.")
-    compression_order: str = Field("original", description="Order of kept documents: original, or edges (most relevant first and last).")
-    compression_cache_entries: int = Field(100_000, ge=0, description="Sentence embeddings kept in the content-hash cache.")
+    compression_method: str | None = Field(
+        None,
+        description="Default compressor for every request: coarse-to-fine, fast, bm25, first-docs, llmlingua2, identity; none: only when a request asks.",
+    )
+    compression_rate: float = Field(
+        0.25, gt=0, le=1, description="Default share of document tokens to keep (0.25 = 4x)."
+    )
+    compression_target_tokens: int | None = Field(
+        None, ge=1, description="Default prompt-token target instead of a rate."
+    )
+    compression_min_document_tokens: int = Field(
+        256, ge=0, description="Break-even: documents shorter than this go through uncompressed."
+    )
+    compression_order: str = Field(
+        "original", description="Order of kept documents: original, or edges (most relevant first and last)."
+    )
+    compression_cache_entries: int = Field(
+        100_000, ge=0, description="Sentence embeddings kept in the content-hash cache."
+    )
 
     # Retrieval (collections for `ragspeed.retrieval`)
-    collections_dir: str = Field(".ragspeed/collections", description="Folder of persisted document collections (loaded on first use).")
-    embedding_model: str | None = Field(None, description="sentence-transformers model for retrieval; default: the bundled all-MiniLM-L6-v2.")
+    collections_dir: str = Field(
+        ".ragspeed/collections", description="Folder of persisted document collections (loaded on first use)."
+    )
+    embedding_model: str | None = Field(
+        None, description="sentence-transformers model for retrieval; default: the bundled all-MiniLM-L6-v2."
+    )
 
     # Requests
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none.")
-    document_start_marker: str = Field("<document>", min_length=1, description="Marks the start of a document inside a message, for clients that cannot send `documents`.")
-    document_end_marker: str = Field("</document>", min_length=1, description="Marks the end of a document inside a message.")
-    experiment: str | None = Field(None, description="Live A/B experiment: a YAML file of weighted arms (see gateway/experiments.py).")
+    document_start_marker: str = Field(
+        "<document>",
+        min_length=1,
+        description="Marks the start of a document inside a message, for clients that cannot send `documents`.",
+    )
+    document_end_marker: str = Field(
+        "</document>", min_length=1, description="Marks the end of a document inside a message."
+    )
+    experiment: str | None = Field(
+        None, description="Live A/B experiment: a YAML file of weighted arms (see gateway/experiments.py)."
+    )
 
     # Security (gateway/security.py): auth is off while no key is configured
-    api_keys: list[ApiKeyEntry] = Field(default_factory=list, description="API keys as {hash, tenant, requests_per_minute, tokens_per_minute}; on the command line 'sha256:<hex>,tenant=NAME,requests_per_minute=N,tokens_per_minute=N'.")
-    admin_key_hashes: list[KeyHash] = Field(default_factory=list, description="sha256:<hex> hashes of admin keys (needed for /v1/prompts, /v1/collections, /v1/experiments).")
+    api_keys: list[ApiKeyEntry] = Field(
+        default_factory=list,
+        description="API keys as {hash, tenant, requests_per_minute, tokens_per_minute}; on the command line 'sha256:<hex>,tenant=NAME,requests_per_minute=N,tokens_per_minute=N'.",
+    )
+    admin_key_hashes: list[KeyHash] = Field(
+        default_factory=list,
+        description="sha256:<hex> hashes of admin keys (needed for /v1/prompts, /v1/collections, /v1/experiments).",
+    )
 
     # Limits (gateway/limits.py)
-    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest request body, bytes (413 above).")
-    max_documents: int = Field(64, ge=1, description="Most documents per request, sent plus retrieved (400 above).")
-    max_prompt_tokens: int | None = Field(None, ge=1, description="Most prompt tokens per request (400 above); default: the model's context.")
-    max_concurrent_requests: int = Field(64, ge=1, description="Generation requests served at once; more wait in the queue.")
-    max_queued_requests: int = Field(256, ge=0, description="Requests waiting for a slot; 429 when the queue is full.")
+    max_body_bytes: int = Field(
+        4 * 1024 * 1024, ge=1024, description="Largest request body, bytes (413 above)."
+    )
+    max_documents: int = Field(
+        64, ge=1, description="Most documents per request, sent plus retrieved (400 above)."
+    )
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, description="Most prompt tokens per request (400 above); default: the model's context."
+    )
+    max_concurrent_requests: int = Field(
+        64, ge=1, description="Generation requests served at once; more wait in the queue."
+    )
+    max_queued_requests: int = Field(
+        256, ge=0, description="Requests waiting for a slot; 429 when the queue is full."
+    )
     queue_timeout_s: float = Field(30.0, gt=0, description="Longest wait for a slot, seconds (429 after).")
-    request_timeout_s: float | None = Field(600.0, gt=0, description="Deadline of one request from its arrival, seconds: then it is aborted and its KV blocks freed (504, or finish_reason abort once streaming).")
-    shutdown_drain_s: float = Field(10.0, ge=0, description="On SIGTERM: seconds to let in-flight requests finish before aborting them.")
+    request_timeout_s: float | None = Field(
+        600.0,
+        gt=0,
+        description="Deadline of one request from its arrival, seconds: then it is aborted and its KV blocks freed (504, or finish_reason abort once streaming).",
+    )
+    shutdown_drain_s: float = Field(
+        10.0, ge=0, description="On SIGTERM: seconds to let in-flight requests finish before aborting them."
+    )
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -141,7 +230,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     try:
         data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"config file {path} is not valid {path.suffix.lstrip('.') or 'YAML'}: {exc}") from exc
+        raise ConfigError(
+            f"config file {path} is not valid {path.suffix.lstrip('.') or 'YAML'}: {exc}"
+        ) from exc
     data = data or {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of option names to values")
@@ -161,7 +252,5 @@ def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Se
         values.update({k: v for k, v in overrides.items() if v is not None})
         return Settings(**values)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
-        )
+        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors())
         raise ConfigError(f"invalid settings: {problems}") from exc

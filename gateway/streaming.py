@@ -97,8 +97,9 @@ async def complete(gen: Generation, shape: Shape, request: Request) -> JSONRespo
         "object": shape.object_name,
         "created": int(time.time()),
         "model": gen.model_id,
-        "choices": [{"index": 0, **shape.whole(gen.text), "finish_reason": gen.finish_reason,
-                     "logprobs": logprobs}],
+        "choices": [
+            {"index": 0, **shape.whole(gen.text), "finish_reason": gen.finish_reason, "logprobs": logprobs}
+        ],
         "usage": gen.usage(),
         "ragspeed": gen.ragspeed_fields(),
     }
@@ -139,8 +140,9 @@ async def stream(gen: Generation, shape: Shape, include_usage: bool) -> Streamin
                         # Every token gets its logprobs, also one whose text is held back
                         # (a split UTF-8 character, a possible stop string) or not shown (EOS).
                         logprobs = formatter(delta.logprobs)
-                        yield chunk({**shape.content(delta.text), "logprobs": logprobs,
-                                     "finish_reason": None})
+                        yield chunk(
+                            {**shape.content(delta.text), "logprobs": logprobs, "finish_reason": None}
+                        )
                     elif delta.text:
                         yield chunk({**shape.content(delta.text), "finish_reason": None})
                 try:
@@ -162,5 +164,8 @@ async def stream(gen: Generation, shape: Shape, include_usage: bool) -> Streamin
         finally:
             await deltas.aclose()  # aborts the engine request if the client went away
 
-    return StreamingResponse(body(), media_type="text/event-stream", headers={
-        **timing_headers(gen), "cache-control": "no-cache", "x-accel-buffering": "no"})
+    return StreamingResponse(
+        body(),
+        media_type="text/event-stream",
+        headers={**timing_headers(gen), "cache-control": "no-cache", "x-accel-buffering": "no"},
+    )

@@ -92,5 +92,6 @@ def check_settings(doc: YamlDoc, values: dict[str, Any], prefix: tuple[str, ...]
     from ragspeed.engine.backends import BACKENDS
 
     if settings.engine not in BACKENDS:
-        raise doc.error(prefix + ("engine",),
-                        f"unknown engine {settings.engine!r}; choose one of {', '.join(BACKENDS)}")
+        raise doc.error(
+            prefix + ("engine",), f"unknown engine {settings.engine!r}; choose one of {', '.join(BACKENDS)}"
+        )

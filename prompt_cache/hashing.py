@@ -41,8 +41,7 @@ def resolve_hash_function(algo: str | HashFunction) -> HashFunction:
     function = HASH_FUNCTIONS.get(algo)
     if function is None:
         raise ValueError(
-            f"unknown hash_algo {algo!r}; choose one of {', '.join(HASH_FUNCTIONS)}"
-            " or pass a callable"
+            f"unknown hash_algo {algo!r}; choose one of {', '.join(HASH_FUNCTIONS)} or pass a callable"
         )
     return function
 

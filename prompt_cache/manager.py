@@ -149,9 +149,7 @@ class KVCacheManager:
         parent_cache_id: int | None = None
         for index in range(max_blocks):
             block_hash, tokens, extras = self._block_key(token_ids, index, parent, cache_salt)
-            block, collided = self.block_pool.get_cached_block(
-                block_hash, tokens, parent_cache_id, extras
-            )
+            block, collided = self.block_pool.get_cached_block(block_hash, tokens, parent_cache_id, extras)
             if collided:
                 self._hash_collisions += 1
             if block is None:
@@ -211,8 +209,7 @@ class KVCacheManager:
         num_required = self.num_blocks_for(num_tokens)
         if num_required > self.num_blocks:
             raise ValueError(
-                f"num_tokens={num_tokens} needs {num_required} blocks;"
-                f" the pool has {self.num_blocks}"
+                f"num_tokens={num_tokens} needs {num_required} blocks; the pool has {self.num_blocks}"
             )
         state = self._requests.get(request_id)
         computed = self._validate_computed_blocks(request_id, state, computed_blocks)
@@ -279,8 +276,7 @@ class KVCacheManager:
             raise ValueError(f"cache_blocks: unknown request_id {request_id!r}")
         if not 0 <= num_computed_tokens <= len(token_ids):
             raise ValueError(
-                f"num_computed_tokens={num_computed_tokens} outside"
-                f" [0, len(token_ids)={len(token_ids)}]"
+                f"num_computed_tokens={num_computed_tokens} outside [0, len(token_ids)={len(token_ids)}]"
             )
         num_full_blocks = num_computed_tokens // self.block_size
         if num_full_blocks > len(state.blocks):
@@ -303,9 +299,7 @@ class KVCacheManager:
                 continue
             # A fresh block never holds a hash (allocation evicts it). If an identical block is
             # cached already, this one stays uncached and the twin continues the chain.
-            holder = cache_block(
-                blocks[index], block_hash, tokens, parent, state.chain_cache_id, extras
-            )
+            holder = cache_block(blocks[index], block_hash, tokens, parent, state.chain_cache_id, extras)
             if holder is None:
                 state.chain_broken = True
             else:
@@ -427,8 +421,7 @@ class KVCacheManager:
         for block in pool.blocks:
             assert block.ref_cnt >= 0, f"block {block.block_id} has ref_cnt {block.ref_cnt}"
             assert block.ref_cnt == holders[block.block_id], (
-                f"block {block.block_id}: ref_cnt {block.ref_cnt}"
-                f" != {holders[block.block_id]} holders"
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} != {holders[block.block_id]} holders"
             )
             assert (block.ref_cnt == 0) == (block.block_id in free_set), (
                 f"block {block.block_id}: ref_cnt {block.ref_cnt} but in free list:"

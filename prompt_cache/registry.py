@@ -22,8 +22,7 @@ def validate_prompt_name(name: str) -> str:
     """Return `name` if it is a valid prompt name; raise ValueError naming the parameter."""
     if not isinstance(name, str) or not _NAME_PATTERN.fullmatch(name):
         raise ValueError(
-            f"name {name!r} is invalid: use 1-64 characters of A-Z a-z 0-9 _ . -,"
-            " not starting with '.'"
+            f"name {name!r} is invalid: use 1-64 characters of A-Z a-z 0-9 _ . -, not starting with '.'"
         )
     return name
 

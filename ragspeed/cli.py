@@ -47,8 +47,9 @@ def settings_options(command):
         if base is bool:
             option = click.Option([f"--{flag}/--no-{flag}", name], default=None, help=help_text)
         elif get_origin(base) is list:
-            option = click.Option([f"--{flag}", name], multiple=True, default=None,
-                                  help=help_text + " (repeatable)")
+            option = click.Option(
+                [f"--{flag}", name], multiple=True, default=None, help=help_text + " (repeatable)"
+            )
         else:
             option = click.Option([f"--{flag}", name], type=base, default=None, help=help_text)
         command.params.append(option)
@@ -73,16 +74,19 @@ class LazyGroup(click.Group):
         return super().get_command(ctx, cmd_name)
 
 
-@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "show_default": True},
-             lazy={
-                 "ab": "ragspeed.ab.cli:ab",
-                 "eval": "ragspeed.evals.cli:eval_group",
-                 "index": "ragspeed.retrieval.cli:index_group",
-                 "keys": "ragspeed.gateway.security:keys",
-                 "models": "ragspeed.engine.cli:models_group",
-                 "train-demo": "ragspeed.training.cli:train_demo",
-                 "train-draft": "ragspeed.training.cli:train_draft",
-             })
+@click.group(
+    cls=LazyGroup,
+    context_settings={"help_option_names": ["-h", "--help"], "show_default": True},
+    lazy={
+        "ab": "ragspeed.ab.cli:ab",
+        "eval": "ragspeed.evals.cli:eval_group",
+        "index": "ragspeed.retrieval.cli:index_group",
+        "keys": "ragspeed.gateway.security:keys",
+        "models": "ragspeed.engine.cli:models_group",
+        "train-demo": "ragspeed.training.cli:train_demo",
+        "train-draft": "ragspeed.training.cli:train_draft",
+    },
+)
 @click.version_option(_version(), prog_name="ragspeed")
 def cli() -> None:
     """ragspeed: a RAG-aware latency middleware with an OpenAI-compatible API."""
@@ -90,8 +94,13 @@ def cli() -> None:
 
 @settings_options
 @cli.command()
-@click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
-              help="YAML or TOML file of settings (keys as the flags, with underscores).")
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="YAML or TOML file of settings (keys as the flags, with underscores).",
+)
 def serve(config_file: str | None, **flags: Any) -> None:
     """Serve the OpenAI-compatible RAG gateway (default: SmolLM2-135M-Instruct, native engine)."""
     import uvicorn
@@ -104,37 +113,66 @@ def serve(config_file: str | None, **flags: Any) -> None:
         settings = load_settings(config_file, **flags)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         app = create_app(settings)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
-    uvicorn.run(app, host=settings.host, port=settings.port,
-                log_level=settings.log_level, timeout_graceful_shutdown=settings.shutdown_drain_s)
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=settings.shutdown_drain_s,
+    )
 
 
 @cli.command()
 @click.argument("question")
-@click.option("--doc", "docs", multiple=True, type=click.Path(exists=True, dir_okay=False),
-              help="A file whose text is one retrieved document (repeatable).")
+@click.option(
+    "--doc",
+    "docs",
+    multiple=True,
+    type=click.Path(exists=True, dir_okay=False),
+    help="A file whose text is one retrieved document (repeatable).",
+)
 @click.option("--system", default=None, help="Static system prompt.")
 @click.option("--url", default="http://127.0.0.1:8000", show_default=True, help="ragspeed server.")
 @click.option("--api-key", envvar="RAGSPEED_API_KEY", default=None, help="Bearer key.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--temperature", type=click.FloatRange(0, 2), default=0.0, show_default=True)
-@click.option("--compression-rate", type=click.FloatRange(0, 1, min_open=True), default=None,
-              help="Keep this share of the documents' tokens.")
+@click.option(
+    "--compression-rate",
+    type=click.FloatRange(0, 1, min_open=True),
+    default=None,
+    help="Keep this share of the documents' tokens.",
+)
 @click.option("--stream/--no-stream", default=True, show_default=True)
-def chat(question: str, docs: tuple[str, ...], system: str | None, url: str, api_key: str | None,
-         max_tokens: int, temperature: float, compression_rate: float | None, stream: bool) -> None:
+def chat(
+    question: str,
+    docs: tuple[str, ...],
+    system: str | None,
+    url: str,
+    api_key: str | None,
+    max_tokens: int,
+    temperature: float,
+    compression_rate: float | None,
+    stream: bool,
+) -> None:
     """Send one chat request to a running server and print the answer and its figures."""
     from ragspeed.gateway.client import RagspeedClient, RagspeedError
 
-    documents = [{"title": Path(p).name, "text": Path(p).read_text(encoding="utf-8", errors="replace")}
-                 for p in docs]
-    kwargs: dict[str, Any] = {"documents": documents or None, "system": system,
-                              "max_tokens": max_tokens, "temperature": temperature}
+    documents = [
+        {"title": Path(p).name, "text": Path(p).read_text(encoding="utf-8", errors="replace")} for p in docs
+    ]
+    kwargs: dict[str, Any] = {
+        "documents": documents or None,
+        "system": system,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+    }
     if compression_rate is not None:
         kwargs["compression"] = {"rate": compression_rate}
     try:
@@ -153,20 +191,26 @@ def chat(question: str, docs: tuple[str, ...], system: str | None, url: str, api
     except Exception as exc:  # connection refused and friends
         raise click.ClickException(f"cannot reach {url}: {exc}") from exc
     usage = result.usage
-    click.echo(f"[{usage.prompt_tokens} prompt tokens ({usage.cached_tokens} cached), "
-               f"{usage.completion_tokens} completion tokens, TTFT {result.ttft_ms} ms, "
-               f"total {result.e2e_ms} ms]", err=True)
+    click.echo(
+        f"[{usage.prompt_tokens} prompt tokens ({usage.cached_tokens} cached), "
+        f"{usage.completion_tokens} completion tokens, TTFT {result.ttft_ms} ms, "
+        f"total {result.e2e_ms} ms]",
+        err=True,
+    )
 
 
-@click.group(cls=LazyGroup, lazy={
-    "cache": "ragspeed.bench.cache:bench_cache",
-    "cache-manager": "ragspeed.bench.cache_manager:bench_cache_manager",
-    "engine": "ragspeed.bench.engine:bench_engine_command",
-    "gateway": "ragspeed.bench.gateway:bench_gateway",
-    "load": "ragspeed.bench.load:bench_load",
-    "quant": "ragspeed.bench.quant:bench_quant",
-    "spec": "ragspeed.bench.spec:bench_spec",
-})
+@click.group(
+    cls=LazyGroup,
+    lazy={
+        "cache": "ragspeed.bench.cache:bench_cache",
+        "cache-manager": "ragspeed.bench.cache_manager:bench_cache_manager",
+        "engine": "ragspeed.bench.engine:bench_engine_command",
+        "gateway": "ragspeed.bench.gateway:bench_gateway",
+        "load": "ragspeed.bench.load:bench_load",
+        "quant": "ragspeed.bench.quant:bench_quant",
+        "spec": "ragspeed.bench.spec:bench_spec",
+    },
+)
 def bench() -> None:
     """Benchmarks: contenders side by side in one run, printed as a table and written as JSON."""
 

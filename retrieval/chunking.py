@@ -48,7 +48,9 @@ def chunk_text(text: str, tokenizer: Any, chunk_tokens: int = 200, overlap_token
     if chunk_tokens < 1:
         raise RetrievalError(f"chunk_tokens must be >= 1, got {chunk_tokens}", "chunk_tokens")
     if not 0 <= overlap_tokens < chunk_tokens:
-        raise RetrievalError(f"overlap_tokens must be in [0, chunk_tokens), got {overlap_tokens}", "overlap_tokens")
+        raise RetrievalError(
+            f"overlap_tokens must be in [0, chunk_tokens), got {overlap_tokens}", "overlap_tokens"
+        )
     if not text.strip():
         return []
     spans = _token_spans(tokenizer, text)

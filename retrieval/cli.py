@@ -74,13 +74,21 @@ def query_collection(
         "collection": collection,
         "query": text,
         "hits": [
-            {"rank": h.rank, "score": h.score, "id": h.document.id, "title": h.document.title, "text": h.document.text}
+            {
+                "rank": h.rank,
+                "score": h.score,
+                "id": h.document.id,
+                "title": h.document.title,
+                "text": h.document.text,
+            }
             for h in hits
         ],
     }
 
 
-def collection_stats(collection: str | None, root: Path, *, model: str | None, embedder=None) -> dict[str, Any]:
+def collection_stats(
+    collection: str | None, root: Path, *, model: str | None, embedder=None
+) -> dict[str, Any]:
     store = _store(root, model, RetrievalConfig(), embedder)
     stats = [store.stats(collection)] if collection else store.list()
     return {"collections": [asdict(s) for s in stats], "refused": store.refused()}
@@ -106,10 +114,15 @@ def _write_json(path: Path | None, payload: dict[str, Any]) -> None:
 
 def _common_options(command):
     """--collection, --root and --model, shared by every index command."""
-    command = click.option("--model", default=None,
-                           help="Sentence-transformers model path (default: bundled MiniLM).")(command)
-    command = click.option("--root", default=DEFAULT_ROOT, type=click.Path(file_okay=False, path_type=Path),
-                           help="Directory holding the collection files.")(command)
+    command = click.option(
+        "--model", default=None, help="Sentence-transformers model path (default: bundled MiniLM)."
+    )(command)
+    command = click.option(
+        "--root",
+        default=DEFAULT_ROOT,
+        type=click.Path(file_okay=False, path_type=Path),
+        help="Directory holding the collection files.",
+    )(command)
     return command
 
 
@@ -118,20 +131,33 @@ def _collection_option(command):
 
 
 def _ingest_options(command):
-    command = click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False, path_type=Path),
-                           help="Write the summary as JSON here.")(command)
+    command = click.option(
+        "--json",
+        "json_path",
+        default=None,
+        type=click.Path(dir_okay=False, path_type=Path),
+        help="Write the summary as JSON here.",
+    )(command)
     command = click.option("--index-kind", default="auto", help="auto | flat | ivf | hnsw")(command)
-    command = click.option("--chunk-overlap", default=40, type=int, help="Tokens shared by consecutive chunks.")(command)
+    command = click.option(
+        "--chunk-overlap", default=40, type=int, help="Tokens shared by consecutive chunks."
+    )(command)
     command = click.option("--chunk-tokens", default=200, type=int, help="Tokens per chunk.")(command)
     command = _common_options(command)
     command = _collection_option(command)
     return click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=Path))(command)
 
 
-def _ingest_command(paths, collection, root, model, chunk_tokens, chunk_overlap, index_kind, json_path, fresh):
+def _ingest_command(
+    paths, collection, root, model, chunk_tokens, chunk_overlap, index_kind, json_path, fresh
+):
     try:
         out = ingest_into_collection(
-            list(paths), collection, root, model=model, config=_config(chunk_tokens, chunk_overlap, index_kind),
+            list(paths),
+            collection,
+            root,
+            model=model,
+            config=_config(chunk_tokens, chunk_overlap, index_kind),
             fresh=fresh,
         )
     except (RetrievalError, CollectionNotFound) as exc:
@@ -154,7 +180,9 @@ def build_cmd(paths, collection, root, model, chunk_tokens, chunk_overlap, index
 
     PATHS: .txt, .md, .jsonl files or directories.
     """
-    _ingest_command(paths, collection, root, model, chunk_tokens, chunk_overlap, index_kind, json_path, fresh=True)
+    _ingest_command(
+        paths, collection, root, model, chunk_tokens, chunk_overlap, index_kind, json_path, fresh=True
+    )
 
 
 @index_group.command("add")
@@ -164,7 +192,9 @@ def add_cmd(paths, collection, root, model, chunk_tokens, chunk_overlap, index_k
 
     PATHS: .txt, .md, .jsonl files or directories.
     """
-    _ingest_command(paths, collection, root, model, chunk_tokens, chunk_overlap, index_kind, json_path, fresh=False)
+    _ingest_command(
+        paths, collection, root, model, chunk_tokens, chunk_overlap, index_kind, json_path, fresh=False
+    )
 
 
 @index_group.command("query")
@@ -174,8 +204,9 @@ def add_cmd(paths, collection, root, model, chunk_tokens, chunk_overlap, index_k
 @click.option("--top-k", "-k", default=5, type=int)
 @click.option("--mode", default="hybrid", help="dense | bm25 | hybrid")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False, path_type=Path))
-def query_cmd(text: str, collection: str, root: Path, model: str | None, top_k: int, mode: str,
-              json_path: Path | None) -> None:
+def query_cmd(
+    text: str, collection: str, root: Path, model: str | None, top_k: int, mode: str, json_path: Path | None
+) -> None:
     """Search a collection for TEXT (the question)."""
     try:
         out = query_collection(text, collection, root, top_k=top_k, mode=mode, model=model)

@@ -190,5 +190,7 @@ class Collection:
             raise ValueError(
                 f"index holds {collection.vectors.num_vectors} vectors for {len(collection._documents)} documents"
             )
-        collection.bm25.add(list(collection._documents), [embedding_text(d) for d in collection._documents.values()])
+        collection.bm25.add(
+            list(collection._documents), [embedding_text(d) for d in collection._documents.values()]
+        )
         return collection

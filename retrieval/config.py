@@ -87,7 +87,9 @@ class RetrievalConfig:
                 "chunk_overlap_tokens",
             )
         if self.embed_batch_size < 1:
-            raise RetrievalError(f"embed_batch_size must be >= 1, got {self.embed_batch_size}", "embed_batch_size")
+            raise RetrievalError(
+                f"embed_batch_size must be >= 1, got {self.embed_batch_size}", "embed_batch_size"
+            )
         if self.rrf_k < 0:
             raise RetrievalError(f"rrf_k must be >= 0, got {self.rrf_k}", "rrf_k")
         if self.dense_weight < 0 or self.bm25_weight < 0 or self.dense_weight + self.bm25_weight == 0:

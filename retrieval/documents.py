@@ -28,7 +28,9 @@ class Document:
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Document:
-        return cls(id=obj["id"], text=obj["text"], title=obj.get("title", ""), metadata=obj.get("metadata", {}))
+        return cls(
+            id=obj["id"], text=obj["text"], title=obj.get("title", ""), metadata=obj.get("metadata", {})
+        )
 
 
 @dataclass(frozen=True)

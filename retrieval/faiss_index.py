@@ -77,7 +77,9 @@ def choose_device(requested: str, kind: str, num_gpus: int) -> str:
         return "cpu"
     if requested == "gpu":
         if num_gpus == 0:
-            raise RetrievalError("device 'gpu' needs faiss-gpu and a visible CUDA device; found none", "device")
+            raise RetrievalError(
+                "device 'gpu' needs faiss-gpu and a visible CUDA device; found none", "device"
+            )
         if kind not in GPU_KINDS:
             raise RetrievalError(f"faiss has no GPU {kind} index; use flat or ivf on the GPU", "device")
         return "gpu"
@@ -200,7 +202,9 @@ class VectorIndex:
         if len(vectors) == 0:
             return
         total = self.num_vectors + len(vectors)
-        outgrew_flat = self.plan is not None and self.plan.kind == "flat" and choose_kind(total, self.config) != "flat"
+        outgrew_flat = (
+            self.plan is not None and self.plan.kind == "flat" and choose_kind(total, self.config) != "flat"
+        )
         if self._index is None or outgrew_flat:
             # First add, or a flat index outgrew exact search: rebuild with everything. A
             # loaded IVF or HNSW index keeps its kind whatever this process's config says.
@@ -217,7 +221,9 @@ class VectorIndex:
         if self.plan.kind == "hnsw":  # no in-place removal in HNSW graphs
             present = (set(labels.tolist()) & set(self.labels().tolist())) - self._tombstones
             self._tombstones |= present
-            if len(self._tombstones) > max(TOMBSTONE_MIN_COMPACT, TOMBSTONE_MAX_FRACTION * self._index.ntotal):
+            if len(self._tombstones) > max(
+                TOMBSTONE_MIN_COMPACT, TOMBSTONE_MAX_FRACTION * self._index.ntotal
+            ):
                 # Searches over-fetch by the tombstone count: compact before that costs more
                 # than a rebuild.
                 self.build(*self._live_contents())
@@ -276,7 +282,9 @@ class VectorIndex:
         out_labels = np.full((len(labels), k), -1, dtype=np.int64)
         for row in range(len(labels)):
             row_labels = labels[row].tolist()
-            keep = [j for j, label in enumerate(row_labels) if label >= 0 and label not in self._tombstones][:k]
+            keep = [j for j, label in enumerate(row_labels) if label >= 0 and label not in self._tombstones][
+                :k
+            ]
             out_scores[row, : len(keep)] = scores[row, keep]
             out_labels[row, : len(keep)] = labels[row, keep]
         return out_scores, out_labels

@@ -161,7 +161,9 @@ def ingest_paths(
     for path in files:
         loader = LOADERS.get(path.suffix.lower())
         if loader is None:
-            skipped.append(f"{path}: skipped, unsupported file type {path.suffix!r} (supported: {', '.join(LOADERS)})")
+            skipped.append(
+                f"{path}: skipped, unsupported file type {path.suffix!r} (supported: {', '.join(LOADERS)})"
+            )
             continue
         file_records, file_skipped = loader(path)
         records.extend(file_records)
@@ -170,5 +172,8 @@ def ingest_paths(
         documents_from_records(records, tokenizer, chunk_tokens, overlap_tokens)
     )
     return IngestReport(
-        documents=tuple(documents), skipped=tuple(skipped), num_duplicates=num_duplicates, num_files=len(files)
+        documents=tuple(documents),
+        skipped=tuple(skipped),
+        num_duplicates=num_duplicates,
+        num_files=len(files),
     )

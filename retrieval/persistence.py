@@ -67,7 +67,9 @@ def load_collection_file(path: Path) -> tuple[dict[str, Any], bytes]:
         raise CorruptCollectionError(str(path), "not a ragspeed collection file (bad magic or truncated)")
     version, meta_len, index_len = _HEADER.unpack_from(data, len(MAGIC))
     if version != FORMAT_VERSION:
-        raise CorruptCollectionError(str(path), f"format version {version}, this build reads {FORMAT_VERSION}")
+        raise CorruptCollectionError(
+            str(path), f"format version {version}, this build reads {FORMAT_VERSION}"
+        )
     expected_len = fixed + meta_len + index_len + _DIGEST_BYTES
     if expected_len != len(data):
         raise CorruptCollectionError(

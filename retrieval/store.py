@@ -41,7 +41,9 @@ def check_name(name: str) -> str:
 
 
 class CollectionStore:
-    def __init__(self, root_dir: str | Path, embedder: Embedder, config: RetrievalConfig | None = None) -> None:
+    def __init__(
+        self, root_dir: str | Path, embedder: Embedder, config: RetrievalConfig | None = None
+    ) -> None:
         self.root_dir = Path(root_dir)
         self.embedder = embedder
         self.config = config or RetrievalConfig()
@@ -69,7 +71,10 @@ class CollectionStore:
             return
         if meta.get("embedder") != self.embedder.name:
             logger.warning(
-                "collection %r was built with %r, now queried with %r", name, meta.get("embedder"), self.embedder.name
+                "collection %r was built with %r, now queried with %r",
+                name,
+                meta.get("embedder"),
+                self.embedder.name,
             )
         self._collections[name] = collection
 
@@ -128,7 +133,9 @@ class CollectionStore:
             raise RetrievalError("documents must be a list of Document", "documents")
         for i, doc in enumerate(documents):
             if not isinstance(doc.text, str) or not doc.text.strip():
-                raise RetrievalError(f"documents[{i}].text must be a non-empty string", f"documents[{i}].text")
+                raise RetrievalError(
+                    f"documents[{i}].text must be a non-empty string", f"documents[{i}].text"
+                )
             try:
                 json.dumps(doc.metadata)
             except (TypeError, ValueError) as exc:
@@ -138,7 +145,11 @@ class CollectionStore:
         if chunk:
             records = [
                 SourceRecord(
-                    source=f"collection:{name}", text=d.text, title=d.title, given_id=d.id or None, metadata=d.metadata
+                    source=f"collection:{name}",
+                    text=d.text,
+                    title=d.title,
+                    given_id=d.id or None,
+                    metadata=d.metadata,
                 )
                 for d in documents
             ]

@@ -32,9 +32,7 @@ CODE_FOLDERS = (
 
 
 def _generator():
-    spec = importlib.util.spec_from_file_location(
-        "gen_configuration", DOCS / "gen_configuration.py"
-    )
+    spec = importlib.util.spec_from_file_location("gen_configuration", DOCS / "gen_configuration.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -14,7 +14,9 @@ def _imported_after(code: str) -> list[str]:
         f"{code}\nimport json, sys\n"
         f"print(json.dumps(sorted(m for m in sys.modules if m.startswith({TOOLING + EXTRAS!r}))))"
     )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=300
+    )
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -32,7 +34,24 @@ def test_cli_commands_load_when_asked_for():
     from ragspeed.cli import bench, cli
 
     assert sorted(cli.list_commands(None)) == [
-        "ab", "bench", "chat", "eval", "index", "keys", "models", "serve", "train-demo", "train-draft",
+        "ab",
+        "bench",
+        "chat",
+        "eval",
+        "index",
+        "keys",
+        "models",
+        "serve",
+        "train-demo",
+        "train-draft",
     ]
-    assert sorted(bench.list_commands(None)) == ["cache", "cache-manager", "engine", "gateway", "load", "quant", "spec"]
+    assert sorted(bench.list_commands(None)) == [
+        "cache",
+        "cache-manager",
+        "engine",
+        "gateway",
+        "load",
+        "quant",
+        "spec",
+    ]
     assert cli.get_command(None, "nope") is None

@@ -43,21 +43,41 @@ def test_requires_python_is_what_the_tools_and_the_sources_assume():
 
 
 def test_the_wheel_holds_only_the_ragspeed_namespace(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(tmp_path), str(REPO_ROOT)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(REPO_ROOT),
+        ],
+        check=True,
+        capture_output=True,
+    )
     (wheel,) = tmp_path.glob("ragspeed-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     top_level = {name.split("/")[0] for name in names}
     assert {t for t in top_level if not t.endswith(".dist-info")} == {"ragspeed"}
     assert "ragspeed/engine/cpu_kernels/kernels.c" in names
-    assert {f"ragspeed/{p.replace('ragspeed.', '').replace('.', '/')}/__init__.py"
-            for p in _source_packages() if p != "ragspeed"} <= set(names)
+    assert {
+        f"ragspeed/{p.replace('ragspeed.', '').replace('.', '/')}/__init__.py"
+        for p in _source_packages()
+        if p != "ragspeed"
+    } <= set(names)
 
 
 def test_the_sdk_is_the_top_level_import_and_bare_packages_are_gone(tmp_path):
     # Run from an empty folder, so the checkout's own folders are not on sys.path.
-    code = ("import importlib.util as u, ragspeed; from ragspeed import RagspeedClient, AsyncRagspeedClient;"
-            f"print(RagspeedClient.__module__, [n for n in {SERVING_FOLDERS!r} if u.find_spec(n)])")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                            cwd=tmp_path)
+    code = (
+        "import importlib.util as u, ragspeed; from ragspeed import RagspeedClient, AsyncRagspeedClient;"
+        f"print(RagspeedClient.__module__, [n for n in {SERVING_FOLDERS!r} if u.find_spec(n)])"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path
+    )
     assert result.stdout.split(maxsplit=1) == ["ragspeed.gateway.client", "[]\n"]

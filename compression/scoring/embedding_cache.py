@@ -51,7 +51,9 @@ class EmbeddingCache:
         self._entries.clear()
 
 
-def encode_cached(namespace: str, texts: Sequence[str], cache: EmbeddingCache | None, encode_batch) -> np.ndarray:
+def encode_cached(
+    namespace: str, texts: Sequence[str], cache: EmbeddingCache | None, encode_batch
+) -> np.ndarray:
     """Embeddings of `texts` ([len(texts), dim]); only the misses go through `encode_batch`."""
     if cache is None:
         return encode_batch(list(texts))

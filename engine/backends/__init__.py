@@ -25,9 +25,7 @@ SPECULATIVE_BACKENDS = ("native", "vllm")
 def build_engine(config: EngineConfig) -> EngineClient:
     target = BACKENDS.get(config.backend)
     if target is None:
-        raise ValueError(
-            f"unknown engine backend {config.backend!r}; choose one of {', '.join(BACKENDS)}"
-        )
+        raise ValueError(f"unknown engine backend {config.backend!r}; choose one of {', '.join(BACKENDS)}")
     if config.speculative is not None and config.backend not in SPECULATIVE_BACKENDS:
         raise ValueError(
             f"speculative={config.speculative!r} needs a backend with speculative decoding"

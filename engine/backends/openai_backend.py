@@ -129,12 +129,17 @@ class OpenAIEngine:
         self._next_upstream = itertools.cycle(range(len(self._base_urls)))
         self._client: httpx.AsyncClient | None = None
         self._tokenizer: Any = None
-        self._breakers = {url: CircuitBreaker(config.upstream_circuit_failures, config.upstream_circuit_reset_s)
-                          for url in self._base_urls}
+        self._breakers = {
+            url: CircuitBreaker(config.upstream_circuit_failures, config.upstream_circuit_reset_s)
+            for url in self._base_urls
+        }
         self._jitter = random.Random()
         # Same static prefix -> same upstream, so its prefix cache hits (engine/backends/routing.py).
-        self._router = (AffinityRouter(self._base_urls, block_size=config.block_size)
-                        if config.upstream_affinity and len(self._base_urls) > 1 else None)
+        self._router = (
+            AffinityRouter(self._base_urls, block_size=config.block_size)
+            if config.upstream_affinity and len(self._base_urls) > 1
+            else None
+        )
         self._counters = {"requests_total": 0.0, "upstream_errors_total": 0.0, "upstream_retries_total": 0.0}
 
     @property
@@ -188,8 +193,11 @@ class OpenAIEngine:
             base_url = self._base_urls[next(self._next_upstream)]
             if self._breakers[base_url].allow():
                 return base_url
-        error = UpstreamError(f"every upstream's circuit is open after repeated failures; retry in "
-                              f"{self.config.upstream_circuit_reset_s:g} s", code="upstream_unavailable")
+        error = UpstreamError(
+            f"every upstream's circuit is open after repeated failures; retry in "
+            f"{self.config.upstream_circuit_reset_s:g} s",
+            code="upstream_unavailable",
+        )
         error.status_code = 503
         raise error
 
@@ -202,8 +210,9 @@ class OpenAIEngine:
             # Upstream completions name tokens by their text, not their ids, so their logprobs
             # cannot become TokenLogprobs faithfully.
             raise EngineError(
-                "the openai backend does not support logprobs: upstreams report tokens as text, "
-                "not ids", param="logprobs", code="logprobs_unsupported",
+                "the openai backend does not support logprobs: upstreams report tokens as text, not ids",
+                param="logprobs",
+                code="logprobs_unsupported",
             )
         assert self._client is not None, "start() first"
         self._counters["requests_total"] += 1
@@ -227,13 +236,14 @@ class OpenAIEngine:
                 self._failed(base_url)
                 if attempt < self.config.upstream_max_retries:
                     self._counters["upstream_retries_total"] += 1
-                    cap = min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2 ** attempt)
+                    cap = min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2**attempt)
                     await asyncio.sleep(self._jitter.uniform(0, cap))
                     continue
                 error_cls = UpstreamTimeoutError if isinstance(exc, httpx.ConnectTimeout) else UpstreamError
                 raise error_cls(
-                    f"upstream {base_url} failed: {type(exc).__name__}: {exc} "
-                    f"(after {attempt + 1} attempts)", code="upstream_error") from exc
+                    f"upstream {base_url} failed: {type(exc).__name__}: {exc} (after {attempt + 1} attempts)",
+                    code="upstream_error",
+                ) from exc
             except httpx.TimeoutException as exc:
                 self._failed(base_url)
                 raise UpstreamTimeoutError(
@@ -263,7 +273,7 @@ class OpenAIEngine:
         async for line in response.aiter_lines():
             if not line.startswith("data:"):
                 continue
-            data = line[len("data:"):].strip()
+            data = line[len("data:") :].strip()
             if data == "[DONE]":
                 break
             chunk = json.loads(data)

@@ -132,10 +132,10 @@ class TransformersEngine:
             # generate() streams ids only; its scores come after the last token, processed.
             raise EngineError(
                 "the transformers backend does not support logprobs; use the native engine",
-                param="logprobs", code="logprobs_unsupported",
+                param="logprobs",
+                code="logprobs_unsupported",
             )
-        check_context_length(len(request.prompt_token_ids), request.sampling.max_tokens,
-                             self.max_model_len)
+        check_context_length(len(request.prompt_token_ids), request.sampling.max_tokens, self.max_model_len)
         cancel = threading.Event()
         self._cancel_events[request.request_id] = cancel
         try:

@@ -45,9 +45,7 @@ def speculative_config(config: EngineConfig) -> dict[str, Any] | None:
     if config.speculative is None:
         return None
     if config.num_speculative_tokens < 1:
-        raise ValueError(
-            f"num_speculative_tokens must be >= 1, got {config.num_speculative_tokens}"
-        )
+        raise ValueError(f"num_speculative_tokens must be >= 1, got {config.num_speculative_tokens}")
     if config.speculative == "ngram":
         return {
             "method": "ngram",
@@ -62,9 +60,7 @@ def speculative_config(config: EngineConfig) -> dict[str, Any] | None:
         if config.draft_quantization != "auto":
             if config.draft_quantization not in QUANTIZATION_MAP:
                 known = ", ".join(repr(k) for k in QUANTIZATION_MAP)
-                raise ValueError(
-                    f"unknown draft_quantization {config.draft_quantization!r}; known: {known}"
-                )
+                raise ValueError(f"unknown draft_quantization {config.draft_quantization!r}; known: {known}")
             if QUANTIZATION_MAP[config.draft_quantization] is not None:
                 spec["quantization"] = QUANTIZATION_MAP[config.draft_quantization]
         return spec

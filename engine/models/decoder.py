@@ -35,9 +35,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, self.size, self.weight, self.eps)
 
-    def add_norm(
-        self, x: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream's next value, `x + residual` (written into x; x itself when
         residual is None), and its norm: (norm, stream)."""
         if add_rms_norm_applies(x) and self.weight.dtype == torch.float32:
@@ -57,12 +55,12 @@ class Attention(nn.Module):
         self.scale = arch.head_dim**-0.5
         self.eps = arch.rms_norm_eps
         self.qkv_proj = build_linear(
-            arch.hidden_size, arch.q_size + 2 * arch.kv_size, bias=arch.qkv_bias,
+            arch.hidden_size,
+            arch.q_size + 2 * arch.kv_size,
+            bias=arch.qkv_bias,
             quantization=quantization,
         )
-        self.o_proj = build_linear(
-            arch.q_size, arch.hidden_size, bias=arch.o_bias, quantization=quantization
-        )
+        self.o_proj = build_linear(arch.q_size, arch.hidden_size, bias=arch.o_bias, quantization=quantization)
         # Qwen3: one weight row per Q head then per K head, so Q and K are normed in one op.
         self.qk_norm_weight: torch.Tensor | None = None  # [num_heads + num_kv_heads, head_dim]
 
@@ -94,11 +92,15 @@ class MLP(nn.Module):
         super().__init__()
         self.intermediate_size = arch.intermediate_size
         self.gate_up_proj = build_linear(
-            arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias,
+            arch.hidden_size,
+            2 * arch.intermediate_size,
+            bias=arch.mlp_bias,
             quantization=quantization,
         )
         self.down_proj = build_linear(
-            arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias,
+            arch.intermediate_size,
+            arch.hidden_size,
+            bias=arch.mlp_bias,
             quantization=quantization,
         )
 
@@ -137,14 +139,10 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.embed_tokens: torch.Tensor | None = None  # [vocab_size, hidden_size]
-        self.layers = nn.ModuleList(
-            DecoderLayer(arch, quantization) for _ in range(arch.num_layers)
-        )
+        self.layers = nn.ModuleList(DecoderLayer(arch, quantization) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         # Quantized too: a tied head quantizes its own copy; the embedding lookup stays fp.
-        self.lm_head = build_linear(
-            arch.hidden_size, arch.vocab_size, quantization=quantization
-        )
+        self.lm_head = build_linear(arch.hidden_size, arch.vocab_size, quantization=quantization)
         # Decode-type steps in one call of ragspeed's CPU kernels, where they run this model
         # (engine.cpu_kernels.decoder); built at the first such step, once the weights are in.
         self.fused_decode = True

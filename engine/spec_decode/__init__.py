@@ -29,7 +29,17 @@ from ragspeed.engine.spec_decode.speculator import Speculator, build_speculator
 from ragspeed.engine.spec_decode.stats import SpecStats
 
 __all__ = [
-    "PROPOSERS", "AdaptiveController", "DraftProposer", "NgramProposer", "PerRequestProposer",
-    "Proposer", "SpecStats", "Speculator", "TokenProposer",
-    "build_proposer", "build_speculator", "verify_greedy", "verify_sampled",
+    "PROPOSERS",
+    "AdaptiveController",
+    "DraftProposer",
+    "NgramProposer",
+    "PerRequestProposer",
+    "Proposer",
+    "SpecStats",
+    "Speculator",
+    "TokenProposer",
+    "build_proposer",
+    "build_speculator",
+    "verify_greedy",
+    "verify_sampled",
 ]

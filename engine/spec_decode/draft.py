@@ -124,10 +124,7 @@ class DraftProposer:
             if self.manager.has_request(request_id):
                 self.manager.trim(request_id, num_computed)
             needed = len(tokens) + k - 1
-            if (
-                needed > self.max_model_len
-                or self.manager.allocate_slots(request_id, needed) is None
-            ):
+            if needed > self.max_model_len or self.manager.allocate_slots(request_id, needed) is None:
                 continue  # the draft pool is full: no drafts for this request, nothing preempted
             table = self.manager.block_table(request_id)
             active.append(_Drafting(index, state, table, len(tokens), k))
@@ -162,9 +159,7 @@ class DraftProposer:
                 self._fused_steps(fused, going, fed, [a.num_tokens for a in going], drafts, 1)
                 return
             if step:  # requests still drafting feed their latest draft: one flat batch
-                chunks = [
-                    ([drafts[a.index][-1]], a.num_tokens + step - 1, a.block_table) for a in going
-                ]
+                chunks = [([drafts[a.index][-1]], a.num_tokens + step - 1, a.block_table) for a in going]
             start = time.perf_counter()
             new_tokens, confidences = self._forward(chunks)
             if prefill and not step:  # one-time work, not what drafting costs a step
@@ -172,7 +167,8 @@ class DraftProposer:
             for a, token in zip(going, new_tokens):
                 drafts[a.index].append(token)
             going = [
-                a for a, confidence in zip(going, confidences)
+                a
+                for a, confidence in zip(going, confidences)
                 if a.k > step + 1 and confidence >= self.min_confidence
             ]
             if not going:
@@ -194,16 +190,22 @@ class DraftProposer:
         longest = max(a.num_tokens + a.k - 1 for a in going)
         tables = padded_tables([a.block_table for a in going], -(-longest // self.block_size))
         steps = fused.greedy_steps(
-            self.rotary.freqs_cis, self.vocab_size, self.pool.k_caches, self.pool.v_caches,
-            tables, self.block_size, fed, positions, [a.k - skip for a in going],
-            self.min_confidence, self.num_threads,
+            self.rotary.freqs_cis,
+            self.vocab_size,
+            self.pool.k_caches,
+            self.pool.v_caches,
+            tables,
+            self.block_size,
+            fed,
+            positions,
+            [a.k - skip for a in going],
+            self.min_confidence,
+            self.num_threads,
         )
         for a, tokens in zip(going, steps):
             drafts[a.index].extend(tokens)
 
-    def _forward(
-        self, chunks: list[tuple[list[int], int, list[int]]]
-    ) -> tuple[list[int], list[float]]:
+    def _forward(self, chunks: list[tuple[list[int], int, list[int]]]) -> tuple[list[int], list[float]]:
         """One flat forward of the draft over `chunks` (token ids, first position, block table);
         returns the greedy next token after each chunk's last token and its probability under
         the draft, in the order given."""
@@ -267,8 +269,7 @@ def tokenizer_mismatch(target: Any, draft: Any) -> str | None:
     target_vocab, draft_vocab = target.get_vocab(), draft.get_vocab()
     if target_vocab != draft_vocab:
         differing = sorted(
-            t for t in set(target_vocab) | set(draft_vocab)
-            if target_vocab.get(t) != draft_vocab.get(t)
+            t for t in set(target_vocab) | set(draft_vocab) if target_vocab.get(t) != draft_vocab.get(t)
         )
         return (
             f"vocabularies differ ({len(target_vocab)} vs {len(draft_vocab)} tokens; "
@@ -321,8 +322,10 @@ def build_draft_proposer(config: EngineConfig, engine) -> DraftProposer:
     quantization = draft_quantization(config)
     try:
         loaded = load_for_engine(
-            path, replace(config, quantization=quantization),
-            max_model_len=engine.max_model_len, num_threads=num_threads,
+            path,
+            replace(config, quantization=quantization),
+            max_model_len=engine.max_model_len,
+            num_threads=num_threads,
         )
     except QuantizationUnavailableError as error:
         raise EngineError(f"draft model {name!r}: {error}", param="draft_quantization") from error
@@ -338,7 +341,11 @@ def build_draft_proposer(config: EngineConfig, engine) -> DraftProposer:
     )
     logger.info(
         "draft model %s (%d layers, weights %s), KV pool %d blocks x %d tokens (%.0f MiB)",
-        name, loaded.arch.num_layers, quantization or "unquantized", proposer.pool.num_blocks,
-        config.block_size, proposer.pool.num_bytes / 2**20,
+        name,
+        loaded.arch.num_layers,
+        quantization or "unquantized",
+        proposer.pool.num_blocks,
+        config.block_size,
+        proposer.pool.num_bytes / 2**20,
     )
     return proposer

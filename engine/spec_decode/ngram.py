@@ -24,9 +24,7 @@ class NgramIndex:
     among those followed by at least one token."""
 
     def __init__(self, min_n: int, max_n: int):
-        self.latest: dict[int, dict[tuple[int, ...], int]] = {
-            n: {} for n in range(min_n, max_n + 1)
-        }
+        self.latest: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
         self.num_indexed = 0  # windows starting before this position are indexed (per n: fewer)
 
     def extend(self, token_ids: Sequence[int]) -> None:

@@ -91,8 +91,7 @@ def build_proposer(config: EngineConfig, engine) -> Proposer:
     factory = PROPOSERS.get(config.speculative)
     if factory is None:
         raise EngineError(
-            f"unknown speculative method {config.speculative!r}; choose one of"
-            f" {', '.join(PROPOSERS)}",
+            f"unknown speculative method {config.speculative!r}; choose one of {', '.join(PROPOSERS)}",
             param="speculative",
         )
     return factory(config, engine)

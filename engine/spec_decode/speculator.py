@@ -41,13 +41,8 @@ class Speculator:
     def release(self, request: Request) -> None:
         self._proposer.release(request.request_id)
 
-    def propose(
-        self, running: list[Request], max_model_len: int, *, num_waiting: int = 0
-    ) -> None:
-        decodes = [
-            r for r in running
-            if not r.prefill_only and r.num_tokens - r.num_computed_tokens == 1
-        ]
+    def propose(self, running: list[Request], max_model_len: int, *, num_waiting: int = 0) -> None:
+        decodes = [r for r in running if not r.prefill_only and r.num_tokens - r.num_computed_tokens == 1]
         if num_waiting or len(decodes) < len(running):
             # Prompts wait or are being prefilled: drafts would take the step's token budget
             # from them (decodes are scheduled first), delaying their first tokens.
@@ -95,9 +90,7 @@ class Speculator:
         index of them) is a one-time cost, like a prefill, not what speculating costs a step:
         counted in, a new request's draft prefill would make that step look several times
         dearer than a speculative step is, and switch speculation off for the next steps."""
-        self.controller.observe_step(
-            self._num_decodes, self._speculated, seconds - self._setup_seconds
-        )
+        self.controller.observe_step(self._num_decodes, self._speculated, seconds - self._setup_seconds)
 
     def verify(
         self,
@@ -138,7 +131,5 @@ def build_speculator(config: EngineConfig, engine=None) -> Speculator | None:
     # bigger models reach their compute knee sooner, and there the measured step costs
     # (controller.py) switch speculation off before this cap does. Requests whose drafts miss
     # lower their own k.
-    controller = AdaptiveController(
-        k, max_verify_tokens=max(1 + k, config.max_num_batched_tokens // 4)
-    )
+    controller = AdaptiveController(k, max_verify_tokens=max(1 + k, config.max_num_batched_tokens // 4))
     return Speculator(proposer, controller)

@@ -78,10 +78,16 @@ async def delete_collection(name: str, request: Request):
 async def add_documents(name: str, body: AddDocuments, request: Request):
     from ragspeed.retrieval import Document
 
-    documents = [Document(id=d.id or "", text=d.text, title=d.title, metadata=d.metadata) for d in body.documents]
+    documents = [
+        Document(id=d.id or "", text=d.text, title=d.title, metadata=d.metadata) for d in body.documents
+    ]
     result = await _run(request, "add_documents", name, documents, chunk=body.chunk)
-    return {"object": "collection.add", "num_added": result.num_added,
-            "num_duplicates": result.num_duplicates, "ids": list(result.ids)}
+    return {
+        "object": "collection.add",
+        "num_added": result.num_added,
+        "num_duplicates": result.num_duplicates,
+        "ids": list(result.ids),
+    }
 
 
 @router.post("/{name}/delete")
@@ -92,6 +98,17 @@ async def delete_documents(name: str, body: DeleteDocuments, request: Request):
 @router.post("/{name}/query")
 async def query_collection(name: str, body: Query, request: Request):
     hits = await _run(request, "query", name, body.query, body.top_k, body.mode)
-    return {"object": "list", "data": [
-        {"rank": h.rank, "score": h.score, "id": h.document.id, "title": h.document.title,
-         "text": h.document.text, "metadata": h.document.metadata} for h in hits]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "rank": h.rank,
+                "score": h.score,
+                "id": h.document.id,
+                "title": h.document.title,
+                "text": h.document.text,
+                "metadata": h.document.metadata,
+            }
+            for h in hits
+        ],
+    }

@@ -24,6 +24,10 @@ async def list_experiments(request: Request):
 async def get_experiment(name: str, request: Request):
     experiment = _experiments(request).get(name)
     if experiment is None:
-        raise APIError(404, f"no experiment named '{name}' runs on this server", param="name",
-                       code="experiment_not_found")
+        raise APIError(
+            404,
+            f"no experiment named '{name}' runs on this server",
+            param="name",
+            code="experiment_not_found",
+        )
     return experiment.summary()

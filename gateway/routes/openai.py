@@ -14,8 +14,9 @@ router = APIRouter()
 
 
 @router.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request,
-                           pipeline: Pipeline = Depends(ready_pipeline)):
+async def chat_completions(
+    body: ChatCompletionRequest, request: Request, pipeline: Pipeline = Depends(ready_pipeline)
+):
     gen = pipeline.run(await pipeline.prepare_chat(body))
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -24,8 +25,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
 
 
 @router.post("/v1/completions")
-async def completions(body: CompletionRequest, request: Request,
-                      pipeline: Pipeline = Depends(ready_pipeline)):
+async def completions(
+    body: CompletionRequest, request: Request, pipeline: Pipeline = Depends(ready_pipeline)
+):
     gen = pipeline.run(pipeline.prepare_completion(body))
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -35,11 +37,16 @@ async def completions(body: CompletionRequest, request: Request,
 
 @router.get("/v1/models")
 async def list_models(state: AppState = Depends(app_state)):
-    return {"object": "list", "data": [{
-        "id": state.settings.model_id,
-        "object": "model",
-        "created": state.started_at,
-        "owned_by": "ragspeed",
-        "max_model_len": state.engine.max_model_len or None,
-        "engine": state.settings.engine,
-    }]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": state.settings.model_id,
+                "object": "model",
+                "created": state.started_at,
+                "owned_by": "ragspeed",
+                "max_model_len": state.engine.max_model_len or None,
+                "engine": state.settings.engine,
+            }
+        ],
+    }

@@ -34,8 +34,7 @@ class RegisterPrompt(BaseModel):
 
 
 def _not_found(name: str) -> APIError:
-    return APIError(404, f"no prompt named '{name}' is registered", param="name",
-                    code="prompt_not_found")
+    return APIError(404, f"no prompt named '{name}' is registered", param="name", code="prompt_not_found")
 
 
 @router.post("", status_code=201)
@@ -66,4 +65,3 @@ async def delete_prompt(name: str, service: PromptService = Depends(prompt_servi
     if prompt is None:
         raise _not_found(name)
     return {"object": "prompt.deleted", "name": name, "deleted": True}
-

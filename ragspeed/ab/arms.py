@@ -111,8 +111,10 @@ def load_all_arms(specs: list[str]) -> list[Arm]:
     seen: dict[str, str] = {}
     for arm in arms:
         if arm.name in seen:
-            raise ArmError(f"two arms are named '{arm.name}' ({seen[arm.name]} and {arm.source}); "
-                           "rename one with a `name:` key")
+            raise ArmError(
+                f"two arms are named '{arm.name}' ({seen[arm.name]} and {arm.source}); "
+                "rename one with a `name:` key"
+            )
         seen[arm.name] = arm.source
     if len(arms) < 1:
         raise ArmError("give at least one --arm")

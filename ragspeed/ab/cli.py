@@ -18,20 +18,33 @@ from ragspeed.ab.runner import LoadShape, Observation, arm_servers, replay
 from ragspeed.ab.workload import Workload, load_workload
 
 
-def run_ab(arms: list[Arm], workload: Workload, shape: LoadShape, *,
-           urls: dict[str, str] | None = None, progress: bool = False,
-           num_resamples: int = 2000) -> dict[str, Any]:
+def run_ab(
+    arms: list[Arm],
+    workload: Workload,
+    shape: LoadShape,
+    *,
+    urls: dict[str, str] | None = None,
+    progress: bool = False,
+    num_resamples: int = 2000,
+) -> dict[str, Any]:
     """Run the experiment (starting one server per arm unless `urls` names running ones)."""
     if not workload.items:
-        raise ValueError(f"--data: no valid request in {workload.path} "
-                         f"({len(workload.skipped)} invalid line(s))")
+        raise ValueError(
+            f"--data: no valid request in {workload.path} ({len(workload.skipped)} invalid line(s))"
+        )
 
     def go(urls: dict[str, str]):
         total = len(workload.items) * len(arms)
         if not progress:
             return asyncio.run(replay(arms, urls, workload.items, shape))
-        with click.progressbar(length=total, label="A/B requests", file=click.get_text_stream("stderr"),
-                               show_pos=True, show_eta=True) as bar:
+        with click.progressbar(
+            length=total,
+            label="A/B requests",
+            file=click.get_text_stream("stderr"),
+            show_pos=True,
+            show_eta=True,
+        ) as bar:
+
             def on_done(obs: Observation) -> None:
                 bar.update(1)
 
@@ -56,34 +69,98 @@ def _json_safe(value: Any) -> Any:
 
 
 @click.command(name="ab")
-@click.option("--arm", "arm_specs", multiple=True, required=True, metavar="FILE[:SECTION]",
-              help="An arm: a YAML file of `ragspeed serve` settings, or FILE:SECTION of a file "
-                   "with an `arms:` mapping (repeatable; the first is the control).")
-@click.option("--set", "assignments", multiple=True, metavar="KEY=VALUE",
-              help="A `ragspeed serve` setting applied to every arm, e.g. --set model=bench-135m (repeatable).")
-@click.option("--data", "data_path", required=True, type=click.Path(dir_okay=False),
-              help="Workload JSONL: RAG QA records (question, answers, documents) or chat request bodies.")
+@click.option(
+    "--arm",
+    "arm_specs",
+    multiple=True,
+    required=True,
+    metavar="FILE[:SECTION]",
+    help="An arm: a YAML file of `ragspeed serve` settings, or FILE:SECTION of a file "
+    "with an `arms:` mapping (repeatable; the first is the control).",
+)
+@click.option(
+    "--set",
+    "assignments",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="A `ragspeed serve` setting applied to every arm, e.g. --set model=bench-135m (repeatable).",
+)
+@click.option(
+    "--data",
+    "data_path",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="Workload JSONL: RAG QA records (question, answers, documents) or chat request bodies.",
+)
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Use the first N valid lines.")
-@click.option("--concurrency", type=click.IntRange(min=1), default=None,
-              help="Closed loop with this many concurrent clients (default 1).")
-@click.option("--rate", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Open loop: Poisson arrivals at this many requests/s (instead of --concurrency).")
-@click.option("--block-size", type=click.IntRange(min=1), default=None,
-              help="Requests per interleaved block (default: 4 x concurrency, or 8 open loop).")
-@click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True,
-              help="Unrecorded requests per arm before measuring.")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=16, show_default=True,
-              help="max_tokens of RAG QA requests.")
-@click.option("--documents", "num_documents", type=click.IntRange(min=1), default=None,
-              help="RAG QA records: keep at most N documents, the gold ones always among them.")
-@click.option("--system-prompt-file", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Static system prompt placed before every RAG QA request.")
+@click.option(
+    "--concurrency",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Closed loop with this many concurrent clients (default 1).",
+)
+@click.option(
+    "--rate",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Open loop: Poisson arrivals at this many requests/s (instead of --concurrency).",
+)
+@click.option(
+    "--block-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Requests per interleaved block (default: 4 x concurrency, or 8 open loop).",
+)
+@click.option(
+    "--warmup",
+    type=click.IntRange(min=0),
+    default=2,
+    show_default=True,
+    help="Unrecorded requests per arm before measuring.",
+)
+@click.option(
+    "--max-tokens",
+    type=click.IntRange(min=1),
+    default=16,
+    show_default=True,
+    help="max_tokens of RAG QA requests.",
+)
+@click.option(
+    "--documents",
+    "num_documents",
+    type=click.IntRange(min=1),
+    default=None,
+    help="RAG QA records: keep at most N documents, the gold ones always among them.",
+)
+@click.option(
+    "--system-prompt-file",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Static system prompt placed before every RAG QA request.",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seeds the Poisson arrival times.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the JSON report.")
-@click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None, help="Write the HTML report.")
-def ab(arm_specs: tuple[str, ...], assignments: tuple[str, ...], data_path: str, limit: int | None, concurrency: int | None,
-       rate: float | None, block_size: int | None, warmup: int, max_tokens: int, num_documents: int | None,
-       system_prompt_file: str | None, seed: int, json_path: str | None, html_path: str | None) -> None:
+@click.option(
+    "--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the JSON report."
+)
+@click.option(
+    "--html", "html_path", type=click.Path(dir_okay=False), default=None, help="Write the HTML report."
+)
+def ab(
+    arm_specs: tuple[str, ...],
+    assignments: tuple[str, ...],
+    data_path: str,
+    limit: int | None,
+    concurrency: int | None,
+    rate: float | None,
+    block_size: int | None,
+    warmup: int,
+    max_tokens: int,
+    num_documents: int | None,
+    system_prompt_file: str | None,
+    seed: int,
+    json_path: str | None,
+    html_path: str | None,
+) -> None:
     """Latency A/B experiment: one real server per arm, the same workload replayed on each."""
     if concurrency is not None and rate is not None:
         raise click.UsageError("give --concurrency (closed loop) or --rate (open loop), not both")
@@ -96,17 +173,28 @@ def ab(arm_specs: tuple[str, ...], assignments: tuple[str, ...], data_path: str,
         arms = with_overrides(load_all_arms(list(arm_specs)), list(assignments))
     except ArmError as exc:
         raise click.UsageError(str(exc)) from exc
-    system_prompt = Path(system_prompt_file).read_text(encoding="utf-8").strip() if system_prompt_file else None
+    system_prompt = (
+        Path(system_prompt_file).read_text(encoding="utf-8").strip() if system_prompt_file else None
+    )
     try:
-        workload = load_workload(data_path, limit=limit, system_prompt=system_prompt, max_tokens=max_tokens,
-                                 num_documents=num_documents)
+        workload = load_workload(
+            data_path,
+            limit=limit,
+            system_prompt=system_prompt,
+            max_tokens=max_tokens,
+            num_documents=num_documents,
+        )
     except FileNotFoundError as exc:
         raise click.UsageError(str(exc)) from exc
     for skipped in workload.skipped:
         click.echo(f"{data_path}:{skipped.line}: skipped: {skipped.reason}", err=True)
-    shape = LoadShape(concurrency=concurrency or 1, rate=rate,
-                      block_size=block_size or (8 if rate else 4 * (concurrency or 1)),
-                      warmup=warmup, seed=seed)
+    shape = LoadShape(
+        concurrency=concurrency or 1,
+        rate=rate,
+        block_size=block_size or (8 if rate else 4 * (concurrency or 1)),
+        warmup=warmup,
+        seed=seed,
+    )
     # A SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the arms' servers are stopped too.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:

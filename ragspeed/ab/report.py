@@ -33,8 +33,9 @@ def _pname(q: float) -> str:
     return f"p{round(q * 100)}"
 
 
-def summarize_arm(arm: Arm, observations: list[Observation], busy_seconds: float,
-                  num_resamples: int) -> dict[str, Any]:
+def summarize_arm(
+    arm: Arm, observations: list[Observation], busy_seconds: float, num_resamples: int
+) -> dict[str, Any]:
     ok = [o for o in observations if o.ok]
     out: dict[str, Any] = {
         "source": arm.source,
@@ -56,7 +57,9 @@ def summarize_arm(arm: Arm, observations: list[Observation], busy_seconds: float
     out["cached_tokens_mean"] = _mean([o.cached_tokens for o in ok])
     out["completion_tokens_mean"] = _mean([o.completion_tokens for o in ok])
     out["document_tokens_mean"] = _mean([o.document_tokens for o in ok if o.document_tokens is not None])
-    out["compressed_tokens_mean"] = _mean([o.compressed_tokens for o in ok if o.compressed_tokens is not None])
+    out["compressed_tokens_mean"] = _mean(
+        [o.compressed_tokens for o in ok if o.compressed_tokens is not None]
+    )
     judged = [o for o in ok if o.answer_in_prompt is not None]
     out["retention"] = _mean([float(o.answer_in_prompt) for o in judged])
     out["retention_n"] = len(judged)
@@ -82,16 +85,24 @@ def compare(a: str, b: str, by_arm: dict[str, list[Observation]], num_resamples:
             continue
         diff, ratio = bootstrap_median_difference(xa, xb, num_resamples=num_resamples)
         u, p = mann_whitney_u(xa, xb)
-        out[metric] = {"median_difference": diff.as_dict(), "median_ratio": ratio.as_dict(),
-                       "mann_whitney_u": u, "p_value": p, "significant": bool(p < ALPHA)}
+        out[metric] = {
+            "median_difference": diff.as_dict(),
+            "median_ratio": ratio.as_dict(),
+            "mann_whitney_u": u,
+            "p_value": p,
+            "significant": bool(p < ALPHA),
+        }
     return out
 
 
-def build_report(arms: list[Arm], workload: Workload, shape: LoadShape, result: RunResult, *,
-                 num_resamples: int = 2000) -> dict[str, Any]:
+def build_report(
+    arms: list[Arm], workload: Workload, shape: LoadShape, result: RunResult, *, num_resamples: int = 2000
+) -> dict[str, Any]:
     by_arm = {arm.name: [o for o in result.observations if o.arm == arm.name] for arm in arms}
-    summaries = {arm.name: summarize_arm(arm, by_arm[arm.name], result.busy_seconds[arm.name], num_resamples)
-                 for arm in arms}
+    summaries = {
+        arm.name: summarize_arm(arm, by_arm[arm.name], result.busy_seconds[arm.name], num_resamples)
+        for arm in arms
+    }
     comparisons = [compare(a.name, b.name, by_arm, num_resamples) for a, b in itertools.combinations(arms, 2)]
     report: dict[str, Any] = {
         "data": workload.path,
@@ -117,8 +128,18 @@ def build_report(arms: list[Arm], workload: Workload, shape: LoadShape, result: 
             for q in QUANTILES:
                 est = s[metric].get(_pname(q))
                 report[f"{name}_{metric.removesuffix('_ms')}_{_pname(q)}_ms"] = est["value"] if est else None
-        for key in ("requests_per_s", "output_tokens_per_s", "retention", "exact_match", "f1",
-                    "accuracy", "num_errors", "prompt_tokens_mean", "cached_tokens_mean", "compressed_tokens_mean"):
+        for key in (
+            "requests_per_s",
+            "output_tokens_per_s",
+            "retention",
+            "exact_match",
+            "f1",
+            "accuracy",
+            "num_errors",
+            "prompt_tokens_mean",
+            "cached_tokens_mean",
+            "compressed_tokens_mean",
+        ):
             report[f"{name}_{key}"] = s[key]
     report["arms"] = summaries
     report["comparisons"] = comparisons
@@ -134,12 +155,25 @@ def _ratio(a: dict[str, Any], b: dict[str, Any], metric: str) -> float | None:
 
 
 def _observation_row(o: Observation) -> dict[str, Any]:
-    return {"arm": o.arm, "line": o.line, "ok": o.ok, "error": o.error, "ttft_ms": o.ttft_ms,
-            "tpot_ms": o.tpot_ms, "e2e_ms": o.e2e_ms, "prompt_tokens": o.prompt_tokens,
-            "cached_tokens": o.cached_tokens, "completion_tokens": o.completion_tokens,
-            "compressed_tokens": o.compressed_tokens, "timings_ms": o.timings_ms,
-            "answer_in_prompt": o.answer_in_prompt, "exact_match": o.exact_match, "f1": o.f1,
-            "accuracy": o.accuracy, "text": o.text}
+    return {
+        "arm": o.arm,
+        "line": o.line,
+        "ok": o.ok,
+        "error": o.error,
+        "ttft_ms": o.ttft_ms,
+        "tpot_ms": o.tpot_ms,
+        "e2e_ms": o.e2e_ms,
+        "prompt_tokens": o.prompt_tokens,
+        "cached_tokens": o.cached_tokens,
+        "completion_tokens": o.completion_tokens,
+        "compressed_tokens": o.compressed_tokens,
+        "timings_ms": o.timings_ms,
+        "answer_in_prompt": o.answer_in_prompt,
+        "exact_match": o.exact_match,
+        "f1": o.f1,
+        "accuracy": o.accuracy,
+        "text": o.text,
+    }
 
 
 # ---------------------------------------------------------------- text
@@ -160,33 +194,73 @@ def _ci(est: dict[str, float] | None, digits: int = 1) -> str:
 
 
 def summary_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
-    rows = [("arm", "n", "err", "TTFT p50 ms [95% CI]", "TTFT p90", "TTFT p99", "TPOT p50 ms",
-             "e2e p50 ms [95% CI]", "e2e p99", "req/s", "tok/s", "prompt tok", "cached tok",
-             "compressed", "retention", "EM", "F1", "acc")]
+    rows = [
+        (
+            "arm",
+            "n",
+            "err",
+            "TTFT p50 ms [95% CI]",
+            "TTFT p90",
+            "TTFT p99",
+            "TPOT p50 ms",
+            "e2e p50 ms [95% CI]",
+            "e2e p99",
+            "req/s",
+            "tok/s",
+            "prompt tok",
+            "cached tok",
+            "compressed",
+            "retention",
+            "EM",
+            "F1",
+            "acc",
+        )
+    ]
     for name, s in report["arms"].items():
-        rows.append((
-            name, str(s["num_requests"]), str(s["num_errors"]),
-            _ci(s["ttft_ms"].get("p50")), _fmt((s["ttft_ms"].get("p90") or {}).get("value")),
-            _fmt((s["ttft_ms"].get("p99") or {}).get("value")),
-            _ci(s["tpot_ms"].get("p50")), _ci(s["e2e_ms"].get("p50")),
-            _fmt((s["e2e_ms"].get("p99") or {}).get("value")),
-            _fmt(s["requests_per_s"], 2), _fmt(s["output_tokens_per_s"], 1),
-            _fmt(s["prompt_tokens_mean"], 0), _fmt(s["cached_tokens_mean"], 0),
-            _fmt(s["compressed_tokens_mean"], 0), _fmt(s["retention"], 3),
-            _fmt(s["exact_match"], 3), _fmt(s["f1"], 3), _fmt(s["accuracy"], 3),
-        ))
+        rows.append(
+            (
+                name,
+                str(s["num_requests"]),
+                str(s["num_errors"]),
+                _ci(s["ttft_ms"].get("p50")),
+                _fmt((s["ttft_ms"].get("p90") or {}).get("value")),
+                _fmt((s["ttft_ms"].get("p99") or {}).get("value")),
+                _ci(s["tpot_ms"].get("p50")),
+                _ci(s["e2e_ms"].get("p50")),
+                _fmt((s["e2e_ms"].get("p99") or {}).get("value")),
+                _fmt(s["requests_per_s"], 2),
+                _fmt(s["output_tokens_per_s"], 1),
+                _fmt(s["prompt_tokens_mean"], 0),
+                _fmt(s["cached_tokens_mean"], 0),
+                _fmt(s["compressed_tokens_mean"], 0),
+                _fmt(s["retention"], 3),
+                _fmt(s["exact_match"], 3),
+                _fmt(s["f1"], 3),
+                _fmt(s["accuracy"], 3),
+            )
+        )
     return rows
 
 
 def comparison_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
-    rows = [("a → b", "metric", "median b - a ms [95% CI]", "ratio a / b [95% CI]", "p (Mann-Whitney)", "sig.")]
+    rows = [
+        ("a → b", "metric", "median b - a ms [95% CI]", "ratio a / b [95% CI]", "p (Mann-Whitney)", "sig.")
+    ]
     for c in report["comparisons"]:
         for metric in LATENCY_METRICS:
             m = c[metric]
             if m is None:
                 continue
-            rows.append((f"{c['a']} → {c['b']}", metric.removesuffix("_ms"), _ci(m["median_difference"]),
-                         _ci(m["median_ratio"], 2), _fmt_p(m["p_value"]), "yes" if m["significant"] else "no"))
+            rows.append(
+                (
+                    f"{c['a']} → {c['b']}",
+                    metric.removesuffix("_ms"),
+                    _ci(m["median_difference"]),
+                    _ci(m["median_ratio"], 2),
+                    _fmt_p(m["p_value"]),
+                    "yes" if m["significant"] else "no",
+                )
+            )
     return rows
 
 
@@ -201,11 +275,15 @@ def format_table(rows: list[tuple[str, ...]]) -> str:
 
 def format_text(report: dict[str, Any]) -> str:
     lines = [format_table(summary_rows(report)), "", format_table(comparison_rows(report)), ""]
-    lines.append(f"ttft_ratio {_fmt(report['ttft_ratio'], 2)}  e2e_ratio {_fmt(report['e2e_ratio'], 2)}  "
-                 f"retention {_fmt(report['retention'], 3)}  ({report['control']} / {report['treatment']})")
+    lines.append(
+        f"ttft_ratio {_fmt(report['ttft_ratio'], 2)}  e2e_ratio {_fmt(report['e2e_ratio'], 2)}  "
+        f"retention {_fmt(report['retention'], 3)}  ({report['control']} / {report['treatment']})"
+    )
     if report["num_skipped_lines"]:
-        lines.append(f"skipped {report['num_skipped_lines']} invalid workload line(s): " + ", ".join(
-            f"{s['line']} ({s['reason']})" for s in report["skipped_lines"][:10]))
+        lines.append(
+            f"skipped {report['num_skipped_lines']} invalid workload line(s): "
+            + ", ".join(f"{s['line']} ({s['reason']})" for s in report["skipped_lines"][:10])
+        )
     return "\n".join(lines)
 
 
@@ -245,8 +323,13 @@ def plots(report: dict[str, Any]) -> dict[str, str]:
         for name in arms:
             values = np.sort([r[metric] for r in rows if r["arm"] == name and r[metric] is not None])
             if values.size:
-                ax.step(values, np.arange(1, values.size + 1) / values.size, where="post",
-                        label=name, color=colors[name])
+                ax.step(
+                    values,
+                    np.arange(1, values.size + 1) / values.size,
+                    where="post",
+                    label=name,
+                    color=colors[name],
+                )
         ax.set_xlabel(f"{metric.removesuffix('_ms').upper()} (ms)")
         ax.set_ylabel("share of requests")
         if all(r[metric] and r[metric] > 0 for r in rows if r[metric] is not None):
@@ -295,12 +378,19 @@ def _html_table(rows: list[tuple[str, ...]]) -> str:
 
 def render_html(report: dict[str, Any]) -> str:
     images = plots(report)
-    skipped = "".join(f"<li>line {s['line']}: {html.escape(s['reason'])}</li>" for s in report["skipped_lines"])
-    headline = (f"{html.escape(report['control'])} / {html.escape(report['treatment'])}: "
-                f"TTFT ratio {_fmt(report['ttft_ratio'], 2)}, e2e ratio {_fmt(report['e2e_ratio'], 2)}, "
-                f"retention {_fmt(report['retention'], 3)}")
-    load = (f"closed loop, concurrency {report['concurrency']}" if report["mode"] == "closed"
-            else f"open loop, Poisson arrivals at {report['rate']} requests/s")
+    skipped = "".join(
+        f"<li>line {s['line']}: {html.escape(s['reason'])}</li>" for s in report["skipped_lines"]
+    )
+    headline = (
+        f"{html.escape(report['control'])} / {html.escape(report['treatment'])}: "
+        f"TTFT ratio {_fmt(report['ttft_ratio'], 2)}, e2e ratio {_fmt(report['e2e_ratio'], 2)}, "
+        f"retention {_fmt(report['retention'], 3)}"
+    )
+    load = (
+        f"closed loop, concurrency {report['concurrency']}"
+        if report["mode"] == "closed"
+        else f"open loop, Poisson arrivals at {report['rate']} requests/s"
+    )
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>ragspeed A/B report</title>
 <style>
@@ -313,14 +403,14 @@ img {{ max-width: 100%; display: block; margin: 1em 0; }}
 </style></head><body>
 <h1>ragspeed A/B report</h1>
 <p class="headline">{headline}</p>
-<p>Workload {html.escape(report['data'])}: {report['num_items']} requests per arm, {load},
-blocks of {report['block_size']} interleaved across arms, {report['warmup']} warm-up request(s) per arm;
-{report['num_skipped_lines']} invalid line(s) skipped; {report['wall_seconds']:.1f} s in all.</p>
+<p>Workload {html.escape(report["data"])}: {report["num_items"]} requests per arm, {load},
+blocks of {report["block_size"]} interleaved across arms, {report["warmup"]} warm-up request(s) per arm;
+{report["num_skipped_lines"]} invalid line(s) skipped; {report["wall_seconds"]:.1f} s in all.</p>
 <h2>Per arm</h2>{_html_table(summary_rows(report))}
 <h2>Pairwise differences</h2>{_html_table(comparison_rows(report))}
-<h2>Latency CDFs</h2><img alt="latency CDFs" src="data:image/png;base64,{images['cdf']}">
-<h2>TTFT against prompt length</h2><img alt="TTFT vs prompt length" src="data:image/png;base64,{images['ttft_vs_prompt']}">
-<h2>Per-stage time</h2><img alt="per-stage time" src="data:image/png;base64,{images['stages']}">
-{f'<h2>Skipped workload lines</h2><ul>{skipped}</ul>' if skipped else ''}
+<h2>Latency CDFs</h2><img alt="latency CDFs" src="data:image/png;base64,{images["cdf"]}">
+<h2>TTFT against prompt length</h2><img alt="TTFT vs prompt length" src="data:image/png;base64,{images["ttft_vs_prompt"]}">
+<h2>Per-stage time</h2><img alt="per-stage time" src="data:image/png;base64,{images["stages"]}">
+{f"<h2>Skipped workload lines</h2><ul>{skipped}</ul>" if skipped else ""}
 </body></html>
 """

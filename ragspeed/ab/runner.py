@@ -165,7 +165,12 @@ async def send(http: httpx.AsyncClient, url: str, arm: Arm, item: WorkItem) -> O
                 prompt = prompt.replace(message["content"], "")
     in_docs = bool(item.answers) and contains_answer(item.document_text, item.answers)
     return Observation(
-        arm=arm.name, line=item.line, ok=True, ttft_ms=ttft_ms, e2e_ms=e2e_ms, tpot_ms=tpot_ms,
+        arm=arm.name,
+        line=item.line,
+        ok=True,
+        ttft_ms=ttft_ms,
+        e2e_ms=e2e_ms,
+        tpot_ms=tpot_ms,
         prompt_tokens=int(usage.get("prompt_tokens") or 0),
         cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
         completion_tokens=completion_tokens,
@@ -182,7 +187,7 @@ async def send(http: httpx.AsyncClient, url: str, arm: Arm, item: WorkItem) -> O
 
 
 def blocks(items: tuple[WorkItem, ...], size: int) -> list[tuple[WorkItem, ...]]:
-    return [items[i:i + size] for i in range(0, len(items), size)]
+    return [items[i : i + size] for i in range(0, len(items), size)]
 
 
 def arm_order(num_arms: int, block_index: int) -> list[int]:
@@ -213,9 +218,14 @@ async def _open(block: tuple[WorkItem, ...], offsets: list[float], run_one) -> l
     return list(await asyncio.gather(*(at(o, it) for o, it in zip(offsets, block))))
 
 
-async def replay(arms: list[Arm], urls: dict[str, str], items: tuple[WorkItem, ...], shape: LoadShape,
-                 on_done: Callable[[Observation], None] = lambda obs: None,
-                 timeout_s: float = 600.0) -> RunResult:
+async def replay(
+    arms: list[Arm],
+    urls: dict[str, str],
+    items: tuple[WorkItem, ...],
+    shape: LoadShape,
+    on_done: Callable[[Observation], None] = lambda obs: None,
+    timeout_s: float = 600.0,
+) -> RunResult:
     """Warm every arm up, then serve the blocks arm by arm in rotating order."""
     rng = random.Random(shape.seed)
     observations: list[Observation] = []
@@ -224,7 +234,7 @@ async def replay(arms: list[Arm], urls: dict[str, str], items: tuple[WorkItem, .
     t_start = time.perf_counter()
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits) as http:
         for arm in arms:
-            for item in items[:shape.warmup]:
+            for item in items[: shape.warmup]:
                 await send(http, urls[arm.name], arm, item)
         for index, block in enumerate(blocks(items, shape.block_size)):
             # The same Poisson arrival times for every arm within a block: a paired comparison.

@@ -31,8 +31,9 @@ def quantile(values: np.ndarray, q: float) -> float:
     return float(np.quantile(values, q, method="linear"))
 
 
-def bootstrap_quantiles(values: list[float], quantiles: tuple[float, ...] = QUANTILES, *,
-                        num_resamples: int = 2000, seed: int = 0) -> dict[float, Estimate]:
+def bootstrap_quantiles(
+    values: list[float], quantiles: tuple[float, ...] = QUANTILES, *, num_resamples: int = 2000, seed: int = 0
+) -> dict[float, Estimate]:
     """Each quantile of `values` with its 95% bootstrap CI; empty input → {}."""
     x = np.asarray(values, dtype=np.float64)
     if x.size == 0:
@@ -46,8 +47,9 @@ def bootstrap_quantiles(values: list[float], quantiles: tuple[float, ...] = QUAN
     return out
 
 
-def bootstrap_median_difference(a: list[float], b: list[float], *, num_resamples: int = 2000,
-                                seed: int = 0) -> tuple[Estimate, Estimate]:
+def bootstrap_median_difference(
+    a: list[float], b: list[float], *, num_resamples: int = 2000, seed: int = 0
+) -> tuple[Estimate, Estimate]:
     """(median(b) - median(a), median(a) / median(b)), each with a 95% bootstrap CI."""
     xa, xb = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     rng = np.random.default_rng(seed)
@@ -59,8 +61,11 @@ def bootstrap_median_difference(a: list[float], b: list[float], *, num_resamples
     med_a, med_b = float(np.median(xa)), float(np.median(xb))
     return (
         Estimate(med_b - med_a, float(np.quantile(diff, 0.025)), float(np.quantile(diff, 0.975))),
-        Estimate(med_a / med_b if med_b > 0 else math.inf,
-                 float(np.quantile(ratio, 0.025)), float(np.quantile(ratio, 0.975))),
+        Estimate(
+            med_a / med_b if med_b > 0 else math.inf,
+            float(np.quantile(ratio, 0.025)),
+            float(np.quantile(ratio, 0.975)),
+        ),
     )
 
 
@@ -74,7 +79,7 @@ def _rank(values: np.ndarray) -> np.ndarray:
         j = i
         while j + 1 < values.size and sorted_values[j + 1] == sorted_values[i]:
             j += 1
-        ranks[order[i:j + 1]] = (i + j) / 2 + 1
+        ranks[order[i : j + 1]] = (i + j) / 2 + 1
         i = j + 1
     return ranks
 
@@ -91,7 +96,7 @@ def mann_whitney_u(a: list[float], b: list[float]) -> tuple[float, float]:
     mean = n1 * n2 / 2
     _, counts = np.unique(both, return_counts=True)
     n = n1 + n2
-    tie_term = float((counts ** 3 - counts).sum()) / (n * (n - 1)) if n > 1 else 0.0
+    tie_term = float((counts**3 - counts).sum()) / (n * (n - 1)) if n > 1 else 0.0
     variance = n1 * n2 / 12 * ((n + 1) - tie_term)
     if variance <= 0:
         return u1, 1.0

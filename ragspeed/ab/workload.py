@@ -52,12 +52,13 @@ def keep_documents(documents: list[Any], gold_index: Any, num_documents: int | N
     if isinstance(gold_index, int) and 0 <= gold_index < len(documents):
         gold.add(gold_index)
     others = [i for i in range(len(documents)) if i not in gold]
-    keep = sorted(gold) + others[:max(0, num_documents - len(gold))]
+    keep = sorted(gold) + others[: max(0, num_documents - len(gold))]
     return [documents[i] for i in sorted(keep)]
 
 
-def _rag_body(record: dict[str, Any], system_prompt: str | None, max_tokens: int,
-              num_documents: int | None = None) -> dict[str, Any]:
+def _rag_body(
+    record: dict[str, Any], system_prompt: str | None, max_tokens: int, num_documents: int | None = None
+) -> dict[str, Any]:
     question = record["question"]
     if not isinstance(question, str) or not question.strip():
         raise ValueError("'question' must be a non-empty string")
@@ -90,8 +91,9 @@ def _answers(record: dict[str, Any]) -> tuple[str, ...]:
     return tuple(answers)
 
 
-def parse_line(text: str, line: int, system_prompt: str | None, max_tokens: int,
-               num_documents: int | None = None) -> WorkItem:
+def parse_line(
+    text: str, line: int, system_prompt: str | None, max_tokens: int, num_documents: int | None = None
+) -> WorkItem:
     """One JSONL line → a WorkItem; raises ValueError with the reason when it is not valid."""
     try:
         record = json.loads(text)
@@ -119,8 +121,14 @@ def parse_line(text: str, line: int, system_prompt: str | None, max_tokens: int,
     return WorkItem(line=line, body=body, answers=answers, document_text=document_text)
 
 
-def load_workload(path: str | Path, *, limit: int | None = None, system_prompt: str | None = None,
-                  max_tokens: int = 16, num_documents: int | None = None) -> Workload:
+def load_workload(
+    path: str | Path,
+    *,
+    limit: int | None = None,
+    system_prompt: str | None = None,
+    max_tokens: int = 16,
+    num_documents: int | None = None,
+) -> Workload:
     """The first `limit` valid items of a JSONL file; invalid lines are skipped and listed."""
     path = Path(path)
     if not path.is_file():

@@ -40,13 +40,26 @@ from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.protocol import GenerationRequest, SamplingParams
 
 QUESTIONS = (
-    "How do I reset my password?", "What is the refund window?", "Can I change my delivery address?",
-    "Where is my invoice?", "How do I cancel my subscription?", "Do you ship abroad?",
-    "Which payment methods do you accept?", "How long does shipping take?",
-    "Can I talk to a human?", "Is my data encrypted?", "How do I export my data?",
-    "What does the premium plan include?", "Why was my card declined?", "How do I add a user?",
-    "Can I pause my plan?", "Where do I find the API key?", "What are your opening hours?",
-    "How do I report a bug?", "Can I get a discount for a nonprofit?", "How do I delete my account?",
+    "How do I reset my password?",
+    "What is the refund window?",
+    "Can I change my delivery address?",
+    "Where is my invoice?",
+    "How do I cancel my subscription?",
+    "Do you ship abroad?",
+    "Which payment methods do you accept?",
+    "How long does shipping take?",
+    "Can I talk to a human?",
+    "Is my data encrypted?",
+    "How do I export my data?",
+    "What does the premium plan include?",
+    "Why was my card declined?",
+    "How do I add a user?",
+    "Can I pause my plan?",
+    "Where do I find the API key?",
+    "What are your opening hours?",
+    "How do I report a bug?",
+    "Can I get a discount for a nonprofit?",
+    "How do I delete my account?",
 )
 _GREEDY = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
@@ -82,9 +95,13 @@ def run_bench_cache(
     from ragspeed.engine.loader import resolve_model_path
     from ragspeed.prompt_cache.hashing import hash_request_blocks
 
-    for name, value in [("num_questions", num_questions), ("num_cold", num_cold),
-                        ("no_hit_prompts", no_hit_prompts), ("no_hit_len", no_hit_len),
-                        ("threads", threads)]:
+    for name, value in [
+        ("num_questions", num_questions),
+        ("num_cold", num_cold),
+        ("no_hit_prompts", no_hit_prompts),
+        ("no_hit_len", no_hit_len),
+        ("threads", threads),
+    ]:
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     if num_questions > len(QUESTIONS):
@@ -92,18 +109,24 @@ def run_bench_cache(
     torch.set_num_threads(threads)
     path = resolve_model_path(model)
     if system_prompt is None:
-        system_prompt = resources.files("ragspeed.bench").joinpath("system_prompt.txt").read_text(encoding="utf-8")
+        system_prompt = (
+            resources.files("ragspeed.bench").joinpath("system_prompt.txt").read_text(encoding="utf-8")
+        )
     system_text = system_prompt.strip()
-    base = dict(model=str(path), max_model_len=4096, num_kv_cache_tokens=16384,
-                max_num_batched_tokens=4096, seed=seed)
+    base = dict(
+        model=str(path), max_model_len=4096, num_kv_cache_tokens=16384, max_num_batched_tokens=4096, seed=seed
+    )
     cached = LLMEngine(EngineConfig(**base, enable_prefix_caching=True))
-    plain = LLMEngine(EngineConfig(**base, enable_prefix_caching=False), loaded=cached.loaded,
-                      tokenizer=cached.tokenizer)
+    plain = LLMEngine(
+        EngineConfig(**base, enable_prefix_caching=False), loaded=cached.loaded, tokenizer=cached.tokenizer
+    )
     tokenizer = cached.tokenizer
     # Static prefix first (docs/architecture.md, contract 1); the question after it.
     static = tuple(tokenizer.encode(f"System: {system_text}\n\n", add_special_tokens=False))
-    prompts = [static + tuple(tokenizer.encode(f"User: {q}\nAssistant:", add_special_tokens=False))
-               for q in QUESTIONS[:num_questions]]
+    prompts = [
+        static + tuple(tokenizer.encode(f"User: {q}\nAssistant:", add_special_tokens=False))
+        for q in QUESTIONS[:num_questions]
+    ]
     if max(len(p) for p in prompts) + 1 > base["max_model_len"]:
         raise ValueError(f"the prompt has {max(len(p) for p in prompts)} tokens; max_model_len is 4096")
 
@@ -122,8 +145,10 @@ def run_bench_cache(
 
         gen = torch.Generator().manual_seed(seed)
         vocab = cached.arch.vocab_size
-        random_prompts = [tuple(torch.randint(0, vocab, (no_hit_len,), generator=gen).tolist())
-                          for _ in range(no_hit_prompts + 1)]
+        random_prompts = [
+            tuple(torch.randint(0, vocab, (no_hit_len,), generator=gen).tolist())
+            for _ in range(no_hit_prompts + 1)
+        ]
         _ttft_s(cached, "nh-warmup-on", random_prompts[-1])
         _ttft_s(plain, "nh-warmup-off", random_prompts[-1])
         ratios, on_times, off_times, hits = [], [], [], 0
@@ -172,35 +197,66 @@ def run_bench_cache(
 
 def print_table(r: dict[str, Any]) -> None:
     print(machine_line(r["threads"]))
-    print(f"prefix cache, {r['model']}: {r['prompt_tokens']}-token prompts "
-          f"({r['static_tokens']} static), {r['num_questions']} questions")
+    print(
+        f"prefix cache, {r['model']}: {r['prompt_tokens']}-token prompts "
+        f"({r['static_tokens']} static), {r['num_questions']} questions"
+    )
     print(f"  {'TTFT cache off (cold)':32s} {r['ttft_cold_ms']:10.1f} ms")
-    print(f"  {'TTFT cache on, warm':32s} {r['ttft_warm_ms']:10.1f} ms"
-          f"   ({r['cached_tokens_median']:.0f} cached, {r['warm_prefill_tokens']:.0f} prefilled)")
-    print(f"  {'speedup (target >= 10)':32s} {r['ttft_speedup']:10.1f} x"
-          f"   (bound {r['ttft_speedup_bound']:.0f} x)")
-    print(f"  no shared prefix, {r['no_hit_prompt_tokens']} tokens: on {r['no_hit_ttft_on_ms']:.1f} ms,"
-          f" off {r['no_hit_ttft_off_ms']:.1f} ms")
-    print(f"  {'no-hit overhead (target <= 0.03)':32s} {r['no_hit_overhead']:+10.3f}"
-          f"   (hashing alone {r['no_hit_hash_ms']:.2f} ms = {r['no_hit_hash_share']:.4f})")
+    print(
+        f"  {'TTFT cache on, warm':32s} {r['ttft_warm_ms']:10.1f} ms"
+        f"   ({r['cached_tokens_median']:.0f} cached, {r['warm_prefill_tokens']:.0f} prefilled)"
+    )
+    print(
+        f"  {'speedup (target >= 10)':32s} {r['ttft_speedup']:10.1f} x"
+        f"   (bound {r['ttft_speedup_bound']:.0f} x)"
+    )
+    print(
+        f"  no shared prefix, {r['no_hit_prompt_tokens']} tokens: on {r['no_hit_ttft_on_ms']:.1f} ms,"
+        f" off {r['no_hit_ttft_off_ms']:.1f} ms"
+    )
+    print(
+        f"  {'no-hit overhead (target <= 0.03)':32s} {r['no_hit_overhead']:+10.3f}"
+        f"   (hashing alone {r['no_hit_hash_ms']:.2f} ms = {r['no_hit_hash_share']:.4f})"
+    )
 
 
 @click.command("cache")
 @click.option("--model", default="bench-135m", help="model-zoo name, local folder or hub id")
-@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
-              help="write the flat JSON figures here")
+@click.option(
+    "--json",
+    "json_path",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="write the flat JSON figures here",
+)
 @click.option("--num-questions", default=20, type=int, help="distinct questions after the system prompt")
 @click.option("--num-cold", default=5, type=int, help="questions also timed with the cache off")
 @click.option("--threads", default=1, type=int, help="torch CPU threads")
-@click.option("--system-prompt", "system_prompt_file", default=None,
-              type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="text file of the static system prompt  [default: the shipped system_prompt.txt]")
-def bench_cache(model: str, json_path: str | None, num_questions: int, num_cold: int, threads: int,
-                system_prompt_file: Path | None) -> None:
+@click.option(
+    "--system-prompt",
+    "system_prompt_file",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="text file of the static system prompt  [default: the shipped system_prompt.txt]",
+)
+def bench_cache(
+    model: str,
+    json_path: str | None,
+    num_questions: int,
+    num_cold: int,
+    threads: int,
+    system_prompt_file: Path | None,
+) -> None:
     """TTFT with the static system prompt cached (warm) vs prefix caching off (cold)."""
     system_prompt = system_prompt_file.read_text(encoding="utf-8") if system_prompt_file else None
     try:
-        run_bench_cache(model, json_path, num_questions=num_questions, num_cold=num_cold, threads=threads,
-                        system_prompt=system_prompt)
+        run_bench_cache(
+            model,
+            json_path,
+            num_questions=num_questions,
+            num_cold=num_cold,
+            threads=threads,
+            system_prompt=system_prompt,
+        )
     except ValueError as error:
         raise click.UsageError(str(error)) from error

@@ -74,9 +74,7 @@ def bench_manager(
     distinct = [[-(n + 1)] + base[1:] for n in range(num_requests)]  # differ in block 0
 
     def build(enable_caching: bool) -> KVCacheManager:
-        return KVCacheManager(
-            num_blocks, block_size, enable_caching=enable_caching, hash_algo=hash_algo
-        )
+        return KVCacheManager(num_blocks, block_size, enable_caching=enable_caching, hash_algo=hash_algo)
 
     def run_off() -> tuple[float, float]:
         return _time_cycles(managers["off"], distinct)
@@ -132,13 +130,22 @@ def bench_manager(
 @click.option("--num-tokens", default=2048, type=int, help="Prompt length in tokens.")
 @click.option("--block-size", default=16, type=int, help="Tokens per KV block.")
 @click.option("--num-requests", default=50, type=int, help="Requests per round and contender.")
-@click.option("--rounds", default=5, type=int, help="Measured rounds (after one warm-up); the median is kept.")
-@click.option("--hash-algo", default="sha256", type=click.Choice(["sha256", "blake2b"]),
-              help="Block hash function.")
-@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False, path_type=Path),
-              help="Also write the flat JSON here.")
-def bench_cache_manager(num_tokens: int, block_size: int, num_requests: int, rounds: int, hash_algo: str,
-                        json_path: Path | None) -> None:
+@click.option(
+    "--rounds", default=5, type=int, help="Measured rounds (after one warm-up); the median is kept."
+)
+@click.option(
+    "--hash-algo", default="sha256", type=click.Choice(["sha256", "blake2b"]), help="Block hash function."
+)
+@click.option(
+    "--json",
+    "json_path",
+    default=None,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Also write the flat JSON here.",
+)
+def bench_cache_manager(
+    num_tokens: int, block_size: int, num_requests: int, rounds: int, hash_algo: str, json_path: Path | None
+) -> None:
     """Per-request bookkeeping of the KV cache manager: caching off, no hit, all hits."""
     try:
         result = bench_manager(
@@ -147,9 +154,7 @@ def bench_cache_manager(num_tokens: int, block_size: int, num_requests: int, rou
     except ValueError as error:
         raise click.UsageError(str(error)) from error
     click.echo(machine_line())
-    click.echo(
-        f"{num_tokens}-token prompt, block size {block_size}, median of {rounds} rounds (µs)"
-    )
+    click.echo(f"{num_tokens}-token prompt, block size {block_size}, median of {rounds} rounds (µs)")
     click.echo(f"{'contender':<10}{'lookup+alloc+free':>20}{'cache_blocks':>15}{'total':>10}")
     for name in CONTENDERS:
         click.echo(

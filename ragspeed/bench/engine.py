@@ -89,9 +89,7 @@ def prefill_flops(engine, num_tokens: int) -> float:
     """FLOPs of one prefill: every projection for every token, causal attention, one LM row."""
     arch = engine.arch
     model = engine.loaded.model
-    projection_params = sum(
-        m.num_params for m in model.layers.modules() if hasattr(m, "num_params")
-    )
+    projection_params = sum(m.num_params for m in model.layers.modules() if hasattr(m, "num_params"))
     attention = 2 * 2 * arch.num_layers * arch.num_heads * arch.head_dim * num_tokens**2 / 2
     return 2 * projection_params * num_tokens + attention + 2 * arch.vocab_size * arch.hidden_size
 
@@ -205,8 +203,12 @@ def bench_engine(
     from ragspeed.engine.loader import resolve_model_path
 
     for name, value in [
-        ("num_requests", num_requests), ("prompt_len", prompt_len), ("output_len", output_len),
-        ("ttft_prompt_len", ttft_prompt_len), ("repeats", repeats), ("threads", threads),
+        ("num_requests", num_requests),
+        ("prompt_len", prompt_len),
+        ("output_len", output_len),
+        ("ttft_prompt_len", ttft_prompt_len),
+        ("repeats", repeats),
+        ("threads", threads),
         ("transformers_requests", transformers_requests),
     ]:
         if value < 1:
@@ -251,9 +253,7 @@ def bench_engine(
             contender.ttft(prompts(1, 64)[0])
         for name, contender in contenders.items():
             n = num_requests if name == "native" else transformers_requests
-            rates = [
-                contender.throughput(prompts(n, prompt_len), output_len) for _ in range(repeats)
-            ]
+            rates = [contender.throughput(prompts(n, prompt_len), output_len) for _ in range(repeats)]
             results[f"{name}_tokens_per_s"] = statistics.median(rates)
             tpots = [contender.tpot(prompts(1, prompt_len)[0], output_len) for _ in range(repeats)]
             results[f"{name}_tpot_ms"] = statistics.median(tpots) * 1e3
@@ -263,7 +263,8 @@ def bench_engine(
                 f"{name}: {results[f'{name}_tokens_per_s']:.1f} tok/s, TPOT "
                 f"{results[f'{name}_tpot_ms']:.1f} ms, TTFT {ttft_prompt_len} "
                 f"{results[f'{name}_ttft_{ttft_prompt_len}_ms']:.0f} ms",
-                file=sys.stderr, flush=True,
+                file=sys.stderr,
+                flush=True,
             )
 
     results.update(probe.finish())
@@ -274,19 +275,13 @@ def bench_engine(
     results["tpot_bound_ms"] = weight_bytes / bandwidth * 1e3
     results["tpot_over_bound"] = results["tpot_ms"] / results["tpot_bound_ms"]
     results[f"ttft_{ttft_prompt_len}_ms"] = results.pop(f"native_ttft_{ttft_prompt_len}_ms")
-    results[f"ttft_{ttft_prompt_len}_bound_ms"] = (
-        prefill_flops(engine, ttft_prompt_len) / gemm_rate * 1e3
-    )
+    results[f"ttft_{ttft_prompt_len}_bound_ms"] = prefill_flops(engine, ttft_prompt_len) / gemm_rate * 1e3
     results["ttft_over_bound"] = (
         results[f"ttft_{ttft_prompt_len}_ms"] / results[f"ttft_{ttft_prompt_len}_bound_ms"]
     )
     if with_transformers:
-        results["throughput_ratio"] = (
-            results["native_tokens_per_s"] / results["transformers_tokens_per_s"]
-        )
-        results["transformers_tpot_over_bound"] = (
-            results["transformers_tpot_ms"] / results["tpot_bound_ms"]
-        )
+        results["throughput_ratio"] = results["native_tokens_per_s"] / results["transformers_tokens_per_s"]
+        results["transformers_tpot_over_bound"] = results["transformers_tpot_ms"] / results["tpot_bound_ms"]
     print_table(results, ttft_prompt_len)
     write_json(json_path, results)
     return results
@@ -297,13 +292,27 @@ def print_table(r: dict[str, Any], ttft_len: int) -> None:
         return "-" if value is None else f"{value:,.1f}{unit}"
 
     rows = [
-        ("throughput (tok/s)", r.get("native_tokens_per_s"), r.get("transformers_tokens_per_s"),
-         None, r.get("throughput_ratio")),
-        ("TPOT batch 1 (ms)", r.get("tpot_ms"), r.get("transformers_tpot_ms"),
-         r.get("tpot_bound_ms"), r.get("tpot_over_bound")),
-        (f"TTFT {ttft_len} (ms)", r.get(f"ttft_{ttft_len}_ms"),
-         r.get(f"transformers_ttft_{ttft_len}_ms"), r.get(f"ttft_{ttft_len}_bound_ms"),
-         r.get("ttft_over_bound")),
+        (
+            "throughput (tok/s)",
+            r.get("native_tokens_per_s"),
+            r.get("transformers_tokens_per_s"),
+            None,
+            r.get("throughput_ratio"),
+        ),
+        (
+            "TPOT batch 1 (ms)",
+            r.get("tpot_ms"),
+            r.get("transformers_tpot_ms"),
+            r.get("tpot_bound_ms"),
+            r.get("tpot_over_bound"),
+        ),
+        (
+            f"TTFT {ttft_len} (ms)",
+            r.get(f"ttft_{ttft_len}_ms"),
+            r.get(f"transformers_ttft_{ttft_len}_ms"),
+            r.get(f"ttft_{ttft_len}_bound_ms"),
+            r.get("ttft_over_bound"),
+        ),
     ]
     print(machine_line(r["threads"]))
     print(
@@ -319,20 +328,36 @@ def print_table(r: dict[str, Any], ttft_len: int) -> None:
 
 @click.command("engine")
 @click.option("--model", default="bench-135m", help="model-zoo name, local folder or hub id")
-@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
-              help="write the flat JSON figures here")
+@click.option(
+    "--json",
+    "json_path",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="write the flat JSON figures here",
+)
 @click.option("--repeats", default=3, type=int, help="runs per figure; the median is reported")
 @click.option("--threads", default=2, type=int, help="torch CPU threads")
 @click.option("--transformers-requests", default=4, type=int, help="requests through generate()")
-@click.option("--transformers/--no-transformers", "with_transformers", default=True,
-              help="run the baseline beside")
-def bench_engine_command(model: str, json_path: str | None, repeats: int, threads: int,
-                         transformers_requests: int, with_transformers: bool) -> None:
+@click.option(
+    "--transformers/--no-transformers", "with_transformers", default=True, help="run the baseline beside"
+)
+def bench_engine_command(
+    model: str,
+    json_path: str | None,
+    repeats: int,
+    threads: int,
+    transformers_requests: int,
+    with_transformers: bool,
+) -> None:
     """Native engine vs transformers: throughput, TPOT and TTFT against the hardware bounds."""
     try:
         bench_engine(
-            model, json_path, repeats=repeats, threads=threads,
-            transformers_requests=transformers_requests, with_transformers=with_transformers,
+            model,
+            json_path,
+            repeats=repeats,
+            threads=threads,
+            transformers_requests=transformers_requests,
+            with_transformers=with_transformers,
         )
     except ValueError as error:
         raise click.UsageError(str(error)) from error

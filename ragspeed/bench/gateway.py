@@ -26,10 +26,22 @@ QUESTIONS = [
 
 
 def run_gateway_bench(model: str, engine: str, num_requests: int, max_tokens: int) -> dict[str, float]:
-    with ServerProcess(["--engine", engine, "--model", model, "--served-model-name", "upstream"]) as upstream, \
-         ServerProcess(["--engine", "openai", "--model", model, "--upstream", upstream.url,
-                        "--upstream-model", "upstream"]) as gateway, \
-         httpx.Client(timeout=120) as http:
+    with (
+        ServerProcess(["--engine", engine, "--model", model, "--served-model-name", "upstream"]) as upstream,
+        ServerProcess(
+            [
+                "--engine",
+                "openai",
+                "--model",
+                model,
+                "--upstream",
+                upstream.url,
+                "--upstream-model",
+                "upstream",
+            ]
+        ) as gateway,
+        httpx.Client(timeout=120) as http,
+    ):
         targets = {"direct": (upstream.url, "upstream"), "gateway": (gateway.url, None)}
         latencies: dict[str, list[float]] = {"direct": [], "gateway": []}
         for i in range(num_requests + 3):  # the first 3 rounds warm up
@@ -37,9 +49,15 @@ def run_gateway_bench(model: str, engine: str, num_requests: int, max_tokens: in
             order = ("direct", "gateway") if i % 2 == 0 else ("gateway", "direct")
             for name in order:
                 url, model_name = targets[name]
-                body = {"messages": [{"role": "system", "content": "Answer briefly."},
-                                     {"role": "user", "content": question}],
-                        "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+                body = {
+                    "messages": [
+                        {"role": "system", "content": "Answer briefly."},
+                        {"role": "user", "content": question},
+                    ],
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                }
                 if model_name:
                     body["model"] = model_name
                 t0 = time.perf_counter()

@@ -25,8 +25,14 @@ def free_port() -> int:
 class ServerProcess:
     """`with ServerProcess(["--engine", "transformers"]) as server: server.url`"""
 
-    def __init__(self, args: list[str], *, port: int | None = None, env: dict[str, str] | None = None,
-                 ready_timeout_s: float = 180.0):
+    def __init__(
+        self,
+        args: list[str],
+        *,
+        port: int | None = None,
+        env: dict[str, str] | None = None,
+        ready_timeout_s: float = 180.0,
+    ):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._args = ["--host", "127.0.0.1", "--port", str(self.port), *args]
@@ -45,12 +51,16 @@ class ServerProcess:
     def start(self) -> ServerProcess:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "ragspeed", "serve", *self._args],
-            stdout=self._log, stderr=subprocess.STDOUT, env=self._env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=self._env,
         )
         deadline = time.monotonic() + self._ready_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"ragspeed serve exited with {self.process.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"ragspeed serve exited with {self.process.returncode}:\n{self.log_tail()}"
+                )
             try:
                 response = httpx.get(f"{self.url}/healthz", timeout=2.0)
                 if response.status_code == 200:

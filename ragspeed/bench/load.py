@@ -90,20 +90,34 @@ def rss_bytes(pid: int) -> int:
 
 def read_gauge(metrics_text: str, name: str) -> float | None:
     """Sum of a Prometheus sample's values over its label sets; None when it is absent."""
-    values = [float(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines()
-              if line.startswith(name + "{") or line.startswith(name + " ")]
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics_text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    ]
     return sum(values) if values else None
 
 
-async def _one_request(http: httpx.AsyncClient, model: str, rng: random.Random, config: LoadConfig,
-                       prompts: list[tuple[str, list[str]]], tally: LoadTally) -> None:
+async def _one_request(
+    http: httpx.AsyncClient,
+    model: str,
+    rng: random.Random,
+    config: LoadConfig,
+    prompts: list[tuple[str, list[str]]],
+    tally: LoadTally,
+) -> None:
     question, documents = rng.choice(prompts)
     body = {
-        "model": model, "stream": True, "temperature": 0.0, "ignore_eos": True,
+        "model": model,
+        "stream": True,
+        "temperature": 0.0,
+        "ignore_eos": True,
         "max_tokens": rng.randint(config.min_tokens, config.max_tokens),
-        "messages": [{"role": "system", "content": "Answer from the documents."},
-                     {"role": "user", "content": question}],
-        "documents": documents[:rng.choice(_DOC_COUNTS)],
+        "messages": [
+            {"role": "system", "content": "Answer from the documents."},
+            {"role": "user", "content": question},
+        ],
+        "documents": documents[: rng.choice(_DOC_COUNTS)],
     }
     hang_up_after = rng.randint(1, 8) if rng.random() < config.disconnect_fraction else None
     tally.started += 1
@@ -135,11 +149,20 @@ async def _one_request(http: httpx.AsyncClient, model: str, rng: random.Random, 
         tally.transport_errors += 1
 
 
-async def _client(url: str, model: str, seed: int, config: LoadConfig, stop_at: float,
-                  prompts: list[tuple[str, list[str]]], tally: LoadTally) -> None:
+async def _client(
+    url: str,
+    model: str,
+    seed: int,
+    config: LoadConfig,
+    stop_at: float,
+    prompts: list[tuple[str, list[str]]],
+    tally: LoadTally,
+) -> None:
     rng = random.Random(seed)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(120.0, connect=10.0)) as http:
-        while time.perf_counter() < stop_at and (config.max_requests is None or tally.started < config.max_requests):
+        while time.perf_counter() < stop_at and (
+            config.max_requests is None or tally.started < config.max_requests
+        ):
             await _one_request(http, model, rng, config, prompts, tally)
 
 
@@ -156,16 +179,22 @@ async def _settle(http: httpx.AsyncClient, timeout_s: float = 30.0) -> str:
         await asyncio.sleep(0.2)
 
 
-async def run_load(url: str, config: LoadConfig, server_pid: int | None = None,
-                   prompts: list[tuple[str, list[str]]] | None = None) -> dict[str, Any]:
+async def run_load(
+    url: str,
+    config: LoadConfig,
+    server_pid: int | None = None,
+    prompts: list[tuple[str, list[str]]] | None = None,
+) -> dict[str, Any]:
     prompts = prompts or load_prompts()
     tally = LoadTally()
     async with httpx.AsyncClient(base_url=url, timeout=30.0) as http:
         model = (await http.get("/v1/models")).json()["data"][0]["id"]
         t0 = time.perf_counter()
         stop_at = t0 + config.duration_s
-        clients = [asyncio.create_task(_client(url, model, config.seed * 1_000 + i, config, stop_at, prompts, tally))
-                   for i in range(config.clients)]
+        clients = [
+            asyncio.create_task(_client(url, model, config.seed * 1_000 + i, config, stop_at, prompts, tally))
+            for i in range(config.clients)
+        ]
         await asyncio.wait(clients, timeout=config.duration_s * config.warmup_fraction)
         rss_start = rss_bytes(server_pid) if server_pid else None
         completed_at_start, steady_from = tally.completed, time.perf_counter()
@@ -183,7 +212,9 @@ async def run_load(url: str, config: LoadConfig, server_pid: int | None = None,
         "requests_started": tally.started,
         "requests_completed": tally.completed,
         "requests_disconnected": tally.disconnected,
-        "requests_per_s_steady": round((tally.completed - completed_at_start) / steady_s, 3) if steady_s else None,
+        "requests_per_s_steady": round((tally.completed - completed_at_start) / steady_s, 3)
+        if steady_s
+        else None,
         "server_errors": tally.server_errors,
         "client_errors": tally.client_errors,
         "transport_errors": tally.transport_errors,
@@ -202,54 +233,148 @@ def _int_or_none(value: float | None) -> int | None:
     return None if value is None else int(value)
 
 
-def bench_load_run(*, clients: int, duration_s: float, engine: str, model: str,
-                   server_args: tuple[str, ...] = (), url: str | None = None,
-                   disconnect_fraction: float = 0.2, max_tokens: int = 48, seed: int = 0,
-                   data: Path | None = None) -> dict[str, Any]:
+def bench_load_run(
+    *,
+    clients: int,
+    duration_s: float,
+    engine: str,
+    model: str,
+    server_args: tuple[str, ...] = (),
+    url: str | None = None,
+    disconnect_fraction: float = 0.2,
+    max_tokens: int = 48,
+    seed: int = 0,
+    data: Path | None = None,
+) -> dict[str, Any]:
     """Start a server (unless `url` is given) and run the load; returns the flat figures.
     `data`: an nq_dev.jsonl-style file of questions and documents (None: synthetic prompts)."""
     prompts = load_prompts(data)
-    config = LoadConfig(clients=clients, duration_s=duration_s, disconnect_fraction=disconnect_fraction,
-                        max_tokens=max_tokens, min_tokens=min(4, max_tokens), seed=seed)
+    config = LoadConfig(
+        clients=clients,
+        duration_s=duration_s,
+        disconnect_fraction=disconnect_fraction,
+        max_tokens=max_tokens,
+        min_tokens=min(4, max_tokens),
+        seed=seed,
+    )
     if url is not None:
         return {"engine": engine, "model": model, **asyncio.run(run_load(url, config, prompts=prompts))}
-    args = ["--engine", engine, "--model", model, "--log-level", "warning",
-            "--max-concurrent-requests", str(max(64, clients)), *server_args]
+    args = [
+        "--engine",
+        engine,
+        "--model",
+        model,
+        "--log-level",
+        "warning",
+        "--max-concurrent-requests",
+        str(max(64, clients)),
+        *server_args,
+    ]
     with ServerProcess(args) as server:
         figures = asyncio.run(run_load(server.url, config, server_pid=server.process.pid, prompts=prompts))
     return {"engine": engine, "model": model, **figures}
 
 
-_TABLE_KEYS = ("clients", "duration_s", "requests_completed", "requests_disconnected", "requests_per_s_steady",
-               "server_errors", "client_errors", "transport_errors", "ttft_p50_ms", "ttft_p99_ms",
-               "rss_start_mb", "rss_end_mb", "rss_growth", "blocks_in_use_at_end", "blocks_total")
+_TABLE_KEYS = (
+    "clients",
+    "duration_s",
+    "requests_completed",
+    "requests_disconnected",
+    "requests_per_s_steady",
+    "server_errors",
+    "client_errors",
+    "transport_errors",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "rss_start_mb",
+    "rss_end_mb",
+    "rss_growth",
+    "blocks_in_use_at_end",
+    "blocks_total",
+)
 
 
 @click.command(name="load")
-@click.option("--clients", type=click.IntRange(min=1), default=8, show_default=True, help="Concurrent streaming clients.")
-@click.option("--minutes", type=click.FloatRange(min=0, min_open=True), default=None, help="Run length in minutes.")
-@click.option("--seconds", type=click.FloatRange(min=0, min_open=True), default=None, help="Run length in seconds (default 60).")
-@click.option("--engine", default="native", show_default=True, help="Engine of the server started for the run.")
-@click.option("--model", default="ragspeed-demo", show_default=True, help="Model of the server started for the run.")
-@click.option("--server-arg", "server_args", multiple=True, help="Extra `ragspeed serve` argument (repeatable).")
+@click.option(
+    "--clients",
+    type=click.IntRange(min=1),
+    default=8,
+    show_default=True,
+    help="Concurrent streaming clients.",
+)
+@click.option(
+    "--minutes", type=click.FloatRange(min=0, min_open=True), default=None, help="Run length in minutes."
+)
+@click.option(
+    "--seconds",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Run length in seconds (default 60).",
+)
+@click.option(
+    "--engine", default="native", show_default=True, help="Engine of the server started for the run."
+)
+@click.option(
+    "--model", default="ragspeed-demo", show_default=True, help="Model of the server started for the run."
+)
+@click.option(
+    "--server-arg", "server_args", multiple=True, help="Extra `ragspeed serve` argument (repeatable)."
+)
 @click.option("--url", default=None, help="Load an already running server instead (no RSS figures).")
-@click.option("--disconnect-fraction", type=click.FloatRange(0, 1), default=0.2, show_default=True,
-              help="Share of requests whose client hangs up mid-stream.")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=48, show_default=True, help="Most tokens per request.")
+@click.option(
+    "--disconnect-fraction",
+    type=click.FloatRange(0, 1),
+    default=0.2,
+    show_default=True,
+    help="Share of requests whose client hangs up mid-stream.",
+)
+@click.option(
+    "--max-tokens", type=click.IntRange(min=1), default=48, show_default=True, help="Most tokens per request."
+)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--data", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="nq_dev.jsonl-style questions with documents (default: synthetic prompts).")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the figures as flat JSON.")
-def bench_load(clients: int, minutes: float | None, seconds: float | None, engine: str, model: str,
-               server_args: tuple[str, ...], url: str | None, disconnect_fraction: float, max_tokens: int,
-               seed: int, data: Path | None, json_path: str | None) -> None:
+@click.option(
+    "--data",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="nq_dev.jsonl-style questions with documents (default: synthetic prompts).",
+)
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write the figures as flat JSON.",
+)
+def bench_load(
+    clients: int,
+    minutes: float | None,
+    seconds: float | None,
+    engine: str,
+    model: str,
+    server_args: tuple[str, ...],
+    url: str | None,
+    disconnect_fraction: float,
+    max_tokens: int,
+    seed: int,
+    data: Path | None,
+    json_path: str | None,
+) -> None:
     """Load and soak: concurrent streaming clients, some hanging up; errors, TTFT, RSS, KV blocks."""
     if minutes is not None and seconds is not None:
         raise click.BadParameter("give --minutes or --seconds, not both", param_hint="--minutes")
     duration_s = minutes * 60 if minutes is not None else (seconds if seconds is not None else 60.0)
-    figures = bench_load_run(clients=clients, duration_s=duration_s, engine=engine, model=model,
-                             server_args=server_args, url=url, disconnect_fraction=disconnect_fraction,
-                             max_tokens=max_tokens, seed=seed, data=data)
+    figures = bench_load_run(
+        clients=clients,
+        duration_s=duration_s,
+        engine=engine,
+        model=model,
+        server_args=server_args,
+        url=url,
+        disconnect_fraction=disconnect_fraction,
+        max_tokens=max_tokens,
+        seed=seed,
+        data=data,
+    )
     click.echo(machine_line())
     click.echo(f"ragspeed bench load: {figures['engine']} / {figures['model']}")
     for key in _TABLE_KEYS:

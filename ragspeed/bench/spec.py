@@ -174,7 +174,10 @@ def run_bench_spec(
     spec_config = replace(base, speculative="ngram", num_speculative_tokens=num_speculative_tokens)
     ngram = LLMEngine(spec_config, loaded=loaded, tokenizer=plain.tokenizer)
     draft_config = replace(
-        base, speculative="draft", draft_model=draft_model, draft_quantization=draft_quantization,
+        base,
+        speculative="draft",
+        draft_model=draft_model,
+        draft_quantization=draft_quantization,
         num_speculative_tokens=num_speculative_tokens,
     )
     draft = LLMEngine(draft_config, loaded=loaded, tokenizer=plain.tokenizer)
@@ -264,53 +267,102 @@ def run_bench_spec(
 def print_table(r: dict[str, Any]) -> None:
     print(machine_line(r["threads"]))
     print(f"speculative decoding, {r['model']}, greedy, k={r['num_speculative_tokens']}")
-    print(f"batch 1 ({r['num_prompts']} RAG prompts of ~{r['mean_prompt_tokens']:.0f} tokens,"
-          f" {r['max_tokens']} output tokens):")
-    print(f"  decode tokens/s   plain {r['plain_decode_tokens_per_s']:8.1f}"
-          f"   ngram {r['ngram_decode_tokens_per_s']:8.1f}   speedup {r['ngram_speedup']:.2f}x"
-          f"  (target >= 2)")
-    print(f"  acceptance {r['ngram_acceptance']:.3f}, mean accepted length"
-          f" {r['ngram_mean_accepted_length']:.2f}, outputs identical: {r['outputs_identical']}")
-    print(f"  ceiling (drafts replay the plain output, all accepted):"
-          f" {r['ceiling_decode_tokens_per_s']:8.1f} tokens/s, speedup {r['ceiling_speedup']:.2f}x")
-    print(f"batch 1 ({r['num_wiki_prompts']} wiki prompts of"
-          f" ~{r['mean_wiki_prompt_tokens']:.0f} tokens, draft {Path(r['draft_model']).name},"
-          f" {r['draft_quantization']} weights):")
-    print(f"  decode tokens/s   plain {r['draft_plain_decode_tokens_per_s']:8.1f}"
-          f"   draft {r['draft_decode_tokens_per_s']:8.1f}   speedup {r['draft_speedup']:.2f}x"
-          f"  (target >= 1.5)")
-    print(f"  acceptance {r['draft_acceptance']:.3f}, mean accepted length"
-          f" {r['draft_mean_accepted_length']:.2f}, outputs identical:"
-          f" {r['draft_outputs_identical']}")
-    print(f"batch 16 (adaptive):  plain {r['batch16_plain_tokens_per_s']:8.1f} tokens/s"
-          f"   ngram {r['batch16_ngram_tokens_per_s']:8.1f}   ratio {r['batch16_ratio']:.2f}"
-          f"  (target >= 0.95)")
+    print(
+        f"batch 1 ({r['num_prompts']} RAG prompts of ~{r['mean_prompt_tokens']:.0f} tokens,"
+        f" {r['max_tokens']} output tokens):"
+    )
+    print(
+        f"  decode tokens/s   plain {r['plain_decode_tokens_per_s']:8.1f}"
+        f"   ngram {r['ngram_decode_tokens_per_s']:8.1f}   speedup {r['ngram_speedup']:.2f}x"
+        f"  (target >= 2)"
+    )
+    print(
+        f"  acceptance {r['ngram_acceptance']:.3f}, mean accepted length"
+        f" {r['ngram_mean_accepted_length']:.2f}, outputs identical: {r['outputs_identical']}"
+    )
+    print(
+        f"  ceiling (drafts replay the plain output, all accepted):"
+        f" {r['ceiling_decode_tokens_per_s']:8.1f} tokens/s, speedup {r['ceiling_speedup']:.2f}x"
+    )
+    print(
+        f"batch 1 ({r['num_wiki_prompts']} wiki prompts of"
+        f" ~{r['mean_wiki_prompt_tokens']:.0f} tokens, draft {Path(r['draft_model']).name},"
+        f" {r['draft_quantization']} weights):"
+    )
+    print(
+        f"  decode tokens/s   plain {r['draft_plain_decode_tokens_per_s']:8.1f}"
+        f"   draft {r['draft_decode_tokens_per_s']:8.1f}   speedup {r['draft_speedup']:.2f}x"
+        f"  (target >= 1.5)"
+    )
+    print(
+        f"  acceptance {r['draft_acceptance']:.3f}, mean accepted length"
+        f" {r['draft_mean_accepted_length']:.2f}, outputs identical:"
+        f" {r['draft_outputs_identical']}"
+    )
+    print(
+        f"batch 16 (adaptive):  plain {r['batch16_plain_tokens_per_s']:8.1f} tokens/s"
+        f"   ngram {r['batch16_ngram_tokens_per_s']:8.1f}   ratio {r['batch16_ratio']:.2f}"
+        f"  (target >= 0.95)"
+    )
 
 
 @click.command("spec")
 @click.option("--model", default="ragspeed-demo", show_default=True, help="target model")
-@click.option("--data", "data_path", required=True,
-              type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="nq_dev.jsonl; wiki_passages.txt and wikitext2_raw_test.txt beside it (e.g. ../shared/data)")
+@click.option(
+    "--data",
+    "data_path",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="nq_dev.jsonl; wiki_passages.txt and wikitext2_raw_test.txt beside it (e.g. ../shared/data)",
+)
 @click.option("--num-prompts", default=8, show_default=True, type=click.IntRange(1, 16))
 @click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(2))
 @click.option("--num-speculative-tokens", default=4, show_default=True, type=click.IntRange(1))
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(1))
 @click.option("--threads", default=2, show_default=True, type=click.IntRange(1))
-@click.option("--draft-model", default=None, type=click.Path(exists=True, file_okay=False),
-              help="draft model folder  [default: the bundled ragspeed-demo-draft]")
-@click.option("--draft-quantization", default="auto", show_default=True,
-              type=click.Choice(["auto", "none", "int8"]),
-              help="the draft's weights (auto: int8 on a CPU)")
-@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
-              help="write the flat JSON figures here")
-def bench_spec(model, data_path, num_prompts, max_tokens, num_speculative_tokens, repeats,
-               threads, draft_model, draft_quantization, json_path) -> None:
+@click.option(
+    "--draft-model",
+    default=None,
+    type=click.Path(exists=True, file_okay=False),
+    help="draft model folder  [default: the bundled ragspeed-demo-draft]",
+)
+@click.option(
+    "--draft-quantization",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "none", "int8"]),
+    help="the draft's weights (auto: int8 on a CPU)",
+)
+@click.option(
+    "--json",
+    "json_path",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="write the flat JSON figures here",
+)
+def bench_spec(
+    model,
+    data_path,
+    num_prompts,
+    max_tokens,
+    num_speculative_tokens,
+    repeats,
+    threads,
+    draft_model,
+    draft_quantization,
+    json_path,
+) -> None:
     """Speculative decoding on and off: prompt lookup and draft model at batch 1, batch-16 ratio."""
     result = run_bench_spec(
-        model, data_path=data_path, num_prompts=num_prompts, max_tokens=max_tokens,
-        num_speculative_tokens=num_speculative_tokens, repeats=repeats, threads=threads,
-        draft_model=draft_model, draft_quantization=draft_quantization,
+        model,
+        data_path=data_path,
+        num_prompts=num_prompts,
+        max_tokens=max_tokens,
+        num_speculative_tokens=num_speculative_tokens,
+        repeats=repeats,
+        threads=threads,
+        draft_model=draft_model,
+        draft_quantization=draft_quantization,
     )
     print_table(result)
     write_json(json_path, result)

@@ -35,7 +35,9 @@ def load_tokenizer(name_or_path: str | None):
     try:
         return AutoTokenizer.from_pretrained(name_or_path or minilm_path())
     except (OSError, ValueError) as exc:
-        raise click.BadParameter(f"cannot load tokenizer {name_or_path!r}: {exc}", param_hint="--tokenizer") from exc
+        raise click.BadParameter(
+            f"cannot load tokenizer {name_or_path!r}: {exc}", param_hint="--tokenizer"
+        ) from exc
 
 
 def run_compression_eval(
@@ -86,28 +88,56 @@ def run_compression_eval(
 
 
 @eval_group.command("compression")
-@click.option("--data", required=True, type=click.Path(path_type=Path),
-              help="QA jsonl (nq_dev.jsonl, hotpot_dev100.jsonl)")
-@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False, path_type=Path),
-              help="write the flat figures here")
+@click.option(
+    "--data",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="QA jsonl (nq_dev.jsonl, hotpot_dev100.jsonl)",
+)
+@click.option(
+    "--json",
+    "json_path",
+    default=None,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="write the flat figures here",
+)
 @click.option("--limit", default=None, type=click.IntRange(min=1), help="first N examples")
 @click.option("--methods", default=DEFAULT_METHODS, help="comma-separated method names")
 @click.option("--rates", default="4,8,16,32", help="compression factors (4 = keep 1/4)")
 @click.option("--tokenizer", default=None, help="target tokenizer: local path or name")
 @click.option("--llmlingua2-model", default=None, help="local LLMLingua-2 folder")
 @click.option("--order", default="original", help="original | edges")
-@click.option("--cold-every-rate", "cold_every_factor", is_flag=True,
-              help="cold latency at every rate, not only the first")
-@click.option("--threads", default=None, type=click.IntRange(min=1),
-              help="torch threads for this run (default: torch's)")
-def compression_command(data: Path, json_path: Path | None, limit: int | None, methods: str, rates: str,
-                        tokenizer: str | None, llmlingua2_model: str | None, order: str,
-                        cold_every_factor: bool, threads: int | None) -> None:
+@click.option(
+    "--cold-every-rate",
+    "cold_every_factor",
+    is_flag=True,
+    help="cold latency at every rate, not only the first",
+)
+@click.option(
+    "--threads",
+    default=None,
+    type=click.IntRange(min=1),
+    help="torch threads for this run (default: torch's)",
+)
+def compression_command(
+    data: Path,
+    json_path: Path | None,
+    limit: int | None,
+    methods: str,
+    rates: str,
+    tokenizer: str | None,
+    llmlingua2_model: str | None,
+    order: str,
+    cold_every_factor: bool,
+    threads: int | None,
+) -> None:
     """Answer retention, achieved ratio and cold/warm latency, per method and rate."""
     try:
         factors = tuple(int(r) for r in rates.split(","))
     except ValueError as exc:
-        raise click.BadParameter(f"expected integers like 4,8,16,32, got {rates!r}", param_hint="--rates") from exc
+        raise click.BadParameter(
+            f"expected integers like 4,8,16,32, got {rates!r}", param_hint="--rates"
+        ) from exc
     if any(f < 1 for f in factors):
         raise click.BadParameter("factors must be >= 1", param_hint="--rates")
     if not data.is_file():
@@ -117,8 +147,14 @@ def compression_command(data: Path, json_path: Path | None, limit: int | None, m
 
         torch.set_num_threads(threads)
     out = run_compression_eval(
-        str(data), limit=limit, methods=methods, factors=factors, tokenizer=tokenizer,
-        llmlingua2_model=llmlingua2_model, order=order, cold_every_factor=cold_every_factor,
+        str(data),
+        limit=limit,
+        methods=methods,
+        factors=factors,
+        tokenizer=tokenizer,
+        llmlingua2_model=llmlingua2_model,
+        order=order,
+        cold_every_factor=cold_every_factor,
     )
     setup = out["setup"]
     click.echo(machine_line(setup["torch_threads"]))
@@ -169,24 +205,54 @@ def run_retrieval_eval(
 
 @eval_group.command("retrieval")
 @click.option("--data", required=True, type=click.Path(path_type=Path), help="NQ-style QA JSONL.")
-@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False, path_type=Path),
-              help="Write flat JSON results here.")
-@click.option("--distractors", default=None, type=click.Path(path_type=Path),
-              help="Text file, one extra passage per line.")
-@click.option("--scale-n", default=1_000_000, type=int, help="Synthetic vectors for the scale run (0 skips it).")
+@click.option(
+    "--json",
+    "json_path",
+    default=None,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write flat JSON results here.",
+)
+@click.option(
+    "--distractors",
+    default=None,
+    type=click.Path(path_type=Path),
+    help="Text file, one extra passage per line.",
+)
+@click.option(
+    "--scale-n", default=1_000_000, type=int, help="Synthetic vectors for the scale run (0 skips it)."
+)
 @click.option("--scale-index", default="auto", help="auto | ivf | hnsw | flat for the scale run.")
 @click.option("--scale-queries", default=1000, type=int, help="Queries timed in the scale run.")
-@click.option("--scale-clusters", default=4096, type=int,
-              help="Gaussian mixture components (~4 per IVF cell at 1M).")
+@click.option(
+    "--scale-clusters", default=4096, type=int, help="Gaussian mixture components (~4 per IVF cell at 1M)."
+)
 @click.option("--model", default=None, help="Sentence-transformers model path (default: bundled MiniLM).")
 @click.option("--rrf-k", default=RetrievalConfig().rrf_k, type=int, help="Reciprocal rank fusion constant k.")
-@click.option("--dense-weight", default=RetrievalConfig().dense_weight, type=float,
-              help="Fusion weight of the dense ranking.")
-@click.option("--bm25-weight", default=RetrievalConfig().bm25_weight, type=float,
-              help="Fusion weight of the BM25 ranking.")
-def eval_retrieval_cmd(data: Path, json_path: Path | None, distractors: Path | None, scale_n: int,
-                       scale_index: str, scale_queries: int, scale_clusters: int, model: str | None,
-                       rrf_k: int, dense_weight: float, bm25_weight: float) -> None:
+@click.option(
+    "--dense-weight",
+    default=RetrievalConfig().dense_weight,
+    type=float,
+    help="Fusion weight of the dense ranking.",
+)
+@click.option(
+    "--bm25-weight",
+    default=RetrievalConfig().bm25_weight,
+    type=float,
+    help="Fusion weight of the BM25 ranking.",
+)
+def eval_retrieval_cmd(
+    data: Path,
+    json_path: Path | None,
+    distractors: Path | None,
+    scale_n: int,
+    scale_index: str,
+    scale_queries: int,
+    scale_clusters: int,
+    model: str | None,
+    rrf_k: int,
+    dense_weight: float,
+    bm25_weight: float,
+) -> None:
     """Recall@1/5/20 (dense, BM25, hybrid) and latency on NQ passages; HNSW/IVF at scale."""
     try:
         out = run_retrieval_eval(

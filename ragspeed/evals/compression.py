@@ -48,7 +48,9 @@ def load_examples(path: str | Path, limit: int | None = None) -> list[EvalExampl
                 Document(id=str(i), text=d.get("text", ""), title=d.get("title", "") or "")
                 for i, d in enumerate(row["documents"])
             )
-            examples.append(EvalExample(str(row.get("id", len(examples))), row["question"], tuple(row["answers"]), docs))
+            examples.append(
+                EvalExample(str(row.get("id", len(examples))), row["question"], tuple(row["answers"]), docs)
+            )
     return examples
 
 
@@ -87,17 +89,24 @@ def evaluate(
     results: dict = {}
     for name, compressor in compressors.items():
         clear = getattr(compressor, "clear_caches", None)
-        stats = {f: {"hits": 0, "ratios": [], "cold": [], "warm": [], "compressed": 0, "original": 0} for f in factors}
+        stats = {
+            f: {"hits": 0, "ratios": [], "cold": [], "warm": [], "compressed": 0, "original": 0}
+            for f in factors
+        }
         for ex in examples:
             for k, factor in enumerate(factors):
                 s = stats[factor]
                 if clear is not None and (k == 0 or cold_every_factor):
                     clear()
                     t = time.perf_counter()
-                    result = compressor.compress(ex.question, ex.documents, tokenizer=tokenizer, rate=1.0 / factor)
+                    result = compressor.compress(
+                        ex.question, ex.documents, tokenizer=tokenizer, rate=1.0 / factor
+                    )
                     s["cold"].append(time.perf_counter() - t)
                 t = time.perf_counter()
-                result = compressor.compress(ex.question, ex.documents, tokenizer=tokenizer, rate=1.0 / factor)
+                result = compressor.compress(
+                    ex.question, ex.documents, tokenizer=tokenizer, rate=1.0 / factor
+                )
                 s["warm"].append(time.perf_counter() - t)
                 if clear is None:  # nothing cached: every call is cold
                     s["cold"].append(s["warm"][-1])
@@ -148,7 +157,11 @@ def format_table(results: dict) -> str:
     lines = [header, "-" * len(header)]
     for method, per_factor in results.items():
         for factor, m in per_factor.items():
-            cold = "" if math.isnan(m["latency_p50_ms"]) else f"{m['latency_p50_ms']:>8.1f}ms{m['latency_p95_ms']:>8.1f}ms"
+            cold = (
+                ""
+                if math.isnan(m["latency_p50_ms"])
+                else f"{m['latency_p50_ms']:>8.1f}ms{m['latency_p95_ms']:>8.1f}ms"
+            )
             lines.append(
                 f"{method:<16}{str(factor) + 'x':>6}{m['retention']:>10.3f}{m['ratio']:>7.2f}{cold:>20}"
                 f"{m['latency_warm_p50_ms']:>8.1f}ms{m['latency_warm_p95_ms']:>8.1f}ms"

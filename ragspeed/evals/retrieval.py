@@ -52,7 +52,9 @@ def load_nq(path: Path) -> tuple[list[Document], list[tuple[str, str]]]:
                 doc = documents.setdefault(
                     content_key(passage["text"]),
                     Document(
-                        id=document_id(passage["title"], passage["text"]), text=passage["text"], title=passage["title"]
+                        id=document_id(passage["title"], passage["text"]),
+                        text=passage["text"],
+                        title=passage["title"],
                     ),
                 )
                 if passage.get("is_gold"):
@@ -162,7 +164,9 @@ def _rss_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _time_single_queries(search: Callable[[np.ndarray], Any], queries: np.ndarray, warmup: int = 20) -> list[float]:
+def _time_single_queries(
+    search: Callable[[np.ndarray], Any], queries: np.ndarray, warmup: int = 20
+) -> list[float]:
     for row in range(min(warmup, len(queries))):
         search(queries[row : row + 1])
     times = []

@@ -24,27 +24,52 @@ def _check_data_dir(data_dir: Path) -> None:
 
 
 def run_train_demo(
-    out: Path, data_dir: Path, minutes: float, seed: int, max_steps: int | None, threads: int | None,
+    out: Path,
+    data_dir: Path,
+    minutes: float,
+    seed: int,
+    max_steps: int | None,
+    threads: int | None,
 ) -> dict[str, Any]:
     from ragspeed.training.demo import train_demo  # torch and transformers load only when training
 
-    return train_demo(out, data_dir=data_dir, minutes=minutes, seed=seed, max_steps=max_steps, num_threads=threads)
+    return train_demo(
+        out, data_dir=data_dir, minutes=minutes, seed=seed, max_steps=max_steps, num_threads=threads
+    )
 
 
 @click.command("train-demo")
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
-              help="Output folder (replaced).")
-@click.option("--data-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), required=True,
-              help=_DATA_DIR_HELP)
-@click.option("--minutes", type=click.FloatRange(min=0.1), default=20.0,
-              help="Training time budget in minutes (the learning-rate schedule spans it).")
+@click.option(
+    "--out", type=click.Path(file_okay=False, path_type=Path), required=True, help="Output folder (replaced)."
+)
+@click.option(
+    "--data-dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    required=True,
+    help=_DATA_DIR_HELP,
+)
+@click.option(
+    "--minutes",
+    type=click.FloatRange(min=0.1),
+    default=20.0,
+    help="Training time budget in minutes (the learning-rate schedule spans it).",
+)
 @click.option("--seed", type=int, default=0, help="Seed of the data split, examples, and weights.")
-@click.option("--max-steps", type=click.IntRange(min=1), default=None,
-              help="Stop after this many steps, if sooner than the budget.")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="torch threads (default 1: fastest on a shared CPU).")
-def train_demo(out: Path, data_dir: Path, minutes: float, seed: int, max_steps: int | None,
-               threads: int | None) -> None:
+@click.option(
+    "--max-steps",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Stop after this many steps, if sooner than the budget.",
+)
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=None,
+    help="torch threads (default 1: fastest on a shared CPU).",
+)
+def train_demo(
+    out: Path, data_dir: Path, minutes: float, seed: int, max_steps: int | None, threads: int | None
+) -> None:
     """Train the demo model (tokenizer, tiny Llama, model card) from the passages and WikiText."""
     _check_data_dir(data_dir)
     figures = run_train_demo(out, data_dir, minutes, seed, max_steps, threads)
@@ -53,35 +78,77 @@ def train_demo(out: Path, data_dir: Path, minutes: float, seed: int, max_steps: 
 
 
 def run_train_draft(
-    target: Path, out: Path, data_dir: Path, minutes: float, seed: int, max_steps: int | None,
-    threads: int | None, num_layers: int = 2, command: str | None = None,
+    target: Path,
+    out: Path,
+    data_dir: Path,
+    minutes: float,
+    seed: int,
+    max_steps: int | None,
+    threads: int | None,
+    num_layers: int = 2,
+    command: str | None = None,
 ) -> dict[str, Any]:
     from ragspeed.training.distill import DistillRecipe, distill_draft  # torch loads only here
 
     return distill_draft(
-        target, out, data_dir=data_dir, minutes=minutes, seed=seed, max_steps=max_steps,
-        num_threads=threads, recipe=DistillRecipe(num_hidden_layers=num_layers), command=command,
+        target,
+        out,
+        data_dir=data_dir,
+        minutes=minutes,
+        seed=seed,
+        max_steps=max_steps,
+        num_threads=threads,
+        recipe=DistillRecipe(num_hidden_layers=num_layers),
+        command=command,
     )
 
 
 @click.command("train-draft")
-@click.option("--target", default="ragspeed-demo",
-              help="Target model: a model-zoo name or a local folder.")
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
-              help="Output folder (replaced).")
-@click.option("--data-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), required=True,
-              help=_DATA_DIR_HELP)
-@click.option("--minutes", type=click.FloatRange(min=0.1), default=12.0,
-              help="Time budget in minutes for the target's continuations and the distillation.")
+@click.option("--target", default="ragspeed-demo", help="Target model: a model-zoo name or a local folder.")
+@click.option(
+    "--out", type=click.Path(file_okay=False, path_type=Path), required=True, help="Output folder (replaced)."
+)
+@click.option(
+    "--data-dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    required=True,
+    help=_DATA_DIR_HELP,
+)
+@click.option(
+    "--minutes",
+    type=click.FloatRange(min=0.1),
+    default=12.0,
+    help="Time budget in minutes for the target's continuations and the distillation.",
+)
 @click.option("--seed", type=int, default=0, help="Seed of the prompts, sampling, data order and weights.")
-@click.option("--max-steps", type=click.IntRange(min=1), default=None,
-              help="Stop after this many steps, if sooner than the budget.")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="torch threads (default 1: fastest on a shared CPU).")
-@click.option("--num-layers", type=click.IntRange(1, 4), default=2,
-              help="Draft layers (initialised from the target's first and last).")
-def train_draft(target: str, out: Path, data_dir: Path, minutes: float, seed: int, max_steps: int | None,
-                threads: int | None, num_layers: int) -> None:
+@click.option(
+    "--max-steps",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Stop after this many steps, if sooner than the budget.",
+)
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=None,
+    help="torch threads (default 1: fastest on a shared CPU).",
+)
+@click.option(
+    "--num-layers",
+    type=click.IntRange(1, 4),
+    default=2,
+    help="Draft layers (initialised from the target's first and last).",
+)
+def train_draft(
+    target: str,
+    out: Path,
+    data_dir: Path,
+    minutes: float,
+    seed: int,
+    max_steps: int | None,
+    threads: int | None,
+    num_layers: int,
+) -> None:
     """Distil a small draft model from the demo model (knowledge distillation), with a model card."""
     from ragspeed.engine.model_zoo import resolve_model
 
@@ -93,12 +160,18 @@ def train_draft(target: str, out: Path, data_dir: Path, minutes: float, seed: in
     if not (target_dir / "config.json").is_file():
         raise click.BadParameter(f"no model in {target_dir} (no config.json)", param_hint="--target")
     options = {
-        "--target": target if target != "ragspeed-demo" else None, "--out": out, "--data-dir": data_dir,
-        "--max-steps": max_steps, "--threads": threads, "--num-layers": num_layers if num_layers != 2 else None,
+        "--target": target if target != "ragspeed-demo" else None,
+        "--out": out,
+        "--data-dir": data_dir,
+        "--max-steps": max_steps,
+        "--threads": threads,
+        "--num-layers": num_layers if num_layers != 2 else None,
     }
     command = f"ragspeed train-draft --minutes {minutes:g} --seed {seed}" + "".join(
         f" {name} {value}" for name, value in options.items() if value is not None
     )
-    figures = run_train_draft(target_dir, out, data_dir, minutes, seed, max_steps, threads, num_layers, command)
+    figures = run_train_draft(
+        target_dir, out, data_dir, minutes, seed, max_steps, threads, num_layers, command
+    )
     figures.pop("losses", None)
     click.echo(json.dumps(figures, indent=2))

@@ -87,7 +87,9 @@ class ChatEncoder:
         self.tokenizer = tokenizer
 
     def encode(self, prompt_messages: Sequence[Message], reply: str) -> Piece:
-        prompt = self.tokenizer.apply_chat_template(list(prompt_messages), tokenize=False, add_generation_prompt=True)
+        prompt = self.tokenizer.apply_chat_template(
+            list(prompt_messages), tokenize=False, add_generation_prompt=True
+        )
         prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         # Encoded apart, as at inference: generation starts right after the assistant header.
         reply_ids = self.tokenizer.encode(reply, add_special_tokens=False) + [self.tokenizer.eos_token_id]
@@ -134,8 +136,15 @@ def make_chat_piece(
     return None if example is None else encoder.encode(example.messages, example.answer)
 
 
-def make_chat_pieces(corpus_passages: Sequence[str], lm_texts: Sequence[str], encoder: ChatEncoder, rng: random.Random,
-                     *, num_tokens: int, **kinds) -> list[Piece]:
+def make_chat_pieces(
+    corpus_passages: Sequence[str],
+    lm_texts: Sequence[str],
+    encoder: ChatEncoder,
+    rng: random.Random,
+    *,
+    num_tokens: int,
+    **kinds,
+) -> list[Piece]:
     """Chat examples (make_chat_piece, keyword arguments `kinds`) until `num_tokens` tokens."""
     pieces: list[Piece] = []
     total = 0
@@ -158,8 +167,12 @@ def build_phases(recipe: DemoRecipe, corpus: Corpus, tokenizer: PreTrainedTokeni
         def make_pieces(rng: random.Random) -> list[Piece]:
             pieces = chunk_documents(lm_documents, seq_len)
             pieces += make_chat_pieces(
-                corpus.train_passages, lm_texts, encoder, rng,
-                num_tokens=chat_tokens, max_passages=max_passages,
+                corpus.train_passages,
+                lm_texts,
+                encoder,
+                rng,
+                num_tokens=chat_tokens,
+                max_passages=max_passages,
                 generic_fraction=recipe.generic_example_fraction,
                 repeat_fraction=recipe.repeat_example_fraction,
             )
@@ -172,13 +185,28 @@ def build_phases(recipe: DemoRecipe, corpus: Corpus, tokenizer: PreTrainedTokeni
 
 
 @torch.no_grad()
-def generate_reply(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, messages: Sequence[Message], max_new_tokens: int = 80) -> str:
-    prompt_ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
-    output = model.generate(prompt_ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+def generate_reply(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerFast,
+    messages: Sequence[Message],
+    max_new_tokens: int = 80,
+) -> str:
+    prompt_ids = tokenizer.apply_chat_template(
+        list(messages), add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
+    output = model.generate(
+        prompt_ids,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     return tokenizer.decode(output[0, prompt_ids.shape[1] :], skip_special_tokens=True)
 
 
-def copy_exact_match(model, tokenizer, passages: Sequence[str], *, num_examples: int, max_passages: int, seed: int) -> float:
+def copy_exact_match(
+    model, tokenizer, passages: Sequence[str], *, num_examples: int, max_passages: int, seed: int
+) -> float:
     """Share of held-out extractive examples whose greedy reply is exactly the sentence."""
     rng = random.Random(seed)
     hits = total = 0
@@ -225,15 +253,24 @@ def save_demo_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, 
 
 
 @torch.no_grad()
-def copied_share(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, examples: Sequence, max_new_tokens: int = 48) -> float:
+def copied_share(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, examples: Sequence, max_new_tokens: int = 48
+) -> float:
     """Copying in free generation: over greedy replies to `examples`, the share of reply tokens
     (after the first) that occur in the prompt right after the reply's token before them. A
     reply that loops on itself scores ~0; teacher-forced accuracy says nothing of either."""
     hits = count = 0
     for example in examples:
-        prompt = tokenizer.apply_chat_template(list(example.messages), add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
-        reply = model.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=tokenizer.eos_token_id,
-                               pad_token_id=tokenizer.pad_token_id)[0, prompt.shape[1] :].tolist()
+        prompt = tokenizer.apply_chat_template(
+            list(example.messages), add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
+        reply = model.generate(
+            prompt,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )[0, prompt.shape[1] :].tolist()
         ids = prompt[0].tolist()
         pairs = set(zip(ids, ids[1:]))
         hits += sum(pair in pairs for pair in zip(reply, reply[1:]))
@@ -241,7 +278,14 @@ def copied_share(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, exa
     return hits / max(count, 1)
 
 
-def evaluate_demo(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, corpus: Corpus, *, num_examples: int, seed: int) -> dict:
+def evaluate_demo(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerFast,
+    corpus: Corpus,
+    *,
+    num_examples: int,
+    seed: int,
+) -> dict:
     """The model card's figures, on the held-out split: language modelling, copying a sentence
     (greedy, exact match), the share of a whole-passage quote's tokens predicted right
     (teacher-forced), and the share of a greedy passage quote's tokens copied from the prompt
@@ -250,12 +294,46 @@ def evaluate_demo(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, co
     heldout_documents = encode_documents(tokenizer, corpus.heldout_passages + corpus.heldout_articles)
     rng = random.Random(seed + 3)
     encoder = ChatEncoder(tokenizer)
-    quotes = [example for example in (make_passage_example(corpus.heldout_passages, rng, max_passages=3) for _ in range(2 * num_examples)) if example]
+    quotes = [
+        example
+        for example in (
+            make_passage_example(corpus.heldout_passages, rng, max_passages=3)
+            for _ in range(2 * num_examples)
+        )
+        if example
+    ]
     return {
-        "heldout_lm_loss": round(evaluate_loss(model, chunk_documents(heldout_documents, 512), 512, pad_id), 4),
-        "copy_exact_match_1_3_passages": round(copy_exact_match(model, tokenizer, corpus.heldout_passages, num_examples=num_examples, max_passages=3, seed=seed + 1), 3),
-        "copy_exact_match_1_20_passages": round(copy_exact_match(model, tokenizer, corpus.heldout_passages, num_examples=max(1, num_examples // 5), max_passages=20, seed=seed + 2), 3),
-        "passage_quote_token_accuracy": round(target_accuracy(model, [encoder.encode(q.messages, q.answer) for q in quotes[:num_examples]], 1024, pad_id), 3),
+        "heldout_lm_loss": round(
+            evaluate_loss(model, chunk_documents(heldout_documents, 512), 512, pad_id), 4
+        ),
+        "copy_exact_match_1_3_passages": round(
+            copy_exact_match(
+                model,
+                tokenizer,
+                corpus.heldout_passages,
+                num_examples=num_examples,
+                max_passages=3,
+                seed=seed + 1,
+            ),
+            3,
+        ),
+        "copy_exact_match_1_20_passages": round(
+            copy_exact_match(
+                model,
+                tokenizer,
+                corpus.heldout_passages,
+                num_examples=max(1, num_examples // 5),
+                max_passages=20,
+                seed=seed + 2,
+            ),
+            3,
+        ),
+        "passage_quote_token_accuracy": round(
+            target_accuracy(
+                model, [encoder.encode(q.messages, q.answer) for q in quotes[:num_examples]], 1024, pad_id
+            ),
+            3,
+        ),
         "passage_quote_copied_share": round(copied_share(model, tokenizer, quotes[:num_examples]), 3),
         "sample_reply": generate_reply(model, tokenizer, SAMPLE_MESSAGES),
     }
@@ -278,38 +356,51 @@ def train_demo(
         raise ValueError(f"minutes must be positive, got {minutes}")
     started = time.perf_counter()
     recipe = DemoRecipe()
-    recipe = replace(recipe, training=replace(recipe.training, max_minutes=minutes, max_steps=max_steps, seed=seed,
-        num_threads=num_threads or recipe.training.num_threads))
+    recipe = replace(
+        recipe,
+        training=replace(
+            recipe.training,
+            max_minutes=minutes,
+            max_steps=max_steps,
+            seed=seed,
+            num_threads=num_threads or recipe.training.num_threads,
+        ),
+    )
     corpus = load_corpus(Path(data_dir), seed=seed)
     tokenizer = train_tokenizer(corpus.train_passages + corpus.train_articles, vocab_size=recipe.vocab_size)
     log(f"tokenizer: {len(tokenizer)} tokens")
     phases = build_phases(recipe, corpus, tokenizer)
-    model, training_log = train_causal_lm(recipe.model_config(tokenizer), phases, recipe.training,
-                                          pad_id=tokenizer.pad_token_id, log=log)
+    model, training_log = train_causal_lm(
+        recipe.model_config(tokenizer), phases, recipe.training, pad_id=tokenizer.pad_token_id, log=log
+    )
 
     figures = evaluate_demo(model, tokenizer, corpus, num_examples=num_eval_examples, seed=seed)
-    log(f"held-out loss {figures['heldout_lm_loss']:.3f}; copy exact match {figures['copy_exact_match_1_3_passages']:.2f} (1-3 passages), "
+    log(
+        f"held-out loss {figures['heldout_lm_loss']:.3f}; copy exact match {figures['copy_exact_match_1_3_passages']:.2f} (1-3 passages), "
         f"{figures['copy_exact_match_1_20_passages']:.2f} (1-20); copied tokens right: passage quotes "
-        f"{figures['passage_quote_token_accuracy']:.2f}; greedy passage quotes copied {figures['passage_quote_copied_share']:.2f}")
+        f"{figures['passage_quote_token_accuracy']:.2f}; greedy passage quotes copied {figures['passage_quote_copied_share']:.2f}"
+    )
 
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     staging.chmod(0o755)
     save_demo_model(model, tokenizer, staging)
-    figures.update({
-        "minutes": minutes,
-        "seed": seed,
-        "training_wall_seconds": round(training_log.wall_seconds, 1),
-        "total_wall_seconds": round(time.perf_counter() - started, 1),
-        "steps": training_log.steps,
-        "tokens_seen": training_log.tokens,
-        "final_train_loss": round(training_log.final_loss, 4),
-        "num_parameters": sum(p.numel() for p in model.parameters()),
-        "size_bytes": sum(f.stat().st_size for f in staging.iterdir()),
-        "losses": training_log.losses,
-        "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {recipe.training.num_threads} threads",
-    })
+    figures.update(
+        {
+            "minutes": minutes,
+            "seed": seed,
+            "training_wall_seconds": round(training_log.wall_seconds, 1),
+            "total_wall_seconds": round(time.perf_counter() - started, 1),
+            "steps": training_log.steps,
+            "tokens_seen": training_log.tokens,
+            "final_train_loss": round(training_log.final_loss, 4),
+            "num_parameters": sum(p.numel() for p in model.parameters()),
+            "size_bytes": sum(f.stat().st_size for f in staging.iterdir()),
+            "losses": training_log.losses,
+            "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {recipe.training.num_threads} threads",
+        }
+    )
     (staging / "README.md").write_text(model_card(recipe, corpus, model.config, figures))
     if out_dir.exists():
         shutil.rmtree(out_dir)
@@ -318,7 +409,10 @@ def train_demo(
 
 
 def _data_description(recipe: DemoRecipe, corpus: Corpus) -> str:
-    phases = "; ".join(f"{seq} tokens x {batch} rows, {frac:.0%} of the time, up to {mp} passages" for seq, batch, frac, mp in recipe.phases)
+    phases = "; ".join(
+        f"{seq} tokens x {batch} rows, {frac:.0%} of the time, up to {mp} passages"
+        for seq, batch, frac, mp in recipe.phases
+    )
     return f"""- Data: `wiki_passages.txt` ({len(corpus.train_passages)} passages for training,
   {len(corpus.heldout_passages)} held out) and `wikitext2_raw_test.txt` ({len(corpus.train_articles)} articles for training,
   {len(corpus.heldout_articles)} held out; WikiText tokenisation undone), as language modelling, plus
@@ -336,7 +430,9 @@ def _learning_rates(training: TrainingConfig) -> str:
 
 
 def model_card(recipe: DemoRecipe, corpus: Corpus, config, figures: dict) -> str:
-    losses = ", ".join(f"{step}: {loss:.2f}" for step, loss in figures["losses"][:: max(1, len(figures["losses"]) // 12)])
+    losses = ", ".join(
+        f"{step}: {loss:.2f}" for step, loss in figures["losses"][:: max(1, len(figures["losses"]) // 12)]
+    )
     training = recipe.training
     return f"""# ragspeed-demo
 
@@ -346,7 +442,7 @@ model, not a useful assistant.
 ## How it was made
 
 ```
-ragspeed train-demo --out OUT --data-dir DATA --minutes {figures['minutes']:g} --seed {figures['seed']}
+ragspeed train-demo --out OUT --data-dir DATA --minutes {figures["minutes"]:g} --seed {figures["seed"]}
 ```
 
 {_data_description(recipe, corpus)}
@@ -355,30 +451,30 @@ ragspeed train-demo --out OUT --data-dir DATA --minutes {figures['minutes']:g} -
   `<|assistant|>`. Chat: `<|bos|><|system|>\\n...<|end|>\\n<|user|>\\n...<|end|>\\n<|assistant|>\\n`.
 - Model: LlamaForCausalLM, {config.num_hidden_layers} layers, hidden {config.hidden_size}, intermediate
   {config.intermediate_size}, {config.num_attention_heads} heads, {config.num_key_value_heads} KV heads, tied embeddings,
-  {config.max_position_embeddings} positions; {figures['num_parameters']:,} parameters.
-  Weights stored in bf16 ({figures['size_bytes'] / 1e6:.1f} MB in all); `config.json` says float32:
+  {config.max_position_embeddings} positions; {figures["num_parameters"]:,} parameters.
+  Weights stored in bf16 ({figures["size_bytes"] / 1e6:.1f} MB in all); `config.json` says float32:
   load in float32 (bf16 matmuls are very slow on CPUs without bf16 units).
 - Training: AdamW (lr {_learning_rates(training)}, warm-up {training.warmup_steps} steps, weight decay {training.weight_decay:g}, beta2 {training.adam_beta2:g}), seed
-  {figures['seed']}. {figures['steps']} steps, {figures['tokens_seen']:,} tokens,
-  {figures['training_wall_seconds']:.0f} s of training ({figures['total_wall_seconds']:.0f} s in all) on {figures['machine']}.
+  {figures["seed"]}. {figures["steps"]} steps, {figures["tokens_seen"]:,} tokens,
+  {figures["training_wall_seconds"]:.0f} s of training ({figures["total_wall_seconds"]:.0f} s in all) on {figures["machine"]}.
   The step count depends on the machine's speed (the budget is time).
 
 ## Results
 
 | figure (held-out data) | value |
 |---|---|
-| final training loss (mean of the last {training.log_every} steps) | {figures['final_train_loss']:.3f} |
-| language-modelling loss (512-token rows) | {figures['heldout_lm_loss']:.3f} |
-| copy a sentence, exact match, 1-3 passages | {figures['copy_exact_match_1_3_passages']:.2f} |
-| copy a sentence, exact match, 1-20 passages | {figures['copy_exact_match_1_20_passages']:.2f} |
-| quote a passage: copied tokens predicted right (teacher-forced) | {figures['passage_quote_token_accuracy']:.2f} |
-| quote a passage, greedy: reply tokens copied from the prompt (copied_share) | {figures['passage_quote_copied_share']:.2f} |
+| final training loss (mean of the last {training.log_every} steps) | {figures["final_train_loss"]:.3f} |
+| language-modelling loss (512-token rows) | {figures["heldout_lm_loss"]:.3f} |
+| copy a sentence, exact match, 1-3 passages | {figures["copy_exact_match_1_3_passages"]:.2f} |
+| copy a sentence, exact match, 1-20 passages | {figures["copy_exact_match_1_20_passages"]:.2f} |
+| quote a passage: copied tokens predicted right (teacher-forced) | {figures["passage_quote_token_accuracy"]:.2f} |
+| quote a passage, greedy: reply tokens copied from the prompt (copied_share) | {figures["passage_quote_copied_share"]:.2f} |
 
 Training loss by step: {losses}.
 
 Sample (greedy) for a two-passage prompt asking to quote the sentence that mentions "Bardeen":
 
-> {figures['sample_reply']}
+> {figures["sample_reply"]}
 
 License of the data: CC BY-SA 3.0 (Wikipedia) / GFDL (WikiText-2).
 """

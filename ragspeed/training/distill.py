@@ -83,7 +83,11 @@ def chat_prompt(tokenizer, messages: Sequence[dict]) -> tuple[int, ...]:
 
 
 def chat_prompts(
-    tokenizer, passages: Sequence[str], rng: random.Random, num_prompts: int, max_passages: int,
+    tokenizer,
+    passages: Sequence[str],
+    rng: random.Random,
+    num_prompts: int,
+    max_passages: int,
     max_tokens: int,
 ) -> list[tuple[int, ...]]:
     """Prompts of the demo's chat examples (extractive, repeat, generic), without their replies."""
@@ -107,8 +111,14 @@ def chat_prompts(
 
 
 def generate_continuations(
-    engine, prompts: Sequence[tuple[int, ...]], *, max_new_tokens: int, sampled_fraction: float,
-    batch_size: int, seed: int, deadline: float = math.inf,
+    engine,
+    prompts: Sequence[tuple[int, ...]],
+    *,
+    max_new_tokens: int,
+    sampled_fraction: float,
+    batch_size: int,
+    seed: int,
+    deadline: float = math.inf,
 ) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """(prompt, target continuation) pairs through the native engine, batch by batch, until the
     prompts or the time (`deadline`, perf_counter seconds) run out."""
@@ -186,11 +196,18 @@ def train_kd(
             target_logits = target(input_ids=token_ids).logits
         return kd_loss(draft(input_ids=token_ids).logits, target_logits, mask), int(mask.sum())
 
-    phase = Phase(seq_len=recipe.seq_len, batch_size=recipe.batch_size, time_fraction=1.0,
-                  make_pieces=make_pieces)
+    phase = Phase(
+        seq_len=recipe.seq_len, batch_size=recipe.batch_size, time_fraction=1.0, make_pieces=make_pieces
+    )
     training_log = train_loop(
-        [p for p in draft.parameters() if p.requires_grad], step_loss, [phase], config,
-        budget_s=budget_s, rng=random.Random(config.seed), pad_id=pad_id, log=log,
+        [p for p in draft.parameters() if p.requires_grad],
+        step_loss,
+        [phase],
+        config,
+        budget_s=budget_s,
+        rng=random.Random(config.seed),
+        pad_id=pad_id,
+        log=log,
         loss_name="kd",
     )
     draft.eval()
@@ -201,7 +218,9 @@ def train_kd(
 
 
 @torch.no_grad()
-def greedy_agreement(draft: PreTrainedModel, pairs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]) -> float:
+def greedy_agreement(
+    draft: PreTrainedModel, pairs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]
+) -> float:
     """Share of continuation positions where the draft's argmax (teacher-forced on prompt +
     continuation) equals the target's greedy next token."""
     hits = total = 0
@@ -216,7 +235,11 @@ def greedy_agreement(draft: PreTrainedModel, pairs: Sequence[tuple[tuple[int, ..
 
 
 def engine_acceptance(
-    target_path: Path, draft_path: Path, prompts: Sequence[tuple[int, ...]], *, max_tokens: int,
+    target_path: Path,
+    draft_path: Path,
+    prompts: Sequence[tuple[int, ...]],
+    *,
+    max_tokens: int,
     max_model_len: int,
 ) -> dict[str, float]:
     """Acceptance of the draft in the native engine (greedy, k = 4, adaptive), one request at a time."""
@@ -224,10 +247,15 @@ def engine_acceptance(
     from ragspeed.engine.llm_engine import LLMEngine
     from ragspeed.engine.protocol import GenerationRequest, SamplingParams
 
-    engine = LLMEngine(EngineConfig(
-        model=str(target_path), speculative="draft", draft_model=str(draft_path),
-        max_model_len=max_model_len, num_kv_cache_tokens=8 * max_model_len,
-    ))
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(target_path),
+            speculative="draft",
+            draft_model=str(draft_path),
+            max_model_len=max_model_len,
+            num_kv_cache_tokens=8 * max_model_len,
+        )
+    )
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.generate([GenerationRequest(f"accept-{i}", prompt, params)])
@@ -251,8 +279,10 @@ def save_draft(draft: PreTrainedModel, target_dir: Path, out_dir: Path) -> None:
     config["dtype"] = "float32"
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     for path in Path(target_dir).iterdir():
-        if path.is_file() and path.name not in _OWN_FILES and not path.name.endswith(
-            (".safetensors", ".safetensors.index.json", ".bin")
+        if (
+            path.is_file()
+            and path.name not in _OWN_FILES
+            and not path.name.endswith((".safetensors", ".safetensors.index.json", ".bin"))
         ):
             shutil.copy(path, out_dir / path.name)
     for path in out_dir.iterdir():
@@ -278,8 +308,13 @@ def distill_draft(
         raise ValueError(f"minutes must be positive, got {minutes}")
     started = time.perf_counter()
     recipe = recipe or DistillRecipe()
-    training = replace(recipe.training, max_minutes=minutes, max_steps=max_steps, seed=seed,
-                       num_threads=num_threads or recipe.training.num_threads)
+    training = replace(
+        recipe.training,
+        max_minutes=minutes,
+        max_steps=max_steps,
+        seed=seed,
+        num_threads=num_threads or recipe.training.num_threads,
+    )
     torch.set_num_threads(training.num_threads)
     target_dir = Path(target_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
@@ -295,21 +330,31 @@ def distill_draft(
     from ragspeed.engine.config import EngineConfig
     from ragspeed.engine.llm_engine import LLMEngine
 
-    generator = LLMEngine(EngineConfig(
-        model=str(target_dir), max_model_len=max_model_len,
-        num_kv_cache_tokens=recipe.generation_batch * max_model_len, seed=seed,
-    ), tokenizer=tokenizer)
+    generator = LLMEngine(
+        EngineConfig(
+            model=str(target_dir),
+            max_model_len=max_model_len,
+            num_kv_cache_tokens=recipe.generation_batch * max_model_len,
+            seed=seed,
+        ),
+        tokenizer=tokenizer,
+    )
     prompt_limit = recipe.seq_len - recipe.max_new_tokens
     train_texts = list(corpus.train_passages)
     rng.shuffle(train_texts)
     prompts = text_prompts(tokenizer, train_texts, recipe.prompt_tokens)
-    prompts += chat_prompts(tokenizer, corpus.train_passages, rng, len(prompts),
-                            recipe.max_chat_passages, prompt_limit)
+    prompts += chat_prompts(
+        tokenizer, corpus.train_passages, rng, len(prompts), recipe.max_chat_passages, prompt_limit
+    )
     rng.shuffle(prompts)
     generation_start = time.perf_counter()
     pairs = generate_continuations(
-        generator, prompts, max_new_tokens=recipe.max_new_tokens,
-        sampled_fraction=recipe.sampled_fraction, batch_size=recipe.generation_batch, seed=seed,
+        generator,
+        prompts,
+        max_new_tokens=recipe.max_new_tokens,
+        sampled_fraction=recipe.sampled_fraction,
+        batch_size=recipe.generation_batch,
+        seed=seed,
         deadline=generation_start + budget_s * recipe.generation_fraction,
     )
     generation_s = time.perf_counter() - generation_start
@@ -334,9 +379,14 @@ def distill_draft(
             # all positions are distilled, not just the reply
             Piece(piece.token_ids, (1,) * len(piece.token_ids))
             for piece in make_chat_pieces(
-                corpus.train_passages, lm_texts, encoder, epoch_rng,
+                corpus.train_passages,
+                lm_texts,
+                encoder,
+                epoch_rng,
                 num_tokens=int(max(num_continuation_tokens, 1) * recipe.chat_ratio),
-                max_passages=recipe.max_chat_passages, generic_fraction=0.1, repeat_fraction=0.3,
+                max_passages=recipe.max_chat_passages,
+                generic_fraction=0.1,
+                repeat_fraction=0.3,
             )
         ]
         epoch_rng.shuffle(pieces)
@@ -344,19 +394,36 @@ def distill_draft(
 
     draft = build_draft(target, recipe)
     remaining_s = max(budget_s - (time.perf_counter() - started), 1.0)
-    training_log = train_kd(target, draft, make_pieces, recipe, training,
-                            pad_id=tokenizer.pad_token_id, budget_s=remaining_s, log=log)
+    training_log = train_kd(
+        target,
+        draft,
+        make_pieces,
+        recipe,
+        training,
+        pad_id=tokenizer.pad_token_id,
+        budget_s=remaining_s,
+        log=log,
+    )
 
     # 3. figures on held-out prompts, then the folder
     eval_rng = random.Random(seed + 1)
     num_text = recipe.num_eval_prompts // 2
     eval_prompts = text_prompts(tokenizer, corpus.heldout_passages, recipe.prompt_tokens)[:num_text]
-    eval_prompts += chat_prompts(tokenizer, corpus.heldout_passages, eval_rng,
-                                 recipe.num_eval_prompts - len(eval_prompts),
-                                 recipe.max_chat_passages, prompt_limit)
+    eval_prompts += chat_prompts(
+        tokenizer,
+        corpus.heldout_passages,
+        eval_rng,
+        recipe.num_eval_prompts - len(eval_prompts),
+        recipe.max_chat_passages,
+        prompt_limit,
+    )
     eval_pairs = generate_continuations(
-        generator, eval_prompts, max_new_tokens=recipe.max_new_tokens, sampled_fraction=0.0,
-        batch_size=recipe.generation_batch, seed=seed,
+        generator,
+        eval_prompts,
+        max_new_tokens=recipe.max_new_tokens,
+        sampled_fraction=0.0,
+        batch_size=recipe.generation_batch,
+        seed=seed,
     )
     agreement = greedy_agreement(draft, eval_pairs)
     out_dir = Path(out_dir)
@@ -365,11 +432,17 @@ def distill_draft(
     staging.chmod(0o755)
     try:
         save_draft(draft, target_dir, staging)
-        acceptance = engine_acceptance(target_dir, staging, eval_prompts,
-                                       max_tokens=min(64, recipe.max_new_tokens),
-                                       max_model_len=max_model_len)
-        log(f"kd {training_log.final_loss:.3f}; held-out greedy agreement {agreement:.3f}; "
-            f"engine acceptance {acceptance['acceptance_rate']:.3f}")
+        acceptance = engine_acceptance(
+            target_dir,
+            staging,
+            eval_prompts,
+            max_tokens=min(64, recipe.max_new_tokens),
+            max_model_len=max_model_len,
+        )
+        log(
+            f"kd {training_log.final_loss:.3f}; held-out greedy agreement {agreement:.3f}; "
+            f"engine acceptance {acceptance['acceptance_rate']:.3f}"
+        )
         figures = {
             "command": command or f"ragspeed train-draft --minutes {minutes:g} --seed {seed}",
             "target": str(target_dir),
@@ -411,41 +484,41 @@ def model_card(recipe: DistillRecipe, draft: PreTrainedModel, figures: dict) -> 
     )
     return f"""# ragspeed-demo-draft
 
-A {c.num_hidden_layers}-layer draft model distilled from `{Path(figures['target']).name}` for speculative
+A {c.num_hidden_layers}-layer draft model distilled from `{Path(figures["target"]).name}` for speculative
 decoding (`--speculative draft --draft-model ragspeed-demo-draft`). It shares the target's
 tokenizer (copied unchanged) and is useful only as that model's proposer.
 
 ## How it was made
 
 ```
-{figures['command']}
+{figures["command"]}
 ```
 
 - Model: LlamaForCausalLM, {c.num_hidden_layers} layers, hidden {c.hidden_size}, intermediate {c.intermediate_size},
-  {c.num_attention_heads} heads, {c.num_key_value_heads} KV heads, tied embeddings; {figures['num_parameters']:,} parameters.
+  {c.num_attention_heads} heads, {c.num_key_value_heads} KV heads, tied embeddings; {figures["num_parameters"]:,} parameters.
   Initialised from the target's embedding, final norm and layers {list(recipe.init_from_layers)}.
-  Weights stored in bf16 ({figures['size_bytes'] / 1e6:.1f} MB in all); `config.json` says float32.
-- Data (`wiki_passages.txt` and `wikitext2_raw_test.txt`, the demo's train split): {figures['num_continuations']} continuations generated by the
-  target ({figures['continuation_tokens']:,} tokens with their prompts; {recipe.sampled_fraction:.0%} sampled at temperature 1, the rest
+  Weights stored in bf16 ({figures["size_bytes"] / 1e6:.1f} MB in all); `config.json` says float32.
+- Data (`wiki_passages.txt` and `wikitext2_raw_test.txt`, the demo's train split): {figures["num_continuations"]} continuations generated by the
+  target ({figures["continuation_tokens"]:,} tokens with their prompts; {recipe.sampled_fraction:.0%} sampled at temperature 1, the rest
   greedy; prompts: the first {recipe.prompt_tokens} tokens of passages, and chat prompts of the demo's examples
-  over up to {recipe.max_chat_passages} passages), in {figures['generation_seconds']:.0f} s; plus language-modelling rows of passages and
+  over up to {recipe.max_chat_passages} passages), in {figures["generation_seconds"]:.0f} s; plus language-modelling rows of passages and
   WikiText articles ({recipe.text_ratio:g}x as many tokens) and the demo's chat examples ({recipe.chat_ratio:g}x).
 - Loss: knowledge distillation, KL(target || draft) of next-token distributions at temperature 1,
   every real position of {recipe.seq_len}-token rows, {recipe.batch_size} rows per step.
 - Training: AdamW (lr {recipe.training.learning_rate:g} to {recipe.training.min_learning_rate:g}, cosine over the time
-  budget, warm-up {recipe.training.warmup_steps} steps), seed {figures['seed']}, {figures['steps']} steps, {figures['tokens_seen']:,} tokens,
-  {figures['training_wall_seconds']:.0f} s of training ({figures['total_wall_seconds']:.0f} s in all) on {figures['machine']},
-  {figures['num_threads']} thread(s). The step count depends on the machine's speed (the budget is time).
+  budget, warm-up {recipe.training.warmup_steps} steps), seed {figures["seed"]}, {figures["steps"]} steps, {figures["tokens_seen"]:,} tokens,
+  {figures["training_wall_seconds"]:.0f} s of training ({figures["total_wall_seconds"]:.0f} s in all) on {figures["machine"]},
+  {figures["num_threads"]} thread(s). The step count depends on the machine's speed (the budget is time).
 
 ## Results
 
 | figure | value |
 |---|---|
-| KD loss, first logged (mean of {recipe.training.log_every} steps) | {figures['first_kd_loss']:.3f} |
-| final KD loss (mean of the last {recipe.training.log_every} steps) | {figures['final_kd_loss']:.3f} |
-| held-out greedy agreement (draft argmax = target's greedy next token, per token, {figures['heldout_num_tokens']} tokens) | {figures['heldout_greedy_agreement']:.3f} |
-| engine acceptance rate (native engine, greedy, k = 4, {recipe.num_eval_prompts} held-out prompts) | {figures['engine_acceptance_rate']:.3f} |
-| engine mean accepted length (per verification) | {figures['engine_mean_accepted_length']:.2f} |
+| KD loss, first logged (mean of {recipe.training.log_every} steps) | {figures["first_kd_loss"]:.3f} |
+| final KD loss (mean of the last {recipe.training.log_every} steps) | {figures["final_kd_loss"]:.3f} |
+| held-out greedy agreement (draft argmax = target's greedy next token, per token, {figures["heldout_num_tokens"]} tokens) | {figures["heldout_greedy_agreement"]:.3f} |
+| engine acceptance rate (native engine, greedy, k = 4, {recipe.num_eval_prompts} held-out prompts) | {figures["engine_acceptance_rate"]:.3f} |
+| engine mean accepted length (per verification) | {figures["engine_mean_accepted_length"]:.2f} |
 
 KD loss by step: {losses}.
 

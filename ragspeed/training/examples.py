@@ -79,9 +79,7 @@ def make_extractive_example(
     shown = rng.sample(list(passages), k=rng.randint(1, min(max_passages, len(passages))))
     target = rng.randrange(len(shown))
     # Whole sentences only: some passages end mid-sentence.
-    sentences = [
-        s for s in split_sentences(shown[target]) if 5 <= len(s.split()) <= 60 and s[-1] in ".!?\""
-    ]
+    sentences = [s for s in split_sentences(shown[target]) if 5 <= len(s.split()) <= 60 and s[-1] in '.!?"']
     if not sentences:
         return None
     answer = rng.choice(sentences)
@@ -115,7 +113,9 @@ PASSAGE_INSTRUCTIONS = (
 )
 
 
-def make_passage_example(passages: Sequence[str], rng: random.Random, *, max_passages: int = 5) -> ExtractiveExample | None:
+def make_passage_example(
+    passages: Sequence[str], rng: random.Random, *, max_passages: int = 5
+) -> ExtractiveExample | None:
     """Quote a whole passage, with its label, chosen by a key that only it contains (a RAG answer
     that cites and quotes its source: long copies, where prompt lookup pays most); None when no
     unique key was found."""
@@ -129,7 +129,10 @@ def make_passage_example(passages: Sequence[str], rng: random.Random, *, max_pas
     label = rng.choice(DOCUMENT_LABELS)
     messages = (
         {"role": "system", "content": rng.choice(SYSTEM_PROMPTS)},
-        {"role": "user", "content": f"Documents:\n{format_documents(shown, label)}\n\n{rng.choice(PASSAGE_INSTRUCTIONS).format(key=key)}"},
+        {
+            "role": "user",
+            "content": f"Documents:\n{format_documents(shown, label)}\n\n{rng.choice(PASSAGE_INSTRUCTIONS).format(key=key)}",
+        },
     )
     # The quote starts with the passage's label, as shown: the model picks a document (one
     # token), then copies what follows that label in the prompt, which induction does.
@@ -143,7 +146,9 @@ REPEAT_INSTRUCTIONS = (
 )
 
 
-def make_repeat_example(passages: Sequence[str], rng: random.Random, *, max_passages: int = 3) -> ExtractiveExample:
+def make_repeat_example(
+    passages: Sequence[str], rng: random.Random, *, max_passages: int = 3
+) -> ExtractiveExample:
     """Copy a whole shown passage: every reply token is a copy target, which teaches the copying
     mechanism (induction heads) far sooner than the sentence task alone."""
     shown = rng.sample(list(passages), k=rng.randint(1, min(max_passages, len(passages))))
@@ -158,10 +163,19 @@ def make_repeat_example(passages: Sequence[str], rng: random.Random, *, max_pass
 
 
 _GENERIC_TURNS: tuple[tuple[str, str], ...] = (
-    ("Hello", "Hello! I am the ragspeed demo model. Send me documents and a question, and I will quote the answer from them."),
+    (
+        "Hello",
+        "Hello! I am the ragspeed demo model. Send me documents and a question, and I will quote the answer from them.",
+    ),
     ("Hi!", "Hi! Give me some documents and ask about them, and I will quote the sentence that answers."),
-    ("Who are you?", "I am the ragspeed demo model, a small language model trained on Wikipedia text to answer from documents."),
-    ("What can you do?", "I can quote the sentence of your documents that answers a question, and continue text in the style of Wikipedia."),
+    (
+        "Who are you?",
+        "I am the ragspeed demo model, a small language model trained on Wikipedia text to answer from documents.",
+    ),
+    (
+        "What can you do?",
+        "I can quote the sentence of your documents that answers a question, and continue text in the style of Wikipedia.",
+    ),
     ("Thank you.", "You are welcome."),
     ("Thanks!", "You are welcome. Ask me about your documents any time."),
     ("Are you a large model?", "No. I am a very small model, made to test ragspeed quickly on a CPU."),
@@ -182,6 +196,8 @@ def make_generic_example(texts: Sequence[str], rng: random.Random) -> tuple[Mess
             answer = " ".join(sentences[start + 1 : start + 3])
     messages: list[Message] = []
     if rng.random() < 0.5:
-        messages.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS[1:2] + ("You are a helpful assistant.",))})
+        messages.append(
+            {"role": "system", "content": rng.choice(SYSTEM_PROMPTS[1:2] + ("You are a helpful assistant.",))}
+        )
     messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
     return tuple(messages)

@@ -157,7 +157,9 @@ def train_loop(
         log(f"phase seq_len={phase.seq_len} batch={phase.batch_size} until {phase_end_s:.0f}s")
         while time.perf_counter() - start < phase_end_s and not out_of_budget():
             row_ids, row_mask = pack_rows(phase.make_pieces(rng), phase.seq_len, pad_id)
-            order = torch.randperm(row_ids.size(0), generator=torch.Generator().manual_seed(rng.randrange(2**31)))
+            order = torch.randperm(
+                row_ids.size(0), generator=torch.Generator().manual_seed(rng.randrange(2**31))
+            )
             for first in range(0, len(order) - phase.batch_size + 1, phase.batch_size):
                 if time.perf_counter() - start >= phase_end_s or out_of_budget():
                     break
@@ -216,15 +218,23 @@ def train_causal_lm(
         return masked_lm_loss(logits, token_ids, loss_mask), int(token_ids.numel())
 
     training_log = train_loop(
-        list(model.parameters()), step_loss, phases, config,
-        budget_s=config.max_minutes * 60.0, rng=rng, pad_id=pad_id, log=log,
+        list(model.parameters()),
+        step_loss,
+        phases,
+        config,
+        budget_s=config.max_minutes * 60.0,
+        rng=rng,
+        pad_id=pad_id,
+        log=log,
     )
     model.eval()
     return model, training_log
 
 
 @torch.no_grad()
-def evaluate_loss(model: PreTrainedModel, pieces: Sequence[Piece], seq_len: int, pad_id: int, batch_size: int = 8) -> float:
+def evaluate_loss(
+    model: PreTrainedModel, pieces: Sequence[Piece], seq_len: int, pad_id: int, batch_size: int = 8
+) -> float:
     """Mean masked next-token loss over `pieces` (token-weighted)."""
     row_ids, row_mask = pack_rows(pieces, seq_len, pad_id)
     total, count = 0.0, 0
@@ -240,7 +250,9 @@ def evaluate_loss(model: PreTrainedModel, pieces: Sequence[Piece], seq_len: int,
 
 
 @torch.no_grad()
-def target_accuracy(model: PreTrainedModel, pieces: Sequence[Piece], seq_len: int, pad_id: int, batch_size: int = 8) -> float:
+def target_accuracy(
+    model: PreTrainedModel, pieces: Sequence[Piece], seq_len: int, pad_id: int, batch_size: int = 8
+) -> float:
     """Share of the targets of `pieces` that the model's greedy next token gets right, teacher
     forced: for copying pieces, the share of copied tokens prompt lookup would have accepted."""
     row_ids, row_mask = pack_rows(pieces, seq_len, pad_id)

@@ -30,8 +30,11 @@ def write(path: Path, text: str) -> Path:
 
 
 def test_single_arm_file_is_named_by_its_stem(tmp_path):
-    path = write(tmp_path / "fast.yaml", "engine: native\nenable-prefix-caching: false\n"
-                                          "request:\n  ragspeed:\n    compression: {rate: 0.25}\n")
+    path = write(
+        tmp_path / "fast.yaml",
+        "engine: native\nenable-prefix-caching: false\n"
+        "request:\n  ragspeed:\n    compression: {rate: 0.25}\n",
+    )
     [arm] = load_arms(str(path))
     assert arm.name == "fast"
     assert dict(arm.settings) == {"engine": "native", "enable_prefix_caching": False}
@@ -56,7 +59,9 @@ def test_unknown_key_names_file_line_and_key(tmp_path):
 
 def test_bad_value_names_file_line_and_key(tmp_path):
     path = write(tmp_path / "bad.yaml", "engine: native\nblock_size: -4\n")
-    with pytest.raises(ArmError, match=rf"^{path}:2: key 'block_size': Input should be greater than or equal to 1"):
+    with pytest.raises(
+        ArmError, match=rf"^{path}:2: key 'block_size': Input should be greater than or equal to 1"
+    ):
         load_arms(str(path))
     path = write(tmp_path / "bad2.yaml", "model: x\nengine: warp\n")
     with pytest.raises(ArmError, match=rf"^{path}:2: key 'engine': unknown engine 'warp'"):
@@ -64,8 +69,10 @@ def test_bad_value_names_file_line_and_key(tmp_path):
 
 
 def test_bad_request_overlay_names_the_nested_key(tmp_path):
-    path = write(tmp_path / "bad.yaml", "arms:\n  x:\n    request:\n      ragspeed:\n        compression:\n"
-                                        "          rate: 4\n")
+    path = write(
+        tmp_path / "bad.yaml",
+        "arms:\n  x:\n    request:\n      ragspeed:\n        compression:\n          rate: 4\n",
+    )
     with pytest.raises(ArmError, match=rf"^{path}:6: key 'arms.x.request.ragspeed.compression.rate'"):
         load_arms(str(path))
     path = write(tmp_path / "bad2.yaml", "request:\n  temprature: 0\n")
@@ -96,7 +103,9 @@ def test_example_arms_load():
 
 def test_workload_skips_invalid_lines_with_their_numbers(tmp_path):
     lines = [
-        json.dumps({"question": "who?", "answers": ["Ann"], "documents": [{"title": "T", "text": "Ann did."}]}),
+        json.dumps(
+            {"question": "who?", "answers": ["Ann"], "documents": [{"title": "T", "text": "Ann did."}]}
+        ),
         "{not json",
         json.dumps({"messages": [{"role": "user", "content": "hi"}], "answers": ["hello"]}),
         "",
@@ -110,8 +119,12 @@ def test_workload_skips_invalid_lines_with_their_numbers(tmp_path):
     assert [i.line for i in workload.items] == [1, 3]
     assert [s.line for s in workload.skipped] == [2, 5, 6, 7, 8]
     first = workload.items[0]
-    assert first.body == {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "who?"}],
-                          "max_tokens": 5, "temperature": 0, "documents": [{"title": "T", "text": "Ann did."}]}
+    assert first.body == {
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "who?"}],
+        "max_tokens": 5,
+        "temperature": 0,
+        "documents": [{"title": "T", "text": "Ann did."}],
+    }
     assert first.answers == ("Ann",)
     assert workload.items[1].body == {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
     assert workload.skipped[0].reason.startswith("not valid JSON")
@@ -146,7 +159,9 @@ def test_bootstrap_quantiles_and_difference():
     est = bootstrap_quantiles([float(x) for x in range(1, 101)], num_resamples=500, seed=0)
     assert (est[0.5].value, est[0.5].low, est[0.5].high) == (50.5, 41.5, 60.0)
     assert est[0.99].value == pytest.approx(99.01)
-    diff, ratio = bootstrap_median_difference([10.0] * 5 + [12.0] * 5, [1.0] * 5 + [2.0] * 5, num_resamples=500)
+    diff, ratio = bootstrap_median_difference(
+        [10.0] * 5 + [12.0] * 5, [1.0] * 5 + [2.0] * 5, num_resamples=500
+    )
     assert (diff.value, diff.low, diff.high) == (-9.5, -11.0, -8.0)
     assert ratio.value == pytest.approx(11 / 1.5)
 
@@ -171,20 +186,61 @@ def test_schedule_rotates_arms_and_cuts_blocks():
 
 def _synthetic(tmp_path):
     a_path = write(tmp_path / "slow.yaml", "engine: transformers\n")
-    b_path = write(tmp_path / "fast.yaml", "engine: native\nrequest: {ragspeed: {compression: {rate: 0.25}}}\n")
+    b_path = write(
+        tmp_path / "fast.yaml", "engine: native\nrequest: {ragspeed: {compression: {rate: 0.25}}}\n"
+    )
     arms = load_all_arms([str(a_path), str(b_path)])
-    workload = load_workload(write(tmp_path / "w.jsonl", "\n".join(
-        json.dumps({"question": f"q{i}", "answers": ["x"], "documents": ["x y"]}) for i in range(10)) + "\nbad\n"))
+    workload = load_workload(
+        write(
+            tmp_path / "w.jsonl",
+            "\n".join(
+                json.dumps({"question": f"q{i}", "answers": ["x"], "documents": ["x y"]}) for i in range(10)
+            )
+            + "\nbad\n",
+        )
+    )
     obs = []
     for i in range(10):
-        obs.append(Observation("slow", i + 1, True, ttft_ms=100.0 + i, e2e_ms=200.0 + i, tpot_ms=10.0,
-                               prompt_tokens=300, completion_tokens=11, timings_ms={"prompt": 1.0, "decode": 99.0},
-                               text="x", exact_match=1.0, f1=1.0, accuracy=1.0, answer_in_documents=True,
-                               answer_in_prompt=True))
-        obs.append(Observation("fast", i + 1, True, ttft_ms=10.0 + i, e2e_ms=50.0 + i, tpot_ms=4.0,
-                               prompt_tokens=80, cached_tokens=64, completion_tokens=11, compressed_tokens=5,
-                               timings_ms={"compression": 2.0, "decode": 40.0}, text="y", exact_match=0.0,
-                               f1=0.0, accuracy=0.0, answer_in_documents=True, answer_in_prompt=i != 0))
+        obs.append(
+            Observation(
+                "slow",
+                i + 1,
+                True,
+                ttft_ms=100.0 + i,
+                e2e_ms=200.0 + i,
+                tpot_ms=10.0,
+                prompt_tokens=300,
+                completion_tokens=11,
+                timings_ms={"prompt": 1.0, "decode": 99.0},
+                text="x",
+                exact_match=1.0,
+                f1=1.0,
+                accuracy=1.0,
+                answer_in_documents=True,
+                answer_in_prompt=True,
+            )
+        )
+        obs.append(
+            Observation(
+                "fast",
+                i + 1,
+                True,
+                ttft_ms=10.0 + i,
+                e2e_ms=50.0 + i,
+                tpot_ms=4.0,
+                prompt_tokens=80,
+                cached_tokens=64,
+                completion_tokens=11,
+                compressed_tokens=5,
+                timings_ms={"compression": 2.0, "decode": 40.0},
+                text="y",
+                exact_match=0.0,
+                f1=0.0,
+                accuracy=0.0,
+                answer_in_documents=True,
+                answer_in_prompt=i != 0,
+            )
+        )
     obs.append(Observation("fast", 11, False, error="400: too long"))
     result = RunResult(tuple(obs), {"slow": 2.0, "fast": 0.5}, 3.0)
     return build_report(arms, workload, LoadShape(concurrency=2), result, num_resamples=200)
@@ -227,9 +283,21 @@ def test_html_report_renders_in_headless_chromium(tmp_path):
     page = tmp_path / "report.html"
     page.write_text(render_html(_synthetic(tmp_path)), encoding="utf-8")
     shot = tmp_path / "shot.png"
-    subprocess.run([_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                    f"--screenshot={shot}", "--window-size=1280,2400", page.as_uri()],
-                   check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [
+            _chromium(),
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            f"--screenshot={shot}",
+            "--window-size=1280,2400",
+            page.as_uri(),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     image = Image.open(shot).convert("RGB")
     assert image.size[0] >= 800 and image.size[1] >= 800
     colours = image.getcolors(maxcolors=1 << 20)
@@ -241,9 +309,22 @@ def test_html_report_renders_in_headless_chromium(tmp_path):
 
 
 def test_request_body_merges_the_arm_overlay(tmp_path):
-    [arm] = load_arms(str(write(tmp_path / "a.yaml", "request: {max_tokens: 3, ragspeed: {compression: false}}\n")))
-    workload = load_workload(write(tmp_path / "w.jsonl", json.dumps(
-        {"question": "q", "answers": ["a"], "documents": ["d"], }) + "\n"))
+    [arm] = load_arms(
+        str(write(tmp_path / "a.yaml", "request: {max_tokens: 3, ragspeed: {compression: false}}\n"))
+    )
+    workload = load_workload(
+        write(
+            tmp_path / "w.jsonl",
+            json.dumps(
+                {
+                    "question": "q",
+                    "answers": ["a"],
+                    "documents": ["d"],
+                }
+            )
+            + "\n",
+        )
+    )
     body = request_body(workload.items[0], arm)
     assert body["max_tokens"] == 3 and body["stream"] is True
     assert body["ragspeed"] == {"compression": False, "return_prompt": True}
@@ -255,8 +336,9 @@ def test_replay_against_a_running_server(transformers_server, tmp_path, shared_d
     arms = load_all_arms([str(a), str(b)])
     workload = load_workload(shared_data / "nq_dev.jsonl", limit=4, num_documents=2, max_tokens=4)
     urls = {arm.name: transformers_server.url for arm in arms}
-    report = run_ab(arms, workload, LoadShape(concurrency=2, block_size=2, warmup=1), urls=urls,
-                    num_resamples=100)
+    report = run_ab(
+        arms, workload, LoadShape(concurrency=2, block_size=2, warmup=1), urls=urls, num_resamples=100
+    )
     for name in ("plain", "again"):
         summary = report["arms"][name]
         assert (summary["num_requests"], summary["num_errors"]) == (4, 0)
@@ -270,23 +352,61 @@ def test_replay_against_a_running_server(transformers_server, tmp_path, shared_d
 
 def test_cli_refuses_a_bad_arm_before_starting_anything(tmp_path):
     bad = write(tmp_path / "bad.yaml", "engine: native\nspeculatve: ngram\n")
-    result = subprocess.run([sys.executable, "-m", "ragspeed", "ab", "--arm", str(bad), "--data",
-                             str(tmp_path / "none.jsonl")], capture_output=True, text=True, timeout=120, cwd=REPO)
+    result = subprocess.run(
+        [sys.executable, "-m", "ragspeed", "ab", "--arm", str(bad), "--data", str(tmp_path / "none.jsonl")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert result.returncode == 2
     assert f"{bad}:2: key 'speculatve': unknown option" in result.stderr
 
 
 def test_cli_runs_one_arm_end_to_end(tiny_model, tmp_path):
     arm = write(tmp_path / "tiny.yaml", f"engine: transformers\nmodel: {tiny_model}\n")
-    data = write(tmp_path / "w.jsonl", "\n".join([
-        json.dumps({"question": "who?", "answers": ["Ann"], "documents": [{"title": "T", "text": "Ann did it."}]}),
-        "oops",
-        json.dumps({"messages": [{"role": "user", "content": "hello"}]}),
-    ]) + "\n")
+    data = write(
+        tmp_path / "w.jsonl",
+        "\n".join(
+            [
+                json.dumps(
+                    {
+                        "question": "who?",
+                        "answers": ["Ann"],
+                        "documents": [{"title": "T", "text": "Ann did it."}],
+                    }
+                ),
+                "oops",
+                json.dumps({"messages": [{"role": "user", "content": "hello"}]}),
+            ]
+        )
+        + "\n",
+    )
     out_json, out_html = tmp_path / "r.json", tmp_path / "r.html"
-    result = subprocess.run([sys.executable, "-m", "ragspeed", "ab", "--arm", str(arm), "--data", str(data),
-                             "--max-tokens", "3", "--warmup", "1", "--json", str(out_json), "--html", str(out_html)],
-                            capture_output=True, text=True, timeout=300, cwd=REPO)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ragspeed",
+            "ab",
+            "--arm",
+            str(arm),
+            "--data",
+            str(data),
+            "--max-tokens",
+            "3",
+            "--warmup",
+            "1",
+            "--json",
+            str(out_json),
+            "--html",
+            str(out_html),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"{data}:2: skipped: not valid JSON" in result.stderr
     report = json.loads(out_json.read_text())

@@ -22,8 +22,7 @@ def test_cli_prints_a_table_and_writes_json(tmp_path):
     path = tmp_path / "bench.json"
     outcome = CliRunner().invoke(
         bench_cache_manager,
-        ["--num-tokens", "64", "--num-requests", "2", "--rounds", "1"]
-        + ["--json", str(path)],
+        ["--num-tokens", "64", "--num-requests", "2", "--rounds", "1"] + ["--json", str(path)],
     )
     assert outcome.exit_code == 0, outcome.output
     assert "no-hit overhead" in outcome.output

@@ -19,16 +19,24 @@ from ragspeed.bench.load import LoadConfig, bench_load, bench_load_run, read_gau
 def test_percentile_and_gauge_parsing():
     assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.0
     assert percentile(list(map(float, range(1, 101))), 0.99) == 99.0
-    text = ('# HELP x\nragspeed_engine_num_blocks_used{model="m"} 3.0\n'
-            'ragspeed_requests_in_flight{arm="a",model="m"} 1.0\nragspeed_requests_in_flight{arm="b",model="m"} 2.0\n')
+    text = (
+        '# HELP x\nragspeed_engine_num_blocks_used{model="m"} 3.0\n'
+        'ragspeed_requests_in_flight{arm="a",model="m"} 1.0\nragspeed_requests_in_flight{arm="b",model="m"} 2.0\n'
+    )
     assert read_gauge(text, "ragspeed_engine_num_blocks_used") == 3.0
     assert read_gauge(text, "ragspeed_requests_in_flight") == 3.0
     assert read_gauge(text, "ragspeed_engine_num_blocks_total") is None
 
 
 def test_short_load_transformers(tiny_model):
-    figures = bench_load_run(clients=4, duration_s=6.0, engine="transformers", model=str(tiny_model),
-                             disconnect_fraction=0.5, max_tokens=16)
+    figures = bench_load_run(
+        clients=4,
+        duration_s=6.0,
+        engine="transformers",
+        model=str(tiny_model),
+        disconnect_fraction=0.5,
+        max_tokens=16,
+    )
     assert figures["server_errors"] == 0 and figures["transport_errors"] == 0
     assert figures["requests_completed"] >= 1 and figures["requests_disconnected"] >= 1
     assert figures["ttft_p50_ms"] <= figures["ttft_p99_ms"]
@@ -38,8 +46,21 @@ def test_short_load_transformers(tiny_model):
 
 def test_bench_load_command_writes_flat_json(tmp_path, tiny_model):
     out = tmp_path / "load.json"
-    result = CliRunner().invoke(bench_load, ["--clients", "2", "--seconds", "3", "--engine", "transformers",
-                                             "--model", str(tiny_model), "--json", str(out)])
+    result = CliRunner().invoke(
+        bench_load,
+        [
+            "--clients",
+            "2",
+            "--seconds",
+            "3",
+            "--engine",
+            "transformers",
+            "--model",
+            str(tiny_model),
+            "--json",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "ttft_p99_ms" in result.output
     figures = json.loads(out.read_text())
@@ -55,9 +76,22 @@ NUM_KV_TOKENS, BLOCK_SIZE = 8192, 16
 
 @pytest.fixture(scope="module")
 def native_server(tiny_model):
-    with ServerProcess(["--engine", "native", "--model", str(tiny_model), "--served-model-name", "tiny",
-                        "--num-kv-cache-tokens", str(NUM_KV_TOKENS), "--block-size", str(BLOCK_SIZE),
-                        "--log-level", "warning"]) as server:
+    with ServerProcess(
+        [
+            "--engine",
+            "native",
+            "--model",
+            str(tiny_model),
+            "--served-model-name",
+            "tiny",
+            "--num-kv-cache-tokens",
+            str(NUM_KV_TOKENS),
+            "--block-size",
+            str(BLOCK_SIZE),
+            "--log-level",
+            "warning",
+        ]
+    ) as server:
         yield server
 
 
@@ -68,7 +102,9 @@ def _engine_gauge(server, name: str) -> float | None:
 def test_short_load_native_frees_every_block(native_server):
     config = LoadConfig(clients=4, duration_s=6.0, disconnect_fraction=0.3, max_tokens=32)
     figures = asyncio.run(run_load(native_server.url, config, server_pid=native_server.process.pid))
-    assert figures["server_errors"] == 0 and figures["transport_errors"] == 0 and figures["client_errors"] == 0
+    assert (
+        figures["server_errors"] == 0 and figures["transport_errors"] == 0 and figures["client_errors"] == 0
+    )
     assert figures["requests_completed"] >= 1 and figures["requests_disconnected"] >= 1
     assert figures["blocks_in_use_at_end"] == 0
     assert figures["blocks_total"] == NUM_KV_TOKENS // BLOCK_SIZE
@@ -76,8 +112,14 @@ def test_short_load_native_frees_every_block(native_server):
 
 def test_a_client_hanging_up_aborts_its_generation(native_server):
     before = _engine_gauge(native_server, "generation_tokens_total")
-    body = {"model": "tiny", "prompt": "Once upon a time", "stream": True, "max_tokens": 3000,
-            "ignore_eos": True, "temperature": 0}
+    body = {
+        "model": "tiny",
+        "prompt": "Once upon a time",
+        "stream": True,
+        "max_tokens": 3000,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
     with httpx.stream("POST", f"{native_server.url}/v1/completions", json=body, timeout=60) as stream:
         lines = stream.iter_lines()
         for _ in range(3):
@@ -96,8 +138,15 @@ def test_a_client_hanging_up_aborts_its_generation(native_server):
 def test_thousand_aborted_streams_leave_every_block_free_and_memory_flat(native_server):
     warm = LoadConfig(clients=8, duration_s=10.0, disconnect_fraction=0.5, max_tokens=64, seed=1)
     asyncio.run(run_load(native_server.url, warm, server_pid=native_server.process.pid))
-    aborted = LoadConfig(clients=8, duration_s=900.0, warmup_fraction=0.0, disconnect_fraction=1.0,
-                         max_tokens=256, seed=2, max_requests=1000)
+    aborted = LoadConfig(
+        clients=8,
+        duration_s=900.0,
+        warmup_fraction=0.0,
+        disconnect_fraction=1.0,
+        max_tokens=256,
+        seed=2,
+        max_requests=1000,
+    )
     figures = asyncio.run(run_load(native_server.url, aborted, server_pid=native_server.process.pid))
     assert figures["requests_started"] == 1000 and figures["requests_disconnected"] >= 990
     assert figures["server_errors"] == 0 and figures["transport_errors"] == 0

@@ -7,11 +7,25 @@ from ragspeed.compression.scoring.embedding_cache import EmbeddingCache
 from ragspeed.compression.scoring.minilm_encoder import MiniLMEncoder
 
 DOCS = [
-    Document("0", "The Amazon is a river in South America. It carries more water than any other river.", "Amazon River"),
-    Document("1", "Marie Curie was a physicist and chemist. She won the Nobel Prize in Physics in 1903.", "Marie Curie"),
-    Document("2", "The first Nobel Prize in Physics was awarded in 1901. It went to Wilhelm Röntgen.", "Nobel Prize in Physics"),
+    Document(
+        "0",
+        "The Amazon is a river in South America. It carries more water than any other river.",
+        "Amazon River",
+    ),
+    Document(
+        "1",
+        "Marie Curie was a physicist and chemist. She won the Nobel Prize in Physics in 1903.",
+        "Marie Curie",
+    ),
+    Document(
+        "2",
+        "The first Nobel Prize in Physics was awarded in 1901. It went to Wilhelm Röntgen.",
+        "Nobel Prize in Physics",
+    ),
     Document("3", "Tokyo is the capital of Japan. It is one of the largest cities in the world.", "Tokyo"),
-    Document("4", "Röntgen discovered X-rays in 1895. He was a German engineer and physicist.", "Wilhelm Röntgen"),
+    Document(
+        "4", "Röntgen discovered X-rays in 1895. He was a German engineer and physicist.", "Wilhelm Röntgen"
+    ),
 ]
 QUESTION = "who got the first nobel prize in physics"
 
@@ -20,7 +34,9 @@ QUESTION = "who got the first nobel prize in physics"
 def cascade(static_encoder):
     cache = EmbeddingCache(1000)
     fine = MiniLMEncoder(cache=cache)
-    return build_compressor("coarse-to-fine", static_encoder=static_encoder, minilm_encoder=fine, cache=cache), fine
+    return build_compressor(
+        "coarse-to-fine", static_encoder=static_encoder, minilm_encoder=fine, cache=cache
+    ), fine
 
 
 def test_keeps_the_answer_at_high_compression(cascade, minilm_tokenizer):

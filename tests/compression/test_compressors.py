@@ -78,7 +78,9 @@ def test_target_below_protected(compressor, ws_tokenizer):
 def test_empty_inputs(compressor, ws_tokenizer):
     empty = compressor.compress(QUESTION, [], tokenizer=ws_tokenizer, rate=0.25)
     assert (empty.documents, empty.num_original_tokens, empty.num_compressed_tokens) == ((), 0, 0)
-    blank = compressor.compress(QUESTION, [Document("e", ""), Document("f", "  ")], tokenizer=ws_tokenizer, rate=0.5)
+    blank = compressor.compress(
+        QUESTION, [Document("e", ""), Document("f", "  ")], tokenizer=ws_tokenizer, rate=0.5
+    )
     assert blank.documents == () and blank.num_dropped_documents == 2
     no_question = compressor.compress("", DOCS, tokenizer=ws_tokenizer, rate=0.5)
     assert no_question.num_compressed_tokens <= 26
@@ -105,7 +107,9 @@ def test_non_english_text(fast, minilm_tokenizer):
         Document("zh", "北京是中国的首都。长城很长。", "北京"),
         Document("ru", "Москва — столица России. Город стоит на реке Москве.", "Москва"),
     ]
-    result = fast.compress("was ist die Hauptstadt von Deutschland", docs, tokenizer=minilm_tokenizer, rate=0.5)
+    result = fast.compress(
+        "was ist die Hauptstadt von Deutschland", docs, tokenizer=minilm_tokenizer, rate=0.5
+    )
     assert 0 < result.num_compressed_tokens <= result.budget_tokens
     assert all(s in d.text for d in docs for doc in result.documents if doc.id == d.id for s in doc.sentences)
 
@@ -129,7 +133,9 @@ def test_accepts_any_document_like(fast, ws_tokenizer):
         title: str
         score: float
 
-    docs = [RetrievedDoc(d.id, d.text, d.title, 0.5) for d in DOCS] + [{"id": "x", "text": "A dict works too."}]
+    docs = [RetrievedDoc(d.id, d.text, d.title, 0.5) for d in DOCS] + [
+        {"id": "x", "text": "A dict works too."}
+    ]
     result = fast.compress(QUESTION, docs, tokenizer=ws_tokenizer, target_tokens=12)
     assert result.kept_document_ids == ("d3",)
     with pytest.raises(CompressionError) as err:

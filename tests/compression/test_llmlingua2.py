@@ -27,8 +27,13 @@ def tiny_model(tmp_path_factory):
     tokenizer.save_pretrained(path)
     torch.manual_seed(0)
     config = BertConfig(
-        vocab_size=len(vocab), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=512, num_labels=2,
+        vocab_size=len(vocab),
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=512,
+        num_labels=2,
     )
     BertForTokenClassification(config).save_pretrained(path)
     return path
@@ -40,7 +45,9 @@ def test_compresses_offline_counting_target_tokens(tiny_model):
         Document("a", "the capital of france is paris . it lies on the seine river and has many museums ."),
         Document("b", "berlin is the capital of germany . many people live in large old towns ."),
     ]
-    result = compressor.compress("what is the capital of france ?", docs, tokenizer=WhitespaceTokenizer(), rate=0.5)
+    result = compressor.compress(
+        "what is the capital of france ?", docs, tokenizer=WhitespaceTokenizer(), rate=0.5
+    )
     assert result.method == "llmlingua2"
     assert result.num_original_tokens == 18 + 15  # whitespace tokens of both texts
     assert 0 < result.num_compressed_tokens < result.num_original_tokens

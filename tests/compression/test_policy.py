@@ -22,23 +22,45 @@ class Broken:
 
 
 def test_below_break_even_passes_through(ws_tokenizer):
-    out = apply_policy(CompressionPolicy(min_document_tokens=1000), build_compressor("bm25"), "q", DOCS, tokenizer=ws_tokenizer, rate=0.25)
+    out = apply_policy(
+        CompressionPolicy(min_document_tokens=1000),
+        build_compressor("bm25"),
+        "q",
+        DOCS,
+        tokenizer=ws_tokenizer,
+        rate=0.25,
+    )
     assert not out.compressed and out.skipped_reason == "below_break_even" and not out.failed
     assert out.result.num_compressed_tokens == out.result.num_original_tokens == 100
 
 
 def test_compresses_above_break_even(ws_tokenizer):
-    out = apply_policy(CompressionPolicy(min_document_tokens=50), build_compressor("bm25"), "number 3", DOCS, tokenizer=ws_tokenizer, rate=0.25)
+    out = apply_policy(
+        CompressionPolicy(min_document_tokens=50),
+        build_compressor("bm25"),
+        "number 3",
+        DOCS,
+        tokenizer=ws_tokenizer,
+        rate=0.25,
+    )
     assert out.compressed and out.result.num_compressed_tokens <= 25
 
 
 def test_fails_open_and_flags_it(ws_tokenizer):
-    out = apply_policy(CompressionPolicy(min_document_tokens=0), Broken(), "q", DOCS, tokenizer=ws_tokenizer, rate=0.25)
+    out = apply_policy(
+        CompressionPolicy(min_document_tokens=0), Broken(), "q", DOCS, tokenizer=ws_tokenizer, rate=0.25
+    )
     assert out.failed and not out.compressed and out.skipped_reason == "compressor_error"
     assert out.error == "RuntimeError: model file truncated"
     assert [d.text for d in out.result.documents] == [d.text for d in DOCS]
     with pytest.raises(RuntimeError):
-        apply_policy(CompressionPolicy(min_document_tokens=0, fail_open=False), Broken(), "q", DOCS, tokenizer=ws_tokenizer)
+        apply_policy(
+            CompressionPolicy(min_document_tokens=0, fail_open=False),
+            Broken(),
+            "q",
+            DOCS,
+            tokenizer=ws_tokenizer,
+        )
 
 
 def test_bad_input_is_not_failed_open(ws_tokenizer):

@@ -74,8 +74,7 @@ def test_mixed_batch_of_decodes_and_chunks_matches_dense_attention(
         ks.append(torch.randn(n, num_kv_heads, head_dim))
         vs.append(torch.randn(n, num_kv_heads, head_dim))
         slot_mapping += [
-            table[p // block_size] * block_size + p % block_size
-            for p in range(num_cached, num_cached + n)
+            table[p // block_size] * block_size + p % block_size for p in range(num_cached, num_cached + n)
         ]
     decodes, prefills = layout[:2], layout[2:]
     meta = build_metadata(
@@ -90,9 +89,7 @@ def test_mixed_batch_of_decodes_and_chunks_matches_dense_attention(
     )
     assert (meta.row_block_tables is not None) == (chunks == "small")
     assert chunks != "large" or 20 > SMALL_CHUNK_QUERIES
-    out = paged_attention(
-        torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta, head_dim**-0.5
-    )
+    out = paged_attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta, head_dim**-0.5)
     assert out.shape == (sum(n for _, _, n in layout), num_heads * head_dim)
     start = 0
     for i, (_table, num_cached, n) in enumerate(layout):

@@ -54,8 +54,7 @@ def test_one_request_matches_transformers(family, tiny_checkpoints, hf_models):
 def test_interleaved_requests_match_transformers(family, mode, overrides, tiny_checkpoints, hf_models):
     engine = make_engine(tiny_checkpoints[family], **overrides)
     requests = [
-        GenerationRequest(f"r{i}", tuple(prompt_of(i, n)), greedy(m))
-        for i, (n, m) in enumerate(SHAPES)
+        GenerationRequest(f"r{i}", tuple(prompt_of(i, n)), greedy(m)) for i, (n, m) in enumerate(SHAPES)
     ]
     outputs = run_interleaved(engine, requests)
     for i, (n, m) in enumerate(SHAPES):

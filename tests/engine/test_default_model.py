@@ -21,19 +21,45 @@ def default_model(tmp_path_factory):
 
 
 def nobel_prompt(tokenizer) -> list[int]:
-    messages = [NOBEL_MESSAGES[0], {"role": "user", "content": f"{NOBEL_DOCUMENT}\n\n{NOBEL_MESSAGES[1]['content']}"}]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    messages = [
+        NOBEL_MESSAGES[0],
+        {"role": "user", "content": f"{NOBEL_DOCUMENT}\n\n{NOBEL_MESSAGES[1]['content']}"},
+    ]
+    return tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
 
 
 def test_config_and_tokenizer_from_the_metadata(default_model):
     config = json.loads((default_model / "config.json").read_text())
-    assert {k: config[k] for k in ("architectures", "num_hidden_layers", "hidden_size", "num_attention_heads",
-                                   "num_key_value_heads", "intermediate_size", "vocab_size",
-                                   "max_position_embeddings", "tie_word_embeddings", "bos_token_id",
-                                   "eos_token_id", "rope_parameters")} == {
-        "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 30, "hidden_size": 576,
-        "num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536, "vocab_size": 49152,
-        "max_position_embeddings": 8192, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+    assert {
+        k: config[k]
+        for k in (
+            "architectures",
+            "num_hidden_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "intermediate_size",
+            "vocab_size",
+            "max_position_embeddings",
+            "tie_word_embeddings",
+            "bos_token_id",
+            "eos_token_id",
+            "rope_parameters",
+        )
+    } == {
+        "architectures": ["LlamaForCausalLM"],
+        "num_hidden_layers": 30,
+        "hidden_size": 576,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "intermediate_size": 1536,
+        "vocab_size": 49152,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
         "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0},
     }
     manifest = json.loads((default_model / "ragspeed_gguf.json").read_text())
@@ -41,11 +67,19 @@ def test_config_and_tokenizer_from_the_metadata(default_model):
     assert manifest["source"]["path"] == str(ZOO[DEFAULT_MODEL_NAME].source_file().resolve())
     tokenizer = AutoTokenizer.from_pretrained(str(default_model))
     assert len(tokenizer) == 49152
-    assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.eos_token_id) == ("<|im_start|>", "<|im_end|>", 2)
+    assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.eos_token_id) == (
+        "<|im_start|>",
+        "<|im_end|>",
+        2,
+    )
     assert tokenizer("<|im_start|>user\nHi<|im_end|>").input_ids == [1, 4093, 198, 26843, 2]
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
-    assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
-                    "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
+    )
+    assert text == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_native_greedy_equals_transformers_and_names_roentgen(default_model):
@@ -54,7 +88,9 @@ def test_native_greedy_equals_transformers_and_names_roentgen(default_model):
     model = AutoModelForCausalLM.from_pretrained(str(default_model), dtype=torch.float32).eval()
     expected = hf_greedy(model, prompt, 24)
     engine = make_engine(default_model, max_model_len=512)
-    request = GenerationRequest("r", tuple(prompt), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    request = GenerationRequest(
+        "r", tuple(prompt), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    )
     result = engine.generate([request])["r"]
     assert result["token_ids"] == expected
     assert "Wilhelm Conrad Röntgen" in result["text"]
@@ -66,7 +102,9 @@ def test_the_copy_equals_transformers_gguf_loading_of_the_wheel(default_model):
     from safetensors.torch import load_file
 
     source = ZOO[DEFAULT_MODEL_NAME].source_file()
-    reference = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(source.parent), gguf_file=source.name, dtype=torch.float32
+    )
     state = reference.state_dict()
     weights = load_file(str(default_model / "model.safetensors"))
     assert sorted(weights) == sorted(k for k in state if k != "lm_head.weight")

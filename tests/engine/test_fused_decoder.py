@@ -25,7 +25,10 @@ BLOCK_SIZE = 8
 def odd_llama(tmp_path_factory):
     """Sizes off the kernels' 16-wide vectors: hidden 48, head_dim 12, intermediate 72."""
     return build_tiny_checkpoint(
-        "llama", tmp_path_factory.mktemp("odd") / "llama", seed=5, hidden_size=48,
+        "llama",
+        tmp_path_factory.mktemp("odd") / "llama",
+        seed=5,
+        hidden_size=48,
         intermediate_size=72,
     )
 
@@ -45,11 +48,14 @@ def _step(loaded, chunks: list[tuple[list[int], int]], fused: bool):
         positions += range(context_len - num_queries, context_len)
         slot_mapping += slots(table, context_len - num_queries, context_len, BLOCK_SIZE)
     meta = build_metadata(
-        decode_tables=[t for t, _ in decodes], decode_context_lens=[n for _, n in decodes],
+        decode_tables=[t for t, _ in decodes],
+        decode_context_lens=[n for _, n in decodes],
         prefill_tables=[t for t, _, _ in verifications],
         prefill_context_lens=[n for _, n, _ in verifications],
         prefill_num_queries=[q for _, _, q in verifications],
-        slot_mapping=slot_mapping, block_size=BLOCK_SIZE, device="cpu",
+        slot_mapping=slot_mapping,
+        block_size=BLOCK_SIZE,
+        device="cpu",
     )
     ids = torch.randint(2, arch.vocab_size, (len(positions),), generator=generator)
     loaded.model.fused_decode = fused

@@ -33,7 +33,9 @@ PROMPT = [5, 17, 42, 99, 7, 230, 11, 64]
 
 def transformers_gguf_state(gguf_path: Path) -> dict[str, torch.Tensor]:
     """transformers' own reading of the file (its names, dequantization and Q/K un-permutation)."""
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    )
     return model.state_dict()
 
 
@@ -73,7 +75,9 @@ def test_native_greedy_from_the_gguf_equals_transformers_on_the_copy(llama_copy,
     assert engine.loaded.path == gguf_cache_dir(path, tmp_path)
     model = AutoModelForCausalLM.from_pretrained(str(converted), dtype=torch.float32).eval()
     expected = hf_greedy(model, PROMPT, 12)
-    request = GenerationRequest("r", tuple(PROMPT), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    request = GenerationRequest(
+        "r", tuple(PROMPT), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    )
     assert engine.generate([request])["r"]["token_ids"] == expected
 
 
@@ -81,12 +85,31 @@ def test_config_tokenizer_and_chat_template_from_the_metadata(llama_copy, tiny_c
     _, source, _, converted = llama_copy
     config = json.loads((converted / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
-    assert {k: config[k] for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
-                                   "intermediate_size", "vocab_size", "max_position_embeddings",
-                                   "tie_word_embeddings", "bos_token_id", "eos_token_id")} == {
-        "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "intermediate_size": 128, "vocab_size": 384, "max_position_embeddings": 512,
-        "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
+    assert {
+        k: config[k]
+        for k in (
+            "num_hidden_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "intermediate_size",
+            "vocab_size",
+            "max_position_embeddings",
+            "tie_word_embeddings",
+            "bos_token_id",
+            "eos_token_id",
+        )
+    } == {
+        "num_hidden_layers": 2,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": 384,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
     }
     assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}
     assert (converted / "chat_template.jinja").read_text() == CHAT_TEMPLATE
@@ -95,7 +118,10 @@ def test_config_tokenizer_and_chat_template_from_the_metadata(llama_copy, tiny_c
     for text in TOKENIZER_TEXT + ["<s>two specials</s>"]:
         assert tokenizer(text).input_ids == original(text).input_ids, text
     assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.model_max_length) == ("<s>", "</s>", 512)
-    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "<s>user: hi</s>"
+    assert (
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+        == "<s>user: hi</s>"
+    )
 
 
 def test_qwen2_tied_with_biases(tiny_checkpoints, tmp_path):
@@ -109,15 +135,18 @@ def test_qwen2_tied_with_biases(tiny_checkpoints, tmp_path):
     reference = transformers_gguf_state(path)
     assert all(torch.equal(w, reference[n]) for n, w in weights.items())
     model = AutoModelForCausalLM.from_pretrained(str(converted), dtype=torch.float32).eval()
-    request = GenerationRequest("r", tuple(PROMPT), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    request = GenerationRequest(
+        "r", tuple(PROMPT), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    )
     assert make_engine(converted).generate([request])["r"]["token_ids"] == hf_greedy(model, PROMPT, 12)
 
 
 @pytest.fixture(scope="module")
 def wide_llama(tmp_path_factory) -> Path:
     """In-features of 256, a whole K-quant block."""
-    return build_tiny_checkpoint("llama", tmp_path_factory.mktemp("wide") / "hf", seed=5,
-                                 hidden_size=256, intermediate_size=256)
+    return build_tiny_checkpoint(
+        "llama", tmp_path_factory.mktemp("wide") / "hf", seed=5, hidden_size=256, intermediate_size=256
+    )
 
 
 @pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
@@ -134,8 +163,10 @@ def test_k_quants_dequantize_as_gguf_and_transformers(wide_llama, tmp_path, qtyp
     reader = GGUFReader(path)
     v_proj = next(t for t in reader.tensors if t.name == "blk.1.attn_v.weight")
     assert v_proj.tensor_type.name == qtype
-    assert torch.equal(weights["model.layers.1.self_attn.v_proj.weight"],
-                       torch.from_numpy(dequantize(v_proj.data, v_proj.tensor_type)))
+    assert torch.equal(
+        weights["model.layers.1.self_attn.v_proj.weight"],
+        torch.from_numpy(dequantize(v_proj.data, v_proj.tensor_type)),
+    )
     assert all(torch.isfinite(w).all() for w in weights.values())
 
 
@@ -155,7 +186,10 @@ def test_a_type_without_dequantizer_is_named(wide_llama, tmp_path):
     with pytest.raises(GgufError) as error:
         converted_copy(path, tmp_path / "converted")
     # The first tensor of that type in the file (safetensors order: lm_head first).
-    assert str(error.value) == f"{path}: tensor output.weight has quantization type Q8_K, which the gguf package cannot dequantize"
+    assert (
+        str(error.value)
+        == f"{path}: tensor output.weight has quantization type Q8_K, which the gguf package cannot dequantize"
+    )
 
 
 def test_a_truncated_file_is_named(tiny_checkpoints, tmp_path):
@@ -172,13 +206,18 @@ def test_a_file_without_tokenizer_is_named(tiny_checkpoints, tmp_path):
     path = write_tiny_gguf(tiny_checkpoints["llama"], tmp_path / "bare.gguf", with_tokenizer=False)
     with pytest.raises(GgufError) as error:
         converted_copy(path, tmp_path / "converted")
-    assert str(error.value) == f"{path}: no tokenizer in the metadata (missing tokenizer.ggml.model, tokenizer.ggml.tokens)"
+    assert (
+        str(error.value)
+        == f"{path}: no tokenizer in the metadata (missing tokenizer.ggml.model, tokenizer.ggml.tokens)"
+    )
 
 
 def test_not_a_gguf_file(tmp_path):
     path = tmp_path / "notes.gguf"
     path.write_text("hello")
-    with pytest.raises(GgufError, match=r"notes.gguf is not a GGUF file \(it starts with b'hell', not b'GGUF'\)"):
+    with pytest.raises(
+        GgufError, match=r"notes.gguf is not a GGUF file \(it starts with b'hell', not b'GGUF'\)"
+    ):
         resolve_model(str(path), cache_dir=tmp_path)
     (tmp_path / "weights.bin").write_bytes(b"GGUF")
     with pytest.raises(ValueError, match="is a file, not a .gguf file"):
@@ -204,8 +243,13 @@ def test_converted_once_then_reused(tiny_gguf, tmp_path):
     assert folder == gguf_cache_dir(tiny_gguf, cache) and folder.parent == cache / "gguf"
     assert folder.name.startswith("tiny-")
     assert sorted(p.name for p in folder.iterdir()) == [
-        "chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
-        MANIFEST_NAME, "tokenizer.json", "tokenizer_config.json",
+        "chat_template.jinja",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        MANIFEST_NAME,
+        "tokenizer.json",
+        "tokenizer_config.json",
     ]
     manifest = json.loads((folder / MANIFEST_NAME).read_text())
     assert manifest["source"]["path"] == str(tiny_gguf.resolve())
@@ -236,17 +280,23 @@ def test_a_changed_source_is_reconverted(tiny_checkpoints, tiny_gguf, tmp_path):
     os.utime(tiny_gguf, ns=(3, 3))
     assert gguf_module.copy_problem(tiny_gguf, folder).startswith("source size")
     converted_copy(tiny_gguf, folder)
-    assert load_file(str(folder / "model.safetensors"))["model.layers.0.mlp.up_proj.weight"].dtype == torch.float16
+    assert (
+        load_file(str(folder / "model.safetensors"))["model.layers.0.mlp.up_proj.weight"].dtype
+        == torch.float16
+    )
     assert not list(tmp_path.glob(".*"))
 
 
-@pytest.mark.parametrize("damage, problem", [
-    ("truncate model.safetensors", "model.safetensors has 1,000 bytes, written with"),
-    ("delete tokenizer.json", "tokenizer.json is missing"),
-    ("garble manifest", "unreadable manifest"),
-    ("delete manifest", "no converted copy"),
-    ("old converter", "converter version 0, now 1"),
-])
+@pytest.mark.parametrize(
+    "damage, problem",
+    [
+        ("truncate model.safetensors", "model.safetensors has 1,000 bytes, written with"),
+        ("delete tokenizer.json", "tokenizer.json is missing"),
+        ("garble manifest", "unreadable manifest"),
+        ("delete manifest", "no converted copy"),
+        ("old converter", "converter version 0, now 1"),
+    ],
+)
 def test_a_damaged_copy_is_rebuilt(tiny_gguf, tmp_path, damage, problem):
     folder = converted_copy(tiny_gguf, tmp_path / "copy")
     expected = (folder / "model.safetensors").read_bytes()

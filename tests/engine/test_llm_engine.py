@@ -144,8 +144,14 @@ def test_unsupported_family_names_the_supported_ones(tmp_path, tiny_checkpoints)
 def test_sharded_bf16_checkpoint_with_llama3_rope_loads_and_computes_in_fp32(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
     path = build_tiny_checkpoint("llama", tmp_path / "src", seed=5, rope_parameters=rope)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     sharded = tmp_path / "sharded"

@@ -91,9 +91,7 @@ def test_no_logprobs_unless_asked_and_greedy_tokens_unchanged(llama_engine):
 @pytest.mark.parametrize("value", [-1, 21, 2.5, True])
 def test_bad_logprobs_name_the_parameter(llama_engine, value):
     with pytest.raises(EngineError) as err:
-        llama_engine.add_request(
-            GenerationRequest("bad", PROMPT, SamplingParams(logprobs=value))
-        )
+        llama_engine.add_request(GenerationRequest("bad", PROMPT, SamplingParams(logprobs=value)))
     assert err.value.param == "logprobs"
     assert not llama_engine.has_unfinished()
 

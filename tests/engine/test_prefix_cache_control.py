@@ -55,11 +55,35 @@ def test_native_pins_exports_and_restores_exact_blocks(tiny_checkpoints):
         await restore.unpin(salted)
         used_at_end = target.stats()["num_blocks_used"]
         await target.shutdown()
-        return (pinned, used_after_pin, kv, expected, used_after_unpin, same_fingerprint,
-                restored, used_after_restore, pool, cached, salted, used_at_end)
+        return (
+            pinned,
+            used_after_pin,
+            kv,
+            expected,
+            used_after_unpin,
+            same_fingerprint,
+            restored,
+            used_after_restore,
+            pool,
+            cached,
+            salted,
+            used_at_end,
+        )
 
-    (pinned, used_after_pin, kv, expected, used_after_unpin, same_fingerprint,
-     restored, used_after_restore, pool, cached, salted, used_at_end) = asyncio.run(main())
+    (
+        pinned,
+        used_after_pin,
+        kv,
+        expected,
+        used_after_unpin,
+        same_fingerprint,
+        restored,
+        used_after_restore,
+        pool,
+        cached,
+        salted,
+        used_at_end,
+    ) = asyncio.run(main())
     # warm() took blocks 0..4 for 37 tokens; the 4 full ones are cached and pinned.
     assert pinned == (0, 1, 2, 3)
     assert used_after_pin == 4 and used_after_unpin == 0
@@ -77,8 +101,9 @@ def test_native_pins_exports_and_restores_exact_blocks(tiny_checkpoints):
 
 def test_restore_while_the_pool_is_short_answers_none(tiny_checkpoints):
     async def main():
-        engine = NativeEngine(_config(tiny_checkpoints["llama"], max_model_len=40,
-                                      num_kv_cache_tokens=40))  # 5 blocks
+        engine = NativeEngine(
+            _config(tiny_checkpoints["llama"], max_model_len=40, num_kv_cache_tokens=40)
+        )  # 5 blocks
         await engine.start()
         cache = engine.prefix_cache()
         try:

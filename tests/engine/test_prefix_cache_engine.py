@@ -35,8 +35,10 @@ def run_one(engine, request_id, prompt, salt=None, params=GREEDY):
 
 @pytest.fixture(scope="module")
 def engines(tiny_checkpoints):
-    return {True: make_engine(tiny_checkpoints["llama"]),
-            False: make_engine(tiny_checkpoints["llama"], enable_prefix_caching=False)}
+    return {
+        True: make_engine(tiny_checkpoints["llama"]),
+        False: make_engine(tiny_checkpoints["llama"], enable_prefix_caching=False),
+    }
 
 
 def test_shared_full_blocks_skip_prefill_and_the_partial_tail_is_recomputed(tiny_checkpoints):
@@ -69,12 +71,15 @@ def test_cache_hits_under_chunked_prefill_and_preemption_keep_greedy_output(tiny
     cached = make_engine(tiny_checkpoints["llama"], **kwargs)
     plain = make_engine(tiny_checkpoints["llama"], enable_prefix_caching=False, **kwargs)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    requests = [GenerationRequest(f"r{i}", SHARED + (60 + i, 70 + i, 80 + i, 90 + i, 99), params)
-                for i in range(4)]
+    requests = [
+        GenerationRequest(f"r{i}", SHARED + (60 + i, 70 + i, 80 + i, 90 + i, 99), params) for i in range(4)
+    ]
     with_cache = cached.generate(requests)
     without = plain.generate(requests)
     assert cached.scheduler.num_preemptions > 0
-    assert {k: v["token_ids"] for k, v in with_cache.items()} == {k: v["token_ids"] for k, v in without.items()}
+    assert {k: v["token_ids"] for k, v in with_cache.items()} == {
+        k: v["token_ids"] for k, v in without.items()
+    }
     assert cached.stats()["prefix_cache_hits_tokens"] > 0
     cached.manager.check_invariants()
     assert cached.manager.num_free_blocks == cached.manager.num_blocks
@@ -127,7 +132,7 @@ def test_draft_tokens_never_enter_the_cache(tiny_checkpoints):
     assert out["token_ids"] == run_one(plain, "p", prompt, params=params)["token_ids"]
     committed = list(prompt) + out["token_ids"]
     bs = engine.manager.block_size
-    committed_blocks = {tuple(committed[i:i + bs]) for i in range(0, len(committed) - bs + 1, bs)}
+    committed_blocks = {tuple(committed[i : i + bs]) for i in range(0, len(committed) - bs + 1, bs)}
     cached = [block.token_ids for block in engine.manager.block_pool.cached_blocks.values()]
     assert cached and set(cached) <= committed_blocks
     engine.manager.check_invariants()

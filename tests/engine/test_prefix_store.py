@@ -40,7 +40,11 @@ def test_restored_prefix_is_a_hit_with_the_same_tokens(tiny_checkpoints, tmp_pat
     store = PrefixStore(tmp_path, engine_fingerprint(fresh))
     [(saved, kv)] = store.load_all()
     assert (saved.name, saved.token_ids, saved.text, saved.cache_salt) == (
-        "support", PREFIX, "the text", "tenant-a")
+        "support",
+        PREFIX,
+        "the text",
+        "tenant-a",
+    )
     assert tuple(kv.shape) == (2, 2, 5, 8, 2, 16)
     pinned = restore_prefix(fresh, saved.token_ids, kv, saved.cache_salt)
     assert len(pinned) == 5 and fresh.manager.num_pinned_blocks == 5

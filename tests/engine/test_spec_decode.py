@@ -84,9 +84,7 @@ def test_verify_greedy_accepts_the_agreeing_prefix_then_one_more():
 
 
 def test_adaptive_controller_follows_acceptance_and_pauses_after_misses():
-    controller = AdaptiveController(
-        4, max_verify_tokens=20, miss_limit=2, retry_after=3, smoothing=0.3
-    )
+    controller = AdaptiveController(4, max_verify_tokens=20, miss_limit=2, retry_after=3, smoothing=0.3)
 
     class R:  # any weak-referenceable object stands for a request
         pass
@@ -220,9 +218,7 @@ def _run(path, prompts, params=GREEDY, speculative=None, oracle=None, **override
 
 
 @pytest.mark.parametrize("family, proposer", [("qwen3", "ngram"), ("llama", "oracle")])
-def test_greedy_single_and_batched_identical_to_plain_decoding(
-    tiny_checkpoints, family, proposer
-):
+def test_greedy_single_and_batched_identical_to_plain_decoding(tiny_checkpoints, family, proposer):
     path = tiny_checkpoints[family]
     plain, _ = _run(path, PROMPTS)
     oracle = OracleProposer(PROMPTS, plain) if proposer == "oracle" else None
@@ -243,13 +239,15 @@ def test_greedy_identical_with_prefix_caching_chunked_prefill_and_preemption(tin
     plain, _ = _run(path, PROMPTS)
     oracle = OracleProposer(PROMPTS, plain)
     # chunked prefill: 16-token budget, drafts share it with prefill chunks
-    chunked, engine = _run(
-        path, PROMPTS, speculative="ngram", oracle=oracle, max_num_batched_tokens=16
-    )
+    chunked, engine = _run(path, PROMPTS, speculative="ngram", oracle=oracle, max_num_batched_tokens=16)
     assert chunked == plain and engine.stats()["spec_accepted_tokens"] > 0
     # preemption forced: a pool of 20 blocks x 8 tokens cannot hold 4 requests of ~80 tokens
     tight, engine = _run(
-        path, PROMPTS, speculative="ngram", oracle=oracle, num_kv_cache_tokens=160,
+        path,
+        PROMPTS,
+        speculative="ngram",
+        oracle=oracle,
+        num_kv_cache_tokens=160,
         max_model_len=128,
     )
     assert tight == plain and engine.scheduler.num_preemptions > 0
@@ -259,9 +257,7 @@ def test_greedy_identical_with_prefix_caching_chunked_prefill_and_preemption(tin
     speculate_every_step(engine)
     engine.speculator.proposer = oracle
     for round_ in range(2):
-        out = engine.generate(
-            [GenerationRequest(f"c{round_}{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
-        )
+        out = engine.generate([GenerationRequest(f"c{round_}{i}", p, GREEDY) for i, p in enumerate(PROMPTS)])
         assert [out[f"c{round_}{i}"]["token_ids"] for i in range(4)] == plain
     assert out["c10"]["num_cached_tokens"] > 0
     assert_all_blocks_free(engine)
@@ -374,8 +370,11 @@ def test_bench_spec_runs_on_the_demo_model(shared_data):
     from ragspeed.bench.spec import run_bench_spec
 
     result = run_bench_spec(
-        data_path=shared_data / "nq_dev.jsonl", num_prompts=2, max_tokens=16,
-        batch_max_tokens=4, repeats=1,
+        data_path=shared_data / "nq_dev.jsonl",
+        num_prompts=2,
+        max_tokens=16,
+        batch_max_tokens=4,
+        repeats=1,
     )
     assert result["outputs_identical"] is True
     assert 0 <= result["ngram_acceptance"] <= 1 and result["batch16_ratio"] > 0

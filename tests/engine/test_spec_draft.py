@@ -48,7 +48,8 @@ def drafts(tiny_checkpoints, tmp_path_factory) -> dict:
     weights = load_file(str(target / "model.safetensors"))
     save_file(
         {k: v for k, v in weights.items() if "layers.1." not in k},
-        str(half / "model.safetensors"), metadata={"format": "pt"},
+        str(half / "model.safetensors"),
+        metadata={"format": "pt"},
     )
     other = build_tiny_checkpoint("llama", root / "other", seed=7)
     return {"self": target, "half": half, "other": other}
@@ -64,9 +65,11 @@ def assert_both_pools_free(engine) -> None:
 
 def _run(path, prompts, draft_path=None, params=GREEDY, draft_quantization=None, **overrides):
     """Greedy runs with the draft unquantized unless asked: exact acceptance figures."""
-    speculative = dict(
-        speculative="draft", draft_model=str(draft_path), draft_quantization=draft_quantization
-    ) if draft_path else {}
+    speculative = (
+        dict(speculative="draft", draft_model=str(draft_path), draft_quantization=draft_quantization)
+        if draft_path
+        else {}
+    )
     engine = make_engine(path, **speculative, **overrides)
     if engine.speculator is not None:
         # Speculate in every step: these tests check the mechanism, not the measured switch
@@ -123,14 +126,11 @@ def test_draft_quantization_auto_is_int8_on_a_cpu(tiny_checkpoints, drafts):
     assert isinstance(draft_model.lm_head, Int8Linear)
     assert not isinstance(engine.loaded.model.lm_head, Int8Linear)  # the target stays unquantized
     with pytest.raises(EngineError, match="unknown quantization 'int4'") as err:
-        make_engine(path, speculative="draft", draft_model=str(drafts["half"]),
-                    draft_quantization="int4")
+        make_engine(path, speculative="draft", draft_model=str(drafts["half"]), draft_quantization="int4")
     assert err.value.param == "draft_quantization"
 
 
-def test_greedy_identical_with_chunked_prefill_preemption_and_prefix_caching(
-    tiny_checkpoints, drafts, plain
-):
+def test_greedy_identical_with_chunked_prefill_preemption_and_prefix_caching(tiny_checkpoints, drafts, plain):
     path, draft = tiny_checkpoints["llama"], drafts["half"]
     chunked, engine = _run(path, PROMPTS, draft, max_num_batched_tokens=16)
     assert chunked == plain and engine.stats()["spec_accepted_tokens"] > 0
@@ -141,9 +141,7 @@ def test_greedy_identical_with_chunked_prefill_preemption_and_prefix_caching(
     # prefix caching: the same prompts twice on one engine, the second round hits the cache
     engine = make_engine(path, speculative="draft", draft_model=str(draft))
     for round_ in range(2):
-        out = engine.generate(
-            [GenerationRequest(f"c{round_}{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
-        )
+        out = engine.generate([GenerationRequest(f"c{round_}{i}", p, GREEDY) for i, p in enumerate(PROMPTS)])
         assert [out[f"c{round_}{i}"]["token_ids"] for i in range(8)] == plain
     assert out["c17"]["num_cached_tokens"] > 0
     assert_both_pools_free(engine)
@@ -156,8 +154,7 @@ def test_fused_draft_steps_propose_what_the_step_by_step_loop_does(drafts, min_c
 
     loaded = load_model(drafts["half"], max_model_len=256)
     proposers = [
-        DraftProposer(loaded, num_blocks=64, block_size=8, device="cpu",
-                      min_confidence=min_confidence)
+        DraftProposer(loaded, num_blocks=64, block_size=8, device="cpu", min_confidence=min_confidence)
         for _ in range(2)
     ]
     proposers[1].fused_steps = False
@@ -199,12 +196,13 @@ def test_low_confidence_ends_a_draft_early(tiny_checkpoints, drafts, plain):
         engine = make_engine(path, speculative="draft", draft_model=str(drafts["half"]))
         engine.speculator.controller.adaptive = False  # k = 4 whenever the draft is confident
         engine.speculator.proposer = DraftProposer(
-            load_model(drafts["half"], max_model_len=256), num_blocks=512, block_size=8,
-            device="cpu", min_confidence=min_confidence,
+            load_model(drafts["half"], max_model_len=256),
+            num_blocks=512,
+            block_size=8,
+            device="cpu",
+            min_confidence=min_confidence,
         )
-        out = engine.generate(
-            [GenerationRequest(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
-        )
+        out = engine.generate([GenerationRequest(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)])
         assert [out[f"r{i}"]["token_ids"] for i in range(8)] == plain
         stats = engine.stats()
         counts.append(stats["spec_draft_tokens"] / stats["spec_verifications"])
@@ -213,9 +211,7 @@ def test_low_confidence_ends_a_draft_early(tiny_checkpoints, drafts, plain):
 
 
 def test_abort_frees_the_draft_blocks(tiny_checkpoints, drafts):
-    engine = make_engine(
-        tiny_checkpoints["llama"], speculative="draft", draft_model=str(drafts["half"])
-    )
+    engine = make_engine(tiny_checkpoints["llama"], speculative="draft", draft_model=str(drafts["half"]))
     for i, prompt in enumerate(PROMPTS[:3]):
         engine.add_request(GenerationRequest(f"a{i}", prompt, GREEDY))
     for _ in range(4):
@@ -255,8 +251,7 @@ def test_draft_with_another_tokenizer_fails_at_start_up(tiny_checkpoints, tmp_pa
     with pytest.raises(EngineError, match="needs a draft model"):
         make_engine(path, speculative="draft")
     for backend in ("transformers", "openai"):
-        config = EngineConfig(backend=backend, model=str(path), speculative="draft",
-                              draft_model=str(path))
+        config = EngineConfig(backend=backend, model=str(path), speculative="draft", draft_model=str(path))
         with pytest.raises(ValueError, match=f"backend '{backend}' has none"):
             build_engine(config)
 
@@ -274,15 +269,22 @@ def tiny_demo_target(tmp_path_factory):
     demo = resolve_model("ragspeed-demo")
     path = tmp_path_factory.mktemp("tiny-demo")
     config = LlamaConfig(
-        vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        vocab_size=4096,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
         initializer_range=0.2,
     )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                 "generation_config.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
         shutil.copy(f"{demo}/{name}", path / name)
     return path
 
@@ -310,22 +312,40 @@ def test_tiny_distillation_writes_a_loadable_draft_and_lowers_the_kd_loss(
     from ragspeed.training.distill import DistillRecipe, TrainingConfig, distill_draft
 
     recipe = DistillRecipe(
-        num_hidden_layers=1, init_from_layers=(0,), seq_len=128, batch_size=2, prompt_tokens=16,
-        max_new_tokens=16, max_chat_passages=1, generation_batch=8, num_eval_prompts=4,
-        training=TrainingConfig(learning_rate=1e-2, min_learning_rate=1e-3, warmup_steps=2,
-                                log_every=5, num_threads=1),
+        num_hidden_layers=1,
+        init_from_layers=(0,),
+        seq_len=128,
+        batch_size=2,
+        prompt_tokens=16,
+        max_new_tokens=16,
+        max_chat_passages=1,
+        generation_batch=8,
+        num_eval_prompts=4,
+        training=TrainingConfig(
+            learning_rate=1e-2, min_learning_rate=1e-3, warmup_steps=2, log_every=5, num_threads=1
+        ),
     )
     out = tmp_path / "draft"
     figures = distill_draft(
-        tiny_demo_target, out, data_dir=small_data, minutes=1.0, max_steps=30, recipe=recipe,
+        tiny_demo_target,
+        out,
+        data_dir=small_data,
+        minutes=1.0,
+        max_steps=30,
+        recipe=recipe,
         log=lambda _: None,
     )
     assert figures["steps"] == 30 and figures["num_continuations"] > 0
     assert figures["final_kd_loss"] < 0.8 * figures["first_kd_loss"]
     assert 0.0 <= figures["heldout_greedy_agreement"] <= 1.0
     assert sorted(p.name for p in out.iterdir()) == [
-        "README.md", "chat_template.jinja", "config.json", "generation_config.json",
-        "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+        "README.md",
+        "chat_template.jinja",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
     ]
     assert "final KD loss" in (out / "README.md").read_text()
     # the folder serves as a draft of its target
@@ -343,8 +363,11 @@ def test_bench_spec_runs_the_draft_contender(shared_data):
     from ragspeed.bench.spec import run_bench_spec
 
     result = run_bench_spec(
-        data_path=shared_data / "nq_dev.jsonl", num_prompts=2, max_tokens=16,
-        batch_max_tokens=4, repeats=1,
+        data_path=shared_data / "nq_dev.jsonl",
+        num_prompts=2,
+        max_tokens=16,
+        batch_max_tokens=4,
+        repeats=1,
     )
     assert result["draft_outputs_identical"] is True
     assert result["draft_acceptance"] > 0 and result["draft_speedup"] > 0

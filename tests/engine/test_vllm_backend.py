@@ -20,9 +20,16 @@ from ragspeed.engine.protocol import GenerationRequest, SamplingParams, TokenLog
 
 def test_engine_args_map_the_native_config():
     config = EngineConfig(
-        backend="vllm", model="m", dtype="bfloat16", block_size=32, num_kv_cache_tokens=65536,
-        max_num_seqs=64, max_num_batched_tokens=4096, enable_prefix_caching=False,
-        max_model_len=8192, seed=3,
+        backend="vllm",
+        model="m",
+        dtype="bfloat16",
+        block_size=32,
+        num_kv_cache_tokens=65536,
+        max_num_seqs=64,
+        max_num_batched_tokens=4096,
+        enable_prefix_caching=False,
+        max_model_len=8192,
+        seed=3,
     )
     assert vllm_engine_args(config, "/models/m") == {
         "model": "/models/m",
@@ -45,7 +52,9 @@ def test_quantization_and_speculative_decoding_are_mapped():
     )
     assert ngram["quantization"] == "fp8"
     assert ngram["speculative_config"] == {
-        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_max": 4,
         "prompt_lookup_min": 1,
     }
     draft = vllm_engine_args(EngineConfig(speculative="draft", draft_model="d"), "p")
@@ -65,12 +74,27 @@ def test_quantization_and_speculative_decoding_are_mapped():
 
 def test_sampling_params_are_mapped():
     params = SamplingParams(
-        max_tokens=5, temperature=0.7, top_p=0.9, top_k=0, min_p=0.05, seed=1,
-        stop=("\n\n",), stop_token_ids=(2,), ignore_eos=True,
+        max_tokens=5,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=0,
+        min_p=0.05,
+        seed=1,
+        stop=("\n\n",),
+        stop_token_ids=(2,),
+        ignore_eos=True,
     )
     assert vllm_sampling_kwargs(params) == {
-        "n": 1, "max_tokens": 5, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "min_p": 0.05,
-        "seed": 1, "stop": ["\n\n"], "stop_token_ids": [2], "ignore_eos": True,
+        "n": 1,
+        "max_tokens": 5,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": -1,
+        "min_p": 0.05,
+        "seed": 1,
+        "stop": ["\n\n"],
+        "stop_token_ids": [2],
+        "ignore_eos": True,
     }
 
 
@@ -103,7 +127,8 @@ def test_vllm_engine_streams_a_greedy_completion(tiny_checkpoints):
         await engine.start()
         try:
             request = GenerationRequest(
-                "v", tuple(range(10, 50)),
+                "v",
+                tuple(range(10, 50)),
                 SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
             )
             return [d async for d in engine.generate(request)]

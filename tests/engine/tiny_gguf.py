@@ -32,8 +32,11 @@ _LAYER_NAMES = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
-_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                 "lm_head.weight": "output.weight"}
+_GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
 
 
 def gguf_name(hf_name: str) -> str:
@@ -57,7 +60,7 @@ def random_k_quant_bytes(qtype_name: str, rows: int, cols: int, seed: int) -> np
     blocks = rng.integers(0, 256, size=(rows * cols // block_size, type_size), dtype=np.uint8)
     scales = (rng.uniform(0.001, 0.01, size=(blocks.shape[0], 1))).astype(np.float16).view(np.uint8)
     for offset in K_QUANT_SCALE_OFFSETS.get(qtype_name, ()):
-        blocks[:, offset:offset + 2] = scales
+        blocks[:, offset : offset + 2] = scales
     return blocks.reshape(rows, cols // block_size * type_size)
 
 

@@ -13,7 +13,9 @@ def test_gaussian_mixture_is_seeded_unit_and_clustered():
     assert np.array_equal(a, gaussian_mixture(1000, 32, num_clusters=4, seed=7))
     assert not np.array_equal(a[:10], gaussian_mixture(10, 32, num_clusters=4, seed=8))
     # Any row range is the same rows of the endless stream.
-    assert np.array_equal(gaussian_mixture(10, 32, 4, seed=7, first=65_536), gaussian_mixture(65_546, 32, 4, seed=7)[65_536:])
+    assert np.array_equal(
+        gaussian_mixture(10, 32, 4, seed=7, first=65_536), gaussian_mixture(65_546, 32, 4, seed=7)[65_536:]
+    )
     # Four clusters: a point's best neighbour is far closer than a random pair.
     sims = a[:100] @ a.T
     np.fill_diagonal(sims[:, :100], -1)
@@ -49,7 +51,11 @@ def test_evaluate_quality_on_a_tiny_file(tmp_path, embedder):
         ("Nile", "The Nile is the longest river in Africa."),
         ("Mount Everest", "Mount Everest is Earth's highest mountain above sea level."),
     ]
-    questions = ["in which city is the eiffel tower", "what is the longest river in africa", "what is the highest mountain"]
+    questions = [
+        "in which city is the eiffel tower",
+        "what is the longest river in africa",
+        "what is the highest mountain",
+    ]
     with open(tmp_path / "qa.jsonl", "w") as out:
         for gold, question in enumerate(questions):
             docs = [{"title": t, "text": x, "is_gold": i == gold} for i, (t, x) in enumerate(passages)]
@@ -64,6 +70,8 @@ def test_evaluate_quality_on_a_tiny_file(tmp_path, embedder):
 
 
 def test_eval_rejects_missing_data(tmp_path):
-    out = CliRunner().invoke(eval_group, ["retrieval", "--data", str(tmp_path / "none.jsonl"), "--scale-n", "0"])
+    out = CliRunner().invoke(
+        eval_group, ["retrieval", "--data", str(tmp_path / "none.jsonl"), "--scale-n", "0"]
+    )
     assert out.exit_code == 2
     assert out.output == f"error: --data {tmp_path / 'none.jsonl'} is not a file\n"

@@ -13,8 +13,12 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from ragspeed.bench.launcher import ServerProcess
 from ragspeed.engine.model_zoo import resolve_model
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                    "chat_template.jinja")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
 
 
 def build_tiny_llama(out_dir: Path, seed: int = 0) -> Path:
@@ -27,9 +31,15 @@ def build_tiny_llama(out_dir: Path, seed: int = 0) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(out_dir)
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=True,
     )
     LlamaForCausalLM(config).save_pretrained(out_dir)
@@ -43,17 +53,29 @@ def tiny_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def transformers_server(tiny_model):
-    with ServerProcess(["--engine", "transformers", "--model", str(tiny_model),
-                        "--served-model-name", "tiny"]) as server:
+    with ServerProcess(
+        ["--engine", "transformers", "--model", str(tiny_model), "--served-model-name", "tiny"]
+    ) as server:
         yield server
 
 
 @pytest.fixture(scope="session")
 def gateway_server(transformers_server, tiny_model):
     """A ragspeed gateway whose engine is the `openai` backend, forwarding to a second ragspeed."""
-    with ServerProcess(["--engine", "openai", "--model", str(tiny_model), "--served-model-name",
-                        "tiny-via-gateway", "--upstream", transformers_server.url,
-                        "--upstream-model", "tiny"]) as server:
+    with ServerProcess(
+        [
+            "--engine",
+            "openai",
+            "--model",
+            str(tiny_model),
+            "--served-model-name",
+            "tiny-via-gateway",
+            "--upstream",
+            transformers_server.url,
+            "--upstream-model",
+            "tiny",
+        ]
+    ) as server:
         yield server
 
 

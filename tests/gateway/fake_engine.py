@@ -61,8 +61,11 @@ class FakeEngine:
         self.model_name = config.model
         self.max_model_len = config.max_model_len or DEFAULT_MAX_MODEL_LEN
         self.block_size = config.block_size
-        self.num_blocks = (config.num_kv_cache_tokens // config.block_size
-                           if config.num_kv_cache_tokens else DEFAULT_NUM_BLOCKS)
+        self.num_blocks = (
+            config.num_kv_cache_tokens // config.block_size
+            if config.num_kv_cache_tokens
+            else DEFAULT_NUM_BLOCKS
+        )
         self.replies: deque[Reply] = deque()  # taken one per request; empty: the default reply
         self.requests: list[GenerationRequest] = []  # every request generate() was given
         self.aborted: list[str] = []  # ids stopped before their last delta (closed or abort())
@@ -124,8 +127,13 @@ class FakeEngine:
                 self._hold(request_id, num_prompt + index + 1)
                 last = index == len(pieces) - 1
                 ended = last
-                yield TokenDelta(piece, token_ids=(index + 1,), finish_reason=finish if last else None,
-                                 num_prompt_tokens=num_prompt, num_cached_tokens=reply.num_cached_tokens)
+                yield TokenDelta(
+                    piece,
+                    token_ids=(index + 1,),
+                    finish_reason=finish if last else None,
+                    num_prompt_tokens=num_prompt,
+                    num_cached_tokens=reply.num_cached_tokens,
+                )
             if not pieces:
                 ended = True
                 yield TokenDelta("", finish_reason=finish, num_prompt_tokens=num_prompt)
@@ -155,9 +163,12 @@ class FakeEngine:
 
     def stats(self) -> dict[str, float]:
         used = sum(self._blocks.values())
-        return {"num_blocks_total": float(self.num_blocks), "num_blocks_used": float(used),
-                "num_blocks_free": float(self.num_blocks - used),
-                "num_requests_running": float(len(self._running))}
+        return {
+            "num_blocks_total": float(self.num_blocks),
+            "num_blocks_used": float(used),
+            "num_blocks_free": float(self.num_blocks - used),
+            "num_requests_running": float(len(self._running)),
+        }
 
 
 async def _first(*events: asyncio.Event) -> None:

@@ -25,8 +25,9 @@ SERVED_MODEL = "tiny"
 
 def fake_settings(**overrides: Any) -> Settings:
     """Settings of a gateway over the fake engine: nothing persisted, nothing loaded."""
-    values: dict[str, Any] = dict(engine="fake", model="fake", served_model_name=SERVED_MODEL,
-                                  prompt_cache_dir=None, max_model_len=4096)
+    values: dict[str, Any] = dict(
+        engine="fake", model="fake", served_model_name=SERVED_MODEL, prompt_cache_dir=None, max_model_len=4096
+    )
     values.update(overrides)
     return Settings(**values)
 
@@ -59,8 +60,9 @@ class Lifespan:
         await self._task
 
 
-async def wait_for(check: Callable[[], Awaitable[bool]], what: str,
-                   timeout_s: float = READY_TIMEOUT_S) -> None:
+async def wait_for(
+    check: Callable[[], Awaitable[bool]], what: str, timeout_s: float = READY_TIMEOUT_S
+) -> None:
     """Poll `check` until it holds; fail naming `what` once `timeout_s` has passed."""
     deadline = time.monotonic() + timeout_s
     while not await check():
@@ -73,8 +75,7 @@ class GatewayClient(httpx.AsyncClient):
     """An httpx client over the app, which it also keeps for `hang_up` (raw ASGI)."""
 
     def __init__(self, app: Any):
-        super().__init__(transport=httpx.ASGITransport(app=app), base_url="http://gateway.test",
-                         timeout=60)
+        super().__init__(transport=httpx.ASGITransport(app=app), base_url="http://gateway.test", timeout=60)
         self.app = app
 
 
@@ -85,6 +86,7 @@ async def serve(settings: Settings, *, ready: bool = True) -> AsyncIterator[Gate
     async with Lifespan(app):
         async with GatewayClient(app) as client:
             if ready:
+
                 async def healthy() -> bool:
                     response = await client.get("/healthz")
                     if response.json().get("status") == "failed":
@@ -95,9 +97,15 @@ async def serve(settings: Settings, *, ready: bool = True) -> AsyncIterator[Gate
             yield client
 
 
-async def hang_up(client: GatewayClient, path: str, body: dict[str, Any], *, after_chunks: int = 0,
-                  when: asyncio.Event | None = None,
-                  headers: dict[str, str] | None = None) -> tuple[int | None, list[bytes]]:
+async def hang_up(
+    client: GatewayClient,
+    path: str,
+    body: dict[str, Any],
+    *,
+    after_chunks: int = 0,
+    when: asyncio.Event | None = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[int | None, list[bytes]]:
     """POST `body` to the app and disconnect, as a client closing its socket does, once
     `after_chunks` body chunks have arrived and `when` (if given) is set; returns the status
     (None: no response had started) and the chunks received. Returns once the app has returned.
@@ -105,15 +113,28 @@ async def hang_up(client: GatewayClient, path: str, body: dict[str, Any], *, aft
     `httpx.ASGITransport` reads a response whole, so this drives the app over ASGI itself.
     """
     payload = json.dumps(body).encode()
-    raw_headers = [(b"host", b"gateway.test"), (b"content-type", b"application/json"),
-                   (b"content-length", str(len(payload)).encode())]
+    raw_headers = [
+        (b"host", b"gateway.test"),
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(payload)).encode()),
+    ]
     raw_headers += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     # spec_version 2.3: the server reports a disconnect through `receive` (Starlette then
     # cancels the response), not by failing `send`.
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
-             "query_string": b"", "root_path": "", "headers": raw_headers,
-             "server": ("gateway.test", 80), "client": ("127.0.0.1", 50000)}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": raw_headers,
+        "server": ("gateway.test", 80),
+        "client": ("127.0.0.1", 50000),
+    }
     enough_chunks = asyncio.Event()
     if after_chunks == 0:
         enough_chunks.set()

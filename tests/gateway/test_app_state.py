@@ -40,8 +40,9 @@ class _IdleEngine:
 
 
 def test_the_pipeline_is_built_once_every_service_is_loaded(tmp_path):
-    settings = load_settings(engine="transformers", model="idle",
-                             collections_dir=str(tmp_path / "collections"))
+    settings = load_settings(
+        engine="transformers", model="idle", collections_dir=str(tmp_path / "collections")
+    )
     engines: list[_IdleEngine] = []
 
     def factory(config):
@@ -71,5 +72,9 @@ def test_the_pipeline_is_built_once_every_service_is_loaded(tmp_path):
     assert not state.prompts.pins  # the engine has no prefix cache
     pipeline = state.pipeline
     assert (pipeline.engine, pipeline.compress, pipeline.retrieve, pipeline.prompts) == (
-        engines[0], state.compression, state.retrieval, state.prompts)
+        engines[0],
+        state.compression,
+        state.retrieval,
+        state.prompts,
+    )
     assert pipeline.metrics is state.metrics and pipeline.settings is settings

@@ -12,11 +12,16 @@ from tests.real_model import NOBEL_DOCUMENT, NOBEL_MESSAGES, default_model_cache
 
 def test_serve_without_flags_answers_the_readme_question(tmp_path_factory):
     cache = default_model_cache(tmp_path_factory)  # converted here once; the server reads the manifest
-    with ServerProcess([],  # `ragspeed serve`, nothing else (the launcher adds host and port)
-                       env={"RAGSPEED_CACHE_DIR": str(cache)}) as server:
+    with ServerProcess(
+        [],  # `ragspeed serve`, nothing else (the launcher adds host and port)
+        env={"RAGSPEED_CACHE_DIR": str(cache)},
+    ) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
         completion = client.chat.completions.create(
-            model=DEFAULT_MODEL_NAME, messages=NOBEL_MESSAGES, max_tokens=32, temperature=0,
+            model=DEFAULT_MODEL_NAME,
+            messages=NOBEL_MESSAGES,
+            max_tokens=32,
+            temperature=0,
             extra_body={"documents": [NOBEL_DOCUMENT]},
         )
     answer = completion.choices[0].message.content

@@ -36,8 +36,12 @@ async def test_deltas_blocks_and_finish(engine):
         last = delta
     assert held == [3.0, 3.0, 3.0, 3.0, 4.0]  # ceil((20 + n) / 8) for n = 1..5
     assert (last.finish_reason, last.num_prompt_tokens) == ("stop", 20)
-    assert engine.stats() == {"num_blocks_total": 8.0, "num_blocks_used": 0.0, "num_blocks_free": 8.0,
-                              "num_requests_running": 0.0}
+    assert engine.stats() == {
+        "num_blocks_total": 8.0,
+        "num_blocks_used": 0.0,
+        "num_blocks_free": 8.0,
+        "num_requests_running": 0.0,
+    }
     assert (engine.finished, engine.aborted) == (["r1"], [])
 
 

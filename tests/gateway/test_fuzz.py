@@ -22,10 +22,26 @@ ALLOWED_STATUSES = {200, 400, 401, 403, 404, 405, 413, 429, 503, 504}
 
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_model, tmp_path_factory):
-    args = ["--engine", "transformers", "--model", str(tiny_model), "--served-model-name", "tiny",
-            "--max-model-len", "64", "--default-max-tokens", "4", "--request-timeout-s", "10",
-            "--collections-dir", str(tmp_path_factory.mktemp("fuzz-collections")),
-            "--prompt-cache-dir", str(tmp_path_factory.mktemp("fuzz-prompts")), "--log-level", "warning"]
+    args = [
+        "--engine",
+        "transformers",
+        "--model",
+        str(tiny_model),
+        "--served-model-name",
+        "tiny",
+        "--max-model-len",
+        "64",
+        "--default-max-tokens",
+        "4",
+        "--request-timeout-s",
+        "10",
+        "--collections-dir",
+        str(tmp_path_factory.mktemp("fuzz-collections")),
+        "--prompt-cache-dir",
+        str(tmp_path_factory.mktemp("fuzz-prompts")),
+        "--log-level",
+        "warning",
+    ]
     with ServerProcess(args) as server:
         yield server
 
@@ -35,7 +51,8 @@ def contract_statuses(ctx, response, case) -> None:
     status = response.status_code
     documented = {int(code) for code in case.operation.definition.raw.get("responses", {}) if code.isdigit()}
     assert status in ALLOWED_STATUSES | documented, (
-        f"status {status} for {case.method} {case.path}: {response.text[:300]}")
+        f"status {status} for {case.method} {case.path}: {response.text[:300]}"
+    )
     if status >= 400 and status != 405:
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"}, error
@@ -49,14 +66,24 @@ def test_every_operation_survives_generated_requests(fuzz_server, mode):
     schema = schemathesis.openapi.from_url(f"{fuzz_server.url}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {f"{op.method.upper()} {op.path}" for op in operations} >= {
-        "POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "GET /healthz", "GET /metrics"}
+        "POST /v1/chat/completions",
+        "POST /v1/completions",
+        "GET /v1/models",
+        "GET /healthz",
+        "GET /metrics",
+    }
     for operation in operations:
         if mode is GenerationMode.NEGATIVE and not (operation.body or operation.query):
             continue  # nothing to make invalid
 
         @given(case=operation.as_strategy(generation_mode=mode))
-        @settings(max_examples=10, deadline=None, derandomize=True, database=None,
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=10,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )
         def check(case) -> None:
             response = case.call(base_url=fuzz_server.url, timeout=30)
             case.validate_response(response, checks=[not_a_server_error, contract_statuses])

@@ -20,17 +20,31 @@ NUM_KV_TOKENS, BLOCK_SIZE = 8192, 16
 
 
 async def test_hundreds_of_streams_hung_up_mid_generation_free_every_block(tiny_model):
-    settings = Settings(engine="native", model=str(tiny_model), served_model_name="tiny", max_model_len=512,
-                        num_kv_cache_tokens=NUM_KV_TOKENS, block_size=BLOCK_SIZE, num_threads=1,
-                        prompt_cache_dir=None, max_concurrent_requests=CONCURRENCY)
+    settings = Settings(
+        engine="native",
+        model=str(tiny_model),
+        served_model_name="tiny",
+        max_model_len=512,
+        num_kv_cache_tokens=NUM_KV_TOKENS,
+        block_size=BLOCK_SIZE,
+        num_threads=1,
+        prompt_cache_dir=None,
+        max_concurrent_requests=CONCURRENCY,
+    )
     slots = asyncio.Semaphore(CONCURRENCY)
     statuses: dict[int, int | None] = {}
 
     async def one(i: int) -> None:
         # Prompts of 1 to 4 blocks, some sharing a prefix (prefix-cache hits on the way), each
         # hung up after 0 to 4 chunks of a generation that would run for 400 tokens.
-        body = {"prompt": "Once upon a time " * (1 + i % 12) + f"story {i}", "stream": True,
-                "max_tokens": 400, "ignore_eos": True, "temperature": 0.8, "seed": i}
+        body = {
+            "prompt": "Once upon a time " * (1 + i % 12) + f"story {i}",
+            "stream": True,
+            "max_tokens": 400,
+            "ignore_eos": True,
+            "temperature": 0.8,
+            "seed": i,
+        }
         async with slots:
             status, _ = await hang_up(client, "/v1/completions", body, after_chunks=i % 5)
         statuses[i] = status
@@ -40,8 +54,10 @@ async def test_hundreds_of_streams_hung_up_mid_generation_free_every_block(tiny_
 
         async def idle() -> bool:
             text = (await client.get("/metrics")).text
-            return metric(text, "ragspeed_engine_num_requests_running") == 0.0 and \
-                metric(text, "ragspeed_engine_num_requests_waiting") == 0.0
+            return (
+                metric(text, "ragspeed_engine_num_requests_running") == 0.0
+                and metric(text, "ragspeed_engine_num_requests_waiting") == 0.0
+            )
 
         await wait_for(idle, "idle", timeout_s=30)
         metrics = (await client.get("/metrics")).text

@@ -16,29 +16,49 @@ pytestmark = pytest.mark.anyio
 
 HI = [{"role": "user", "content": "hi"}]
 ACME_KEY, GLOBEX_KEY, SLOW_KEY, THRIFTY_KEY, ADMIN_KEY = (
-    "rs-acme-key-1", "rs-globex-key-2", "rs-slow-key-3", "rs-thrifty-key-4", "rs-admin-key-5")
+    "rs-acme-key-1",
+    "rs-globex-key-2",
+    "rs-slow-key-3",
+    "rs-thrifty-key-4",
+    "rs-admin-key-5",
+)
 
 
-@pytest.mark.parametrize("body, status, param", [
-    (b'{"messages": [', 400, None),
-    (b'{"model": "tiny"}', 400, "messages"),
-    (b'{"messages": []}', 400, "messages"),
-    (b'{"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}', 404, "model"),
-    (b'{"messages": [{"role": "user", "content": "hi"}], "n": 2}', 400, "n"),
-    (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": -5}', 400, "max_tokens"),
-    (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}', 400, "max_tokens"),
-    (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 3}', 400, "temperature"),
-    (b'{"messages": [{"role": "wizard", "content": "hi"}]}', 400, "messages.0.role"),
-    (b'{"messages": [{"role": "user", "content": "hi"}], "ragspeed": {"unknown": 1}}', 400, "ragspeed.unknown"),
-    (b'{"messages": [{"role": "user", "content": "hi"}], "ragspeed": {"compression": {"rate": 1.5}}}', 400,
-     "ragspeed.compression.rate"),
-    (b'{"messages": [{"role": "user", "content": "hi"}], "stop_token_ids": [999999]}', 400, "stop_token_ids"),
-    (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, "messages.0.content"),
-])
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        (b'{"messages": [', 400, None),
+        (b'{"model": "tiny"}', 400, "messages"),
+        (b'{"messages": []}', 400, "messages"),
+        (b'{"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}', 404, "model"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "n": 2}', 400, "n"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": -5}', 400, "max_tokens"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}', 400, "max_tokens"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 3}', 400, "temperature"),
+        (b'{"messages": [{"role": "wizard", "content": "hi"}]}', 400, "messages.0.role"),
+        (
+            b'{"messages": [{"role": "user", "content": "hi"}], "ragspeed": {"unknown": 1}}',
+            400,
+            "ragspeed.unknown",
+        ),
+        (
+            b'{"messages": [{"role": "user", "content": "hi"}], "ragspeed": {"compression": {"rate": 1.5}}}',
+            400,
+            "ragspeed.compression.rate",
+        ),
+        (
+            b'{"messages": [{"role": "user", "content": "hi"}], "stop_token_ids": [999999]}',
+            400,
+            "stop_token_ids",
+        ),
+        (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, "messages.0.content"),
+    ],
+)
 async def test_bad_input_gets_openai_style_error(fake, body, status, param):
     async with serve(fake_settings()) as client:
-        response = await client.post("/v1/chat/completions", content=body,
-                                     headers={"content-type": "application/json"})
+        response = await client.post(
+            "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+        )
         assert response.status_code == status, response.text
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"}
@@ -52,40 +72,59 @@ async def test_bad_input_gets_openai_style_error(fake, body, status, param):
 async def test_unknown_model_names_the_served_one(fake):
     async with serve(fake_settings()) as client:
         response = await client.post("/v1/completions", json={"model": "gpt-4", "prompt": "hi"})
-    assert response.json() == {"error": {
-        "message": f"the model 'gpt-4' does not exist; this server serves '{SERVED_MODEL}'",
-        "type": "not_found_error", "param": "model", "code": "model_not_found"}}
+    assert response.json() == {
+        "error": {
+            "message": f"the model 'gpt-4' does not exist; this server serves '{SERVED_MODEL}'",
+            "type": "not_found_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+    }
 
 
 async def test_prompt_longer_than_context_is_refused(fake):
     async with serve(fake_settings()) as client:
-        response = await client.post("/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": "word " * 6000}], "max_tokens": 4})
+        response = await client.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "word " * 6000}], "max_tokens": 4},
+        )
     assert response.status_code == 400
     error = response.json()["error"]
     assert (error["param"], error["code"]) == ("messages", "context_length_exceeded")
     assert error["message"].startswith("prompt (")
-    assert error["message"].endswith(" tokens) plus max_tokens (4) exceeds the model's context of 4096 tokens")
+    assert error["message"].endswith(
+        " tokens) plus max_tokens (4) exceeds the model's context of 4096 tokens"
+    )
 
 
 async def test_unknown_route_is_404_in_the_openai_shape(fake):
     async with serve(fake_settings()) as client:
         response = await client.get("/v1/nothing-here")
     assert response.status_code == 404
-    assert response.json() == {"error": {"message": "Not Found", "type": "not_found_error", "param": None,
-                                         "code": None}}
+    assert response.json() == {
+        "error": {"message": "Not Found", "type": "not_found_error", "param": None, "code": None}
+    }
 
 
 async def test_503_while_the_engine_loads_then_ready(fake):
     fake.start_gate = asyncio.Event()
     async with serve(fake_settings(), ready=False) as client:
         health = await client.get("/healthz")
-        assert (health.status_code, health.json(), health.headers["retry-after"]) == (503, {"status": "loading"}, "2")
+        assert (health.status_code, health.json(), health.headers["retry-after"]) == (
+            503,
+            {"status": "loading"},
+            "2",
+        )
         early = await client.post("/v1/chat/completions", json={"messages": HI})
         assert (early.status_code, early.headers["retry-after"]) == (503, "2")
-        assert early.json() == {"error": {"message": "the engine is still loading; retry shortly",
-                                          "type": "service_unavailable", "param": None,
-                                          "code": "engine_not_ready"}}
+        assert early.json() == {
+            "error": {
+                "message": "the engine is still loading; retry shortly",
+                "type": "service_unavailable",
+                "param": None,
+                "code": "engine_not_ready",
+            }
+        }
         fake.start_gate.set()
 
         async def ready() -> bool:
@@ -98,6 +137,7 @@ async def test_503_while_the_engine_loads_then_ready(fake):
 async def test_503_when_the_engine_failed_to_start(fake):
     fake.start_error = RuntimeError("weights not found")
     async with serve(fake_settings(), ready=False) as client:
+
         async def settled() -> bool:
             return (await client.get("/healthz")).json()["status"] != "loading"
 
@@ -107,19 +147,28 @@ async def test_503_when_the_engine_failed_to_start(fake):
     assert health.status_code == 503
     assert health.json() == {"status": "failed", "error": "RuntimeError: weights not found"}
     assert response.status_code == 503
-    assert response.json()["error"] == {"message": "the engine failed to start: RuntimeError: weights not found",
-                                        "type": "service_unavailable", "param": None, "code": "engine_failed"}
+    assert response.json()["error"] == {
+        "message": "the engine failed to start: RuntimeError: weights not found",
+        "type": "service_unavailable",
+        "param": None,
+        "code": "engine_failed",
+    }
 
 
 # ---------------------------------------------------------------------- API keys
 
 
 def keyed_settings(**overrides):
-    return fake_settings(api_keys=[
-        f"{hash_key(ACME_KEY)},tenant=acme", f"{hash_key(GLOBEX_KEY)},tenant=globex",
-        f"{hash_key(SLOW_KEY)},tenant=slow,requests_per_minute=2",
-        f"{hash_key(THRIFTY_KEY)},tenant=thrifty,tokens_per_minute=40"],
-        admin_key_hashes=[hash_key(ADMIN_KEY)], **overrides)
+    return fake_settings(
+        api_keys=[
+            f"{hash_key(ACME_KEY)},tenant=acme",
+            f"{hash_key(GLOBEX_KEY)},tenant=globex",
+            f"{hash_key(SLOW_KEY)},tenant=slow,requests_per_minute=2",
+            f"{hash_key(THRIFTY_KEY)},tenant=thrifty,tokens_per_minute=40",
+        ],
+        admin_key_hashes=[hash_key(ADMIN_KEY)],
+        **overrides,
+    )
 
 
 async def _chat(client, key: str | None, **extra):
@@ -135,9 +184,14 @@ async def test_missing_or_wrong_key_is_401_without_key_material(fake, caplog):
                 response = await _chat(client, key)
                 assert response.status_code == 401
                 assert response.headers["www-authenticate"] == "Bearer"
-                assert response.json() == {"error": {
-                    "message": "missing or invalid API key; send 'Authorization: Bearer <key>'",
-                    "type": "authentication_error", "param": None, "code": "invalid_api_key"}}
+                assert response.json() == {
+                    "error": {
+                        "message": "missing or invalid API key; send 'Authorization: Bearer <key>'",
+                        "type": "authentication_error",
+                        "param": None,
+                        "code": "invalid_api_key",
+                    }
+                }
             assert (await client.get("/v1/models")).status_code == 401
             basic = await client.get("/v1/models", headers={"Authorization": f"Basic {ACME_KEY}"})
             assert basic.status_code == 401
@@ -162,8 +216,12 @@ async def test_valid_keys_pass_and_admin_paths_need_the_admin_key(fake):
         for path in ("/v1/prompts", "/v1/collections/docs", "/v1/experiments"):
             denied = await client.get(path, headers={"Authorization": f"Bearer {ACME_KEY}"})
             assert denied.status_code == 403
-            assert denied.json()["error"] == {"message": f"{path} needs an admin key", "type": "permission_error",
-                                              "param": None, "code": "admin_key_required"}
+            assert denied.json()["error"] == {
+                "message": f"{path} needs an admin key",
+                "type": "permission_error",
+                "param": None,
+                "code": "admin_key_required",
+            }
             passed = await client.get(path, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
             assert passed.status_code not in (401, 403)
     # A tenant's salt always wins over the client's; the admin has a salt of its own.
@@ -186,7 +244,9 @@ async def test_requests_per_minute_is_429_with_retry_after(fake):
 
 
 async def test_tokens_per_minute_is_429_once_the_budget_is_spent(fake):
-    long_message = [{"role": "user", "content": "Tell me about prefix caching in paged attention engines. " * 4}]
+    long_message = [
+        {"role": "user", "content": "Tell me about prefix caching in paged attention engines. " * 4}
+    ]
     async with serve(keyed_settings()) as client:
         first = await _chat(client, THRIFTY_KEY, max_tokens=8, messages=long_message)
         assert first.status_code == 200  # admitted: the budget was not in debt

@@ -12,8 +12,10 @@ from tests.gateway.inprocess import SERVED_MODEL, fake_settings, metric, serve
 
 pytestmark = pytest.mark.anyio
 
-EXPERIMENT = ("name: live\nsticky_by: user\narms:\n  control: {weight: 1, ragspeed: {compression: false}}\n"
-              "  short:\n    weight: 1\n    engine: {max_model_len: 32}\n")
+EXPERIMENT = (
+    "name: live\nsticky_by: user\narms:\n  control: {weight: 1, ragspeed: {compression: false}}\n"
+    "  short:\n    weight: 1\n    engine: {max_model_len: 32}\n"
+)
 
 
 @pytest.fixture
@@ -66,8 +68,9 @@ async def test_live_server_splits_and_reports(fake, experiment_file):
     assert set(control["ttft_ms"]) == {"p50", "p90", "p99"} and control["e2e_ms"]["p50"] > 0
     assert listed["data"][0]["name"] == "live"
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "experiment_not_found"
-    assert metric(metrics, "ragspeed_e2e_request_latency_seconds_count", arm="short", model=SERVED_MODEL) == \
-        arms.count("short") + (arms[3] == "short")
+    assert metric(
+        metrics, "ragspeed_e2e_request_latency_seconds_count", arm="short", model=SERVED_MODEL
+    ) == arms.count("short") + (arms[3] == "short")
     assert fake.engines[0].shut_down and fake.engines[1].shut_down  # both stopped with the app
 
 
@@ -77,8 +80,12 @@ async def test_experiment_endpoints_without_an_experiment(fake):
         missing = await client.get("/v1/experiments/live")
         plain = await _chat(client, "hi", arm="control")  # no experiment: the header means nothing
     assert listed == {"object": "list", "data": []}
-    assert missing.json()["error"] == {"message": "no experiment named 'live' runs on this server",
-                                       "type": "not_found_error", "param": "name", "code": "experiment_not_found"}
+    assert missing.json()["error"] == {
+        "message": "no experiment named 'live' runs on this server",
+        "type": "not_found_error",
+        "param": "name",
+        "code": "experiment_not_found",
+    }
     assert plain.headers["x-ragspeed-arm"] == "default"
 
 
@@ -87,4 +94,6 @@ def test_a_bad_experiment_file_is_refused(tmp_path):
     path.write_text("arms:\n  a: {weight: 0}\n", encoding="utf-8")
     with pytest.raises(ConfigError) as exc:
         create_app(fake_settings(experiment=str(path)))
-    assert str(exc.value) == f"experiment: {path}:1: key 'arms': the arms' weights must sum to a positive number"
+    assert (
+        str(exc.value) == f"experiment: {path}:1: key 'arms': the arms' weights must sum to a positive number"
+    )

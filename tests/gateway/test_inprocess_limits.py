@@ -17,8 +17,14 @@ pytestmark = pytest.mark.anyio
 
 
 def small_limits(**overrides):
-    return fake_settings(max_body_bytes=2048, max_documents=2, max_prompt_tokens=200,
-                         max_concurrent_requests=1, max_queued_requests=1, **overrides)
+    return fake_settings(
+        max_body_bytes=2048,
+        max_documents=2,
+        max_prompt_tokens=200,
+        max_concurrent_requests=1,
+        max_queued_requests=1,
+        **overrides,
+    )
 
 
 async def test_body_size_is_413_by_content_length_and_by_streamed_body(fake):
@@ -31,44 +37,66 @@ async def test_body_size_is_413_by_content_length_and_by_streamed_body(fake):
         yield b'"}]}'
 
     async with serve(small_limits()) as client:
-        declared = await client.post("/v1/chat/completions", content=big,
-                                     headers={"content-type": "application/json"})
-        streamed = await client.post("/v1/chat/completions", content=chunked(),
-                                     headers={"content-type": "application/json"})
+        declared = await client.post(
+            "/v1/chat/completions", content=big, headers={"content-type": "application/json"}
+        )
+        streamed = await client.post(
+            "/v1/chat/completions", content=chunked(), headers={"content-type": "application/json"}
+        )
         metrics = (await client.get("/metrics")).text
     assert declared.status_code == 413
     assert declared.json()["error"] == {
         "message": f"the request body is {len(big)} bytes; the limit is 2048 bytes (max_body_bytes)",
-        "type": "invalid_request_error", "param": None, "code": "body_too_large"}
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "body_too_large",
+    }
     assert "content-length" not in streamed.request.headers
     assert streamed.status_code == 413
     assert streamed.json()["error"]["message"] == (
-        "the request body is larger than that; the limit is 2048 bytes (max_body_bytes)")
+        "the request body is larger than that; the limit is 2048 bytes (max_body_bytes)"
+    )
     assert metric(metrics, "ragspeed_rejected_requests_total", reason="body_too_large") == 2.0
     assert fake.engine.requests == []
 
 
 async def test_a_content_length_that_is_no_number_is_400(fake):
     async with serve(small_limits()) as client:
-        response = await client.post("/v1/completions", content=b"{}",
-                                     headers={"content-type": "application/json", "content-length": "two"})
+        response = await client.post(
+            "/v1/completions",
+            content=b"{}",
+            headers={"content-type": "application/json", "content-length": "two"},
+        )
     assert response.status_code == 400
-    assert response.json()["error"] == {"message": "the Content-Length header is not a number",
-                                        "type": "invalid_request_error", "param": "Content-Length",
-                                        "code": "invalid_request"}
+    assert response.json()["error"] == {
+        "message": "the Content-Length header is not a number",
+        "type": "invalid_request_error",
+        "param": "Content-Length",
+        "code": "invalid_request",
+    }
 
 
 async def test_documents_and_prompt_tokens_are_400_naming_the_limit(fake):
     async with serve(small_limits()) as client:
-        three = await client.post("/v1/chat/completions", json={
-            "model": SERVED_MODEL, "messages": [{"role": "user", "content": "q"}],
-            "documents": ["a", "b", "c"], "max_tokens": 1})
-        wordy = await client.post("/v1/completions", json={"model": SERVED_MODEL, "prompt": "word " * 300,
-                                                           "max_tokens": 1})
+        three = await client.post(
+            "/v1/chat/completions",
+            json={
+                "model": SERVED_MODEL,
+                "messages": [{"role": "user", "content": "q"}],
+                "documents": ["a", "b", "c"],
+                "max_tokens": 1,
+            },
+        )
+        wordy = await client.post(
+            "/v1/completions", json={"model": SERVED_MODEL, "prompt": "word " * 300, "max_tokens": 1}
+        )
     assert three.status_code == 400
-    assert three.json()["error"] == {"message": "the request has 3 documents; the limit is 2 (max_documents)",
-                                     "type": "invalid_request_error", "param": "documents",
-                                     "code": "too_many_documents"}
+    assert three.json()["error"] == {
+        "message": "the request has 3 documents; the limit is 2 (max_documents)",
+        "type": "invalid_request_error",
+        "param": "documents",
+        "code": "too_many_documents",
+    }
     assert wordy.status_code == 400
     error = wordy.json()["error"]
     assert (error["param"], error["code"]) == ("prompt", "prompt_too_long")
@@ -92,7 +120,11 @@ async def test_concurrency_limit_queues_then_sheds_with_429(fake):
         assert shed.status_code == 429 and shed.headers["retry-after"] == "1"
         assert shed.json()["error"] == {
             "message": "the server is at capacity: 1 requests running and 1 queued (max_queued_requests); "
-                       "retry later", "type": "rate_limit_error", "param": None, "code": "queue_full"}
+            "retry later",
+            "type": "rate_limit_error",
+            "param": None,
+            "code": "queue_full",
+        }
         assert len(fake.engine.requests) == 1
         stall.release.set()
         assert (await holder).status_code == 200
@@ -113,7 +145,10 @@ async def test_a_wait_past_queue_timeout_is_429(fake):
         assert (await holder).status_code == 200
     assert (late.status_code, late.headers["retry-after"]) == (429, "1")
     assert late.json()["error"]["code"] == "queue_timeout"
-    assert late.json()["error"]["message"] == "no request slot freed within 0.05 s (queue_timeout_s); retry later"
+    assert (
+        late.json()["error"]["message"]
+        == "no request slot freed within 0.05 s (queue_timeout_s); retry later"
+    )
 
 
 async def test_deadline_aborts_the_request(fake):
@@ -126,8 +161,12 @@ async def test_deadline_aborts_the_request(fake):
         quick = await client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 2})
         metrics = (await client.get("/metrics")).text
     assert whole.status_code == 504, whole.text
-    assert whole.json()["error"] == {"message": "the request ran past its deadline of 0.2 s (request_timeout_s)",
-                                     "type": "upstream_timeout", "param": None, "code": "deadline_exceeded"}
+    assert whole.json()["error"] == {
+        "message": "the request ran past its deadline of 0.2 s (request_timeout_s)",
+        "type": "upstream_timeout",
+        "param": None,
+        "code": "deadline_exceeded",
+    }
     assert streamed.status_code == 200
     events = sse_events(streamed.text)
     assert events[-1] == "[DONE]"

@@ -14,38 +14,55 @@ pytestmark = pytest.mark.anyio
 SYSTEM = "Answer from the documents."
 QUESTION = "Who received the first Nobel Prize in Physics?"
 DOCUMENTS = [
-    {"title": "Nobel Prize in Physics",
-     "text": "The first Nobel Prize in Physics was awarded in 1901 to Wilhelm Conrad Röntgen."},
+    {
+        "title": "Nobel Prize in Physics",
+        "text": "The first Nobel Prize in Physics was awarded in 1901 to Wilhelm Conrad Röntgen.",
+    },
     "John Bardeen is the only laureate to win the prize twice.",
 ]
 
 
 def chat_body(**extra) -> dict:
-    return {"model": SERVED_MODEL, "max_tokens": 8, "temperature": 0,
-            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}],
-            **extra}
+    return {
+        "model": SERVED_MODEL,
+        "max_tokens": 8,
+        "temperature": 0,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}],
+        **extra,
+    }
 
 
 async def test_documents_go_into_the_prompt_between_system_and_question(fake, demo_tokenizer):
     async with serve(fake_settings()) as client:
-        response = await client.post("/v1/chat/completions", json=chat_body(
-            documents=DOCUMENTS, ragspeed={"return_prompt": True}))
+        response = await client.post(
+            "/v1/chat/completions", json=chat_body(documents=DOCUMENTS, ragspeed={"return_prompt": True})
+        )
         bare = await client.post("/v1/chat/completions", json=chat_body())
     assert response.status_code == 200, response.text
     body = response.json()
     prompt = body["ragspeed"]["prompt"]
-    assert prompt.index(SYSTEM) < prompt.index("Wilhelm Conrad Röntgen") < prompt.index(
-        "John Bardeen") < prompt.index(QUESTION)
+    assert (
+        prompt.index(SYSTEM)
+        < prompt.index("Wilhelm Conrad Röntgen")
+        < prompt.index("John Bardeen")
+        < prompt.index(QUESTION)
+    )
     # The engine got exactly that prompt, tokenized, with the static system prompt marked.
     sent, sent_bare = fake.engine.requests
     assert sent.prompt == prompt
     assert list(sent.prompt_token_ids) == demo_tokenizer.encode(prompt, add_special_tokens=False)
     assert body["ragspeed"]["num_static_tokens"] == sent.num_static_tokens > 0
-    assert sent.prompt_token_ids[: sent.num_static_tokens] == sent_bare.prompt_token_ids[: sent.num_static_tokens]
+    assert (
+        sent.prompt_token_ids[: sent.num_static_tokens]
+        == sent_bare.prompt_token_ids[: sent.num_static_tokens]
+    )
     assert (sent.sampling.max_tokens, sent.sampling.temperature) == (8, 0.0)
-    assert body["usage"] == {"prompt_tokens": len(sent.prompt_token_ids), "completion_tokens": 5,
-                             "total_tokens": len(sent.prompt_token_ids) + 5,
-                             "prompt_tokens_details": {"cached_tokens": 0}}
+    assert body["usage"] == {
+        "prompt_tokens": len(sent.prompt_token_ids),
+        "completion_tokens": 5,
+        "total_tokens": len(sent.prompt_token_ids) + 5,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert bare.json()["usage"]["prompt_tokens"] > 0
     assert body["usage"]["prompt_tokens"] > bare.json()["usage"]["prompt_tokens"] + 30
     assert "prompt" not in bare.json()["ragspeed"]  # only echoed when asked
@@ -57,12 +74,24 @@ async def test_chat_body_shape_and_timings(fake):
     body = response.json()
     assert body["object"] == "chat.completion" and body["model"] == SERVED_MODEL
     assert body["id"] == f"chatcmpl-{body['ragspeed']['request_id']}"
-    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "The answer is 42."},
-                                "finish_reason": "stop", "logprobs": None}]
+    assert body["choices"] == [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "The answer is 42."},
+            "finish_reason": "stop",
+            "logprobs": None,
+        }
+    ]
     ragspeed = body["ragspeed"]
     assert ragspeed["arm"] == "default"
     # Documents pass the compression stage; with no method configured it sends them as they are.
-    assert set(ragspeed["timings_ms"]) == {"segments", "compression", "prompt", "engine_first_token", "decode"}
+    assert set(ragspeed["timings_ms"]) == {
+        "segments",
+        "compression",
+        "prompt",
+        "engine_first_token",
+        "decode",
+    }
     assert "compression" not in ragspeed
     assert all(ms >= 0 for ms in ragspeed["timings_ms"].values())
     assert 0 < ragspeed["ttft_ms"] <= ragspeed["e2e_ms"]
@@ -95,18 +124,24 @@ async def test_documents_between_markers_equal_documents_field(fake):
     plain = [d if isinstance(d, str) else d["text"] for d in DOCUMENTS]
     marked = "".join(f"<document>{text}</document>" for text in plain)
     async with serve(fake_settings()) as client:
-        await client.post("/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": f"{marked}\n{QUESTION}"}], "max_tokens": 4})
-        await client.post("/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 4, "documents": plain})
+        await client.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": f"{marked}\n{QUESTION}"}], "max_tokens": 4},
+        )
+        await client.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 4, "documents": plain},
+        )
     from_markers, from_field = fake.engine.requests
     assert from_markers.prompt_token_ids == from_field.prompt_token_ids
 
 
 async def test_text_completion_sends_the_prompt_as_is(fake, demo_tokenizer):
     async with serve(fake_settings()) as client:
-        response = await client.post("/v1/completions", json={
-            "prompt": "The first Nobel Prize", "max_tokens": 3, "seed": 7, "stop": ["x"]})
+        response = await client.post(
+            "/v1/completions",
+            json={"prompt": "The first Nobel Prize", "max_tokens": 3, "seed": 7, "stop": ["x"]},
+        )
         by_ids = await client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 1})
     body = response.json()
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
@@ -124,7 +159,9 @@ async def test_models_health_and_metrics(fake):
         models = (await client.get("/v1/models")).json()
         health = (await client.get("/healthz")).json()
         metrics = (await client.get("/metrics")).text
-    assert [(m["id"], m["max_model_len"], m["engine"]) for m in models["data"]] == [(SERVED_MODEL, 4096, "fake")]
+    assert [(m["id"], m["max_model_len"], m["engine"]) for m in models["data"]] == [
+        (SERVED_MODEL, 4096, "fake")
+    ]
     assert health == {"status": "ok", "model": SERVED_MODEL, "engine": "fake"}
     labels = {"model": SERVED_MODEL, "arm": "default"}
     assert metric(metrics, "ragspeed_time_to_first_token_seconds_count", **labels) == 1.0

@@ -56,7 +56,11 @@ def test_admission_queue_is_fifo_and_bounded():
         assert (queue.active, queue.waiting) == (1, 2)
         with pytest.raises(APIError) as full:
             await queue.enter()
-        assert (full.value.status_code, full.value.code, full.value.headers) == (429, "queue_full", {"Retry-After": "1"})
+        assert (full.value.status_code, full.value.code, full.value.headers) == (
+            429,
+            "queue_full",
+            {"Retry-After": "1"},
+        )
         queue.leave()  # hands the slot to "a", then "a" hands it to "b"
         await asyncio.gather(a, b)
         events.append(f"active={queue.active} waiting={queue.waiting}")
@@ -71,7 +75,11 @@ def test_admission_queue_wait_times_out_and_cancelled_waiters_leave():
         await queue.enter()
         with pytest.raises(APIError) as late:
             await queue.enter()
-        assert (late.value.status_code, late.value.code, late.value.headers) == (429, "queue_timeout", {"Retry-After": "1"})
+        assert (late.value.status_code, late.value.code, late.value.headers) == (
+            429,
+            "queue_timeout",
+            {"Retry-After": "1"},
+        )
         assert queue.waiting == 0
         queue.max_wait_s = 5.0
         gone = asyncio.create_task(queue.enter())
@@ -112,23 +120,42 @@ def _dead_upstream() -> str:
 
 def test_upstream_connect_errors_retry_and_open_the_circuit(tiny_model, transformers_server):
     async def scenario() -> None:
-        request = GenerationRequest("r1", (1, 2, 3), SamplingParams(max_tokens=2, temperature=0.0), prompt="Hello")
+        request = GenerationRequest(
+            "r1", (1, 2, 3), SamplingParams(max_tokens=2, temperature=0.0), prompt="Hello"
+        )
         # A dead upstream first, a live one second: the refused connect is retried on the live one.
-        engine = OpenAIEngine(EngineConfig(backend="openai", model=str(tiny_model), upstream_model="tiny",
-                                           upstreams=(_dead_upstream(), transformers_server.url),
-                                           upstream_circuit_failures=1))
+        engine = OpenAIEngine(
+            EngineConfig(
+                backend="openai",
+                model=str(tiny_model),
+                upstream_model="tiny",
+                upstreams=(_dead_upstream(), transformers_server.url),
+                upstream_circuit_failures=1,
+            )
+        )
         await engine.start()
         deltas = [d async for d in engine.generate(request)]
         assert deltas[-1].finish_reason in ("length", "stop")
-        assert engine.stats() == {"requests_total": 1.0, "upstream_errors_total": 1.0,
-                                  "upstream_retries_total": 1.0, "upstream_circuits_open": 1.0}
+        assert engine.stats() == {
+            "requests_total": 1.0,
+            "upstream_errors_total": 1.0,
+            "upstream_retries_total": 1.0,
+            "upstream_circuits_open": 1.0,
+        }
         deltas = [d async for d in engine.generate(request)]  # the open circuit is skipped: no retry
         assert engine.stats()["upstream_retries_total"] == 1.0
         await engine.shutdown()
 
         # Only dead upstreams: 3 attempts, then the error; at 5 failures the circuit opens (503).
-        engine = OpenAIEngine(EngineConfig(backend="openai", model=str(tiny_model), upstreams=(_dead_upstream(),),
-                                           upstream_max_retries=2, upstream_circuit_failures=5))
+        engine = OpenAIEngine(
+            EngineConfig(
+                backend="openai",
+                model=str(tiny_model),
+                upstreams=(_dead_upstream(),),
+                upstream_max_retries=2,
+                upstream_circuit_failures=5,
+            )
+        )
         await engine.start()
         with pytest.raises(UpstreamError) as first:
             [d async for d in engine.generate(request)]
@@ -136,8 +163,12 @@ def test_upstream_connect_errors_retry_and_open_the_circuit(tiny_model, transfor
         with pytest.raises(UpstreamError) as second:
             [d async for d in engine.generate(request)]
         assert (second.value.status_code, second.value.code) == (503, "upstream_unavailable")
-        assert engine.stats() == {"requests_total": 2.0, "upstream_errors_total": 5.0,
-                                  "upstream_retries_total": 4.0, "upstream_circuits_open": 1.0}
+        assert engine.stats() == {
+            "requests_total": 2.0,
+            "upstream_errors_total": 5.0,
+            "upstream_retries_total": 4.0,
+            "upstream_circuits_open": 1.0,
+        }
         await engine.shutdown()
 
     asyncio.run(scenario())
@@ -166,8 +197,14 @@ def _refuses_connections(server: ServerProcess, timeout_s: float) -> bool:
 def _stream_through_sigterm(server: ServerProcess, max_tokens: int) -> tuple[list[str], float]:
     """Start a stream, SIGTERM the server after its first chunk, read what arrives; returns the
     data lines and the seconds from the signal to the server's exit."""
-    body = {"model": "tiny", "prompt": "Once", "stream": True, "max_tokens": max_tokens,
-            "ignore_eos": True, "temperature": 0}
+    body = {
+        "model": "tiny",
+        "prompt": "Once",
+        "stream": True,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
     lines: list[str] = []
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as stream:
         iterator = stream.iter_lines()
@@ -191,8 +228,18 @@ def _assert_clean_exit(server: ServerProcess) -> None:
 
 
 def test_sigterm_drains_a_stream_in_flight(tiny_model):
-    server = ServerProcess(["--engine", "transformers", "--model", str(tiny_model), "--served-model-name", "tiny",
-                            "--shutdown-drain-s", "60"]).start()
+    server = ServerProcess(
+        [
+            "--engine",
+            "transformers",
+            "--model",
+            str(tiny_model),
+            "--served-model-name",
+            "tiny",
+            "--shutdown-drain-s",
+            "60",
+        ]
+    ).start()
     try:
         lines, _ = _stream_through_sigterm(server, max_tokens=200)
         assert lines[-1] == "data: [DONE]"
@@ -203,8 +250,20 @@ def test_sigterm_drains_a_stream_in_flight(tiny_model):
 
 
 def test_sigterm_aborts_streams_past_the_drain_deadline(tiny_model):
-    server = ServerProcess(["--engine", "transformers", "--model", str(tiny_model), "--served-model-name", "tiny",
-                            "--shutdown-drain-s", "0.5", "--request-timeout-s", "600"]).start()
+    server = ServerProcess(
+        [
+            "--engine",
+            "transformers",
+            "--model",
+            str(tiny_model),
+            "--served-model-name",
+            "tiny",
+            "--shutdown-drain-s",
+            "0.5",
+            "--request-timeout-s",
+            "600",
+        ]
+    ).start()
     try:
         lines, exit_s = _stream_through_sigterm(server, max_tokens=LONG["max_tokens"])
         assert "data: [DONE]" not in lines  # cut, not finished

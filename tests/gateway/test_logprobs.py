@@ -16,9 +16,22 @@ MESSAGES = [{"role": "user", "content": "Name three colours of the rainbow."}]
 
 @pytest.fixture(scope="module")
 def native_server(tiny_model):
-    with ServerProcess(["--engine", "native", "--model", str(tiny_model), "--served-model-name", "tiny",
-                        "--max-model-len", "512", "--num-kv-cache-tokens", "2048",
-                        "--log-level", "warning"]) as server:
+    with ServerProcess(
+        [
+            "--engine",
+            "native",
+            "--model",
+            str(tiny_model),
+            "--served-model-name",
+            "tiny",
+            "--max-model-len",
+            "512",
+            "--num-kv-cache-tokens",
+            "2048",
+            "--log-level",
+            "warning",
+        ]
+    ) as server:
         yield server
 
 
@@ -41,8 +54,16 @@ def _check_entry(entry, num_top):
 
 
 def test_chat_logprobs_whole_and_streamed_agree(client):
-    kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=8, temperature=0, seed=1,
-                  logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    kwargs = dict(
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=8,
+        temperature=0,
+        seed=1,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
     whole = client.chat.completions.create(**kwargs)
     content = whole.choices[0].logprobs.content
     assert len(content) == whole.usage.completion_tokens == 8
@@ -60,24 +81,33 @@ def test_chat_logprobs_whole_and_streamed_agree(client):
     assert [e.token for e in streamed] == [e.token for e in content]
     assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-5)
     assert [[t.token for t in e.top_logprobs] for e in streamed] == [
-        [t.token for t in e.top_logprobs] for e in content]
+        [t.token for t in e.top_logprobs] for e in content
+    ]
 
 
 def test_logprobs_without_alternatives_and_off_by_default(client):
-    out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4,
-                                         temperature=0, logprobs=True)
+    out = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True
+    )
     assert [e.top_logprobs for e in out.choices[0].logprobs.content] == [[]] * out.usage.completion_tokens
     plain = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, temperature=0)
     assert plain.choices[0].logprobs is None
     assert plain.choices[0].message.content == out.choices[0].message.content
-    for chunk in client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4,
-                                                temperature=0, stream=True):
+    for chunk in client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=4, temperature=0, stream=True
+    ):
         assert not chunk.choices or chunk.choices[0].logprobs is None
 
 
 def test_legacy_completions_logprobs(client):
-    kwargs = dict(model="tiny", prompt="Paris is the capital of", max_tokens=6, temperature=0,
-                  logprobs=2, extra_body={"ignore_eos": True})
+    kwargs = dict(
+        model="tiny",
+        prompt="Paris is the capital of",
+        max_tokens=6,
+        temperature=0,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     whole = client.completions.create(**kwargs)
     lp = whole.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
@@ -93,13 +123,16 @@ def test_legacy_completions_logprobs(client):
     assert streamed == lp.tokens
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"top_logprobs": 3}, "top_logprobs"),
-    ({"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
-    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
-    ({"logprobs": "yes please"}, "logprobs"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+        ({"logprobs": "yes please"}, "logprobs"),
+    ],
+)
 def test_bad_chat_logprobs_are_400_naming_the_parameter(client, native_server, body, param):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, **body)
@@ -110,7 +143,10 @@ def test_bad_chat_logprobs_are_400_naming_the_parameter(client, native_server, b
 
 @pytest.mark.parametrize("value", [21, -1])
 def test_bad_completion_logprobs_are_400(native_server, value):
-    response = httpx.post(f"{native_server.url}/v1/completions", timeout=30,
-                          json={"model": "tiny", "prompt": "hi", "max_tokens": 2, "logprobs": value})
+    response = httpx.post(
+        f"{native_server.url}/v1/completions",
+        timeout=30,
+        json={"model": "tiny", "prompt": "hi", "max_tokens": 2, "logprobs": value},
+    )
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "logprobs"

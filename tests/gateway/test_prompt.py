@@ -26,15 +26,22 @@ def test_extract_documents_between_markers():
 
 def test_split_segments_orders_static_documents_history_question():
     segments = split_segments(
-        messages(("system", "You are helpful."), ("user", "Earlier question"), ("assistant", "Earlier answer"),
-                 ("user", "Now: <document>Doc in message.</document> What year?")),
+        messages(
+            ("system", "You are helpful."),
+            ("user", "Earlier question"),
+            ("assistant", "Earlier answer"),
+            ("user", "Now: <document>Doc in message.</document> What year?"),
+        ),
         ["Doc A", DocumentIn(title="B", text="Doc B"), "Doc A"],
-        start_marker="<document>", end_marker="</document>",
+        start_marker="<document>",
+        end_marker="</document>",
     )
     assert segments.static_system_prompt == "You are helpful."
     assert [d.text for d in segments.documents] == ["Doc A", "Doc B", "Doc in message."]  # duplicate dropped
-    assert [(t.role, t.content) for t in segments.history] == [("user", "Earlier question"),
-                                                              ("assistant", "Earlier answer")]
+    assert [(t.role, t.content) for t in segments.history] == [
+        ("user", "Earlier question"),
+        ("assistant", "Earlier answer"),
+    ]
     assert segments.question == "Now:  What year?"
 
 
@@ -42,8 +49,12 @@ def test_static_prefix_is_shared_across_requests(tokenizer):
     static = "You are a careful assistant. " * 20
     prompts = []
     for question, doc in (("Who?", "Alpha beta."), ("When did it happen?", "Gamma delta epsilon.")):
-        segments = split_segments(messages(("system", static), ("user", question)), [doc],
-                                  start_marker="<document>", end_marker="</document>")
+        segments = split_segments(
+            messages(("system", static), ("user", question)),
+            [doc],
+            start_marker="<document>",
+            end_marker="</document>",
+        )
         prompts.append(assemble_prompt(tokenizer, segments, segments.documents))
     a, b = prompts
     assert a.num_static_tokens == b.num_static_tokens > 100
@@ -53,7 +64,8 @@ def test_static_prefix_is_shared_across_requests(tokenizer):
 
 
 def test_compressed_documents_replace_the_originals(tokenizer):
-    segments = split_segments(messages(("user", "Q?")), ["long original text"],
-                              start_marker="<document>", end_marker="</document>")
+    segments = split_segments(
+        messages(("user", "Q?")), ["long original text"], start_marker="<document>", end_marker="</document>"
+    )
     prompt = assemble_prompt(tokenizer, segments, (Document(id="x", text="short"),))
     assert "short" in prompt.text and "long original text" not in prompt.text

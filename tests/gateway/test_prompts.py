@@ -9,20 +9,41 @@ import httpx
 
 from ragspeed.bench.launcher import ServerProcess
 
-SYSTEM = ("You are the support assistant of the Example Company. Answer briefly, cite the "
-          "documents you use, and say so when they do not hold the answer. ") * 6
+SYSTEM = (
+    "You are the support assistant of the Example Company. Answer briefly, cite the "
+    "documents you use, and say so when they do not hold the answer. "
+) * 6
 
 
 def native_server(model, prompt_dir) -> ServerProcess:
-    return ServerProcess(["--engine", "native", "--model", str(model), "--served-model-name", "tiny",
-                          "--block-size", "16", "--max-model-len", "1024",
-                          "--num-kv-cache-tokens", "4096", "--prompt-cache-dir", str(prompt_dir)])
+    return ServerProcess(
+        [
+            "--engine",
+            "native",
+            "--model",
+            str(model),
+            "--served-model-name",
+            "tiny",
+            "--block-size",
+            "16",
+            "--max-model-len",
+            "1024",
+            "--num-kv-cache-tokens",
+            "4096",
+            "--prompt-cache-dir",
+            str(prompt_dir),
+        ]
+    )
 
 
 def chat(url, question, *, prompt=None, system=None, salt=None, status=200):
-    body = {"model": "tiny", "max_tokens": 4, "temperature": 0,
-            "messages": ([{"role": "system", "content": system}] if system else [])
-            + [{"role": "user", "content": question}]}
+    body = {
+        "model": "tiny",
+        "max_tokens": 4,
+        "temperature": 0,
+        "messages": ([{"role": "system", "content": system}] if system else [])
+        + [{"role": "user", "content": question}],
+    }
     if prompt is not None:
         body["ragspeed"] = {"system_prompt": prompt}
     if salt is not None:
@@ -74,7 +95,9 @@ def test_register_use_restart_and_corrupt_file(tiny_model, tmp_path):
         assert httpx.get(f"{url}/v1/prompts/nope").status_code == 404
         assert httpx.delete(f"{url}/v1/prompts/nope").status_code == 404
         assert metric(url, "ragspeed_prefix_cache_hits_total") >= 2 * pinned
-        assert metric(url, "ragspeed_prefix_cache_queries_total") > metric(url, "ragspeed_prefix_cache_hits_total")
+        assert metric(url, "ragspeed_prefix_cache_queries_total") > metric(
+            url, "ragspeed_prefix_cache_hits_total"
+        )
         assert 0 < metric(url, "ragspeed_prefix_cache_usage") < 1
     assert sorted(p.name for p in prompt_dir.iterdir()) == ["support.safetensors", "support.safetensors.json"]
 
@@ -96,6 +119,9 @@ def test_register_use_restart_and_corrupt_file(tiny_model, tmp_path):
         assert "refusing saved prefix" in server.log_tail(20000)
         assert cached_tokens(chat(server.url, "Where is my parcel?", system=SYSTEM)) == 0
         # Registering again replaces the corrupt file; deleting removes it.
-        assert httpx.post(f"{server.url}/v1/prompts", json={"name": "support", "text": SYSTEM}).status_code == 201
+        assert (
+            httpx.post(f"{server.url}/v1/prompts", json={"name": "support", "text": SYSTEM}).status_code
+            == 201
+        )
         assert httpx.delete(f"{server.url}/v1/prompts/support").json()["deleted"] is True
     assert list(prompt_dir.iterdir()) == []

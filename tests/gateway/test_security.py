@@ -46,8 +46,10 @@ def test_hash_key_and_cli():
 def test_api_key_entries_from_strings_and_settings():
     entry = ApiKeyEntry.model_validate(f"{SECRET_HASH},tenant=acme,requests_per_minute=60")
     assert (entry.tenant, entry.requests_per_minute, entry.tokens_per_minute) == ("acme", 60.0, None)
-    settings = load_settings(api_keys=[f'{{"hash": "{SECRET_HASH}", "tenant": "globex", "tokens_per_minute": 500}}'],
-                             admin_key_hashes=[hash_key("root")])
+    settings = load_settings(
+        api_keys=[f'{{"hash": "{SECRET_HASH}", "tenant": "globex", "tokens_per_minute": 500}}'],
+        admin_key_hashes=[hash_key("root")],
+    )
     assert settings.api_keys[0].tenant == "globex" and settings.api_keys[0].tokens_per_minute == 500.0
     with pytest.raises(ConfigError, match="api_keys"):
         load_settings(api_keys=["sha256:abc,tenant=x"])  # not 64 hex digits
@@ -56,18 +58,26 @@ def test_api_key_entries_from_strings_and_settings():
 
 
 def test_keyring_authenticates_and_never_names_the_hash():
-    ring = KeyRing([ApiKeyEntry(hash=hash_key("a"), tenant="acme"),
-                    ApiKeyEntry(hash=hash_key("b"), tenant="globex", requests_per_minute=6)],
-                   [hash_key("root")])
+    ring = KeyRing(
+        [
+            ApiKeyEntry(hash=hash_key("a"), tenant="acme"),
+            ApiKeyEntry(hash=hash_key("b"), tenant="globex", requests_per_minute=6),
+        ],
+        [hash_key("root")],
+    )
     assert ring.enabled
     assert ring.authenticate("a").tenant == "acme"
     assert ring.authenticate("b").requests.capacity == 6.0
     admin = ring.authenticate("root")
     assert admin.is_admin and admin.tenant == "admin"
-    assert ring.authenticate("c") is None and ring.authenticate(None) is None and ring.authenticate("") is None
+    assert (
+        ring.authenticate("c") is None and ring.authenticate(None) is None and ring.authenticate("") is None
+    )
     assert not KeyRing([], []).enabled
     with pytest.raises(ValueError) as error:
-        KeyRing([ApiKeyEntry(hash=hash_key("a"), tenant="acme"), ApiKeyEntry(hash=hash_key("a"), tenant="x")], [])
+        KeyRing(
+            [ApiKeyEntry(hash=hash_key("a"), tenant="acme"), ApiKeyEntry(hash=hash_key("a"), tenant="x")], []
+        )
     assert str(error.value) == "an API key of tenant 'x' is configured twice"
 
 

@@ -21,7 +21,10 @@ from ragspeed.gateway.client import AsyncRagspeedClient, RagspeedClient, Ragspee
 
 QUESTION = "Who received the first Nobel Prize in Physics?"
 DOCUMENTS = [
-    {"title": "Nobel Prize in Physics", "text": "The first Nobel Prize in Physics was awarded in 1901 to Wilhelm Conrad Röntgen."},
+    {
+        "title": "Nobel Prize in Physics",
+        "text": "The first Nobel Prize in Physics was awarded in 1901 to Wilhelm Conrad Röntgen.",
+    },
     "John Bardeen is the only laureate to win the prize twice.",
 ]
 
@@ -29,10 +32,14 @@ DOCUMENTS = [
 def hf_greedy(model_dir, token_ids: list[int], max_new_tokens: int) -> str:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    out = model.generate(torch.tensor([token_ids]), attention_mask=torch.ones(1, len(token_ids), dtype=torch.long),
-                         max_new_tokens=max_new_tokens, do_sample=False,
-                         pad_token_id=tokenizer.eos_token_id)
-    return tokenizer.decode(out[0, len(token_ids):], skip_special_tokens=True)
+    out = model.generate(
+        torch.tensor([token_ids]),
+        attention_mask=torch.ones(1, len(token_ids), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=tokenizer.eos_token_id,
+    )
+    return tokenizer.decode(out[0, len(token_ids) :], skip_special_tokens=True)
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +50,13 @@ def client(transformers_server):
 def test_openai_client_chat_with_documents(client):
     completion = client.chat.completions.create(
         model="tiny",
-        messages=[{"role": "system", "content": "Answer from the documents."},
-                  {"role": "user", "content": QUESTION}],
-        max_tokens=6, temperature=0, extra_body={"documents": DOCUMENTS},
+        messages=[
+            {"role": "system", "content": "Answer from the documents."},
+            {"role": "user", "content": QUESTION},
+        ],
+        max_tokens=6,
+        temperature=0,
+        extra_body={"documents": DOCUMENTS},
     )
     choice = completion.choices[0]
     assert choice.finish_reason in ("length", "stop")
@@ -58,15 +69,25 @@ def test_openai_client_chat_with_documents(client):
     assert ragspeed["num_static_tokens"] > 0
     # The documents made it into the prompt: the same request without them is shorter.
     bare = client.chat.completions.create(
-        model="tiny", messages=[{"role": "system", "content": "Answer from the documents."},
-                                {"role": "user", "content": QUESTION}], max_tokens=1, temperature=0)
+        model="tiny",
+        messages=[
+            {"role": "system", "content": "Answer from the documents."},
+            {"role": "user", "content": QUESTION},
+        ],
+        max_tokens=1,
+        temperature=0,
+    )
     assert usage.prompt_tokens > bare.usage.prompt_tokens + 30
 
 
 def test_openai_client_streams_with_usage(client):
     stream = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": QUESTION}], max_tokens=8, temperature=0,
-        stream=True, stream_options={"include_usage": True},
+        model="tiny",
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -74,7 +95,8 @@ def test_openai_client_streams_with_usage(client):
     assert finish in (["length"], ["stop"])
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
     whole = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": QUESTION}], max_tokens=8, temperature=0)
+        model="tiny", messages=[{"role": "user", "content": QUESTION}], max_tokens=8, temperature=0
+    )
     assert text == whole.choices[0].message.content
 
 
@@ -89,8 +111,9 @@ def test_greedy_chat_equals_transformers_generate(client, tiny_model):
 
 
 def test_greedy_text_completion_equals_transformers_generate(client, tiny_model):
-    completion = client.completions.create(model="tiny", prompt="The first Nobel Prize", max_tokens=10,
-                                           temperature=0)
+    completion = client.completions.create(
+        model="tiny", prompt="The first Nobel Prize", max_tokens=10, temperature=0
+    )
     token_ids = AutoTokenizer.from_pretrained(tiny_model).encode("The first Nobel Prize")
     assert completion.choices[0].text == hf_greedy(tiny_model, token_ids, 10)
 
@@ -99,17 +122,31 @@ def test_documents_between_markers_equal_documents_field(client):
     text_docs = "".join(f"<document>{d if isinstance(d, str) else d['text']}</document>" for d in DOCUMENTS)
     plain = [d if isinstance(d, str) else d["text"] for d in DOCUMENTS]
     marked = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": f"{text_docs}\n{QUESTION}"}], max_tokens=4, temperature=0)
+        model="tiny",
+        messages=[{"role": "user", "content": f"{text_docs}\n{QUESTION}"}],
+        max_tokens=4,
+        temperature=0,
+    )
     fielded = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": QUESTION}], max_tokens=4, temperature=0,
-        extra_body={"documents": plain})
+        model="tiny",
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=4,
+        temperature=0,
+        extra_body={"documents": plain},
+    )
     assert marked.usage.prompt_tokens == fielded.usage.prompt_tokens
     assert marked.choices[0].message.content == fielded.choices[0].message.content
 
 
 def test_seeded_sampling_is_reproducible(client):
-    kwargs = dict(model="tiny", messages=[{"role": "user", "content": QUESTION}], max_tokens=12,
-                  temperature=1.0, top_p=0.9, seed=1234)
+    kwargs = dict(
+        model="tiny",
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=12,
+        temperature=1.0,
+        top_p=0.9,
+        seed=1234,
+    )
     a = client.chat.completions.create(**kwargs).choices[0].message.content
     b = client.chat.completions.create(**kwargs).choices[0].message.content
     assert a == b
@@ -118,11 +155,16 @@ def test_seeded_sampling_is_reproducible(client):
 def test_sdk_sync_and_async(transformers_server):
     with RagspeedClient(transformers_server.url) as sdk:
         assert sdk.models() == ["tiny"]
-        result = sdk.chat(QUESTION, documents=DOCUMENTS, system="Answer briefly.", max_tokens=5, temperature=0)
+        result = sdk.chat(
+            QUESTION, documents=DOCUMENTS, system="Answer briefly.", max_tokens=5, temperature=0
+        )
         assert result.usage.completion_tokens == 5 and result.finish_reason == "length"
         assert result.ttft_ms is not None and result.ttft_ms <= result.e2e_ms
-        pieces = list(sdk.chat_stream(QUESTION, documents=DOCUMENTS, system="Answer briefly.",
-                                      max_tokens=5, temperature=0))
+        pieces = list(
+            sdk.chat_stream(
+                QUESTION, documents=DOCUMENTS, system="Answer briefly.", max_tokens=5, temperature=0
+            )
+        )
         assert "".join(p.text for p in pieces) == result.text
         assert pieces[-1].result.usage.prompt_tokens == result.usage.prompt_tokens
 
@@ -141,23 +183,37 @@ def test_sdk_sync_and_async(transformers_server):
 
 # The openai engine: a ragspeed gateway in front of a second real ragspeed server.
 
+
 def test_openai_engine_forwards_to_upstream(gateway_server, client, tiny_model):
     via = openai.OpenAI(base_url=f"{gateway_server.url}/v1", api_key="unused")
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}]
     direct = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
-    forwarded = via.chat.completions.create(model="tiny-via-gateway", messages=messages, max_tokens=8, temperature=0)
+    forwarded = via.chat.completions.create(
+        model="tiny-via-gateway", messages=messages, max_tokens=8, temperature=0
+    )
     assert forwarded.choices[0].message.content == direct.choices[0].message.content
     assert forwarded.usage.prompt_tokens == direct.usage.prompt_tokens
-    stream = via.chat.completions.create(model="tiny-via-gateway", messages=messages, max_tokens=8,
-                                         temperature=0, stream=True, stream_options={"include_usage": True})
+    stream = via.chat.completions.create(
+        model="tiny-via-gateway",
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == direct.choices[0].message.content
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        == direct.choices[0].message.content
+    )
     assert chunks[-1].usage.completion_tokens == direct.usage.completion_tokens
 
 
 def test_openai_engine_passes_upstream_rejections(gateway_server):
-    response = httpx.post(f"{gateway_server.url}/v1/completions",
-                          json={"prompt": "hi", "max_tokens": 4, "top_p": 0.5, "seed": 1, "stop": ["x"]})
+    response = httpx.post(
+        f"{gateway_server.url}/v1/completions",
+        json={"prompt": "hi", "max_tokens": 4, "top_p": 0.5, "seed": 1, "stop": ["x"]},
+    )
     assert response.status_code == 200
 
 
@@ -177,15 +233,37 @@ def test_upstream_down_is_502_and_hung_is_504(tiny_model):
         dead_port = probe.getsockname()[1]  # closed again: nothing listens there
     hung, hung_port = _silent_listener()
     try:
-        with ServerProcess(["--engine", "openai", "--model", str(tiny_model),
-                            "--upstream", f"http://127.0.0.1:{dead_port}"]) as dead, \
-             ServerProcess(["--engine", "openai", "--model", str(tiny_model), "--read-timeout-s", "1",
-                            "--upstream", f"http://127.0.0.1:{hung_port}"]) as slow:
+        with (
+            ServerProcess(
+                [
+                    "--engine",
+                    "openai",
+                    "--model",
+                    str(tiny_model),
+                    "--upstream",
+                    f"http://127.0.0.1:{dead_port}",
+                ]
+            ) as dead,
+            ServerProcess(
+                [
+                    "--engine",
+                    "openai",
+                    "--model",
+                    str(tiny_model),
+                    "--read-timeout-s",
+                    "1",
+                    "--upstream",
+                    f"http://127.0.0.1:{hung_port}",
+                ]
+            ) as slow,
+        ):
             body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
             response = httpx.post(f"{dead.url}/v1/chat/completions", json=body, timeout=30)
             assert response.status_code == 502
             assert f"127.0.0.1:{dead_port}" in response.json()["error"]["message"]
-            response = httpx.post(f"{slow.url}/v1/chat/completions", json={**body, "stream": True}, timeout=30)
+            response = httpx.post(
+                f"{slow.url}/v1/chat/completions", json={**body, "stream": True}, timeout=30
+            )
             assert response.status_code == 504
             assert "timed out" in response.json()["error"]["message"]
     finally:
@@ -206,8 +284,12 @@ def _dying_upstream() -> tuple[socket.socket, int]:
                 return
             conn.recv(65536)
             chunk = b'data: {"choices": [{"index": 0, "text": "Hello", "finish_reason": null}]}\n\n'
-            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-                         + f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+            conn.sendall(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                + f"{len(chunk):x}\r\n".encode()
+                + chunk
+                + b"\r\n"
+            )
             conn.close()
 
     threading.Thread(target=serve, daemon=True).start()
@@ -217,10 +299,15 @@ def _dying_upstream() -> tuple[socket.socket, int]:
 def test_upstream_failing_mid_stream_ends_with_an_error_event(tiny_model):
     dying, port = _dying_upstream()
     try:
-        with ServerProcess(["--engine", "openai", "--model", str(tiny_model),
-                            "--upstream", f"http://127.0.0.1:{port}"]) as gateway:
-            with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", timeout=30, json={
-                    "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True}) as response:
+        with ServerProcess(
+            ["--engine", "openai", "--model", str(tiny_model), "--upstream", f"http://127.0.0.1:{port}"]
+        ) as gateway:
+            with httpx.stream(
+                "POST",
+                f"{gateway.url}/v1/chat/completions",
+                timeout=30,
+                json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True},
+            ) as response:
                 assert response.status_code == 200
                 lines = [line for line in response.iter_lines() if line.startswith("data:")]
             assert '"Hello"' in lines[1]

@@ -23,16 +23,21 @@ def test_toml_config(tmp_path):
     assert settings.engine_config().model == "bench-135m" and settings.block_size == 32
 
 
-@pytest.mark.parametrize("text, message", [
-    ("prot: 9000\n", "unknown option(s) prot"),
-    ("port: [1, 2\n", "not valid"),
-    ("- a\n- b\n", "must hold a mapping"),
-    ("port: -1\n", "port"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("prot: 9000\n", "unknown option(s) prot"),
+        ("port: [1, 2\n", "not valid"),
+        ("- a\n- b\n", "must hold a mapping"),
+        ("port: -1\n", "port"),
+    ],
+)
 def test_bad_config_is_named(tmp_path, text, message):
     config = tmp_path / "bad.yaml"
     config.write_text(text)
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+    with pytest.raises(
+        ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
+    ):
         load_settings(config)
 
 

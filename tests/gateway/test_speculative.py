@@ -11,12 +11,25 @@ import pytest
 from ragspeed.bench.launcher import ServerProcess
 from ragspeed.bench.load import read_gauge
 
-COMMON = ["--engine", "native", "--model", "ragspeed-demo", "--served-model-name", "demo",
-          "--num-kv-cache-tokens", "8192", "--log-level", "warning"]
+COMMON = [
+    "--engine",
+    "native",
+    "--model",
+    "ragspeed-demo",
+    "--served-model-name",
+    "demo",
+    "--num-kv-cache-tokens",
+    "8192",
+    "--log-level",
+    "warning",
+]
 MESSAGES = [
     {"role": "system", "content": "Answer by quoting the documents."},
-    {"role": "user", "content": "The Eiffel Tower is a wrought-iron lattice tower in Paris. "
-                                "Quote the passage about the tower."},
+    {
+        "role": "user",
+        "content": "The Eiffel Tower is a wrought-iron lattice tower in Paris. "
+        "Quote the passage about the tower.",
+    },
 ]
 
 
@@ -25,8 +38,9 @@ def servers():
     plain = ServerProcess(COMMON).start()
     draft = ngram = None
     try:
-        draft = ServerProcess(COMMON + ["--speculative", "draft", "--draft-model",
-                                        "ragspeed-demo-draft"]).start()
+        draft = ServerProcess(
+            COMMON + ["--speculative", "draft", "--draft-model", "ragspeed-demo-draft"]
+        ).start()
         ngram = ServerProcess(COMMON + ["--speculative", "ngram", "--num-speculative-tokens", "3"]).start()
         yield {"plain": plain, "draft": draft, "ngram": ngram}
     finally:
@@ -43,12 +57,13 @@ def _client(server) -> openai.OpenAI:
 def test_greedy_answers_are_those_of_the_server_without_speculation(servers, speculative):
     def answers(server) -> tuple[str, str, str]:
         client = _client(server)
-        chat = client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=48,
-                                              temperature=0)
-        text = client.completions.create(model="demo", prompt="The history of the city began",
-                                         max_tokens=48, temperature=0)
-        stream = client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=48,
-                                                temperature=0, stream=True)
+        chat = client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=48, temperature=0)
+        text = client.completions.create(
+            model="demo", prompt="The history of the city began", max_tokens=48, temperature=0
+        )
+        stream = client.chat.completions.create(
+            model="demo", messages=MESSAGES, max_tokens=48, temperature=0, stream=True
+        )
         streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         return chat.choices[0].message.content, text.choices[0].text, streamed
 
@@ -62,12 +77,24 @@ def test_greedy_answers_are_those_of_the_server_without_speculation(servers, spe
     assert read_gauge(metrics, "ragspeed_engine_num_blocks_used") == 0
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--speculative", "draft"], "needs a draft model"),
-    (["--speculative", "draft", "--draft-model", "ragspeed-demo-draft", "--draft-quantization",
-      "int4"], "unknown quantization 'int4'"),
-    (["--speculative", "medusa"], "unknown speculative method 'medusa'"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--speculative", "draft"], "needs a draft model"),
+        (
+            [
+                "--speculative",
+                "draft",
+                "--draft-model",
+                "ragspeed-demo-draft",
+                "--draft-quantization",
+                "int4",
+            ],
+            "unknown quantization 'int4'",
+        ),
+        (["--speculative", "medusa"], "unknown speculative method 'medusa'"),
+    ],
+)
 def test_a_bad_speculative_configuration_fails_at_start_up(flags, message):
     server = ServerProcess(COMMON + flags)
     try:

@@ -7,7 +7,9 @@ def test_tokenize_lowercases_stems_and_drops_stop_words():
 
 def test_search_ranks_matching_documents_and_skips_non_matching():
     index = BM25Index()
-    index.add([5, 6, 7], ["the nobel prize in physics", "cats and dogs", "a physics prize, a chemistry prize"])
+    index.add(
+        [5, 6, 7], ["the nobel prize in physics", "cats and dogs", "a physics prize, a chemistry prize"]
+    )
     scores, labels = index.search("physics prizes", 10)
     assert labels.tolist() == [7, 5]
     assert scores[0] > scores[1] > 0

@@ -8,7 +8,9 @@ def _write_corpus(tmp_path):
     (tmp_path / "notes.txt").write_text("Paris is the capital of France.")
     (tmp_path / "guide.md").write_text("# Travel Guide\n\nRome is the capital of Italy.")
     lines = [
-        json.dumps({"id": "b1", "title": "Berlin", "text": "Berlin is the capital of Germany.", "lang": "en"}),
+        json.dumps(
+            {"id": "b1", "title": "Berlin", "text": "Berlin is the capital of Germany.", "lang": "en"}
+        ),
         "{not json",
         "",
         json.dumps({"title": "no text"}),
@@ -23,14 +25,16 @@ def test_ingest_skips_bad_parts_with_line_numbers(tmp_path, tokenizer):
     _write_corpus(tmp_path)
     report = ingest_paths([tmp_path, tmp_path / "missing.txt"], tokenizer, chunk_tokens=50, overlap_tokens=5)
     assert report.num_files == 5
-    assert sorted(report.skipped) == sorted([
-        f"{tmp_path / 'missing.txt'}: skipped, no such file or directory",
-        f"{tmp_path / 'docs.jsonl'}:2: skipped, not JSON (Expecting property name enclosed in double quotes)",
-        f"{tmp_path / 'docs.jsonl'}:4: skipped, not an object with a string 'text' field",
-        f"{tmp_path / 'image.txt'}: skipped, not a text file (NUL byte in the first 8192 bytes)",
-        f"{tmp_path / 'report.pdf'}: skipped, unsupported file type '.pdf'"
-        " (supported: .txt, .text, .md, .markdown, .jsonl)",
-    ])
+    assert sorted(report.skipped) == sorted(
+        [
+            f"{tmp_path / 'missing.txt'}: skipped, no such file or directory",
+            f"{tmp_path / 'docs.jsonl'}:2: skipped, not JSON (Expecting property name enclosed in double quotes)",
+            f"{tmp_path / 'docs.jsonl'}:4: skipped, not an object with a string 'text' field",
+            f"{tmp_path / 'image.txt'}: skipped, not a text file (NUL byte in the first 8192 bytes)",
+            f"{tmp_path / 'report.pdf'}: skipped, unsupported file type '.pdf'"
+            " (supported: .txt, .text, .md, .markdown, .jsonl)",
+        ]
+    )
     by_text = {doc.text: doc for doc in report.documents}
     assert set(by_text) == {
         "Berlin is the capital of Germany.",

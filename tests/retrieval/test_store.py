@@ -74,7 +74,9 @@ def test_add_query_delete_and_reload(store, tmp_path, embedder):
 def test_long_documents_are_chunked_with_derived_ids(tmp_path, embedder):
     store = CollectionStore(tmp_path, embedder, RetrievalConfig(chunk_tokens=8, chunk_overlap_tokens=2))
     store.create("kb")
-    result = store.add_documents("kb", [Document("long", "one two three four five six seven eight nine ten eleven twelve")])
+    result = store.add_documents(
+        "kb", [Document("long", "one two three four five six seven eight nine ten eleven twelve")]
+    )
     assert result.ids == ("long#0", "long#1")
     anonymous = store.add_documents("kb", [Document("", "a short note")])
     assert len(anonymous.ids[0]) == 16  # content-hash id
@@ -83,7 +85,11 @@ def test_long_documents_are_chunked_with_derived_ids(tmp_path, embedder):
 def test_bad_queries_are_named(store):
     store.create("kb")
     store.add_documents("kb", DOCS)
-    cases = [({"text": "  "}, "query"), ({"text": "q", "top_k": 0}, "top_k"), ({"text": "q", "mode": "fuzzy"}, "mode")]
+    cases = [
+        ({"text": "  "}, "query"),
+        ({"text": "q", "top_k": 0}, "top_k"),
+        ({"text": "q", "mode": "fuzzy"}, "mode"),
+    ]
     for kwargs, param in cases:
         with pytest.raises(RetrievalError) as info:
             store.query("kb", **kwargs)
@@ -119,9 +125,13 @@ def test_ivf_collection_persists(tmp_path, embedder):
     config = RetrievalConfig(index=IndexConfig(kind="ivf", ivf_min_cells=1))
     store = CollectionStore(tmp_path, embedder, config)
     store.create("kb")
-    store.add_documents("kb", [Document(f"d{i}", f"Document number {i} about topic {i % 7}.") for i in range(40)])
+    store.add_documents(
+        "kb", [Document(f"d{i}", f"Document number {i} about topic {i % 7}.") for i in range(40)]
+    )
     assert store.stats("kb").index_kind == "ivf"
     store.delete_ids("kb", ["d0"])
     reloaded = CollectionStore(tmp_path, embedder, config)
     assert reloaded.stats("kb").num_documents == 39
-    assert reloaded.query("kb", "Document number 5 about topic 5", top_k=1, mode="dense")[0].document.id == "d5"
+    assert (
+        reloaded.query("kb", "Document number 5 about topic 5", top_k=1, mode="dense")[0].document.id == "d5"
+    )

@@ -33,7 +33,10 @@ PASSAGES = (
     "Deadpool 2 is scheduled to be released in the United States on May 18, 2018. "
     "A sequel, Deadpool 3, is in development.",
 )
-QUOTE_PASSAGES = (*PASSAGES, "The Amazon River in South America is the largest river by discharge volume of water in the world.")
+QUOTE_PASSAGES = (
+    *PASSAGES,
+    "The Amazon River in South America is the largest river by discharge volume of water in the world.",
+)
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +56,13 @@ def test_detokenize_wikitext():
 
 def test_read_wikitext_articles(tmp_path):
     path = tmp_path / "wiki.txt"
-    path.write_text(" = Robert Boulter = \n \n Robert Boulter is an actor . \n = = Career = = \n He won . \n = Other = \n Text .\n")
-    assert read_wikitext_articles(path) == ["Robert Boulter\nRobert Boulter is an actor.\n\nCareer\nHe won.", "Other\nText."]
+    path.write_text(
+        " = Robert Boulter = \n \n Robert Boulter is an actor . \n = = Career = = \n He won . \n = Other = \n Text .\n"
+    )
+    assert read_wikitext_articles(path) == [
+        "Robert Boulter\nRobert Boulter is an actor.\n\nCareer\nHe won.",
+        "Other\nText.",
+    ]
 
 
 def test_split_sentences():
@@ -92,7 +100,11 @@ def test_demo_tokenizer(demo_tokenizer):
     assert len(tok) == 4096
     assert (tok.pad_token, tok.bos_token, tok.eos_token) == ("<|pad|>", "<|bos|>", "<|end|>")
     assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
-    for text in ("Wilhelm Conrad Röntgen won in 1901.", "Ünïcödé — 東京 and emoji 🙂", "  two  spaces\nand a newline"):
+    for text in (
+        "Wilhelm Conrad Röntgen won in 1901.",
+        "Ünïcödé — 東京 and emoji 🙂",
+        "  two  spaces\nand a newline",
+    ):
         assert tok.decode(tok(text).input_ids, skip_special_tokens=True) == text
     assert tok.chat_template == CHAT_TEMPLATE
 
@@ -109,7 +121,9 @@ def test_chat_template_renders(demo_tokenizer):
         "<|bos|><|system|>\nAnswer using the documents.<|end|>\n<|user|>\nHi<|end|>\n"
         "<|assistant|>\nHello.<|end|>\n<|user|>\nWhy?<|end|>\n<|assistant|>\n"
     )
-    ids = demo_tokenizer.apply_chat_template(messages[:2], add_generation_prompt=True, return_dict=True)["input_ids"]
+    ids = demo_tokenizer.apply_chat_template(messages[:2], add_generation_prompt=True, return_dict=True)[
+        "input_ids"
+    ]
     assert ids[:3] == [1, 3, demo_tokenizer.convert_tokens_to_ids("Ċ")]  # <|bos|><|system|>\n
     with pytest.raises(Exception, match="unknown role: tool"):
         demo_tokenizer.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
@@ -142,17 +156,32 @@ def test_masked_lm_loss_ignores_masked_targets():
     logits[0, 0, 1] = 10.0  # predicts token 1 well
     # position 1 is uniform over 4 tokens (loss ln 4) when predicting token 2; masked out, it is ignored
     assert masked_lm_loss(logits, token_ids, torch.tensor([[0, 1, 0]])).item() == pytest.approx(0.0, abs=1e-6)
-    assert masked_lm_loss(logits, token_ids, torch.tensor([[0, 1, 1]])).item() == pytest.approx(math.log(4) / 2)
+    assert masked_lm_loss(logits, token_ids, torch.tensor([[0, 1, 1]])).item() == pytest.approx(
+        math.log(4) / 2
+    )
 
 
 def test_train_causal_lm_three_steps():
-    config = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
     pieces = [Piece(tuple(range(1, 17)), (1,) * 16)] * 8
     phase = Phase(seq_len=16, batch_size=2, time_fraction=1.0, make_pieces=lambda rng: list(pieces))
     lines = []
-    model, log = train_causal_lm(config, [phase], TrainingConfig(max_minutes=1, max_steps=3, warmup_steps=1, log_every=1, num_threads=1),
-                                 pad_id=0, log=lines.append)
+    model, log = train_causal_lm(
+        config,
+        [phase],
+        TrainingConfig(max_minutes=1, max_steps=3, warmup_steps=1, log_every=1, num_threads=1),
+        pad_id=0,
+        log=lines.append,
+    )
     assert log.steps == 3 and log.tokens == 3 * 2 * 16
     assert [step for step, _ in log.losses] == [1, 2, 3]
     assert log.losses[-1][1] < log.losses[0][1]
@@ -179,12 +208,19 @@ def test_demo_model_loads_fp32_and_generates_deterministically(demo_model, demo_
     assert demo_model.config.num_hidden_layers == 8
     assert demo_model.config.max_position_embeddings == 4096
     assert all(p.dtype == torch.float32 for p in demo_model.parameters())
-    messages = [{"role": "system", "content": "Answer using the documents."},
-                {"role": "user", "content": "Documents:\n[1] " + PASSAGES[0] + '\n\nQuote the sentence that mentions "Bardeen".'}]
-    prompt = demo_tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    messages = [
+        {"role": "system", "content": "Answer using the documents."},
+        {
+            "role": "user",
+            "content": "Documents:\n[1] " + PASSAGES[0] + '\n\nQuote the sentence that mentions "Bardeen".',
+        },
+    ]
+    prompt = demo_tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
     outputs = [demo_model.generate(prompt, max_new_tokens=24, do_sample=False) for _ in range(2)]
     assert torch.equal(outputs[0], outputs[1])
-    new_ids = outputs[0][0, prompt.shape[1]:].tolist()
+    new_ids = outputs[0][0, prompt.shape[1] :].tolist()
     assert 0 < len(new_ids) <= 24
     assert demo_model.generation_config.eos_token_id == demo_tokenizer.eos_token_id == 2
 
@@ -193,11 +229,23 @@ def test_demo_model_loads_fp32_and_generates_deterministically(demo_model, demo_
 def test_train_demo_end_to_end(tmp_path, shared_data):
     from ragspeed.training.demo import train_demo
 
-    figures = train_demo(tmp_path / "demo", data_dir=shared_data, minutes=1, max_steps=2, num_eval_examples=1, log=lambda _: None)
+    figures = train_demo(
+        tmp_path / "demo",
+        data_dir=shared_data,
+        minutes=1,
+        max_steps=2,
+        num_eval_examples=1,
+        log=lambda _: None,
+    )
     assert figures["steps"] == 2
     assert sorted(p.name for p in (tmp_path / "demo").iterdir()) == [
-        "README.md", "chat_template.jinja", "config.json", "generation_config.json",
-        "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+        "README.md",
+        "chat_template.jinja",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
     ]
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "demo"), dtype=torch.float32)
     assert model.config.num_hidden_layers == 8
@@ -211,8 +259,17 @@ def test_passage_example_quotes_the_one_passage_holding_its_key():
     for example in examples:
         user = example.messages[-1]["content"]
         assert example.answer in user  # as shown: the label, then the passage
-        label, passage = next((example.answer[: -len(p)], p) for p in QUOTE_PASSAGES if example.answer.endswith(p))
-        assert label in ("[1] ", "[2] ", "[3] ", "Document 1: ", "Document 2: ", "Document 3: ") or label.startswith("### Document ")
+        label, passage = next(
+            (example.answer[: -len(p)], p) for p in QUOTE_PASSAGES if example.answer.endswith(p)
+        )
+        assert label in (
+            "[1] ",
+            "[2] ",
+            "[3] ",
+            "Document 1: ",
+            "Document 2: ",
+            "Document 3: ",
+        ) or label.startswith("### Document ")
         instruction = user.rsplit("\n\n", 1)[-1]
         others = [p for p in QUOTE_PASSAGES if p != passage and p in user]
         words = [w for w in re.findall(r"[\w'-]+", instruction) if len(w) > 2]
@@ -221,8 +278,16 @@ def test_passage_example_quotes_the_one_passage_holding_its_key():
 
 def test_target_accuracy_counts_only_targets():
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    )
     ids = [1]
     for position in range(9):  # the model's own greedy token at odd positions, another at even
         predicted = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
@@ -249,7 +314,9 @@ class _Replies:
 
 def test_copied_share_counts_pairs_found_in_the_prompt(demo_tokenizer):
     example = make_passage_example(QUOTE_PASSAGES[:1], random.Random(0), max_passages=1)
-    prompt = demo_tokenizer.apply_chat_template(list(example.messages), add_generation_prompt=True, tokenize=True)
+    prompt = demo_tokenizer.apply_chat_template(
+        list(example.messages), add_generation_prompt=True, tokenize=True
+    )
     prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
     span = prompt[-40:-28]  # a stretch of the prompt (of the passage shown)
     loop = [span[0]] * 12  # a one-token loop: its pairs are not in the prompt
@@ -266,7 +333,9 @@ def test_train_demo_needs_out_and_data_dir(tmp_path):
     assert missing_data.exit_code == 2 and "Missing option '--data-dir'" in missing_data.output
     empty = CliRunner().invoke(train_demo, ["--out", str(tmp_path / "m"), "--data-dir", str(tmp_path)])
     assert empty.exit_code == 2
-    assert f"{tmp_path} has no wiki_passages.txt and no wikitext2_raw_test.txt" in " ".join(empty.output.split())
+    assert f"{tmp_path} has no wiki_passages.txt and no wikitext2_raw_test.txt" in " ".join(
+        empty.output.split()
+    )
     assert not (tmp_path / "m").exists()
 
 
@@ -275,14 +344,19 @@ def test_train_draft_needs_out_and_a_target_model(tmp_path):
     (tmp_path / "wikitext2_raw_test.txt").write_text(" = A =\n text\n")
     missing_out = CliRunner().invoke(train_draft, ["--data-dir", str(tmp_path)])
     assert missing_out.exit_code == 2 and "Missing option '--out'" in missing_out.output
-    no_model = CliRunner().invoke(train_draft, ["--out", str(tmp_path / "d"), "--data-dir", str(tmp_path),
-                                                "--target", str(tmp_path)])
+    no_model = CliRunner().invoke(
+        train_draft, ["--out", str(tmp_path / "d"), "--data-dir", str(tmp_path), "--target", str(tmp_path)]
+    )
     assert no_model.exit_code == 2 and "no config.json" in no_model.output
     assert not (tmp_path / "d").exists()
 
 
 def test_ragspeed_train_demo_without_out_fails_before_training(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "ragspeed", "train-demo", "--data-dir", str(tmp_path)],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "ragspeed", "train-demo", "--data-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert "Missing option '--out'" in result.stderr
