@@ -53,42 +53,57 @@ static inline f32x16 load_i8(const int8_t *p) {
 #endif
 }
 
-/* y[first:first+16] = acc * scale + bias (scale and bias padded to whole blocks), the last
- * block only up to n. */
-static inline void store(float *y, f32x16 acc, const float *scale, const float *bias, int first, int n) {
-    if (scale) acc *= load_f32(scale + first);
+/* y[first:first+16] = acc + bias (bias padded to whole blocks), the last block only up to n. */
+static inline void store(float *y, f32x16 acc, const float *bias, int first, int n) {
     if (bias) acc += load_f32(bias + first);
     int count = n - first < BLOCK ? n - first : BLOCK;
     for (int i = 0; i < count; i++) y[first + i] = acc[i];
 }
 
+/* int8 weights carry one fp32 scale per GROUP consecutive inputs of each output column (a
+ * block's scales: [ceil(k / GROUP)][16]). Each group's products are summed from the widened
+ * int8 values and scaled once, so the sums are those of the fp32 weights q * scale at one
+ * multiply per group. GROUP is a multiple of 4: only the last group of a row has a k % 4 tail. */
+#define GROUP 32
+int ragspeed_int8_group(void) { return GROUP; }
+
 /* Rows r0..r0+R-1 of x times one block (16 columns): R is a compile-time constant, so the
- * R x 4 partial sums live in registers. */
+ * R x 4 partial sums live in registers. fp32 weights (scales NULL) are one group of k. */
 #define BLOCK_ROWS(NAME, WTYPE, LOAD, R)                                                        \
-    static inline void NAME(const WTYPE *block, const float *x, float *y, const float *scale,  \
+    static inline void NAME(const WTYPE *block, const float *x, float *y, const float *scales, \
                             const float *bias, int first, int n, int k) {                      \
-        f32x16 acc[R][4];                                                                       \
-        _Pragma("GCC unroll 6") for (int r = 0; r < R; r++)                                     \
-            acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = (f32x16){0};                        \
-        int j = 0;                                                                              \
-        for (; j + 4 <= k; j += 4) {                                                            \
-            const WTYPE *p = block + (size_t)j * BLOCK;                                         \
-            f32x16 w0 = LOAD(p), w1 = LOAD(p + BLOCK), w2 = LOAD(p + 2 * BLOCK), w3 = LOAD(p + 3 * BLOCK); \
+        f32x16 total[R], acc[R][4];                                                             \
+        int group = scales ? GROUP : k;                                                         \
+        for (int g0 = 0; g0 < k; g0 += group) {                                                 \
+            int end = g0 + group < k ? g0 + group : k;                                          \
+            _Pragma("GCC unroll 6") for (int r = 0; r < R; r++)                                 \
+                acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = (f32x16){0};                    \
+            int j = g0;                                                                         \
+            for (; j + 4 <= end; j += 4) {                                                      \
+                const WTYPE *p = block + (size_t)j * BLOCK;                                     \
+                f32x16 w0 = LOAD(p), w1 = LOAD(p + BLOCK), w2 = LOAD(p + 2 * BLOCK), w3 = LOAD(p + 3 * BLOCK); \
+                _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                           \
+                    const float *xr = x + (size_t)r * k + j;                                    \
+                    acc[r][0] += w0 * xr[0]; acc[r][1] += w1 * xr[1];                           \
+                    acc[r][2] += w2 * xr[2]; acc[r][3] += w3 * xr[3];                           \
+                }                                                                               \
+            }                                                                                   \
+            /* The last k % 4 columns, into partial sums 0, 1, 2 (constant indices keep the \
+             * sums in registers). */                                                           \
+            _Pragma("GCC unroll 3") for (int t = 0; t < 3; t++) {                               \
+                if (j + t >= end) break;                                                        \
+                f32x16 wt = LOAD(block + (size_t)(j + t) * BLOCK);                              \
+                _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) acc[r][t] += wt * x[(size_t)r * k + j + t]; \
+            }                                                                                   \
             _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                               \
-                const float *xr = x + (size_t)r * k + j;                                        \
-                acc[r][0] += w0 * xr[0]; acc[r][1] += w1 * xr[1];                               \
-                acc[r][2] += w2 * xr[2]; acc[r][3] += w3 * xr[3];                               \
+                f32x16 sum = (acc[r][0] + acc[r][1]) + (acc[r][2] + acc[r][3]);                 \
+                if (!scales) total[r] = sum;                                                    \
+                else if (g0 == 0) total[r] = sum * load_f32(scales);                            \
+                else total[r] += sum * load_f32(scales + (size_t)(g0 / GROUP) * BLOCK);         \
             }                                                                                   \
         }                                                                                       \
-        /* The last k % 4 columns, into partial sums 0, 1, 2 (constant indices keep the sums \
-         * in registers). */                                                                    \
-        _Pragma("GCC unroll 3") for (int t = 0; t < 3; t++) {                                   \
-            if (j + t >= k) break;                                                              \
-            f32x16 wt = LOAD(block + (size_t)(j + t) * BLOCK);                                  \
-            _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) acc[r][t] += wt * x[(size_t)r * k + j + t]; \
-        }                                                                                       \
         _Pragma("GCC unroll 6") for (int r = 0; r < R; r++)                                     \
-            store(y + (size_t)r * n, (acc[r][0] + acc[r][1]) + (acc[r][2] + acc[r][3]), scale, bias, first, n); \
+            store(y + (size_t)r * n, total[r], bias, first, n);                                 \
     }
 
 /* The product for one weight type: blocks split across threads, rows in passes of ROWS. */
@@ -105,16 +120,18 @@ static inline void store(float *y, f32x16 acc, const float *scale, const float *
         _Pragma("omp parallel for num_threads(num_threads) schedule(static)")                  \
         for (int b = 0; b < num_blocks; b++) {                                                  \
             const WTYPE *block = w + (size_t)b * k * BLOCK;                                     \
+            /* int8: this block's group scales [ceil(k / GROUP)][16]; fp32: NULL */            \
+            const float *bs = scale ? scale + (size_t)b * ((k + GROUP - 1) / GROUP) * BLOCK : NULL; \
             for (int r = 0; r < m; r += ROWS) {                                                 \
                 const float *xr = x + (size_t)r * k;                                            \
                 float *yr = y + (size_t)r * n;                                                  \
                 switch (m - r < ROWS ? m - r : ROWS) {                                          \
-                case 1: NAME##_1(block, xr, yr, scale, bias, b * BLOCK, n, k); break;           \
-                case 2: NAME##_2(block, xr, yr, scale, bias, b * BLOCK, n, k); break;           \
-                case 3: NAME##_3(block, xr, yr, scale, bias, b * BLOCK, n, k); break;           \
-                case 4: NAME##_4(block, xr, yr, scale, bias, b * BLOCK, n, k); break;           \
-                case 5: NAME##_5(block, xr, yr, scale, bias, b * BLOCK, n, k); break;           \
-                default: NAME##_6(block, xr, yr, scale, bias, b * BLOCK, n, k); break;          \
+                case 1: NAME##_1(block, xr, yr, bs, bias, b * BLOCK, n, k); break;           \
+                case 2: NAME##_2(block, xr, yr, bs, bias, b * BLOCK, n, k); break;           \
+                case 3: NAME##_3(block, xr, yr, bs, bias, b * BLOCK, n, k); break;           \
+                case 4: NAME##_4(block, xr, yr, bs, bias, b * BLOCK, n, k); break;           \
+                case 5: NAME##_5(block, xr, yr, bs, bias, b * BLOCK, n, k); break;           \
+                default: NAME##_6(block, xr, yr, bs, bias, b * BLOCK, n, k); break;          \
                 }                                                                               \
             }                                                                                   \
         }                                                                                       \
@@ -129,8 +146,9 @@ void ragspeed_gemv_f32(const float *w, const float *bias, const float *x, float 
     gemv_f32(w, NULL, bias, x, y, m, n, k, num_threads);
 }
 
-/* The same with int8 weights and one fp32 scale per output column (scale padded to blocks):
- * y = (x @ Q.T) * scale + bias, activations kept in fp32 (weight-only quantization). */
+/* The same with int8 weights Q and their group scales S (blocks [ceil(n/16)][ceil(k/GROUP)][16],
+ * zero-padded): y = x @ (Q * S).T + bias, activations kept in fp32 (weight-only quantization:
+ * int8 weights are widened to fp32, so nothing saturates on any instruction set). */
 void ragspeed_gemv_i8(const int8_t *w, const float *scale, const float *bias, const float *x,
                       float *y, int m, int n, int k, int num_threads) {
     gemv_i8(w, scale, bias, x, y, m, n, k, num_threads);
@@ -292,7 +310,7 @@ void ragspeed_add_rms_norm(float *x, const float *residual, const float *weight,
 
 typedef struct {
     const void *w;      /* blocks [ceil(n/16)][k][16]: fp32, or int8 when scale is set */
-    const float *scale; /* int8: per output column (padded to blocks); fp32: NULL */
+    const float *scale; /* int8: group scales [ceil(n/16)][ceil(k/GROUP)][16]; fp32: NULL */
     const float *bias;  /* padded to blocks, or NULL */
     int n, k;
 } Linear;
