@@ -8,9 +8,9 @@
  * to the machine's read bandwidth; oneDNN's and MKL's one-row products read at about half of it on
  * the 2-core development CPU (figures in engine/cpu_kernels/blocked.py).
  *
- * Every input row is accumulated the same way whatever the number of rows (four partial sums
- * over k, added pairwise at the end), so a token's result does not depend on the batch it ran
- * in: speculative verification and batched decoding give the bits plain decoding gives.
+ * Every input row is accumulated the same way whatever the number of rows (two partial sums
+ * over each group of inputs, added at its end), so a token's result does not depend on the
+ * batch it ran in: speculative verification and batched decoding give the bits plain decoding gives.
  *
  * GCC vector extensions (and intrinsics for widening int8): -march=native picks AVX-512, AVX2
  * or SSE.
@@ -42,9 +42,9 @@ static inline f32x16 load_i8(const int8_t *p) {
 #if defined(__AVX512F__)
     return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 #elif defined(__AVX2__)
-    __m128i bytes = _mm_loadu_si128((const __m128i *)p);
-    __m256 halves[2] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)),
-                        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)))};
+    __m256 halves[2] = {
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))),
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))))};
     f32x16 v;
     memcpy(&v, halves, sizeof v);
     return v;
@@ -68,35 +68,35 @@ static inline void store(float *y, f32x16 acc, const float *bias, int first, int
 int ragspeed_int8_group(void) { return GROUP; }
 
 /* Rows r0..r0+R-1 of x times one block (16 columns): R is a compile-time constant, so the
- * R x 4 partial sums live in registers. fp32 weights (scales NULL) are one group of k. */
+ * R x 2 partial sums live in registers. fp32 weights (scales NULL) are one group of k. */
 #define BLOCK_ROWS(NAME, WTYPE, LOAD, R)                                                        \
     static inline void NAME(const WTYPE *block, const float *x, float *y, const float *scales, \
                             const float *bias, int first, int n, int k) {                      \
-        f32x16 total[R], acc[R][4];                                                             \
+        f32x16 total[R], acc[R][2];                                                               \
         int group = scales ? GROUP : k;                                                         \
         for (int g0 = 0; g0 < k; g0 += group) {                                                 \
             int end = g0 + group < k ? g0 + group : k;                                          \
             _Pragma("GCC unroll 6") for (int r = 0; r < R; r++)                                 \
-                acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = (f32x16){0};                    \
+                acc[r][0] = acc[r][1] = (f32x16){0};                                            \
             int j = g0;                                                                         \
             for (; j + 4 <= end; j += 4) {                                                      \
                 const WTYPE *p = block + (size_t)j * BLOCK;                                     \
                 f32x16 w0 = LOAD(p), w1 = LOAD(p + BLOCK), w2 = LOAD(p + 2 * BLOCK), w3 = LOAD(p + 3 * BLOCK); \
                 _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                           \
                     const float *xr = x + (size_t)r * k + j;                                    \
-                    acc[r][0] += w0 * xr[0]; acc[r][1] += w1 * xr[1];                           \
-                    acc[r][2] += w2 * xr[2]; acc[r][3] += w3 * xr[3];                           \
+                    acc[r][0] += w0 * xr[0] + w2 * xr[2];                                       \
+                    acc[r][1] += w1 * xr[1] + w3 * xr[3];                                       \
                 }                                                                               \
             }                                                                                   \
-            /* The last k % 4 columns, into partial sums 0, 1, 2 (constant indices keep the \
+            /* The last k % 4 columns, into partial sums 0, 1, 0 (constant indices keep the \
              * sums in registers). */                                                           \
             _Pragma("GCC unroll 3") for (int t = 0; t < 3; t++) {                               \
                 if (j + t >= end) break;                                                        \
                 f32x16 wt = LOAD(block + (size_t)(j + t) * BLOCK);                              \
-                _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) acc[r][t] += wt * x[(size_t)r * k + j + t]; \
+                _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) acc[r][t & 1] += wt * x[(size_t)r * k + j + t]; \
             }                                                                                   \
             _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                               \
-                f32x16 sum = (acc[r][0] + acc[r][1]) + (acc[r][2] + acc[r][3]);                 \
+                f32x16 sum = acc[r][0] + acc[r][1];                                             \
                 if (!scales) total[r] = sum;                                                    \
                 else if (g0 == 0) total[r] = sum * load_f32(scales);                            \
                 else total[r] += sum * load_f32(scales + (size_t)(g0 / GROUP) * BLOCK);         \
