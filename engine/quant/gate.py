@@ -6,6 +6,11 @@ perplexity rises by at most `max_ppl_increase` and its top-1 next token agrees a
 measures the candidates this CPU runs (engine.quant.prefill), fastest first, stops at the first
 that passes, and logs why each one before it fell back; the model's int8 layers are moved to
 the path it returns. No passing path means int8 itself fails: the next precision is fp32.
+
+Two references: `bench quant` measures against the fp32 model (weights and activations), which
+gates the int8 weights too; `gate_loaded_model`, cheap enough for start-up, measures against the
+same model on its most precise path (the same int8 weights, activations in fp32), which gates
+what a faster path does to the activations.
 """
 
 from __future__ import annotations
@@ -13,11 +18,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from torch import nn
 
-from ragspeed.engine.quant.prefill import PrefillPath
-from ragspeed.engine.quant.quality import QualityReport
+from ragspeed.engine.cpu_features import CpuFeatures
+from ragspeed.engine.quant.prefill import PrefillPath, prefill_candidates
+
+if TYPE_CHECKING:  # engine.quant.quality imports the loader, which imports this package
+    from ragspeed.engine.loader import LoadedModel
+    from ragspeed.engine.quant.quality import QualityReport
 
 logger = logging.getLogger(__name__)
 
@@ -86,3 +96,32 @@ def use_prefill_path(model: nn.Module, path: PrefillPath) -> int:
         if kernel.path is not path:
             kernel.use_prefill(path)
     return len(kernels)
+
+
+def gate_loaded_model(
+    loaded: LoadedModel,
+    windows: list[list[int]],
+    features: CpuFeatures,
+    gate: QualityGate = QualityGate(),
+) -> PrefillPath:
+    """Gate the faster prefill paths of an int8 model against its most precise one on
+    `windows` (token ids; each one prefill); leave the model on the path chosen and return it."""
+    from ragspeed.engine.quant.quality import compare_logits, window_logits
+
+    candidates = prefill_candidates(features)
+    exact = candidates[-1]
+    use_prefill_path(loaded.model, exact)
+    if len(candidates) == 1:
+        return exact
+    reference = {tuple(ids): window_logits(loaded, ids) for ids in windows}
+
+    def measure(path: PrefillPath) -> QualityReport:
+        use_prefill_path(loaded.model, path)
+        logits = (lambda ids: reference[tuple(ids)]) if path is exact else (
+            lambda ids: window_logits(loaded, ids)
+        )
+        return compare_logits(lambda ids: reference[tuple(ids)], logits, windows)
+
+    chosen = gate_prefill(candidates, measure, gate).path or exact
+    use_prefill_path(loaded.model, chosen)
+    return chosen

@@ -195,3 +195,35 @@ def test_start_up_logs_the_choice(monkeypatch, caplog, features, line):
         check_quantization(None, "cpu")
     assert caplog.messages == [line]
     assert describe_choice(features) == line
+
+
+def test_start_up_gate_on_a_tiny_model(monkeypatch, caplog, tiny_checkpoints):
+    """The start-up gate against the model's own exact-activation path, VNNI forced: a strict
+    gate rejects fbgemm-u8 (its activations are rounded) and the model falls back, logged; a
+    lenient one keeps it; without VNNI there is nothing to gate."""
+    from ragspeed.engine.loader import load_model
+    from ragspeed.engine.quant.gate import gate_loaded_model
+
+    monkeypatch.setattr(cpu_features, "read_cpu_features", lambda: VNNI)
+    loaded = load_model(tiny_checkpoints["llama"], quantization="int8", max_model_len=64)
+    windows = [list(range(3, 35)), list(range(40, 72))]
+    with caplog.at_level(logging.WARNING, logger="ragspeed.engine.quant.gate"):
+        strict = gate_loaded_model(loaded, windows, VNNI, QualityGate(0.0, 1.0))
+        assert strict.name == "fp32-dequantized"  # nothing rounded matches exactly
+        assert caplog.messages[0].startswith(
+            "int8 prefill path fbgemm-u8 fails the quality gate ("
+        )
+        assert caplog.messages[0].endswith("): falling back to fp32-dequantized")
+        lenient = gate_loaded_model(loaded, windows, VNNI, QualityGate(1e9, 0.0))
+    assert lenient.name == "fbgemm-u8"
+    assert _paths(loaded) == {"fbgemm-u8"}
+    assert gate_loaded_model(loaded, windows, AVX2).name == "fp32-dequantized"
+    assert _paths(loaded) == {"fp32-dequantized"}
+
+
+def _paths(loaded):
+    from ragspeed.engine.quant.gate import int8_kernels
+
+    kernels = int8_kernels(loaded.model)
+    assert kernels  # every projection and the LM head
+    return {kernel.path.name for kernel in kernels}
