@@ -4,7 +4,7 @@ Layout: W [n, k] as blocks of 16 output columns, `[ceil(n / 16), k, 16]`, the la
 with zero columns; the bias padded to whole blocks the same way. fp32 weights are used as they
 are. int8 weights carry one fp32 scale per `INT8_GROUP` consecutive inputs of each output
 column (engine.quant.groupwise), laid out per block as `[ceil(n / 16), ceil(k / INT8_GROUP),
-16]`; the kernel widens each weight to fp32 and scales it as it loads it, so activations stay
+16]`; the kernel widens each weight to fp32 and scales each group's sum, so activations stay
 fp32 (weight-only quantization) and nothing saturates on any instruction set.
 
 A product is bound by reading the weight: the kernel streams each block once per pass of a few
