@@ -11,11 +11,11 @@ Figures (one run, after a warm-up, medians of `repeats` runs; JSON keys in brack
 - quality of int8 against fp32 on `text` (see engine.quant.quality) [ppl_increase (a fraction),
   top1_agreement, logit_rms_error, ppl_fp32, ppl_int8], of the int8 prefill path the quality
   gate chose (engine.quant.gate) [int8_prefill_path; None: no path passed], each path measured
-  on the way [quality_<path>]; the CPU's capability line [cpu].
+  on the way [quality_<path>_<figure>]; the CPU's capability line [cpu].
 Targets (issue 5, bench-0.5b): int8_tpot_ms <= 2.5 x int8_tpot_bound_ms; fp32/int8 TPOT >= 3;
 int8 TTFT no worse than fp32. Issue 20 (the real default model): ppl increase <= 1%, top-1
-agreement >= 97%, fp32/int8 TPOT >= 2.4. A *ratio* divides two contenders' times; `*_over_bound` a time by
-its bound.
+agreement >= 97%, fp32/int8 TPOT >= 2.4. A *ratio* divides two contenders' times;
+`*_over_bound` a time by its bound.
 """
 
 from __future__ import annotations
@@ -114,7 +114,10 @@ def run_bench_quant(
         "model": model,
         "cpu": features.describe(),
         "int8_prefill_path": None if outcome.path is None else outcome.path.name,
-        **{f"quality_{name}": asdict(report) for name, report in outcome.reports.items()},
+        **{
+            f"quality_{name}_{key}": value
+            for name, report in outcome.reports.items() for key, value in asdict(report).items()
+        },
         "threads": threads,
         "load_avg_1m": os.getloadavg()[0],
         "prompt_len": prompt_len,

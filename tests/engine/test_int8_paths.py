@@ -161,11 +161,13 @@ def test_gate_falls_back_and_logs_why(caplog):
         outcome = gate_prefill(prefill_candidates(VNNI), measure)
     assert outcome.path.name == "fp32-dequantized"
     assert measured == ["fbgemm-u8", "fp32-dequantized"]
-    assert outcome.rejected == {"fbgemm-u8": "perplexity +3.87% > +1%; top-1 agreement 85.30% < 97%"}
-    assert caplog.messages == [
+    assert outcome.rejected == {
+        "fbgemm-u8": "perplexity +3.87% > +1%; top-1 agreement 85.30% < 97%"
+    }
+    assert caplog.messages == [(
         "int8 prefill path fbgemm-u8 fails the quality gate (perplexity +3.87% > +1%; top-1 "
         "agreement 85.30% < 97%): falling back to fp32-dequantized"
-    ]
+    )]
 
 
 def test_gate_passes_first_path_or_none():
@@ -180,13 +182,17 @@ def test_gate_passes_first_path_or_none():
 
 
 @pytest.mark.parametrize("features, line", [
-    (AVX2, "int8 on AMD EPYC (torch AVX2): avx2; no avx512f, avx512_vnni, avx_vnni, "
-           "avx512_bf16, amx_bf16, amx_int8: prefill fp32-dequantized (activations kept in "
-           "fp32), decode ragspeed's blocked int8 kernel; not fbgemm-u8: no VNNI (avx512_vnni "
-           "/ avx_vnni): fbgemm's AVX2 kernel saturates"),
-    (VNNI, "int8 on Intel Xeon (torch AVX512): avx2, avx512f, avx512_vnni, avx512_bf16; no "
-           "avx_vnni, amx_bf16, amx_int8: prefill fbgemm-u8 (activations rounded to 8 bits per "
-           "row), decode ragspeed's blocked int8 kernel"),
+    (AVX2, (
+        "int8 on AMD EPYC (torch AVX2): avx2; no avx512f, avx512_vnni, avx_vnni, "
+        "avx512_bf16, amx_bf16, amx_int8: prefill fp32-dequantized (activations kept in "
+        "fp32), decode ragspeed's blocked int8 kernel; not fbgemm-u8: no VNNI (avx512_vnni "
+        "/ avx_vnni): fbgemm's AVX2 kernel saturates"
+    )),
+    (VNNI, (
+        "int8 on Intel Xeon (torch AVX512): avx2, avx512f, avx512_vnni, avx512_bf16; no "
+        "avx_vnni, amx_bf16, amx_int8: prefill fbgemm-u8 (activations rounded to 8 bits per "
+        "row), decode ragspeed's blocked int8 kernel"
+    )),
 ])
 def test_start_up_logs_the_choice(monkeypatch, caplog, features, line):
     monkeypatch.setattr(cpu_features, "read_cpu_features", lambda: features)
