@@ -4,11 +4,11 @@ The weight is quantized group-wise (engine.quant.groupwise) once, at load. A pro
 `MAX_BLOCKED_ROWS` rows, and every product of a decode-type step (engine.cpu_kernels.
 decode_step: speculation stays lossless), goes to the blocked copy: bound by reading the weight,
 it reads 1.125 bytes a weight where fp32 reads 4. Longer products go to the prefill path chosen
-for this CPU (engine.quant.prefill); both layouts stay resident. Where the blocked kernels are
-not built, the prefill path serves every product.
+for this CPU and model (engine.quant.prefill); both layouts stay resident. Where the blocked
+kernels are not built, the prefill path serves every product.
 
 `use_prefill(path)` rebuilds the prefill layout from the blocked copy (or the kept int8 weight
-where there is no blocked copy): a quality gate's fallback (engine.quant.gate).
+where there is no blocked copy): how the quality gate moves a model (engine.quant.gate).
 """
 
 from __future__ import annotations

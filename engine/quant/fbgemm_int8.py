@@ -15,8 +15,9 @@ Invariants and why:
   range. This is exact in real arithmetic (the product is linear; the bias is added after). A
   token's result still depends slightly on the other rows (they share the zero point): outputs
   are deterministic for a given schedule, not bitwise batch-invariant.
-- The activations are rounded to 8 bits, so a model whose outputs are sensitive to that fails
-  the quality gate (engine.quant.gate) and prefill falls back to exact activations.
+- The activations are rounded to 8 bits, which some models do not survive: a model loads on
+  exact activations and moves to this path only once the quality gate passes it on that model
+  (engine.quant.gate).
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ are bound by arithmetic instead, and there the choice is between precision and s
   int8 values and scales), at fp32's speed. Runs on every CPU.
 
 `PREFILL_PATHS` lists them fastest first. `prefill_candidates(features)` keeps those this CPU
-runs; the first is the start-up choice, and a quality gate (engine.quant.gate) that rejects a
-path moves the model to the next one.
+runs. A model loads on the last, most precise one: a faster path rounds the activations, which
+only a quality gate on the model itself can clear (engine.quant.gate measures the candidates
+fastest first and moves the model to the first that passes).
 """
 
 from __future__ import annotations
@@ -109,13 +110,16 @@ def prefill_candidates(features: CpuFeatures) -> list[PrefillPath]:
 
 
 def describe_choice(features: CpuFeatures) -> str:
-    """The start-up line: the CPU, the prefill path chosen and why the faster ones are not."""
-    chosen = prefill_candidates(features)[0]
-    skipped = [
-        f"{p.name}: {p.missing(features)}" for p in PREFILL_PATHS[: PREFILL_PATHS.index(chosen)]
-    ]
+    """The start-up line: the CPU, the prefill path a model loads on, the faster paths this CPU
+    runs once a quality gate passes them, and why the others do not run here."""
+    candidates = prefill_candidates(features)
+    chosen = candidates[-1]
     line = (
         f"int8 on {features.describe()}: prefill {chosen.name} (activations "
         f"{chosen.activations}), decode ragspeed's blocked int8 kernel"
     )
-    return line + (f"; not {'; '.join(skipped)}" if skipped else "")
+    gated = [p.name for p in candidates[:-1]]
+    if gated:
+        line += f"; {', '.join(gated)} runs here once the quality gate passes it"
+    missing = [f"{p.name}: {p.missing(features)}" for p in PREFILL_PATHS if p not in candidates]
+    return line + (f"; not {'; '.join(missing)}" if missing else "")

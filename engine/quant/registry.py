@@ -42,7 +42,8 @@ class Int8Kernel(Protocol):
 
 
 def _cpu_kernel(weight, bias, dtype) -> Int8Kernel:
-    path = prefill_candidates(cpu_features.read_cpu_features())[0]
+    # The exact-activation path until a quality gate passes a faster one (engine.quant.gate).
+    path = prefill_candidates(cpu_features.read_cpu_features())[-1]
     return CpuInt8Kernel(quantize_groupwise(weight), bias, torch.get_num_threads(), path)
 
 

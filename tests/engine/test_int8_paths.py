@@ -112,10 +112,13 @@ def test_avx2_branch_is_exact_activations_and_accurate(monkeypatch, bias):
     torch.testing.assert_close(int8(x[:1]), exact[:1], rtol=1e-4, atol=1e-3)  # decode row
 
 
-def test_vnni_branch_is_chosen_when_forced(monkeypatch):
-    """On any machine: a VNNI CPU gets fbgemm's u8 prefill (its accuracy needs a VNNI CPU:
-    test_fbgemm_u8_accuracy_on_vnni); decode rows still take the blocked kernel."""
+def test_vnni_branch_offers_fbgemm_after_the_gate(monkeypatch):
+    """On any machine: a VNNI CPU loads on the exact path too and offers fbgemm's u8 prefill
+    to the quality gate (its accuracy needs a VNNI CPU: test_fbgemm_u8_accuracy_on_vnni);
+    decode rows take the blocked kernel on either path."""
     dense, int8 = _layers(monkeypatch, VNNI, bias=True)
+    assert int8.kernel.path.name == "fp32-dequantized"
+    use_prefill_path(torch.nn.Sequential(int8), prefill_path("fbgemm-u8"))
     assert int8.kernel.path.name == "fbgemm-u8"
     x = torch.randn(1, 64, generator=torch.Generator().manual_seed(2))
     if blocked_kernels_available(torch.device("cpu")):
@@ -125,7 +128,7 @@ def test_vnni_branch_is_chosen_when_forced(monkeypatch):
 @needs_vnni
 def test_fbgemm_u8_accuracy_on_vnni(monkeypatch):
     dense, int8 = _layers(monkeypatch, HERE, bias=False)
-    assert int8.kernel.path.name == "fbgemm-u8"
+    use_prefill_path(torch.nn.Sequential(int8), prefill_path("fbgemm-u8"))
     x = torch.randn(7, 64, generator=torch.Generator().manual_seed(3))
     assert _relative_error(int8(x), dense(x)) < 0.02
 
@@ -135,6 +138,7 @@ def test_switching_the_prefill_path_keeps_decode_and_bytes(monkeypatch):
     model = torch.nn.Sequential(int8)
     row = torch.randn(1, 64, generator=torch.Generator().manual_seed(4))
     before = int8(row)
+    assert use_prefill_path(model, prefill_path("fbgemm-u8")) == 1
     assert use_prefill_path(model, prefill_path("fp32-dequantized")) == 1
     assert int8.kernel.path.name == "fp32-dequantized"
     torch.testing.assert_close(int8(row), before, rtol=0, atol=0)  # the same blocked copy
@@ -190,8 +194,9 @@ def test_gate_passes_first_path_or_none():
     )),
     (VNNI, (
         "int8 on Intel Xeon (torch AVX512): avx2, avx512f, avx512_vnni, avx512_bf16; no "
-        "avx_vnni, amx_bf16, amx_int8: prefill fbgemm-u8 (activations rounded to 8 bits per "
-        "row), decode ragspeed's blocked int8 kernel"
+        "avx_vnni, amx_bf16, amx_int8: prefill fp32-dequantized (activations kept in fp32), "
+        "decode ragspeed's blocked int8 kernel; fbgemm-u8 runs here once the quality gate "
+        "passes it"
     )),
 ])
 def test_start_up_logs_the_choice(monkeypatch, caplog, features, line):
@@ -212,6 +217,7 @@ def test_start_up_gate_on_a_tiny_model(monkeypatch, caplog, tiny_checkpoints):
 
     monkeypatch.setattr(cpu_features, "read_cpu_features", lambda: VNNI)
     loaded = load_model(tiny_checkpoints["llama"], quantization="int8", max_model_len=64)
+    assert _paths(loaded) == {"fp32-dequantized"}  # loaded on the exact path
     windows = [list(range(3, 35)), list(range(40, 72))]
     with caplog.at_level(logging.WARNING, logger="ragspeed.engine.quant.gate"):
         strict = gate_loaded_model(loaded, windows, VNNI, QualityGate(0.0, 1.0))
