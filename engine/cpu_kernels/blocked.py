@@ -1,16 +1,15 @@
 """One weight in the layout of kernels.c and its product with a few rows.
 
 Layout: W [n, k] as blocks of 16 output columns, `[ceil(n / 16), k, 16]`, the last block padded
-with zero columns; per-column scales (int8) and the bias padded to whole blocks the same way.
-fp32 weights are used as they are; int8 weights carry one fp32 scale per output column and
-the product keeps the activations in fp32 (weight-only quantization).
+with zero columns; the bias padded to whole blocks the same way. fp32 weights are used as they
+are. int8 weights carry one fp32 scale per `INT8_GROUP` consecutive inputs of each output
+column (engine.quant.groupwise), laid out per block as `[ceil(n / 16), ceil(k / INT8_GROUP),
+16]`; the kernel widens each weight to fp32 and scales each group's sum, so activations stay
+fp32 (weight-only quantization) and nothing saturates on any instruction set.
 
-Measured on the 2-core development CPU over bench-135m's 121 matrices (two threads), per product
-of all of them, against the engine's packed kernels: fp32 1 row 11-18 ms vs oneDNN 21-27 ms,
-4 rows 16-19 vs 18-22, 8 rows about equal; int8 1 row 4.6 vs fbgemm 6.5-7.2 ms, 2 rows 5.2
-vs 7.4, 4 rows equal, more rows slower (each 16 weights are widened to fp32 once per pass of
-four rows; of six since, with AVX-512). The linear kinds use these kernels up to `max_rows` rows and their packed kernels
-beyond.
+A product is bound by reading the weight: the kernel streams each block once per pass of a few
+rows (four with AVX2, six with AVX-512). The linear kinds use it up to their `max_rows` rows and
+for every product of a decode-type step, their packed kernels beyond.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ import torch
 from ragspeed.engine.cpu_kernels.build import load_library
 
 BLOCK = 16
+INT8_GROUP = 32  # kernels.c's GROUP; the library reports its own (test_cpu_kernels checks)
 
 # Set by the model runner and the draft proposer around a step whose chunks are all small.
 _DECODE_STEP = contextvars.ContextVar("ragspeed_decode_step", default=False)
@@ -64,15 +64,19 @@ def _pad_to_blocks(vector: torch.Tensor, num_blocks: int) -> torch.Tensor:
 
 
 class BlockedWeight:
-    """W [out_features, in_features] (fp32, or int8 with per-row `scales`) and an optional
-    bias, in the kernel's layout; `forward(x)` is `x @ W.T * scales + bias`."""
+    """W [out_features, in_features] (fp32, or int8 with group `scales` [out_features,
+    ceil(in_features / INT8_GROUP)]) and an optional bias, in the kernel's layout; `forward(x)`
+    is `x @ (W * scales per group).T + bias`."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  scales: torch.Tensor | None = None):
         library = load_library()
         assert library is not None, "blocked_kernels_available() first"
         if weight.dtype == torch.int8:
-            assert scales is not None, "int8 weights need their per-row scales"
+            num_groups = -(-weight.shape[1] // INT8_GROUP)
+            assert scales is not None and tuple(scales.shape) == (weight.shape[0], num_groups), (
+                "int8 weights need their group scales [out_features, ceil(in / INT8_GROUP)]"
+            )
             self._kernel = library.ragspeed_gemv_i8
         else:
             assert weight.dtype == torch.float32 and scales is None, weight.dtype
@@ -82,8 +86,21 @@ class BlockedWeight:
         padded = torch.zeros(num_blocks * BLOCK, self.in_features, dtype=weight.dtype)
         padded[: self.out_features] = weight
         self.blocks = padded.view(num_blocks, BLOCK, self.in_features).transpose(1, 2).contiguous()
-        self.scales = None if scales is None else _pad_to_blocks(scales, num_blocks)
+        self.scales = None  # int8: [num_blocks, num_groups, 16]
+        if scales is not None:
+            padded_scales = torch.zeros(num_blocks * BLOCK, scales.shape[1], dtype=torch.float32)
+            padded_scales[: self.out_features] = scales.float()
+            self.scales = padded_scales.view(num_blocks, BLOCK, -1).transpose(1, 2).contiguous()
         self.bias = None if bias is None else _pad_to_blocks(bias, num_blocks)
+
+    def unblocked(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The weight [out_features, in_features] as given, and its group scales (int8) or
+        None: what another layout of the same weight is built from."""
+        weight = self.blocks.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
+        if self.scales is None:
+            return weight, None
+        scales = self.scales.transpose(1, 2).reshape(-1, self.scales.shape[1])
+        return weight, scales[: self.out_features]
 
     @property
     def num_bytes(self) -> int:

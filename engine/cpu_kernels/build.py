@@ -65,6 +65,8 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.ragspeed_paged_decode_attention.argtypes = [pointer] * 6 + [integer] * 6 + [ctypes.c_float, integer]
     library.ragspeed_add_rms_norm.argtypes = [pointer] * 4 + [integer] * 2 + [ctypes.c_float, integer]
     library.ragspeed_decode_forward.argtypes = [pointer] * 9 + [integer] * 4
+    library.ragspeed_int8_group.argtypes = []
+    library.ragspeed_int8_group.restype = integer
     library.ragspeed_greedy_steps.argtypes = (
         [pointer, pointer, integer] + [pointer] * 3 + [integer] * 3 + [pointer] * 4
         + [ctypes.c_float] + [pointer] * 2 + [integer] * 2

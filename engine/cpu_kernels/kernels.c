@@ -8,9 +8,9 @@
  * to the machine's read bandwidth; oneDNN's and MKL's one-row products read at about half of it on
  * the 2-core development CPU (figures in engine/cpu_kernels/blocked.py).
  *
- * Every input row is accumulated the same way whatever the number of rows (four partial sums
- * over k, added pairwise at the end), so a token's result does not depend on the batch it ran
- * in: speculative verification and batched decoding give the bits plain decoding gives.
+ * Every input row is accumulated the same way whatever the number of rows (two partial sums
+ * over each group of inputs, added at its end), so a token's result does not depend on the
+ * batch it ran in: speculative verification and batched decoding give the bits plain decoding gives.
  *
  * GCC vector extensions (and intrinsics for widening int8): -march=native picks AVX-512, AVX2
  * or SSE.
@@ -37,58 +37,104 @@ typedef int8_t i8x16 __attribute__((vector_size(16), aligned(1)));
 #endif
 
 static inline f32x16 load_f32(const float *p) { return *(const f32x16 *)p; }
-/* 16 int8 weights widened to fp32 (GCC's generic conversion of a vector of int8 is scalar). */
-static inline f32x16 load_i8(const int8_t *p) {
+/* The products' vectors: one register each. A block's 16 columns are H of them (AVX-512: one
+ * of 16 floats; AVX2 and others: two of 8). GCC's generic 16-float vectors would work too, but
+ * on AVX2 it moves arrays of them through the stack. */
 #if defined(__AVX512F__)
-    return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-#elif defined(__AVX2__)
-    __m128i bytes = _mm_loadu_si128((const __m128i *)p);
-    __m256 halves[2] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)),
-                        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)))};
-    f32x16 v;
-    memcpy(&v, halves, sizeof v);
-    return v;
+typedef float vecf __attribute__((vector_size(64)));
+#define H 1
 #else
-    return __builtin_convertvector(*(const i8x16 *)p, f32x16);
+typedef float vecf __attribute__((vector_size(32)));
+typedef int8_t i8x8 __attribute__((vector_size(8), aligned(1)));
+#define H 2
+#endif
+#define LANES (BLOCK / H)
+
+static inline vecf loadv_f32(const float *p) {
+    vecf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+/* LANES int8 weights widened to fp32 (GCC's generic conversion of a vector of int8 is scalar). */
+static inline vecf loadv_i8(const int8_t *p) {
+#if defined(__AVX512F__)
+    return (vecf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif defined(__AVX2__)
+    return (vecf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+    return __builtin_convertvector(*(const i8x8 *)p, vecf);
 #endif
 }
 
-/* y[first:first+16] = acc * scale + bias (scale and bias padded to whole blocks), the last
- * block only up to n. */
-static inline void store(float *y, f32x16 acc, const float *scale, const float *bias, int first, int n) {
-    if (scale) acc *= load_f32(scale + first);
-    if (bias) acc += load_f32(bias + first);
+/* y[first:first+16] = sums + bias (bias padded to whole blocks), the last block only up to n. */
+static inline void store(float *y, const vecf *sums, const float *bias, int first, int n) {
     int count = n - first < BLOCK ? n - first : BLOCK;
-    for (int i = 0; i < count; i++) y[first + i] = acc[i];
+    for (int h = 0; h < H; h++) {
+        vecf v = sums[h];
+        if (bias) v += loadv_f32(bias + first + h * LANES);
+        for (int i = 0; i < LANES && h * LANES + i < count; i++) y[first + h * LANES + i] = v[i];
+    }
 }
 
+/* int8 weights carry one fp32 scale per GROUP consecutive inputs of each output column (a
+ * block's scales: [ceil(k / GROUP)][16]). Each group's products are summed from the widened
+ * int8 values and scaled once, so the sums are those of the fp32 weights q * scale at one
+ * multiply per group. GROUP is a multiple of 4: only the last group of a row has a k % 4 tail. */
+#define GROUP 32
+int ragspeed_int8_group(void) { return GROUP; }
+
 /* Rows r0..r0+R-1 of x times one block (16 columns): R is a compile-time constant, so the
- * R x 4 partial sums live in registers. */
+ * R x 2 partial sums (of H vectors each) live in registers. fp32 weights (scales NULL) are
+ * one group of k. */
 #define BLOCK_ROWS(NAME, WTYPE, LOAD, R)                                                        \
-    static inline void NAME(const WTYPE *block, const float *x, float *y, const float *scale,  \
+    static inline void NAME(const WTYPE *block, const float *x, float *y, const float *scales, \
                             const float *bias, int first, int n, int k) {                      \
-        f32x16 acc[R][4];                                                                       \
-        _Pragma("GCC unroll 6") for (int r = 0; r < R; r++)                                     \
-            acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = (f32x16){0};                        \
-        int j = 0;                                                                              \
-        for (; j + 4 <= k; j += 4) {                                                            \
-            const WTYPE *p = block + (size_t)j * BLOCK;                                         \
-            f32x16 w0 = LOAD(p), w1 = LOAD(p + BLOCK), w2 = LOAD(p + 2 * BLOCK), w3 = LOAD(p + 3 * BLOCK); \
-            _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                               \
-                const float *xr = x + (size_t)r * k + j;                                        \
-                acc[r][0] += w0 * xr[0]; acc[r][1] += w1 * xr[1];                               \
-                acc[r][2] += w2 * xr[2]; acc[r][3] += w3 * xr[3];                               \
+        vecf total[R][H], acc[R][2][H];                                                         \
+        int group = scales ? GROUP : k;                                                         \
+        for (int r = 0; r < R; r++)                                                             \
+            for (int h = 0; h < H; h++) total[r][h] = (vecf){0};                               \
+        for (int g0 = 0; g0 < k; g0 += group) {                                                 \
+            int end = g0 + group < k ? g0 + group : k;                                          \
+            _Pragma("GCC unroll 6") for (int r = 0; r < R; r++)                                 \
+                for (int h = 0; h < H; h++) acc[r][0][h] = acc[r][1][h] = (vecf){0};           \
+            int j = g0;                                                                         \
+            for (; j + 4 <= end; j += 4) {                                                      \
+                const WTYPE *p = block + (size_t)j * BLOCK;                                     \
+                /* int8 (16 bytes a k-row): the hardware prefetcher falls behind */            \
+                if (sizeof(WTYPE) == 1) __builtin_prefetch(p + 96 * BLOCK);                     \
+                vecf w0[H], w1[H], w2[H], w3[H];                                                \
+                for (int h = 0; h < H; h++) {                                                   \
+                    w0[h] = LOAD(p + h * LANES); w1[h] = LOAD(p + BLOCK + h * LANES);           \
+                    w2[h] = LOAD(p + 2 * BLOCK + h * LANES); w3[h] = LOAD(p + 3 * BLOCK + h * LANES); \
+                }                                                                               \
+                _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                           \
+                    const float *xr = x + (size_t)r * k + j;                                    \
+                    for (int h = 0; h < H; h++) {                                               \
+                        acc[r][0][h] += w0[h] * xr[0] + w2[h] * xr[2];                          \
+                        acc[r][1][h] += w1[h] * xr[1] + w3[h] * xr[3];                          \
+                    }                                                                           \
+                }                                                                               \
             }                                                                                   \
-        }                                                                                       \
-        /* The last k % 4 columns, into partial sums 0, 1, 2 (constant indices keep the sums \
-         * in registers). */                                                                    \
-        _Pragma("GCC unroll 3") for (int t = 0; t < 3; t++) {                                   \
-            if (j + t >= k) break;                                                              \
-            f32x16 wt = LOAD(block + (size_t)(j + t) * BLOCK);                                  \
-            _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) acc[r][t] += wt * x[(size_t)r * k + j + t]; \
+            /* The last k % 4 columns, into partial sums 0, 1, 0 (constant indices keep the \
+             * sums in registers). */                                                           \
+            _Pragma("GCC unroll 3") for (int t = 0; t < 3; t++) {                               \
+                if (j + t >= end) break;                                                        \
+                const WTYPE *p = block + (size_t)(j + t) * BLOCK;                               \
+                for (int h = 0; h < H; h++) {                                                   \
+                    vecf wt = LOAD(p + h * LANES);                                              \
+                    _Pragma("GCC unroll 6") for (int r = 0; r < R; r++)                         \
+                        acc[r][t & 1][h] += wt * x[(size_t)r * k + j + t];                      \
+                }                                                                               \
+            }                                                                                   \
+            _Pragma("GCC unroll 6") for (int r = 0; r < R; r++)                                 \
+                for (int h = 0; h < H; h++) {                                                   \
+                    vecf sum = acc[r][0][h] + acc[r][1][h];                                     \
+                    const float *sc = scales ? scales + (size_t)(g0 / GROUP) * BLOCK + h * LANES : NULL; \
+                    total[r][h] += scales ? sum * loadv_f32(sc) : sum;                          \
+                }                                                                               \
         }                                                                                       \
         _Pragma("GCC unroll 6") for (int r = 0; r < R; r++)                                     \
-            store(y + (size_t)r * n, (acc[r][0] + acc[r][1]) + (acc[r][2] + acc[r][3]), scale, bias, first, n); \
+            store(y + (size_t)r * n, total[r], bias, first, n);                                 \
     }
 
 /* The product for one weight type: blocks split across threads, rows in passes of ROWS. */
@@ -105,23 +151,25 @@ static inline void store(float *y, f32x16 acc, const float *scale, const float *
         _Pragma("omp parallel for num_threads(num_threads) schedule(static)")                  \
         for (int b = 0; b < num_blocks; b++) {                                                  \
             const WTYPE *block = w + (size_t)b * k * BLOCK;                                     \
+            /* int8: this block's group scales [ceil(k / GROUP)][16]; fp32: NULL */            \
+            const float *bs = scale ? scale + (size_t)b * ((k + GROUP - 1) / GROUP) * BLOCK : NULL; \
             for (int r = 0; r < m; r += ROWS) {                                                 \
                 const float *xr = x + (size_t)r * k;                                            \
                 float *yr = y + (size_t)r * n;                                                  \
                 switch (m - r < ROWS ? m - r : ROWS) {                                          \
-                case 1: NAME##_1(block, xr, yr, scale, bias, b * BLOCK, n, k); break;           \
-                case 2: NAME##_2(block, xr, yr, scale, bias, b * BLOCK, n, k); break;           \
-                case 3: NAME##_3(block, xr, yr, scale, bias, b * BLOCK, n, k); break;           \
-                case 4: NAME##_4(block, xr, yr, scale, bias, b * BLOCK, n, k); break;           \
-                case 5: NAME##_5(block, xr, yr, scale, bias, b * BLOCK, n, k); break;           \
-                default: NAME##_6(block, xr, yr, scale, bias, b * BLOCK, n, k); break;          \
+                case 1: NAME##_1(block, xr, yr, bs, bias, b * BLOCK, n, k); break;           \
+                case 2: NAME##_2(block, xr, yr, bs, bias, b * BLOCK, n, k); break;           \
+                case 3: NAME##_3(block, xr, yr, bs, bias, b * BLOCK, n, k); break;           \
+                case 4: NAME##_4(block, xr, yr, bs, bias, b * BLOCK, n, k); break;           \
+                case 5: NAME##_5(block, xr, yr, bs, bias, b * BLOCK, n, k); break;           \
+                default: NAME##_6(block, xr, yr, bs, bias, b * BLOCK, n, k); break;          \
                 }                                                                               \
             }                                                                                   \
         }                                                                                       \
     }
 
-GEMV(gemv_f32, float, load_f32)
-GEMV(gemv_i8, int8_t, load_i8)
+GEMV(gemv_f32, float, loadv_f32)
+GEMV(gemv_i8, int8_t, loadv_i8)
 
 /* y [m, n] = x [m, k] @ W.T + bias; w: W in blocks [ceil(n/16)][k][16] (zero-padded), fp32. */
 void ragspeed_gemv_f32(const float *w, const float *bias, const float *x, float *y,
@@ -129,8 +177,9 @@ void ragspeed_gemv_f32(const float *w, const float *bias, const float *x, float 
     gemv_f32(w, NULL, bias, x, y, m, n, k, num_threads);
 }
 
-/* The same with int8 weights and one fp32 scale per output column (scale padded to blocks):
- * y = (x @ Q.T) * scale + bias, activations kept in fp32 (weight-only quantization). */
+/* The same with int8 weights Q and their group scales S (blocks [ceil(n/16)][ceil(k/GROUP)][16],
+ * zero-padded): y = x @ (Q * S).T + bias, activations kept in fp32 (weight-only quantization:
+ * int8 weights are widened to fp32, so nothing saturates on any instruction set). */
 void ragspeed_gemv_i8(const int8_t *w, const float *scale, const float *bias, const float *x,
                       float *y, int m, int n, int k, int num_threads) {
     gemv_i8(w, scale, bias, x, y, m, n, k, num_threads);
@@ -292,7 +341,7 @@ void ragspeed_add_rms_norm(float *x, const float *residual, const float *weight,
 
 typedef struct {
     const void *w;      /* blocks [ceil(n/16)][k][16]: fp32, or int8 when scale is set */
-    const float *scale; /* int8: per output column (padded to blocks); fp32: NULL */
+    const float *scale; /* int8: group scales [ceil(n/16)][ceil(k/GROUP)][16]; fp32: NULL */
     const float *bias;  /* padded to blocks, or NULL */
     int n, k;
 } Linear;

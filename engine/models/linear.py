@@ -1,8 +1,8 @@
 """The one place where the engine builds linear layers.
 
 Every projection of the model (fused QKV, output, fused gate-up, down, LM head) is built by
-`build_linear`, so a quantized kind (per-output-channel int8, engine.quant) only has to
-register one class here.
+`build_linear`, so a quantized kind (int8, engine.quant) only has to register one class
+here.
 
 A linear kind is built empty from primitives and then given its float weights once by `load`,
 which is where it packs them (oneDNN's layout for the dense kind on CPU, int8 for the

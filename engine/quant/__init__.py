@@ -1,9 +1,16 @@
 """Quantized weights for the native engine: int8 linear kinds and what this hardware runs.
 
+On CPU the int8 kind keeps group-wise int8 weights (groups): decode steps read them through
+ragspeed's blocked kernel, prefill chunks through a path chosen by the CPU's capabilities
+(prefill, engine.cpu_features) and kept only if it passes the quality gate (gate). On CUDA it is
+weight-only int8 with per-channel scales (per_channel, weight_only_int8).
+
 `QUANT_KINDS` is merged into `engine.models.linear.LINEAR_KINDS`; this package imports nothing
 from `engine.models`, so the model code depends on it and not the other way round.
 """
 
+from ragspeed.engine.quant.gate import QualityGate, gate_prefill, use_prefill_path
+from ragspeed.engine.quant.groupwise import GroupInt8Weight, quantize_groupwise
 from ragspeed.engine.quant.memory import resident_weight_bytes, unquantized_weight_bytes
 from ragspeed.engine.quant.per_channel import Int8Weight, quantize_per_channel
 from ragspeed.engine.quant.registry import (
@@ -16,6 +23,11 @@ from ragspeed.engine.quant.registry import (
 
 __all__ = [
     "QUANT_KINDS",
+    "GroupInt8Weight",
+    "QualityGate",
+    "gate_prefill",
+    "quantize_groupwise",
+    "use_prefill_path",
     "Int8Linear",
     "Int8Weight",
     "QuantizationUnavailableError",

@@ -1,35 +1,23 @@
-"""int8 linear on x86 CPUs: fbgemm's dynamic quantization, weights prepacked once at load.
+"""fbgemm's dynamic int8 linear for x86 CPUs with VNNI: the `fbgemm-u8` prefill path.
 
-`torch.ops.quantized.linear_dynamic` quantizes the activations per tensor (min/max of the whole
-`[num_tokens, in_features]` input) to uint8 on the fly, multiplies by the prepacked int8 weight
-with int32 accumulation, and rescales to fp32 with the per-row weight scales and the bias.
-At batch 1 it reads a quarter of fp32's bytes and runs about 9x faster than fp32 on AMD EPYC
-Zen 3 (AVX2).
+`torch.ops.quantized.linear_dynamic` quantizes its input to uint8 on the fly (one scale and zero
+point per call, from the min/max of the whole `[num_tokens, in_features]` input), multiplies it
+by the prepacked per-channel int8 weight with int32 accumulation, and rescales to fp32 with the
+weight's row scales. `reduce_range=False`: the full 8-bit range.
 
-`reduce_range=False`: the full 8-bit activation range. fbgemm's AVX2 kernel may saturate its
-16-bit pair sums in rare worst cases; the quality gates (perplexity, top-1 agreement) measure
-what that costs, and `reduce_range=True` ran 4x slower here.
-
-Per-tensor activation scales would let one token with large activations coarsen the
-quantization of every other token of a prefill chunk or batch (on the demo model, top-1
-agreement with fp32 fell to 96.7% over 128-token windows). So a product of several rows first
-divides each row by its largest magnitude and multiplies each output row back: exact in real
-arithmetic (the product is linear; the bias is added after), and every row then spans the
-quantization range (agreement 97.6-98.3%, perplexity within 0.05%). A token's result still
-depends slightly on the other rows: greedy outputs are deterministic for a given schedule, not
-bitwise batch-invariant.
-
-Some models lose more. A copy-trained demo model keeps 93.8% top-1 agreement here (logit RMS
-error 0.10, the bundled model's 0.034), 97.8% with activations to ~16 bits. Its rows are only
-somewhat spikier (median max |x| / RMS per product 4-22, the bundled model's 3-12): it is the
-model that amplifies the rounding. Tried on it (the gate's WikiText windows; a 512-token window
-scored at every position on the development CPU: fp32 58 ms, this path 40 ms): SmoothQuant
-scales (alpha 0.5-0.8, calibrated on other text) 95.8-95.9%; the columns where some |x| exceeds
-6x its row's RMS multiplied in fp32 (LLM.int8-style, ~40 columns a product) 97.1%; bf16
-activations through oneDNN (int8 values are exact in bf16) 97.3%, 44 ms; a second pass over each
-row's rounding residual (~16-bit activations) 97.8%, but 68 ms, and 2.9 s against fp32's 2.7 s
-on bench-0.5b; that pass only for the rows whose max |x| / RMS exceeds 8-12, 96.7-95.1%. None is
-both as precise as unquantized activations and faster than fp32, so this path stays as it is.
+Invariants and why:
+- Only CPUs with VNNI run it (engine.quant.prefill): VNNI's `vpdpbusd` sums u8 x s8 products
+  in int32. fbgemm's AVX2 kernel sums pairs of them in 16 bits first (`vpmaddubsw`), and
+  full-range activations times int8 weights exceed 32,767 and saturate.
+- A product of several rows first divides each row by its largest magnitude and multiplies each
+  output row back. With one activation scale per call, a token with large activations would
+  otherwise coarsen the rounding of every other token of the chunk; divided, each row spans the
+  range. This is exact in real arithmetic (the product is linear; the bias is added after). A
+  token's result still depends slightly on the other rows (they share the zero point): outputs
+  are deterministic for a given schedule, not bitwise batch-invariant.
+- The activations are rounded to 8 bits, which some models do not survive: a model loads on
+  exact activations and moves to this path only once the quality gate passes it on that model
+  (engine.quant.gate).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ Both models score the same windows of token ids (each window one prefill from po
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,13 +78,25 @@ def text_windows(
 def compare_quality(
     reference: LoadedModel, quantized: LoadedModel, windows: list[list[int]]
 ) -> QualityReport:
+    return compare_logits(
+        lambda ids: window_logits(reference, ids), lambda ids: window_logits(quantized, ids),
+        windows,
+    )
+
+
+def compare_logits(
+    reference: Callable[[list[int]], torch.Tensor],
+    quantized: Callable[[list[int]], torch.Tensor],
+    windows: list[list[int]],
+) -> QualityReport:
+    """`compare_quality` over any two functions from a window to its logits [n, vocab]."""
     nll_ref = nll_quant = 0.0
     agree = total = 0
     squared_error = 0.0
     for ids in windows:
         targets = torch.tensor(ids[1:])
-        ref = window_logits(reference, ids)[:-1]  # [n - 1, vocab]: predictions of ids[1:]
-        quant = window_logits(quantized, ids)[:-1].to(ref.device)
+        ref = reference(ids)[:-1]  # [n - 1, vocab]: predictions of ids[1:]
+        quant = quantized(ids)[:-1].to(ref.device)
         nll_ref += F.cross_entropy(ref, targets.to(ref.device), reduction="sum").item()
         nll_quant += F.cross_entropy(quant, targets.to(ref.device), reduction="sum").item()
         agree += (ref.argmax(-1) == quant.argmax(-1)).sum().item()

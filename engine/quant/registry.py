@@ -3,22 +3,30 @@
 A *kind* is what `engine.models.linear.build_linear` builds for a quantization name: an empty
 module of primitives (`in_features, out_features, bias`) that gets its float weights once, by
 `load`, and quantizes and packs them there. A *kernel* is one device's implementation of a kind;
-the kind picks it by the weight's device type when it loads.
+the kind picks it by the weight's device type when it loads. On CPU the kernel's prefill path
+is chosen by the CPU's capabilities (engine.cpu_features, engine.quant.prefill);
+`check_quantization`, which the loader calls once before reading weights, logs that choice.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Protocol
 
 import torch
 from torch import nn
 
+from ragspeed.engine import cpu_features
 from ragspeed.engine.quant.cpu_int8 import CpuInt8Kernel
+from ragspeed.engine.quant.groupwise import quantize_groupwise
 from ragspeed.engine.quant.per_channel import quantize_per_channel
+from ragspeed.engine.quant.prefill import describe_choice, prefill_candidates
 from ragspeed.engine.quant.weight_only_int8 import WeightOnlyInt8Kernel
 from ragspeed.engine.linear_kind import LinearKind
 from ragspeed.engine.threads import linear_threads
+
+logger = logging.getLogger(__name__)
 
 
 class QuantizationUnavailableError(ValueError):
@@ -34,7 +42,9 @@ class Int8Kernel(Protocol):
 
 
 def _cpu_kernel(weight, bias, dtype) -> Int8Kernel:
-    return CpuInt8Kernel(quantize_per_channel(weight), bias, torch.get_num_threads())
+    # The exact-activation path until a quality gate passes a faster one (engine.quant.gate).
+    path = prefill_candidates(cpu_features.read_cpu_features())[-1]
+    return CpuInt8Kernel(quantize_groupwise(weight), bias, torch.get_num_threads(), path)
 
 
 def _cuda_kernel(weight, bias, dtype) -> Int8Kernel:
@@ -57,8 +67,9 @@ class Int8Linear(LinearKind):
 
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.check_weights(weight, bias)
-        check_quantization("int8", weight.device)
-        _, build = INT8_KERNELS[weight.device.type]
+        available, build = INT8_KERNELS.get(weight.device.type, (lambda: False, None))
+        if not available():
+            check_quantization("int8", weight.device)  # raises, listing what runs there
         self.kernel = build(weight, bias, weight.dtype)
 
     def blocked_weight(self):
@@ -110,6 +121,8 @@ def check_quantization(name: str | None, device: str | torch.device = "cpu") -> 
     `device`."""
     available = available_quantizations(device)
     if name in available:
+        if name == "int8" and torch.device(device).type == "cpu":
+            logger.info(describe_choice(cpu_features.read_cpu_features()))
         return
     listed = ", ".join("none" if n is None else repr(n) for n in available)
     device_type = torch.device(device).type
@@ -117,13 +130,7 @@ def check_quantization(name: str | None, device: str | torch.device = "cpu") -> 
         raise QuantizationUnavailableError(
             f"unknown quantization {name!r}; available on {device_type}: {listed}"
         )
-    detail = ""
-    if name == "int8" and device_type == "cpu":
-        detail = (
-            " (needs torch's fbgemm/x86 quantized engine; this build has "
-            f"{list(torch.backends.quantized.supported_engines)})"
-        )
     raise QuantizationUnavailableError(
-        f"quantization {name!r} cannot run on {device_type} here{detail}; "
+        f"quantization {name!r} cannot run on {device_type} here; "
         f"available on {device_type}: {listed}"
     )

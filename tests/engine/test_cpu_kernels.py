@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from ragspeed.engine.cpu_kernels import BlockedWeight, build, load_library
-from ragspeed.engine.quant.per_channel import quantize_per_channel
+from ragspeed.engine.cpu_kernels.blocked import INT8_GROUP
+from ragspeed.engine.quant.groupwise import quantize_groupwise
 
 pytestmark = pytest.mark.skipif(load_library() is None, reason="ragspeed's CPU kernels could not be built here")
 
@@ -15,12 +16,12 @@ def _weights(kind: str, n: int, k: int, gen: torch.Generator):
     weight = torch.randn(n, k, generator=gen)
     if kind == "fp32":
         return BlockedWeight, weight, weight, None
-    int8 = quantize_per_channel(weight)
+    int8 = quantize_groupwise(weight)
     return BlockedWeight, int8.dequantize(), int8.qweight, int8.scales
 
 
 @pytest.mark.parametrize("kind", ["fp32", "int8"])
-@pytest.mark.parametrize("n, k", [(16, 64), (37, 13), (100, 3), (1, 1), (49, 576)])
+@pytest.mark.parametrize("n, k", [(16, 64), (37, 13), (100, 3), (1, 1), (49, 576), (20, 75)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_product_equals_x_at_w_transposed(kind, n, k, bias, threads):
@@ -46,6 +47,34 @@ def test_a_row_gives_the_same_bits_alone_or_in_a_batch(kind):
     alone = torch.cat([blocked.forward(x[row : row + 1], 1) for row in range(13)])
     for num_rows in range(2, 14):  # passes of 1 .. 6 rows, and their combinations
         assert torch.equal(blocked.forward(x[:num_rows], 2), alone[:num_rows]), num_rows
+
+
+def test_int8_group_size_is_the_librarys():
+    assert load_library().ragspeed_int8_group() == INT8_GROUP == 32
+
+
+def test_int8_product_does_not_saturate_with_extreme_values():
+    """The int8 kernel widens weights to fp32 (no 16-bit pair sums as in fbgemm's AVX2
+    kernel): full-range weights times large activations give the fp32 product."""
+    weight = torch.full((16, 64), 127, dtype=torch.int8)
+    weight[:, 1::2] = -127
+    weight[0] = 127
+    scales = torch.full((16, 2), 0.5)
+    blocked = BlockedWeight(weight, None, scales)
+    x = torch.full((2, 64), 1000.0)
+    out = blocked.forward(x, 2)
+    assert out[0, 0].item() == 64 * 127 * 0.5 * 1000.0  # 4,064,000: every term adds up
+    assert out[1, 1].item() == 0.0  # +127 and -127 alternate
+
+
+def test_blocked_int8_unblocks_to_what_it_was_given():
+    gen = torch.Generator().manual_seed(5)
+    int8 = quantize_groupwise(torch.randn(37, 75, generator=gen))
+    blocked = BlockedWeight(int8.qweight, torch.randn(37, generator=gen), int8.scales)
+    qweight, scales = blocked.unblocked()
+    assert torch.equal(qweight, int8.qweight) and torch.equal(scales, int8.scales)
+    assert blocked.scales.shape == (3, 3, 16)  # 37 columns -> 3 blocks; 75 inputs -> 3 groups
+    assert blocked.num_bytes == 3 * 75 * 16 + 3 * 3 * 16 * 4 + 3 * 16 * 4
 
 
 def test_non_contiguous_input_and_bytes():

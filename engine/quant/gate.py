@@ -1,0 +1,127 @@
+"""The int8 quality gate: a prefill path serves a model only if it keeps the model's answers.
+
+A path passes when, against the reference (fp32 weights and activations), the quantized model's
+perplexity rises by at most `max_ppl_increase` and its top-1 next token agrees at
+`min_top1_agreement` of the positions (engine.quant.quality defines both). `gate_prefill`
+measures the candidates this CPU runs (engine.quant.prefill), fastest first, stops at the first
+that passes, and logs why each one before it fell back; the model's int8 layers are moved to
+the path it returns. No passing path means int8 itself fails: the next precision is fp32.
+
+Two references: `bench quant` measures against the fp32 model (weights and activations), which
+gates the int8 weights too; `gate_loaded_model`, cheap enough for start-up, measures against the
+same model on its most precise path (the same int8 weights, activations in fp32), which gates
+what a faster path does to the activations.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from ragspeed.engine.cpu_features import CpuFeatures
+from ragspeed.engine.quant.prefill import PrefillPath, prefill_candidates
+
+if TYPE_CHECKING:  # engine.quant.quality imports the loader, which imports this package
+    from ragspeed.engine.loader import LoadedModel
+    from ragspeed.engine.quant.quality import QualityReport
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class QualityGate:
+    max_ppl_increase: float = 0.01  # a fraction: +1%
+    min_top1_agreement: float = 0.97
+
+    def failures(self, report: QualityReport) -> list[str]:
+        """What `report` misses, in words; empty when it passes."""
+        missed = []
+        if report.ppl_increase > self.max_ppl_increase:
+            missed.append(
+                f"perplexity {report.ppl_increase:+.2%} > +{self.max_ppl_increase:.0%}"
+            )
+        if report.top1_agreement < self.min_top1_agreement:
+            missed.append(
+                f"top-1 agreement {report.top1_agreement:.2%} < {self.min_top1_agreement:.0%}"
+            )
+        return missed
+
+
+@dataclass(frozen=True)
+class GateOutcome:
+    path: PrefillPath | None  # the first passing path; None: int8 fails, serve fp32
+    reports: dict[str, QualityReport]  # path name -> its measurement, in the order measured
+    rejected: dict[str, str] = field(default_factory=dict)  # path name -> why it failed
+
+
+def gate_prefill(
+    candidates: list[PrefillPath],
+    measure: Callable[[PrefillPath], QualityReport],
+    gate: QualityGate = QualityGate(),
+) -> GateOutcome:
+    """Measure `candidates` in order until one passes `gate`; log each fallback."""
+    if not candidates:
+        raise ValueError("gate_prefill needs at least one candidate path")
+    reports: dict[str, QualityReport] = {}
+    rejected: dict[str, str] = {}
+    for i, path in enumerate(candidates):
+        report = reports[path.name] = measure(path)
+        missed = gate.failures(report)
+        if not missed:
+            return GateOutcome(path, reports, rejected)
+        rejected[path.name] = "; ".join(missed)
+        after = candidates[i + 1].name if i + 1 < len(candidates) else "fp32 (no int8)"
+        logger.warning(
+            "int8 prefill path %s fails the quality gate (%s): falling back to %s",
+            path.name, rejected[path.name], after,
+        )
+    return GateOutcome(None, reports, rejected)
+
+
+def int8_kernels(model: nn.Module) -> list:
+    """The CPU int8 kernels of a model's linear layers (those with a prefill path)."""
+    return [
+        m.kernel for m in model.modules() if hasattr(getattr(m, "kernel", None), "use_prefill")
+    ]
+
+
+def use_prefill_path(model: nn.Module, path: PrefillPath) -> int:
+    """Move every CPU int8 layer of `model` to `path`; returns how many moved."""
+    kernels = int8_kernels(model)
+    for kernel in kernels:
+        if kernel.path is not path:
+            kernel.use_prefill(path)
+    return len(kernels)
+
+
+def gate_loaded_model(
+    loaded: LoadedModel,
+    windows: list[list[int]],
+    features: CpuFeatures,
+    gate: QualityGate = QualityGate(),
+) -> PrefillPath:
+    """Gate the faster prefill paths of an int8 model against its most precise one on
+    `windows` (token ids; each one prefill); leave the model on the path chosen and return it."""
+    from ragspeed.engine.quant.quality import compare_logits, window_logits
+
+    candidates = prefill_candidates(features)
+    exact = candidates[-1]
+    use_prefill_path(loaded.model, exact)
+    if len(candidates) == 1:
+        return exact
+    reference = {tuple(ids): window_logits(loaded, ids) for ids in windows}
+
+    def measure(path: PrefillPath) -> QualityReport:
+        use_prefill_path(loaded.model, path)
+        logits = (lambda ids: reference[tuple(ids)]) if path is exact else (
+            lambda ids: window_logits(loaded, ids)
+        )
+        return compare_logits(lambda ids: reference[tuple(ids)], logits, windows)
+
+    chosen = gate_prefill(candidates, measure, gate).path or exact
+    use_prefill_path(loaded.model, chosen)
+    return chosen

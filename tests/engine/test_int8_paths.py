@@ -1,0 +1,241 @@
+"""The int8 kind's CPU paths (engine.quant.prefill, engine.quant.gate) chosen by the CPU's
+capabilities (engine.cpu_features): both branches forced on any machine, each path's accuracy,
+the quality gate's fallback and the logged choice."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from ragspeed.engine import cpu_features
+from ragspeed.engine.cpu_features import CpuFeatures, parse_cpuinfo, read_cpu_features
+from ragspeed.engine.cpu_kernels import blocked_kernels_available
+from ragspeed.engine.models.linear import DenseLinear
+from ragspeed.engine.quant import Int8Linear, check_quantization
+from ragspeed.engine.quant.gate import QualityGate, gate_prefill, use_prefill_path
+from ragspeed.engine.quant.groupwise import quantize_groupwise
+from ragspeed.engine.quant.prefill import (
+    PREFILL_PATHS,
+    describe_choice,
+    prefill_candidates,
+    prefill_path,
+)
+from ragspeed.engine.quant.quality import QualityReport
+
+AVX2 = CpuFeatures("AMD EPYC", frozenset({"avx2"}), "AVX2")
+VNNI = CpuFeatures(
+    "Intel Xeon", frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16"}), "AVX512"
+)
+HERE = read_cpu_features()
+needs_vnni = pytest.mark.skipif(
+    not HERE.has_vnni, reason=f"fbgemm's u8 path needs VNNI; this CPU: {HERE.describe()}"
+)
+
+
+def test_parse_cpuinfo_and_describe():
+    text = (
+        "processor\t: 0\nmodel name\t: AMD EPYC 7B13\n"
+        "flags\t\t: fpu sse2 avx fma avx2 bmi2\nprocessor\t: 1\nflags\t\t: avx512f\n"
+    )
+    features = parse_cpuinfo(text, "AVX2")
+    assert features == CpuFeatures("AMD EPYC 7B13", frozenset({"avx2"}), "AVX2")
+    assert not features.has_vnni and not features.has_bf16
+    assert features.describe() == (
+        "AMD EPYC 7B13 (torch AVX2): avx2; "
+        "no avx512f, avx512_vnni, avx_vnni, avx512_bf16, amx_bf16, amx_int8"
+    )
+    assert VNNI.has_vnni and VNNI.has_bf16
+    assert parse_cpuinfo("", "DEFAULT").describe() == (
+        "unknown CPU (torch DEFAULT): none of the tracked flags; no avx2, avx512f, "
+        "avx512_vnni, avx_vnni, avx512_bf16, amx_bf16, amx_int8"
+    )
+    with pytest.raises(ValueError, match=r"unknown CPU flags \['sse9'\]"):
+        CpuFeatures("x", frozenset({"sse9"}), "AVX2")
+
+
+def test_read_cpu_features_of_this_machine(tmp_path):
+    assert HERE.torch_capability == torch.backends.cpu.get_cpu_capability()
+    assert read_cpu_features(tmp_path / "missing").flags == frozenset()
+
+
+def test_candidates_by_capability():
+    assert [p.name for p in prefill_candidates(AVX2)] == ["fp32-dequantized"]
+    assert [p.name for p in prefill_candidates(VNNI)] == ["fbgemm-u8", "fp32-dequantized"]
+    assert prefill_path("fbgemm-u8") is PREFILL_PATHS[0]
+    with pytest.raises(ValueError, match="unknown int8 prefill path 'u4'; known: 'fbgemm-u8', "):
+        prefill_path("u4")
+
+
+def test_quantize_groupwise_literal():
+    weight = torch.tensor([[1.0, -0.5, 0.02, 0.005, 0.0], [0.0, 0.0, 0.0, 0.0, 2.0]])
+    q = quantize_groupwise(weight, group_size=2)
+    assert q.qweight.tolist() == [[127, -64, 127, 32, 0], [0, 0, 0, 0, 127]]
+    assert q.scales.shape == (2, 3)  # 5 inputs: groups of 2, 2 and 1
+    assert q.scales[0].tolist() == pytest.approx([1 / 127, 0.02 / 127, 0.0], rel=1e-6, abs=1e-30)
+    assert q.num_bytes == 10 + 6 * 4
+    err = (q.dequantize() - weight).abs()
+    assert float(err.max()) <= 1 / 254 + 1e-7  # half a step of the largest group scale
+    with pytest.raises(ValueError, match="group_size must be >= 1"):
+        quantize_groupwise(weight, group_size=0)
+
+
+def _layers(monkeypatch, features: CpuFeatures, bias: bool):
+    monkeypatch.setattr(cpu_features, "read_cpu_features", lambda: features)
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 64, generator=gen)
+    b = torch.randn(96, generator=gen) if bias else None
+    dense, int8 = DenseLinear(64, 96, bias), Int8Linear(64, 96, bias)
+    dense.load(weight, b)
+    int8.load(weight, b)
+    return dense, int8
+
+
+def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_avx2_branch_is_exact_activations_and_accurate(monkeypatch, bias):
+    """Full-range activations (the case that saturates fbgemm's AVX2 kernel): the forced AVX2
+    branch multiplies the dequantized weight in fp32, so prefill equals x @ W_int8.T."""
+    dense, int8 = _layers(monkeypatch, AVX2, bias)
+    assert int8.kernel.path.name == "fp32-dequantized"
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(7, 64, generator=gen) * 10
+    ref, out = dense(x), int8(x)
+    assert _relative_error(out, ref) < 0.01
+    w_int8 = quantize_groupwise(torch.randn(96, 64, generator=torch.Generator().manual_seed(0)))
+    exact = x @ w_int8.dequantize().T + (int8.kernel.bias if bias else 0)
+    torch.testing.assert_close(out, exact, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(int8(x[:1]), exact[:1], rtol=1e-4, atol=1e-3)  # decode row
+
+
+def test_vnni_branch_offers_fbgemm_after_the_gate(monkeypatch):
+    """On any machine: a VNNI CPU loads on the exact path too and offers fbgemm's u8 prefill
+    to the quality gate (its accuracy needs a VNNI CPU: test_fbgemm_u8_accuracy_on_vnni);
+    decode rows take the blocked kernel on either path."""
+    dense, int8 = _layers(monkeypatch, VNNI, bias=True)
+    assert int8.kernel.path.name == "fp32-dequantized"
+    use_prefill_path(torch.nn.Sequential(int8), prefill_path("fbgemm-u8"))
+    assert int8.kernel.path.name == "fbgemm-u8"
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(2))
+    if blocked_kernels_available(torch.device("cpu")):
+        assert _relative_error(int8(x), dense(x)) < 0.01
+
+
+@needs_vnni
+def test_fbgemm_u8_accuracy_on_vnni(monkeypatch):
+    dense, int8 = _layers(monkeypatch, HERE, bias=False)
+    use_prefill_path(torch.nn.Sequential(int8), prefill_path("fbgemm-u8"))
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(3))
+    assert _relative_error(int8(x), dense(x)) < 0.02
+
+
+def test_switching_the_prefill_path_keeps_decode_and_bytes(monkeypatch):
+    dense, int8 = _layers(monkeypatch, VNNI, bias=True)
+    model = torch.nn.Sequential(int8)
+    row = torch.randn(1, 64, generator=torch.Generator().manual_seed(4))
+    before = int8(row)
+    assert use_prefill_path(model, prefill_path("fbgemm-u8")) == 1
+    assert use_prefill_path(model, prefill_path("fp32-dequantized")) == 1
+    assert int8.kernel.path.name == "fp32-dequantized"
+    torch.testing.assert_close(int8(row), before, rtol=0, atol=0)  # the same blocked copy
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(5))
+    assert _relative_error(int8(x), dense(x)) < 0.01
+    if blocked_kernels_available(torch.device("cpu")):
+        # fp32 prefill layout + bias, beside the blocked int8 copy (weights, scales, bias)
+        assert int8.num_resident_bytes == 96 * 64 * 4 + 96 * 4 + (96 * 64 + 96 * 2 * 4 + 96 * 4)
+
+
+def _report(ppl_increase: float, top1: float) -> QualityReport:
+    return QualityReport(4, 1000, 50.0, 50.0 * (1 + ppl_increase), ppl_increase, top1, 0.1)
+
+
+def test_gate_falls_back_and_logs_why(caplog):
+    measured = []
+    reports = {"fbgemm-u8": _report(0.0387, 0.853), "fp32-dequantized": _report(0.0002, 0.978)}
+
+    def measure(path):
+        measured.append(path.name)
+        return reports[path.name]
+
+    with caplog.at_level(logging.WARNING, logger="ragspeed.engine.quant.gate"):
+        outcome = gate_prefill(prefill_candidates(VNNI), measure)
+    assert outcome.path.name == "fp32-dequantized"
+    assert measured == ["fbgemm-u8", "fp32-dequantized"]
+    assert outcome.rejected == {
+        "fbgemm-u8": "perplexity +3.87% > +1%; top-1 agreement 85.30% < 97%"
+    }
+    assert caplog.messages == [(
+        "int8 prefill path fbgemm-u8 fails the quality gate (perplexity +3.87% > +1%; top-1 "
+        "agreement 85.30% < 97%): falling back to fp32-dequantized"
+    )]
+
+
+def test_gate_passes_first_path_or_none():
+    first = gate_prefill(prefill_candidates(VNNI), lambda path: _report(0.005, 0.98))
+    assert first.path.name == "fbgemm-u8" and list(first.reports) == ["fbgemm-u8"]
+    none = gate_prefill(prefill_candidates(AVX2), lambda path: _report(0.0, 0.96))
+    assert none.path is None
+    assert none.rejected == {"fp32-dequantized": "top-1 agreement 96.00% < 97%"}
+    assert QualityGate(max_ppl_increase=0.02).failures(_report(0.015, 0.99)) == []
+    with pytest.raises(ValueError, match="at least one candidate"):
+        gate_prefill([], lambda path: _report(0.0, 1.0))
+
+
+@pytest.mark.parametrize("features, line", [
+    (AVX2, (
+        "int8 on AMD EPYC (torch AVX2): avx2; no avx512f, avx512_vnni, avx_vnni, "
+        "avx512_bf16, amx_bf16, amx_int8: prefill fp32-dequantized (activations kept in "
+        "fp32), decode ragspeed's blocked int8 kernel; not fbgemm-u8: no VNNI (avx512_vnni "
+        "/ avx_vnni): fbgemm's AVX2 kernel saturates"
+    )),
+    (VNNI, (
+        "int8 on Intel Xeon (torch AVX512): avx2, avx512f, avx512_vnni, avx512_bf16; no "
+        "avx_vnni, amx_bf16, amx_int8: prefill fp32-dequantized (activations kept in fp32), "
+        "decode ragspeed's blocked int8 kernel; fbgemm-u8 runs here once the quality gate "
+        "passes it"
+    )),
+])
+def test_start_up_logs_the_choice(monkeypatch, caplog, features, line):
+    monkeypatch.setattr(cpu_features, "read_cpu_features", lambda: features)
+    with caplog.at_level(logging.INFO, logger="ragspeed.engine.quant.registry"):
+        check_quantization("int8", "cpu")
+        check_quantization(None, "cpu")
+    assert caplog.messages == [line]
+    assert describe_choice(features) == line
+
+
+def test_start_up_gate_on_a_tiny_model(monkeypatch, caplog, tiny_checkpoints):
+    """The start-up gate against the model's own exact-activation path, VNNI forced: a strict
+    gate rejects fbgemm-u8 (its activations are rounded) and the model falls back, logged; a
+    lenient one keeps it; without VNNI there is nothing to gate."""
+    from ragspeed.engine.loader import load_model
+    from ragspeed.engine.quant.gate import gate_loaded_model
+
+    monkeypatch.setattr(cpu_features, "read_cpu_features", lambda: VNNI)
+    loaded = load_model(tiny_checkpoints["llama"], quantization="int8", max_model_len=64)
+    assert _paths(loaded) == {"fp32-dequantized"}  # loaded on the exact path
+    windows = [list(range(3, 35)), list(range(40, 72))]
+    with caplog.at_level(logging.WARNING, logger="ragspeed.engine.quant.gate"):
+        strict = gate_loaded_model(loaded, windows, VNNI, QualityGate(0.0, 1.0))
+        assert strict.name == "fp32-dequantized"  # nothing rounded matches exactly
+        assert caplog.messages[0].startswith(
+            "int8 prefill path fbgemm-u8 fails the quality gate ("
+        )
+        assert caplog.messages[0].endswith("): falling back to fp32-dequantized")
+        lenient = gate_loaded_model(loaded, windows, VNNI, QualityGate(1e9, 0.0))
+    assert lenient.name == "fbgemm-u8"
+    assert _paths(loaded) == {"fbgemm-u8"}
+    assert gate_loaded_model(loaded, windows, AVX2).name == "fp32-dequantized"
+    assert _paths(loaded) == {"fp32-dequantized"}
+
+
+def _paths(loaded):
+    from ragspeed.engine.quant.gate import int8_kernels
+
+    kernels = int8_kernels(loaded.model)
+    assert kernels  # every projection and the LM head
+    return {kernel.path.name for kernel in kernels}
