@@ -21,7 +21,13 @@ import torch
 
 # /proc/cpuinfo flags recorded, in the order the start-up line lists them.
 KNOWN_FLAGS = (
-    "avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8",
+    "avx2",
+    "avx512f",
+    "avx512_vnni",
+    "avx_vnni",
+    "avx512_bf16",
+    "amx_bf16",
+    "amx_int8",
 )
 
 

@@ -18,5 +18,9 @@ from ragspeed.engine.cpu_kernels.blocked import (
 from ragspeed.engine.cpu_kernels.build import load_library
 
 __all__ = [
-    "BlockedWeight", "blocked_kernels_available", "decode_step", "load_library", "takes_blocked",
+    "BlockedWeight",
+    "blocked_kernels_available",
+    "decode_step",
+    "load_library",
+    "takes_blocked",
 ]

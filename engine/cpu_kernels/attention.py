@@ -44,8 +44,19 @@ def paged_decode_attention(
     q = q.contiguous()
     out = torch.empty_like(q)
     library.ragspeed_paged_decode_attention(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-        context_lens.data_ptr(), out.data_ptr(), num_decodes, num_heads, k_cache.shape[1],
-        head_dim, block_tables.shape[1], block_size, scale, num_threads,
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        context_lens.data_ptr(),
+        out.data_ptr(),
+        num_decodes,
+        num_heads,
+        k_cache.shape[1],
+        head_dim,
+        block_tables.shape[1],
+        block_size,
+        scale,
+        num_threads,
     )
     return out

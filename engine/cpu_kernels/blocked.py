@@ -68,8 +68,9 @@ class BlockedWeight:
     ceil(in_features / INT8_GROUP)]) and an optional bias, in the kernel's layout; `forward(x)`
     is `x @ (W * scales per group).T + bias`."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 scales: torch.Tensor | None = None):
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, scales: torch.Tensor | None = None
+    ):
         library = load_library()
         assert library is not None, "blocked_kernels_available() first"
         if weight.dtype == torch.int8:

@@ -53,7 +53,10 @@ def _compile(compiler: str, target: Path) -> None:
         staged = Path(staging) / target.name
         subprocess.run(
             [compiler, *FLAGS, str(SOURCE), "-o", str(staged)],
-            check=True, capture_output=True, text=True, timeout=120,
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         os.replace(staged, target)
 
@@ -62,19 +65,29 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     pointer, integer = ctypes.c_void_p, ctypes.c_int
     library.ragspeed_gemv_f32.argtypes = [pointer] * 4 + [integer] * 4
     library.ragspeed_gemv_i8.argtypes = [pointer] * 5 + [integer] * 4
-    library.ragspeed_paged_decode_attention.argtypes = [pointer] * 6 + [integer] * 6 + [ctypes.c_float, integer]
+    library.ragspeed_paged_decode_attention.argtypes = (
+        [pointer] * 6 + [integer] * 6 + [ctypes.c_float, integer]
+    )
     library.ragspeed_add_rms_norm.argtypes = [pointer] * 4 + [integer] * 2 + [ctypes.c_float, integer]
     library.ragspeed_decode_forward.argtypes = [pointer] * 9 + [integer] * 4
     library.ragspeed_int8_group.argtypes = []
     library.ragspeed_int8_group.restype = integer
     library.ragspeed_greedy_steps.argtypes = (
-        [pointer, pointer, integer] + [pointer] * 3 + [integer] * 3 + [pointer] * 4
-        + [ctypes.c_float] + [pointer] * 2 + [integer] * 2
+        [pointer, pointer, integer]
+        + [pointer] * 3
+        + [integer] * 3
+        + [pointer] * 4
+        + [ctypes.c_float]
+        + [pointer] * 2
+        + [integer] * 2
     )
     for kernel in (
-        library.ragspeed_gemv_f32, library.ragspeed_gemv_i8,
-        library.ragspeed_paged_decode_attention, library.ragspeed_add_rms_norm,
-        library.ragspeed_decode_forward, library.ragspeed_greedy_steps,
+        library.ragspeed_gemv_f32,
+        library.ragspeed_gemv_i8,
+        library.ragspeed_paged_decode_attention,
+        library.ragspeed_add_rms_norm,
+        library.ragspeed_decode_forward,
+        library.ragspeed_greedy_steps,
     ):
         kernel.restype = None
     return library

@@ -31,21 +31,40 @@ if TYPE_CHECKING:
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-                ("n", ctypes.c_int), ("k", ctypes.c_int)]
+    _fields_ = [
+        ("w", ctypes.c_void_p),
+        ("scale", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("n", ctypes.c_int),
+        ("k", ctypes.c_int),
+    ]
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
-                ("qk_norm", ctypes.c_void_p), ("qkv", _Linear), ("o", _Linear),
-                ("gate_up", _Linear), ("down", _Linear)]
+    _fields_ = [
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("qk_norm", ctypes.c_void_p),
+        ("qkv", _Linear),
+        ("o", _Linear),
+        ("gate_up", _Linear),
+        ("down", _Linear),
+    ]
 
 
 class _Model(ctypes.Structure):
-    _fields_ = [("layers", ctypes.POINTER(_Layer)), *((name, ctypes.c_int) for name in (
-                    "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "inter")),
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float),
-                ("final_norm", ctypes.c_void_p), ("embed", ctypes.c_void_p), ("lm_head", _Linear)]
+    _fields_ = [
+        ("layers", ctypes.POINTER(_Layer)),
+        *(
+            (name, ctypes.c_int)
+            for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "inter")
+        ),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("final_norm", ctypes.c_void_p),
+        ("embed", ctypes.c_void_p),
+        ("lm_head", _Linear),
+    ]
 
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:
@@ -54,13 +73,17 @@ def _pointer(tensor: torch.Tensor | None) -> int | None:
 
 def _projections(layer) -> tuple:
     """A decoder layer's four linear kinds, in the order of kernels.c's `Layer`."""
-    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-            layer.mlp.down_proj)
+    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
 
 
 def _linear(weight: BlockedWeight) -> _Linear:
-    return _Linear(weight.blocks.data_ptr(), _pointer(weight.scales), _pointer(weight.bias),
-                   weight.out_features, weight.in_features)
+    return _Linear(
+        weight.blocks.data_ptr(),
+        _pointer(weight.scales),
+        _pointer(weight.bias),
+        weight.out_features,
+        weight.in_features,
+    )
 
 
 class FusedDecoder:
@@ -75,20 +98,30 @@ class FusedDecoder:
         layers = []
         for layer in model.layers:
             qk_norm = layer.self_attn.qk_norm_weight
-            layers.append(_Layer(
-                self._float(layer.input_layernorm.weight),
-                self._float(layer.post_attention_layernorm.weight),
-                None if qk_norm is None else self._float(qk_norm),
-                *(_linear(p.blocked_weight()) for p in _projections(layer)),
-            ))
+            layers.append(
+                _Layer(
+                    self._float(layer.input_layernorm.weight),
+                    self._float(layer.post_attention_layernorm.weight),
+                    None if qk_norm is None else self._float(qk_norm),
+                    *(_linear(p.blocked_weight()) for p in _projections(layer)),
+                )
+            )
         self.layers = (_Layer * len(layers))(*layers)
         lm_head = model.lm_head.blocked_weight()
         # The greedy steps (a draft's) need the embeddings and the LM head's blocked copy.
         self.greedy = lm_head is not None
         self.model = _Model(
-            self.layers, len(layers), arch.hidden_size, arch.num_heads, arch.num_kv_heads,
-            arch.head_dim, arch.intermediate_size, arch.rms_norm_eps, arch.head_dim**-0.5,
-            self._float(model.norm.weight), self._float(model.embed_tokens),
+            self.layers,
+            len(layers),
+            arch.hidden_size,
+            arch.num_heads,
+            arch.num_kv_heads,
+            arch.head_dim,
+            arch.intermediate_size,
+            arch.rms_norm_eps,
+            arch.head_dim**-0.5,
+            self._float(model.norm.weight),
+            self._float(model.embed_tokens),
             _linear(lm_head) if self.greedy else _Linear(),
         )
         self._caches: tuple[tuple[int, int], ctypes.Array, ctypes.Array] | None = None
@@ -112,9 +145,7 @@ class FusedDecoder:
             or arch.head_dim % 2
         ):
             return False
-        return all(
-            p.blocked_weight() is not None for layer in model.layers for p in _projections(layer)
-        )
+        return all(p.blocked_weight() is not None for layer in model.layers for p in _projections(layer))
 
     @staticmethod
     def rows(meta: AttentionMetadata, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -155,9 +186,18 @@ class FusedDecoder:
         out = torch.empty_like(hidden)
         k_pointers, v_pointers = self._cache_arrays(k_caches, v_caches)
         self.library.ragspeed_decode_forward(
-            ctypes.byref(self.model), k_pointers, v_pointers, hidden.data_ptr(), out.data_ptr(),
-            rotations.data_ptr(), meta.slot_mapping.data_ptr(), tables.data_ptr(),
-            context_lens.data_ptr(), tables.shape[1], meta.block_size, hidden.shape[0],
+            ctypes.byref(self.model),
+            k_pointers,
+            v_pointers,
+            hidden.data_ptr(),
+            out.data_ptr(),
+            rotations.data_ptr(),
+            meta.slot_mapping.data_ptr(),
+            tables.data_ptr(),
+            context_lens.data_ptr(),
+            tables.shape[1],
+            meta.block_size,
+            hidden.shape[0],
             meta.num_threads,
         )
         return out
@@ -188,9 +228,23 @@ class FusedDecoder:
         steps_t = torch.tensor(num_steps, dtype=torch.int32)
         k_pointers, v_pointers = self._cache_arrays(k_caches, v_caches)
         self.library.ragspeed_greedy_steps(
-            ctypes.byref(self.model), rotation_table.data_ptr(), vocab_size, k_pointers,
-            v_pointers, block_tables.data_ptr(), block_tables.shape[1], block_size, num_seqs,
-            fed_t.data_ptr(), num_fed_t.data_ptr(), positions_t.data_ptr(), steps_t.data_ptr(),
-            min_confidence, drafts.data_ptr(), counts.data_ptr(), max_steps, num_threads,
+            ctypes.byref(self.model),
+            rotation_table.data_ptr(),
+            vocab_size,
+            k_pointers,
+            v_pointers,
+            block_tables.data_ptr(),
+            block_tables.shape[1],
+            block_size,
+            num_seqs,
+            fed_t.data_ptr(),
+            num_fed_t.data_ptr(),
+            positions_t.data_ptr(),
+            steps_t.data_ptr(),
+            min_confidence,
+            drafts.data_ptr(),
+            counts.data_ptr(),
+            max_steps,
+            num_threads,
         )
         return [row[:count] for row, count in zip(drafts.tolist(), counts.tolist())]

@@ -14,7 +14,9 @@ from ragspeed.engine.cpu_kernels.build import load_library
 
 def add_rms_norm_applies(x: torch.Tensor) -> bool:
     return (
-        x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous()
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and x.is_contiguous()
         and load_library() is not None
     )
 
@@ -29,7 +31,13 @@ def add_rms_norm(
         residual = residual.contiguous()
         residual_ptr = residual.data_ptr()
     load_library().ragspeed_add_rms_norm(
-        x.data_ptr(), residual_ptr, weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
-        eps, torch.get_num_threads(),
+        x.data_ptr(),
+        residual_ptr,
+        weight.data_ptr(),
+        out.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        eps,
+        torch.get_num_threads(),
     )
     return out

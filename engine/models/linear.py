@@ -95,8 +95,14 @@ class DenseLinear(LinearKind):
             return self.blocked.forward(x, self.num_threads)
         if self.packed is not None:
             return linear_threads(
-                self.num_threads, torch.ops.mkldnn._linear_pointwise,
-                x.contiguous(), self.packed, self.bias, "none", [], "",
+                self.num_threads,
+                torch.ops.mkldnn._linear_pointwise,
+                x.contiguous(),
+                self.packed,
+                self.bias,
+                "none",
+                [],
+                "",
             )
         if self.bias is None:
             return torch.mm(x, self.weight_t)

@@ -32,7 +32,10 @@ class CpuInt8Kernel:
         return True  # the fp32-dequantized prefill path needs nothing from the CPU or the build
 
     def __init__(
-        self, weight: GroupInt8Weight, bias: torch.Tensor | None, num_threads: int,
+        self,
+        weight: GroupInt8Weight,
+        bias: torch.Tensor | None,
+        num_threads: int,
         path: PrefillPath,
     ):
         self.bias = bias

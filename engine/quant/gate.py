@@ -41,13 +41,9 @@ class QualityGate:
         """What `report` misses, in words; empty when it passes."""
         missed = []
         if report.ppl_increase > self.max_ppl_increase:
-            missed.append(
-                f"perplexity {report.ppl_increase:+.2%} > +{self.max_ppl_increase:.0%}"
-            )
+            missed.append(f"perplexity {report.ppl_increase:+.2%} > +{self.max_ppl_increase:.0%}")
         if report.top1_agreement < self.min_top1_agreement:
-            missed.append(
-                f"top-1 agreement {report.top1_agreement:.2%} < {self.min_top1_agreement:.0%}"
-            )
+            missed.append(f"top-1 agreement {report.top1_agreement:.2%} < {self.min_top1_agreement:.0%}")
         return missed
 
 
@@ -77,16 +73,16 @@ def gate_prefill(
         after = candidates[i + 1].name if i + 1 < len(candidates) else "fp32 (no int8)"
         logger.warning(
             "int8 prefill path %s fails the quality gate (%s): falling back to %s",
-            path.name, rejected[path.name], after,
+            path.name,
+            rejected[path.name],
+            after,
         )
     return GateOutcome(None, reports, rejected)
 
 
 def int8_kernels(model: nn.Module) -> list:
     """The CPU int8 kernels of a model's linear layers (those with a prefill path)."""
-    return [
-        m.kernel for m in model.modules() if hasattr(getattr(m, "kernel", None), "use_prefill")
-    ]
+    return [m.kernel for m in model.modules() if hasattr(getattr(m, "kernel", None), "use_prefill")]
 
 
 def use_prefill_path(model: nn.Module, path: PrefillPath) -> int:
@@ -117,8 +113,8 @@ def gate_loaded_model(
 
     def measure(path: PrefillPath) -> QualityReport:
         use_prefill_path(loaded.model, path)
-        logits = (lambda ids: reference[tuple(ids)]) if path is exact else (
-            lambda ids: window_logits(loaded, ids)
+        logits = (
+            (lambda ids: reference[tuple(ids)]) if path is exact else (lambda ids: window_logits(loaded, ids))
         )
         return compare_logits(lambda ids: reference[tuple(ids)], logits, windows)
 

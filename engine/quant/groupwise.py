@@ -41,9 +41,7 @@ def quantize_groupwise(weight: torch.Tensor, group_size: int = INT8_GROUP) -> Gr
     """weight [out_features, in_features], any float dtype -> int8 and its group scales (the last
     group of a row may be shorter)."""
     if weight.dim() != 2 or not weight.is_floating_point():
-        raise ValueError(
-            f"weight must be a 2-D float tensor, got {weight.dim()}-D {weight.dtype}"
-        )
+        raise ValueError(f"weight must be a 2-D float tensor, got {weight.dim()}-D {weight.dtype}")
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     out_features, in_features = weight.shape

@@ -22,9 +22,7 @@ def _norm_bytes(model: nn.Module) -> int:
 
 def resident_weight_bytes(model: nn.Module) -> int:
     embed = model.embed_tokens
-    linear_bytes = sum(
-        m.num_resident_bytes for m in model.modules() if hasattr(m, "num_resident_bytes")
-    )
+    linear_bytes = sum(m.num_resident_bytes for m in model.modules() if hasattr(m, "num_resident_bytes"))
     return embed.numel() * embed.element_size() + linear_bytes + _norm_bytes(model)
 
 

@@ -35,9 +35,7 @@ class Int8Weight:
 def quantize_per_channel(weight: torch.Tensor) -> Int8Weight:
     """weight [out_features, in_features], any float dtype -> int8 rows and their fp32 scales."""
     if weight.dim() != 2 or not weight.is_floating_point():
-        raise ValueError(
-            f"weight must be a 2-D float tensor, got {weight.dim()}-D {weight.dtype}"
-        )
+        raise ValueError(f"weight must be a 2-D float tensor, got {weight.dim()}-D {weight.dtype}")
     w = weight.float()
     # An all-zero row would give scale 0 (and 0/0 below): any positive scale represents it.
     scales = (w.abs().amax(dim=1) / INT8_MAX).clamp_min(torch.finfo(torch.float32).tiny)

@@ -56,9 +56,7 @@ class DequantizedKernel:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x fp32 [num_tokens, in_features] -> fp32 [num_tokens, out_features]."""
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(
-                x.contiguous(), self.packed, self.bias, "none", [], ""
-            )
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
         return torch.nn.functional.linear(x, self.weight, self.bias)
 
 

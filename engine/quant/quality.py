@@ -37,9 +37,7 @@ class QualityReport:
 
 
 @torch.inference_mode()
-def window_logits(
-    loaded: LoadedModel, token_ids: list[int], block_size: int = 16
-) -> torch.Tensor:
+def window_logits(loaded: LoadedModel, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
     """fp32 logits [len(token_ids), vocab] of one sequence: one prefill through paged attention."""
     n = len(token_ids)
     num_blocks = -(-n // block_size)
@@ -47,15 +45,23 @@ def window_logits(
     dtype = loaded.model.embed_tokens.dtype
     pool = KVCachePool(loaded.arch, num_blocks, block_size, dtype, device)
     meta = build_metadata(
-        decode_tables=[], decode_context_lens=[],
-        prefill_tables=[list(range(num_blocks))], prefill_context_lens=[n],
-        prefill_num_queries=[n], slot_mapping=list(range(n)),
-        block_size=block_size, device=device, dtype=dtype,
+        decode_tables=[],
+        decode_context_lens=[],
+        prefill_tables=[list(range(num_blocks))],
+        prefill_context_lens=[n],
+        prefill_num_queries=[n],
+        slot_mapping=list(range(n)),
+        block_size=block_size,
+        device=device,
+        dtype=dtype,
     )
     positions = torch.arange(n, device=device)
     hidden = loaded.model(
-        torch.tensor(token_ids, device=device), loaded.rotary.lookup(positions),
-        pool.k_caches, pool.v_caches, meta,
+        torch.tensor(token_ids, device=device),
+        loaded.rotary.lookup(positions),
+        pool.k_caches,
+        pool.v_caches,
+        meta,
     )  # [n, hidden_size]
     return loaded.model.compute_logits(hidden)  # [n, vocab]
 
@@ -69,9 +75,7 @@ def text_windows(
     text = Path(text_path).read_text(encoding="utf-8")[:max_chars]
     ids = tokenizer.encode(text, add_special_tokens=False, verbose=False)  # no length warning
     if len(ids) < window * num_windows:
-        raise ValueError(
-            f"{text_path} gives {len(ids)} tokens, fewer than {num_windows} windows of {window}"
-        )
+        raise ValueError(f"{text_path} gives {len(ids)} tokens, fewer than {num_windows} windows of {window}")
     return [ids[i * window : (i + 1) * window] for i in range(num_windows)]
 
 
@@ -79,7 +83,8 @@ def compare_quality(
     reference: LoadedModel, quantized: LoadedModel, windows: list[list[int]]
 ) -> QualityReport:
     return compare_logits(
-        lambda ids: window_logits(reference, ids), lambda ids: window_logits(quantized, ids),
+        lambda ids: window_logits(reference, ids),
+        lambda ids: window_logits(quantized, ids),
         windows,
     )
 

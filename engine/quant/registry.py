@@ -18,12 +18,12 @@ import torch
 from torch import nn
 
 from ragspeed.engine import cpu_features
+from ragspeed.engine.linear_kind import LinearKind
 from ragspeed.engine.quant.cpu_int8 import CpuInt8Kernel
 from ragspeed.engine.quant.groupwise import quantize_groupwise
 from ragspeed.engine.quant.per_channel import quantize_per_channel
 from ragspeed.engine.quant.prefill import describe_choice, prefill_candidates
 from ragspeed.engine.quant.weight_only_int8 import WeightOnlyInt8Kernel
-from ragspeed.engine.linear_kind import LinearKind
 from ragspeed.engine.threads import linear_threads
 
 logger = logging.getLogger(__name__)
@@ -110,8 +110,7 @@ def available_quantizations(device: str | torch.device = "cpu") -> list[str | No
     """Quantization names this process can run on `device` (None: unquantized)."""
     device_type = torch.device(device).type
     runnable = [
-        name for name, devices in _RUNNABLE.items()
-        if device_type in devices and devices[device_type]()
+        name for name, devices in _RUNNABLE.items() if device_type in devices and devices[device_type]()
     ]
     return [None, *runnable]
 
@@ -131,6 +130,5 @@ def check_quantization(name: str | None, device: str | torch.device = "cpu") -> 
             f"unknown quantization {name!r}; available on {device_type}: {listed}"
         )
     raise QuantizationUnavailableError(
-        f"quantization {name!r} cannot run on {device_type} here; "
-        f"available on {device_type}: {listed}"
+        f"quantization {name!r} cannot run on {device_type} here; available on {device_type}: {listed}"
     )

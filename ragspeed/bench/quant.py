@@ -31,10 +31,10 @@ import torch
 
 from ragspeed.bench.common import machine_line, write_json
 from ragspeed.bench.engine import (
+    BandwidthProbe,
     _NativeContender,
     _random_prompt,
     _TransformersContender,
-    BandwidthProbe,
 )
 from ragspeed.engine.config import EngineConfig
 
@@ -55,17 +55,21 @@ def run_bench_quant(
     seed: int = 0,
 ) -> dict[str, Any]:
     """Measure int8 vs fp32 (and transformers); print a table, return flat JSON."""
+    from ragspeed.engine.cpu_features import read_cpu_features
     from ragspeed.engine.llm_engine import LLMEngine
     from ragspeed.engine.loader import resolve_model_path
-    from ragspeed.engine.cpu_features import read_cpu_features
     from ragspeed.engine.quant.gate import gate_prefill, use_prefill_path
     from ragspeed.engine.quant.prefill import prefill_candidates
     from ragspeed.engine.quant.quality import compare_quality, text_windows
 
     for name, value in [
-        ("prompt_len", prompt_len), ("output_len", output_len), ("repeats", repeats),
-        ("ttft_prompt_len", ttft_prompt_len), ("threads", threads),
-        ("quality_window", quality_window), ("quality_windows", quality_windows),
+        ("prompt_len", prompt_len),
+        ("output_len", output_len),
+        ("repeats", repeats),
+        ("ttft_prompt_len", ttft_prompt_len),
+        ("threads", threads),
+        ("quality_window", quality_window),
+        ("quality_windows", quality_windows),
     ]:
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
@@ -77,15 +81,17 @@ def run_bench_quant(
     path = resolve_model_path(model)
     max_model_len = max(prompt_len + output_len, ttft_prompt_len + 1, quality_window)
     engines = {
-        quantization or "fp32": LLMEngine(EngineConfig(
-            model=str(path),
-            quantization=quantization,
-            max_model_len=max_model_len,
-            num_kv_cache_tokens=max_model_len + 1024,
-            max_num_seqs=4,
-            enable_prefix_caching=False,  # repeated prompts must not hit the cache
-            seed=seed,
-        ))
+        quantization or "fp32": LLMEngine(
+            EngineConfig(
+                model=str(path),
+                quantization=quantization,
+                max_model_len=max_model_len,
+                num_kv_cache_tokens=max_model_len + 1024,
+                max_num_seqs=4,
+                enable_prefix_caching=False,  # repeated prompts must not hit the cache
+                seed=seed,
+            )
+        )
         for quantization in ("int8", None)
     }
     contenders: dict[str, Any] = {name: _NativeContender(e) for name, e in engines.items()}
@@ -114,7 +120,8 @@ def run_bench_quant(
         "int8_prefill_path": None if outcome.path is None else outcome.path.name,
         **{
             f"quality_{name}_{key}": value
-            for name, report in outcome.reports.items() for key, value in asdict(report).items()
+            for name, report in outcome.reports.items()
+            for key, value in asdict(report).items()
         },
         "threads": threads,
         "load_avg_1m": os.getloadavg()[0],
@@ -151,9 +158,7 @@ def run_bench_quant(
         per_token = engine.loaded.model.num_weight_bytes_per_token
         results[f"{name}_weight_bytes_per_token"] = per_token
         results[f"{name}_tpot_bound_ms"] = per_token / bandwidth * 1e3
-        results[f"{name}_tpot_over_bound"] = (
-            results[f"{name}_tpot_ms"] / results[f"{name}_tpot_bound_ms"]
-        )
+        results[f"{name}_tpot_over_bound"] = results[f"{name}_tpot_ms"] / results[f"{name}_tpot_bound_ms"]
     results["fp32_over_int8_tpot"] = results["fp32_tpot_ms"] / results["int8_tpot_ms"]
     results["int8_over_fp32_ttft"] = (
         results[f"int8_ttft_{ttft_prompt_len}_ms"] / results[f"fp32_ttft_{ttft_prompt_len}_ms"]
@@ -195,8 +200,10 @@ def print_table(r: dict[str, Any], ttft_len: int) -> None:
         f"read {r['read_bandwidth_gb_s']:.1f} GB/s\ncpu {r['cpu']}\n"
         f"int8 prefill path {r['int8_prefill_path'] or 'none passed the gate'}"
     )
-    print(f"{'contender':<16}{'TPOT ms':>10}{'bound ms':>10}{'/bound':>8}"
-          f"{f'TTFT {ttft_len} ms':>15}{'weights MB':>12}")
+    print(
+        f"{'contender':<16}{'TPOT ms':>10}{'bound ms':>10}{'/bound':>8}"
+        f"{f'TTFT {ttft_len} ms':>15}{'weights MB':>12}"
+    )
     for name in ("int8", "fp32", "transformers"):
         if f"{name}_tpot_ms" not in r:
             continue
@@ -219,22 +226,44 @@ def print_table(r: dict[str, Any], ttft_len: int) -> None:
 
 @click.command("quant")
 @click.option("--model", default="bench-0.5b", help="model-zoo name, local folder or hub id")
-@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
-              help="write the flat JSON figures here")
+@click.option(
+    "--json",
+    "json_path",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="write the flat JSON figures here",
+)
 @click.option("--repeats", default=3, type=int, help="runs per figure; the median is reported")
 @click.option("--threads", default=2, type=int, help="torch CPU threads")
 @click.option("--output-len", default=32, type=int, help="tokens per TPOT run")
-@click.option("--transformers/--no-transformers", "with_transformers", default=True,
-              help="run the baseline beside")
-@click.option("--text", required=True, type=click.Path(exists=True, dir_okay=False),
-              help="text file for perplexity and agreement (e.g. ../shared/data/wikitext2_raw_test.txt)")
-def bench_quant(model: str, json_path: str | None, repeats: int, threads: int, output_len: int,
-                with_transformers: bool, text: str) -> None:
+@click.option(
+    "--transformers/--no-transformers", "with_transformers", default=True, help="run the baseline beside"
+)
+@click.option(
+    "--text",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False),
+    help="text file for perplexity and agreement (e.g. ../shared/data/wikitext2_raw_test.txt)",
+)
+def bench_quant(
+    model: str,
+    json_path: str | None,
+    repeats: int,
+    threads: int,
+    output_len: int,
+    with_transformers: bool,
+    text: str,
+) -> None:
     """int8 vs fp32 weights: TPOT beside the bandwidth bound, TTFT, perplexity, agreement."""
     try:
         run_bench_quant(
-            model, json_path, repeats=repeats, threads=threads, output_len=output_len,
-            with_transformers=with_transformers, text=text,
+            model,
+            json_path,
+            repeats=repeats,
+            threads=threads,
+            output_len=output_len,
+            with_transformers=with_transformers,
+            text=text,
         )
     except ValueError as error:
         raise click.UsageError(str(error)) from error

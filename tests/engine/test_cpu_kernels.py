@@ -9,7 +9,9 @@ from ragspeed.engine.cpu_kernels import BlockedWeight, build, load_library
 from ragspeed.engine.cpu_kernels.blocked import INT8_GROUP
 from ragspeed.engine.quant.groupwise import quantize_groupwise
 
-pytestmark = pytest.mark.skipif(load_library() is None, reason="ragspeed's CPU kernels could not be built here")
+pytestmark = pytest.mark.skipif(
+    load_library() is None, reason="ragspeed's CPU kernels could not be built here"
+)
 
 
 def _weights(kind: str, n: int, k: int, gen: torch.Generator):

@@ -25,9 +25,7 @@ from ragspeed.engine.quant.prefill import (
 from ragspeed.engine.quant.quality import QualityReport
 
 AVX2 = CpuFeatures("AMD EPYC", frozenset({"avx2"}), "AVX2")
-VNNI = CpuFeatures(
-    "Intel Xeon", frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16"}), "AVX512"
-)
+VNNI = CpuFeatures("Intel Xeon", frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16"}), "AVX512")
 HERE = read_cpu_features()
 needs_vnni = pytest.mark.skipif(
     not HERE.has_vnni, reason=f"fbgemm's u8 path needs VNNI; this CPU: {HERE.describe()}"
@@ -43,8 +41,7 @@ def test_parse_cpuinfo_and_describe():
     assert features == CpuFeatures("AMD EPYC 7B13", frozenset({"avx2"}), "AVX2")
     assert not features.has_vnni and not features.has_bf16
     assert features.describe() == (
-        "AMD EPYC 7B13 (torch AVX2): avx2; "
-        "no avx512f, avx512_vnni, avx_vnni, avx512_bf16, amx_bf16, amx_int8"
+        "AMD EPYC 7B13 (torch AVX2): avx2; no avx512f, avx512_vnni, avx_vnni, avx512_bf16, amx_bf16, amx_int8"
     )
     assert VNNI.has_vnni and VNNI.has_bf16
     assert parse_cpuinfo("", "DEFAULT").describe() == (
@@ -165,13 +162,13 @@ def test_gate_falls_back_and_logs_why(caplog):
         outcome = gate_prefill(prefill_candidates(VNNI), measure)
     assert outcome.path.name == "fp32-dequantized"
     assert measured == ["fbgemm-u8", "fp32-dequantized"]
-    assert outcome.rejected == {
-        "fbgemm-u8": "perplexity +3.87% > +1%; top-1 agreement 85.30% < 97%"
-    }
-    assert caplog.messages == [(
-        "int8 prefill path fbgemm-u8 fails the quality gate (perplexity +3.87% > +1%; top-1 "
-        "agreement 85.30% < 97%): falling back to fp32-dequantized"
-    )]
+    assert outcome.rejected == {"fbgemm-u8": "perplexity +3.87% > +1%; top-1 agreement 85.30% < 97%"}
+    assert caplog.messages == [
+        (
+            "int8 prefill path fbgemm-u8 fails the quality gate (perplexity +3.87% > +1%; top-1 "
+            "agreement 85.30% < 97%): falling back to fp32-dequantized"
+        )
+    ]
 
 
 def test_gate_passes_first_path_or_none():
@@ -185,20 +182,29 @@ def test_gate_passes_first_path_or_none():
         gate_prefill([], lambda path: _report(0.0, 1.0))
 
 
-@pytest.mark.parametrize("features, line", [
-    (AVX2, (
-        "int8 on AMD EPYC (torch AVX2): avx2; no avx512f, avx512_vnni, avx_vnni, "
-        "avx512_bf16, amx_bf16, amx_int8: prefill fp32-dequantized (activations kept in "
-        "fp32), decode ragspeed's blocked int8 kernel; not fbgemm-u8: no VNNI (avx512_vnni "
-        "/ avx_vnni): fbgemm's AVX2 kernel saturates"
-    )),
-    (VNNI, (
-        "int8 on Intel Xeon (torch AVX512): avx2, avx512f, avx512_vnni, avx512_bf16; no "
-        "avx_vnni, amx_bf16, amx_int8: prefill fp32-dequantized (activations kept in fp32), "
-        "decode ragspeed's blocked int8 kernel; fbgemm-u8 runs here once the quality gate "
-        "passes it"
-    )),
-])
+@pytest.mark.parametrize(
+    "features, line",
+    [
+        (
+            AVX2,
+            (
+                "int8 on AMD EPYC (torch AVX2): avx2; no avx512f, avx512_vnni, avx_vnni, "
+                "avx512_bf16, amx_bf16, amx_int8: prefill fp32-dequantized (activations kept in "
+                "fp32), decode ragspeed's blocked int8 kernel; not fbgemm-u8: no VNNI (avx512_vnni "
+                "/ avx_vnni): fbgemm's AVX2 kernel saturates"
+            ),
+        ),
+        (
+            VNNI,
+            (
+                "int8 on Intel Xeon (torch AVX512): avx2, avx512f, avx512_vnni, avx512_bf16; no "
+                "avx_vnni, amx_bf16, amx_int8: prefill fp32-dequantized (activations kept in fp32), "
+                "decode ragspeed's blocked int8 kernel; fbgemm-u8 runs here once the quality gate "
+                "passes it"
+            ),
+        ),
+    ],
+)
 def test_start_up_logs_the_choice(monkeypatch, caplog, features, line):
     monkeypatch.setattr(cpu_features, "read_cpu_features", lambda: features)
     with caplog.at_level(logging.INFO, logger="ragspeed.engine.quant.registry"):
@@ -222,9 +228,7 @@ def test_start_up_gate_on_a_tiny_model(monkeypatch, caplog, tiny_checkpoints):
     with caplog.at_level(logging.WARNING, logger="ragspeed.engine.quant.gate"):
         strict = gate_loaded_model(loaded, windows, VNNI, QualityGate(0.0, 1.0))
         assert strict.name == "fp32-dequantized"  # nothing rounded matches exactly
-        assert caplog.messages[0].startswith(
-            "int8 prefill path fbgemm-u8 fails the quality gate ("
-        )
+        assert caplog.messages[0].startswith("int8 prefill path fbgemm-u8 fails the quality gate (")
         assert caplog.messages[0].endswith("): falling back to fp32-dequantized")
         lenient = gate_loaded_model(loaded, windows, VNNI, QualityGate(1e9, 0.0))
     assert lenient.name == "fbgemm-u8"

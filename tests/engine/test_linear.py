@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from ragspeed.engine.cpu_kernels import blocked_kernels_available
-from ragspeed.engine.threads import cpu_threads
 from ragspeed.engine.models import linear as linear_module
 from ragspeed.engine.models.linear import DenseLinear
+from ragspeed.engine.threads import cpu_threads
 
 
 @pytest.fixture(params=["blocked", "onednn", "mm"])

@@ -76,8 +76,8 @@ def test_int8_linear_matches_fp32(bias, num_tokens):
     assert rel.item() < 0.02
     # decode reads the blocked copy: int8 weights, two group scales a row, the padded bias
     blocked = blocked_kernels_available(torch.device("cpu"))
-    expected = 96 * 64 + 96 * 2 * 4 + (96 * 4 if bias else 0) if blocked else 96 * 64 * 4 + (
-        96 * 4 if bias else 0
+    expected = (
+        96 * 64 + 96 * 2 * 4 + (96 * 4 if bias else 0) if blocked else 96 * 64 * 4 + (96 * 4 if bias else 0)
     )
     assert int8.num_weight_bytes == expected
     assert dense.num_weight_bytes == 96 * 64 * 4
@@ -107,9 +107,7 @@ def test_unknown_quantization_lists_what_runs_here(demo_path):
 def test_int8_on_missing_cuda_says_what_runs():
     with pytest.raises(QuantizationUnavailableError) as info:
         check_quantization("int8", "cuda")
-    assert str(info.value) == (
-        "quantization 'int8' cannot run on cuda here; available on cuda: none"
-    )
+    assert str(info.value) == ("quantization 'int8' cannot run on cuda here; available on cuda: none")
 
 
 @pytest.mark.parametrize("use_int8pack_mm", [False, True])
@@ -137,7 +135,7 @@ def test_int8_linear_on_cuda(dtype):
     layer.load(weight, bias)
     out = layer(x)
     assert out.dtype == dtype and out.device.type == "cuda"
-    ref = (x.float() @ weight.float().T + bias.float())
+    ref = x.float() @ weight.float().T + bias.float()
     assert ((out.float() - ref).norm() / ref.norm()).item() < 0.02
     assert layer.num_weight_bytes == 256 * 128 + 2 * 256 * 2
 
@@ -145,7 +143,8 @@ def test_int8_linear_on_cuda(dtype):
 def test_demo_engine_int8_memory_and_lm_head(demo_path, monkeypatch):
     # The AVX2 branch (engine.quant.prefill) forced, whatever this CPU has.
     monkeypatch.setattr(
-        cpu_features, "read_cpu_features",
+        cpu_features,
+        "read_cpu_features",
         lambda: cpu_features.CpuFeatures("AMD EPYC", frozenset({"avx2"}), "AVX2"),
     )
     engine = make_engine(demo_path, quantization="int8", max_model_len=256)
@@ -173,9 +172,7 @@ def test_demo_quality_gates(demo_path, shared_data):
     tokenizer = AutoTokenizer.from_pretrained(str(demo_path))
     # 16 windows (4,080 predictions): a steadier estimate than 4 (1,020) on the retrained demo
     # model, which is flatter than a real one (many near-ties for the top token).
-    windows = text_windows(
-        tokenizer, shared_data / "wikitext2_raw_test.txt", window=256, num_windows=16
-    )
+    windows = text_windows(tokenizer, shared_data / "wikitext2_raw_test.txt", window=256, num_windows=16)
     report = compare_quality(reference, quantized, windows)
     assert report.num_predictions == 16 * 255
     assert report.ppl_increase <= 0.02
