@@ -35,7 +35,7 @@ from typing import Any
 import click
 import torch
 
-from ragspeed.bench.common import machine_line, write_json
+from ragspeed.bench.common import machine_line, require_positive, write_json
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.protocol import GenerationRequest, SamplingParams
 
@@ -95,15 +95,13 @@ def run_bench_cache(
     from ragspeed.engine.loader import resolve_model_path
     from ragspeed.prompt_cache.hashing import hash_request_blocks
 
-    for name, value in [
-        ("num_questions", num_questions),
-        ("num_cold", num_cold),
-        ("no_hit_prompts", no_hit_prompts),
-        ("no_hit_len", no_hit_len),
-        ("threads", threads),
-    ]:
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
+    require_positive(
+        num_questions=num_questions,
+        num_cold=num_cold,
+        no_hit_prompts=no_hit_prompts,
+        no_hit_len=no_hit_len,
+        threads=threads,
+    )
     if num_questions > len(QUESTIONS):
         raise ValueError(f"num_questions must be <= {len(QUESTIONS)}, got {num_questions}")
     torch.set_num_threads(threads)

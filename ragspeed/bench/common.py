@@ -32,6 +32,13 @@ def machine_line(threads: int | None = None) -> str:
     return "machine: " + ", ".join(parts)
 
 
+def require_positive(**values: int) -> None:
+    """Raise ValueError naming the first count below 1."""
+    for name, value in values.items():
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+
+
 def percentile(values: Iterable[float], q: float) -> float:
     """Nearest-rank percentile (q in [0, 1]) of `values`, which need not be sorted."""
     ordered = sorted(values)

@@ -27,7 +27,7 @@ from typing import Any
 import click
 import torch
 
-from ragspeed.bench.common import machine_line, write_json
+from ragspeed.bench.common import machine_line, require_positive, write_json
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.protocol import GenerationRequest, SamplingParams
 
@@ -202,17 +202,15 @@ def bench_engine(
     from ragspeed.engine.llm_engine import LLMEngine
     from ragspeed.engine.loader import resolve_model_path
 
-    for name, value in [
-        ("num_requests", num_requests),
-        ("prompt_len", prompt_len),
-        ("output_len", output_len),
-        ("ttft_prompt_len", ttft_prompt_len),
-        ("repeats", repeats),
-        ("threads", threads),
-        ("transformers_requests", transformers_requests),
-    ]:
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
+    require_positive(
+        num_requests=num_requests,
+        prompt_len=prompt_len,
+        output_len=output_len,
+        ttft_prompt_len=ttft_prompt_len,
+        repeats=repeats,
+        threads=threads,
+        transformers_requests=transformers_requests,
+    )
     torch.set_num_threads(threads)
     path = resolve_model_path(model)
     max_model_len = max(prompt_len + output_len, ttft_prompt_len + 1, 64 + 4)  # 64 + 4: warm-up

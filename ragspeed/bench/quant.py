@@ -29,7 +29,7 @@ from typing import Any
 import click
 import torch
 
-from ragspeed.bench.common import machine_line, write_json
+from ragspeed.bench.common import machine_line, require_positive, write_json
 from ragspeed.bench.engine import (
     BandwidthProbe,
     _NativeContender,
@@ -62,17 +62,15 @@ def run_bench_quant(
     from ragspeed.engine.quant.prefill import prefill_candidates
     from ragspeed.engine.quant.quality import compare_quality, text_windows
 
-    for name, value in [
-        ("prompt_len", prompt_len),
-        ("output_len", output_len),
-        ("repeats", repeats),
-        ("ttft_prompt_len", ttft_prompt_len),
-        ("threads", threads),
-        ("quality_window", quality_window),
-        ("quality_windows", quality_windows),
-    ]:
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
+    require_positive(
+        prompt_len=prompt_len,
+        output_len=output_len,
+        repeats=repeats,
+        ttft_prompt_len=ttft_prompt_len,
+        threads=threads,
+        quality_window=quality_window,
+        quality_windows=quality_windows,
+    )
     if output_len < 2:
         raise ValueError(f"output_len must be >= 2 (a TPOT needs two tokens), got {output_len}")
     if not Path(text).is_file():
