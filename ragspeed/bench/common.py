@@ -10,6 +10,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import click
+
 
 def cpu_name() -> str:
     """The CPU's model name from /proc/cpuinfo, else what `platform` knows."""
@@ -54,6 +56,16 @@ def print_rows(rows: Iterable[tuple[str, Any]], echo=print) -> None:
     width = max((len(key) for key, _ in rows), default=0)
     for key, value in rows:
         echo(f"{key:<{width}}  {value}")
+
+
+# The `--json PATH` option every bench command takes; `write_json` writes the file.
+json_option = click.option(
+    "--json",
+    "json_path",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="write the flat JSON figures here",
+)
 
 
 def write_json(path: str | Path | None, figures: Mapping[str, Any]) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 import click
 import torch
 
-from ragspeed.bench.common import machine_line, require_positive, write_json
+from ragspeed.bench.common import json_option, machine_line, require_positive, write_json
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.protocol import GenerationRequest, SamplingParams
 
@@ -326,13 +326,7 @@ def print_table(r: dict[str, Any], ttft_len: int) -> None:
 
 @click.command("engine")
 @click.option("--model", default="bench-135m", help="model-zoo name, local folder or hub id")
-@click.option(
-    "--json",
-    "json_path",
-    default=None,
-    type=click.Path(dir_okay=False),
-    help="write the flat JSON figures here",
-)
+@json_option
 @click.option("--repeats", default=3, type=int, help="runs per figure; the median is reported")
 @click.option("--threads", default=2, type=int, help="torch CPU threads")
 @click.option("--transformers-requests", default=4, type=int, help="requests through generate()")

@@ -29,7 +29,7 @@ from typing import Any
 import click
 import torch
 
-from ragspeed.bench.common import machine_line, require_positive, write_json
+from ragspeed.bench.common import json_option, machine_line, require_positive, write_json
 from ragspeed.bench.engine import (
     BandwidthProbe,
     _NativeContender,
@@ -224,13 +224,7 @@ def print_table(r: dict[str, Any], ttft_len: int) -> None:
 
 @click.command("quant")
 @click.option("--model", default="bench-0.5b", help="model-zoo name, local folder or hub id")
-@click.option(
-    "--json",
-    "json_path",
-    default=None,
-    type=click.Path(dir_okay=False),
-    help="write the flat JSON figures here",
-)
+@json_option
 @click.option("--repeats", default=3, type=int, help="runs per figure; the median is reported")
 @click.option("--threads", default=2, type=int, help="torch CPU threads")
 @click.option("--output-len", default=32, type=int, help="tokens per TPOT run")

@@ -40,7 +40,7 @@ from typing import Any
 import click
 import torch
 
-from ragspeed.bench.common import machine_line, write_json
+from ragspeed.bench.common import json_option, machine_line, write_json
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.protocol import GenerationRequest, SamplingParams
 
@@ -333,13 +333,7 @@ def print_table(r: dict[str, Any]) -> None:
     type=click.Choice(["auto", "none", "int8"]),
     help="the draft's weights (auto: int8 on a CPU)",
 )
-@click.option(
-    "--json",
-    "json_path",
-    default=None,
-    type=click.Path(dir_okay=False),
-    help="write the flat JSON figures here",
-)
+@json_option
 def bench_spec(
     model,
     data_path,
