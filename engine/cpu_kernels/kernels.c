@@ -137,7 +137,8 @@ int ragspeed_int8_group(void) { return GROUP; }
             store(y + (size_t)r * n, total[r], bias, first, n);                                 \
     }
 
-/* The product for one weight type: blocks split across threads, rows in passes of ROWS. */
+/* The product for one weight type: blocks split across the threads of the enclosing parallel
+ * region (NAME##_team, ending in its barrier), rows in passes of ROWS; NAME opens a region. */
 #define GEMV(NAME, WTYPE, LOAD)                                                                 \
     BLOCK_ROWS(NAME##_1, WTYPE, LOAD, 1)                                                        \
     BLOCK_ROWS(NAME##_2, WTYPE, LOAD, 2)                                                        \
@@ -145,10 +146,10 @@ int ragspeed_int8_group(void) { return GROUP; }
     BLOCK_ROWS(NAME##_4, WTYPE, LOAD, 4)                                                        \
     BLOCK_ROWS(NAME##_5, WTYPE, LOAD, 5)                                                        \
     BLOCK_ROWS(NAME##_6, WTYPE, LOAD, 6)                                                        \
-    static void NAME(const WTYPE *w, const float *scale, const float *bias, const float *x,    \
-                     float *y, int m, int n, int k, int num_threads) {                         \
+    static void NAME##_team(const WTYPE *w, const float *scale, const float *bias,             \
+                            const float *x, float *y, int m, int n, int k) {                   \
         int num_blocks = (n + BLOCK - 1) / BLOCK;                                               \
-        _Pragma("omp parallel for num_threads(num_threads) schedule(static)")                  \
+        _Pragma("omp for schedule(static)")                                                     \
         for (int b = 0; b < num_blocks; b++) {                                                  \
             const WTYPE *block = w + (size_t)b * k * BLOCK;                                     \
             /* int8: this block's group scales [ceil(k / GROUP)][16]; fp32: NULL */            \
@@ -166,6 +167,11 @@ int ragspeed_int8_group(void) { return GROUP; }
                 }                                                                               \
             }                                                                                   \
         }                                                                                       \
+    }                                                                                           \
+    static void NAME(const WTYPE *w, const float *scale, const float *bias, const float *x,    \
+                     float *y, int m, int n, int k, int num_threads) {                         \
+        _Pragma("omp parallel num_threads(num_threads)")                                        \
+        NAME##_team(w, scale, bias, x, y, m, n, k);                                             \
     }
 
 GEMV(gemv_f32, float, loadv_f32)
@@ -234,16 +240,15 @@ static inline f32x16 exp_nonpositive(f32x16 x) {
     return (f32x16)((i32x16)(p * (f32x16)two_n) & ~underflow);
 }
 
-void ragspeed_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
-                                     const int64_t *block_tables, const int64_t *context_lens,
-                                     float *out, int num_seqs, int num_heads, int num_kv_heads,
-                                     int head_dim, int max_blocks, int block_size, float scale,
-                                     int num_threads) {
+/* The tasks split across the threads of the enclosing parallel region, ending in its barrier. */
+static void paged_decode_attention_team(const float *q, const float *k_cache, const float *v_cache,
+                                        const int64_t *block_tables, const int64_t *context_lens,
+                                        float *out, int num_seqs, int num_heads, int num_kv_heads,
+                                        int head_dim, int max_blocks, int block_size, float scale) {
     int group = num_heads / num_kv_heads;
     int64_t longest = 0;
     for (int s = 0; s < num_seqs; s++) longest = context_lens[s] > longest ? context_lens[s] : longest;
     size_t row = (size_t)(longest + 15) & ~(size_t)15;  /* scores per query head, whole vectors */
-    _Pragma("omp parallel num_threads(num_threads)")
     {
         float *scores = aligned_alloc(64, sizeof(float) * group * row);
         _Pragma("omp for schedule(static) collapse(2)")
@@ -304,29 +309,42 @@ void ragspeed_paged_decode_attention(const float *q, const float *k_cache, const
     }
 }
 
+void ragspeed_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
+                                     const int64_t *block_tables, const int64_t *context_lens,
+                                     float *out, int num_seqs, int num_heads, int num_kv_heads,
+                                     int head_dim, int max_blocks, int block_size, float scale,
+                                     int num_threads) {
+    _Pragma("omp parallel num_threads(num_threads)")
+    paged_decode_attention_team(q, k_cache, v_cache, block_tables, context_lens, out, num_seqs,
+                                num_heads, num_kv_heads, head_dim, max_blocks, block_size, scale);
+}
+
 /* The residual stream's add and RMSNorm in one pass per row: x [rows, dim] becomes x + residual
  * (when residual is not NULL), out [rows, dim] = that / sqrt(mean of its squares + eps) * weight.
  * Replaces the add and the six ops torch's rms_norm runs on a CPU. */
+static void add_rms_norm_row(float *x, const float *residual, const float *weight, float *out,
+                             int r, int dim, float eps) {
+    float *xr = x + (size_t)r * dim, *outr = out + (size_t)r * dim;
+    if (residual) {
+        const float *res = residual + (size_t)r * dim;
+        for (int d = 0; d < dim; d++) xr[d] += res[d];
+    }
+    f32x16 squares = {0};
+    int d = 0;
+    for (; d + 16 <= dim; d += 16) {
+        f32x16 v = load_f32(xr + d);
+        squares += v * v;
+    }
+    float sum = reduce_add(squares);
+    for (; d < dim; d++) sum += xr[d] * xr[d];
+    float inverse = 1.0f / __builtin_sqrtf(sum / dim + eps);
+    for (d = 0; d < dim; d++) outr[d] = xr[d] * inverse * weight[d];
+}
+
 void ragspeed_add_rms_norm(float *x, const float *residual, const float *weight, float *out,
                            int rows, int dim, float eps, int num_threads) {
     _Pragma("omp parallel for num_threads(num_threads) schedule(static) if(rows >= 64)")
-    for (int r = 0; r < rows; r++) {
-        float *xr = x + (size_t)r * dim, *outr = out + (size_t)r * dim;
-        if (residual) {
-            const float *res = residual + (size_t)r * dim;
-            for (int d = 0; d < dim; d++) xr[d] += res[d];
-        }
-        f32x16 squares = {0};
-        int d = 0;
-        for (; d + 16 <= dim; d += 16) {
-            f32x16 v = load_f32(xr + d);
-            squares += v * v;
-        }
-        float sum = reduce_add(squares);
-        for (; d < dim; d++) sum += xr[d] * xr[d];
-        float inverse = 1.0f / __builtin_sqrtf(sum / dim + eps);
-        for (d = 0; d < dim; d++) outr[d] = xr[d] * inverse * weight[d];
-    }
+    for (int r = 0; r < rows; r++) add_rms_norm_row(x, residual, weight, out, r, dim, eps);
 }
 
 /* ------------------------------------------------------------------ the whole decode forward
@@ -368,6 +386,14 @@ static void linear(const Linear *l, const float *x, float *y, int m, int num_thr
         gemv_i8((const int8_t *)l->w, l->scale, l->bias, x, y, m, l->n, l->k, num_threads);
     else
         gemv_f32((const float *)l->w, NULL, l->bias, x, y, m, l->n, l->k, num_threads);
+}
+
+/* The same, split across the threads of the enclosing parallel region. */
+static void linear_team(const Linear *l, const float *x, float *y, int m) {
+    if (l->scale)
+        gemv_i8_team((const int8_t *)l->w, l->scale, l->bias, x, y, m, l->n, l->k);
+    else
+        gemv_f32_team((const float *)l->w, NULL, l->bias, x, y, m, l->n, l->k);
 }
 
 /* x [dim] / rms(x) * weight, in place. */
@@ -432,10 +458,16 @@ void ragspeed_decode_forward(const Model *model, float *const *k_caches, float *
     float *normed = scratch((size_t)m * hidden), *h = scratch((size_t)m * hidden);
     float *wide = scratch((size_t)m * widest), *q = scratch((size_t)m * q_size);
     float *mid = scratch((size_t)m * (q_size > inter ? q_size : inter));
+    /* One parallel region for the whole stack: the products and attention split across its
+     * threads, the steps between them on one thread, a barrier after each (fork and join per
+     * product cost a sixth of a SmolLM2-135M int8 step on 2 threads). */
+    _Pragma("omp parallel num_threads(num_threads)")
     for (int l = 0; l < model->num_layers; l++) {
         const Layer *layer = model->layers + l;
-        ragspeed_add_rms_norm(x, l ? h : NULL, layer->input_norm, normed, m, hidden, eps, 1);
-        linear(&layer->qkv, normed, wide, m, num_threads);
+        _Pragma("omp single")
+        for (int r = 0; r < m; r++) add_rms_norm_row(x, l ? h : NULL, layer->input_norm, normed, r, hidden, eps);
+        linear_team(&layer->qkv, normed, wide, m);
+        _Pragma("omp single")
         for (int r = 0; r < m; r++) {
             float *row = wide + (size_t)r * qkv_size;
             const float *rotation = rotations + (size_t)r * half * 2;
@@ -449,14 +481,15 @@ void ragspeed_decode_forward(const Model *model, float *const *k_caches, float *
                 rotate(row + q_size + (size_t)hd * head_dim, k_caches[l] + slot * kv_size + (size_t)hd * head_dim, rotation, head_dim);
             memcpy(v_caches[l] + slot * kv_size, row + q_size + kv_size, sizeof(float) * kv_size);
         }
-        ragspeed_paged_decode_attention(q, k_caches[l], v_caches[l], block_tables, context_lens, mid, m,
-                                        num_heads, num_kv_heads, head_dim, max_blocks, block_size,
-                                        model->scale, num_threads);
-        linear(&layer->o, mid, h, m, num_threads);
-        ragspeed_add_rms_norm(x, h, layer->post_norm, normed, m, hidden, eps, 1);
-        linear(&layer->gate_up, normed, wide, m, num_threads);
+        paged_decode_attention_team(q, k_caches[l], v_caches[l], block_tables, context_lens, mid, m,
+                                    num_heads, num_kv_heads, head_dim, max_blocks, block_size, model->scale);
+        linear_team(&layer->o, mid, h, m);
+        _Pragma("omp single")
+        for (int r = 0; r < m; r++) add_rms_norm_row(x, h, layer->post_norm, normed, r, hidden, eps);
+        linear_team(&layer->gate_up, normed, wide, m);
+        _Pragma("omp single")
         silu_mul(wide, mid, m, inter);
-        linear(&layer->down, mid, h, m, num_threads);
+        linear_team(&layer->down, mid, h, m);
     }
     ragspeed_add_rms_norm(x, model->num_layers ? h : NULL, model->final_norm, out, m, hidden, eps, 1);
     free(normed); free(wide); free(q); free(mid); free(h);
