@@ -40,6 +40,8 @@ ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 DEMO_MODEL_NAME = "ragspeed-demo"
 DEMO_DRAFT_MODEL_NAME = "ragspeed-demo-draft"
+# The draft each zoo model speculates with when none is given (`--speculative draft`).
+ZOO_DRAFTS = {DEMO_MODEL_NAME: DEMO_DRAFT_MODEL_NAME}
 CACHE_DIR_ENV = "RAGSPEED_CACHE_DIR"
 # Files copied from the demo model into every bench model.
 TOKENIZER_FILES = (

@@ -13,6 +13,7 @@ Prompt lookup (ngram.py) is a `Proposer`: it keeps an n-gram index per request.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Protocol, runtime_checkable
 
 from ragspeed.engine.config import EngineConfig
@@ -71,13 +72,18 @@ def _build_ngram(config: EngineConfig, engine) -> Proposer:
 
 
 def _build_draft(config: EngineConfig, engine) -> Proposer:
-    if not config.draft_model:
-        raise EngineError(
-            "speculative='draft' needs a draft model: pass --draft-model PATH", param="draft_model"
-        )
+    from ragspeed.engine.model_zoo import ZOO_DRAFTS
     from ragspeed.engine.spec_decode.draft import build_draft_proposer
 
-    return build_draft_proposer(config, engine)
+    draft = config.draft_model or ZOO_DRAFTS.get(config.model)
+    if not draft:
+        raise EngineError(
+            f"speculative='draft' needs a draft model and none ships for {config.model!r}: train one"
+            f" with `ragspeed train-draft --target {config.model} --data-dir ../shared/data --out DIR`"
+            " and pass --draft-model DIR",
+            param="draft_model",
+        )
+    return build_draft_proposer(replace(config, draft_model=draft), engine)
 
 
 # EngineConfig.speculative -> factory(config, engine) of its proposer.

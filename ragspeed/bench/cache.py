@@ -37,6 +37,7 @@ import torch
 
 from ragspeed.bench.common import json_option, machine_line, require_positive, write_json
 from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
 from ragspeed.engine.protocol import GenerationRequest, SamplingParams
 
 QUESTIONS = (
@@ -78,7 +79,7 @@ def _ttft_s(engine: Any, request_id: str, prompt: tuple[int, ...]) -> tuple[floa
 
 
 def run_bench_cache(
-    model: str = "bench-135m",
+    model: str = DEFAULT_MODEL_NAME,
     json_path: str | None = None,
     *,
     num_questions: int = 20,
@@ -219,7 +220,7 @@ def print_table(r: dict[str, Any]) -> None:
 
 
 @click.command("cache")
-@click.option("--model", default="bench-135m", help="model-zoo name, local folder or hub id")
+@click.option("--model", default=DEFAULT_MODEL_NAME, help="model-zoo name, local folder or hub id")
 @json_option
 @click.option("--num-questions", default=20, type=int, help="distinct questions after the system prompt")
 @click.option("--num-cold", default=5, type=int, help="questions also timed with the cache off")

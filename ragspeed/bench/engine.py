@@ -29,6 +29,7 @@ import torch
 
 from ragspeed.bench.common import json_option, machine_line, require_positive, write_json
 from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
 from ragspeed.engine.protocol import GenerationRequest, SamplingParams
 
 
@@ -185,7 +186,7 @@ class _TransformersContender:
 
 
 def bench_engine(
-    model: str = "bench-135m",
+    model: str = DEFAULT_MODEL_NAME,
     json_path: str | None = None,
     *,
     num_requests: int = 16,
@@ -325,7 +326,7 @@ def print_table(r: dict[str, Any], ttft_len: int) -> None:
 
 
 @click.command("engine")
-@click.option("--model", default="bench-135m", help="model-zoo name, local folder or hub id")
+@click.option("--model", default=DEFAULT_MODEL_NAME, help="model-zoo name, local folder or hub id")
 @json_option
 @click.option("--repeats", default=3, type=int, help="runs per figure; the median is reported")
 @click.option("--threads", default=2, type=int, help="torch CPU threads")

@@ -16,6 +16,7 @@ import httpx
 
 from ragspeed.bench.common import machine_line, percentile, write_json
 from ragspeed.bench.launcher import ServerProcess
+from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
 
 QUESTIONS = [
     "Who received the first Nobel Prize in Physics?",
@@ -82,7 +83,7 @@ def run_gateway_bench(model: str, engine: str, num_requests: int, max_tokens: in
 
 
 @click.command(name="gateway")
-@click.option("--model", default="ragspeed-demo", show_default=True)
+@click.option("--model", default=DEFAULT_MODEL_NAME, show_default=True)
 @click.option("--engine", default="transformers", show_default=True, help="The upstream's engine.")
 @click.option("--requests", "num_requests", type=click.IntRange(min=5), default=100, show_default=True)
 @click.option("--max-tokens", type=click.IntRange(min=1), default=8, show_default=True)

@@ -28,6 +28,7 @@ import httpx
 
 from ragspeed.bench.common import machine_line, percentile, write_json
 from ragspeed.bench.launcher import ServerProcess
+from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
 
 _DOC_CHARS = 500  # each document is cut to this many characters
 _DOC_COUNTS = (0, 1, 2, 4)  # documents per request: the prompt length mix
@@ -315,7 +316,7 @@ _TABLE_KEYS = (
     "--engine", default="native", show_default=True, help="Engine of the server started for the run."
 )
 @click.option(
-    "--model", default="ragspeed-demo", show_default=True, help="Model of the server started for the run."
+    "--model", default=DEFAULT_MODEL_NAME, show_default=True, help="Model of the server started for the run."
 )
 @click.option(
     "--server-arg", "server_args", multiple=True, help="Extra `ragspeed serve` argument (repeatable)."

@@ -37,10 +37,11 @@ from ragspeed.bench.engine import (
     _TransformersContender,
 )
 from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
 
 
 def run_bench_quant(
-    model: str = "bench-0.5b",
+    model: str = DEFAULT_MODEL_NAME,
     json_path: str | None = None,
     *,
     text: str,
@@ -223,7 +224,7 @@ def print_table(r: dict[str, Any], ttft_len: int) -> None:
 
 
 @click.command("quant")
-@click.option("--model", default="bench-0.5b", help="model-zoo name, local folder or hub id")
+@click.option("--model", default=DEFAULT_MODEL_NAME, help="model-zoo name, local folder or hub id")
 @json_option
 @click.option("--repeats", default=3, type=int, help="runs per figure; the median is reported")
 @click.option("--threads", default=2, type=int, help="torch CPU threads")

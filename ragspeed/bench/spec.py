@@ -9,8 +9,9 @@ Figures (one run; warm-up first; medians of `repeats` runs; JSON keys in bracket
   ngram_mean_accepted_length], and whether both gave the same tokens [outputs_identical].
 - batch 1, wiki-style prompts (the first 64 tokens of held-out passages of the demo's split, as
   plain text to continue), without speculation and with the draft model (`--draft-model`,
-  default the distilled demo draft; its weights as `--draft-quantization` says, default int8 on
-  a CPU [draft_quantization]), side by side: [draft_plain_decode_tokens_per_s,
+  default the draft the zoo ships for the model, engine.model_zoo.ZOO_DRAFTS; none: the section
+  is skipped and `draft_model` is null; its weights as `--draft-quantization` says, default int8
+  on a CPU [draft_quantization]), side by side: [draft_plain_decode_tokens_per_s,
   draft_decode_tokens_per_s, draft_speedup = draft / plain], acceptance and mean accepted
   length over the timed runs [draft_acceptance, draft_mean_accepted_length],
   [draft_outputs_identical], and the timed steps the controller ran without drafts
@@ -42,6 +43,7 @@ import torch
 
 from ragspeed.bench.common import json_option, machine_line, write_json
 from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME, ZOO_DRAFTS
 from ragspeed.engine.protocol import GenerationRequest, SamplingParams
 
 SYSTEM = "Answer the question by quoting the documents."
@@ -147,7 +149,7 @@ class _Contender:
 
 
 def run_bench_spec(
-    model: str = "ragspeed-demo",
+    model: str = DEFAULT_MODEL_NAME,
     *,
     data_path: Path,
     num_prompts: int = 8,
@@ -165,7 +167,7 @@ def run_bench_spec(
     from ragspeed.engine.loader import load_model, resolve_model_path
     from ragspeed.engine.spec_decode.draft import draft_quantization as resolve_draft_quantization
 
-    draft_model = str(draft_model or "ragspeed-demo-draft")
+    draft_model = str(draft_model) if draft_model else ZOO_DRAFTS.get(model)
 
     torch.set_num_threads(threads)
     base = EngineConfig(model=model, num_kv_cache_tokens=32 * 1024, max_model_len=4096)
@@ -180,13 +182,14 @@ def run_bench_spec(
         draft_quantization=draft_quantization,
         num_speculative_tokens=num_speculative_tokens,
     )
-    draft = LLMEngine(draft_config, loaded=loaded, tokenizer=plain.tokenizer)
+    draft = LLMEngine(draft_config, loaded=loaded, tokenizer=plain.tokenizer) if draft_model else None
     ceiling = LLMEngine(spec_config, loaded=loaded, tokenizer=plain.tokenizer)
     prompts = rag_prompts(data_path, plain.tokenizer, max(num_prompts, 16), num_documents)
     wiki = wiki_prompts(data_path.parent, plain.tokenizer, num_prompts, wiki_prompt_tokens)
     contenders = {"plain": _Contender(plain), "ngram": _Contender(ngram)}
-    draft_contenders = {"plain": contenders["plain"], "draft": _Contender(draft)}
     for engine in (plain, ngram, draft, ceiling):
+        if engine is None:
+            continue
         # Touch every page of the KV pool now: first writes fault pages in, which would
         # otherwise be timed (the free list hands out never-used blocks before reused ones).
         engine.kv_pool.kv.fill_(0.0)
@@ -194,8 +197,6 @@ def run_bench_spec(
         for prompt in prompts[:num_prompts]:
             c.run([prompt], max_tokens)
         c.run(prompts[:16], 4)
-    for prompt in wiki:
-        draft_contenders["draft"].run([prompt], max_tokens)
     ceiling.speculator.proposer = ReplayProposer(
         {p: ids for p, (ids, _) in zip(prompts, contenders["plain"].run(prompts[:num_prompts], max_tokens))}
     )
@@ -208,14 +209,15 @@ def run_bench_spec(
     rates, identical = _median_rates(contenders, prompts[:num_prompts], max_tokens, repeats)
     spec_stats = ngram.stats()
 
-    # batch 1, wiki prompts: plain against the draft model; acceptance over the timed runs only
-    before = draft.stats()
-    draft_rates, draft_identical = _median_rates(draft_contenders, wiki, max_tokens, repeats)
-    after = draft.stats()
-    num_drafted = after["spec_draft_tokens"] - before["spec_draft_tokens"]
-    num_accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
-    num_verified = after["spec_verifications"] - before["spec_verifications"]
-    num_switched_off = after["spec_steps_switched_off"] - before["spec_steps_switched_off"]
+    draft_figures = (
+        {"draft_model": None}
+        if draft is None
+        else {
+            "draft_model": draft_model,
+            "draft_quantization": resolve_draft_quantization(draft_config) or "none",
+            **_draft_figures(contenders["plain"], _Contender(draft), wiki, max_tokens, repeats),
+        }
+    )
 
     # batch 1, RAG prompts: plain against drafts that are always right
     ceiling_rates, _ = _median_rates(ceiling_contenders, prompts[:num_prompts], max_tokens, repeats)
@@ -242,17 +244,9 @@ def run_bench_spec(
         "ngram_acceptance": spec_stats["spec_acceptance_rate"],
         "ngram_mean_accepted_length": spec_stats["spec_mean_accepted_length"],
         "outputs_identical": identical,
-        "draft_model": draft_model,
-        "draft_quantization": resolve_draft_quantization(draft_config) or "none",
         "num_wiki_prompts": len(wiki),
         "mean_wiki_prompt_tokens": statistics.mean(len(p) for p in wiki),
-        "draft_plain_decode_tokens_per_s": draft_rates["plain"],
-        "draft_decode_tokens_per_s": draft_rates["draft"],
-        "draft_speedup": draft_rates["draft"] / draft_rates["plain"],
-        "draft_acceptance": num_accepted / num_drafted if num_drafted else 0.0,
-        "draft_mean_accepted_length": num_accepted / num_verified if num_verified else 0.0,
-        "draft_outputs_identical": draft_identical,
-        "draft_steps_switched_off": num_switched_off,
+        **draft_figures,
         "ceiling_decode_tokens_per_s": ceiling_rates["ceiling"],
         "ceiling_speedup": ceiling_rates["ceiling"] / ceiling_rates["plain"],
         "ceiling_acceptance": ceiling.stats()["spec_acceptance_rate"],
@@ -261,6 +255,33 @@ def run_bench_spec(
         "batch16_ratio": b_ngram / b_plain,
         "batch16_steps_switched_off": ngram.stats()["spec_steps_switched_off"],
         "threads": threads,
+    }
+
+
+def _draft_figures(plain, draft, wiki: list[tuple], max_tokens: int, repeats: int) -> dict[str, Any]:
+    """Batch 1, wiki prompts: plain against the draft model; acceptance over the timed runs."""
+    for prompt in wiki:  # warm-up
+        draft.run([prompt], max_tokens)
+    before = draft.engine.stats()
+    rates, identical = _median_rates({"plain": plain, "draft": draft}, wiki, max_tokens, repeats)
+    after = draft.engine.stats()
+    num_drafted, num_accepted, num_verified, num_switched_off = (
+        after[key] - before[key]
+        for key in (
+            "spec_draft_tokens",
+            "spec_accepted_tokens",
+            "spec_verifications",
+            "spec_steps_switched_off",
+        )
+    )
+    return {
+        "draft_plain_decode_tokens_per_s": rates["plain"],
+        "draft_decode_tokens_per_s": rates["draft"],
+        "draft_speedup": rates["draft"] / rates["plain"],
+        "draft_acceptance": num_accepted / num_drafted if num_drafted else 0.0,
+        "draft_mean_accepted_length": num_accepted / num_verified if num_verified else 0.0,
+        "draft_outputs_identical": identical,
+        "draft_steps_switched_off": num_switched_off,
     }
 
 
@@ -284,21 +305,27 @@ def print_table(r: dict[str, Any]) -> None:
         f"  ceiling (drafts replay the plain output, all accepted):"
         f" {r['ceiling_decode_tokens_per_s']:8.1f} tokens/s, speedup {r['ceiling_speedup']:.2f}x"
     )
-    print(
-        f"batch 1 ({r['num_wiki_prompts']} wiki prompts of"
-        f" ~{r['mean_wiki_prompt_tokens']:.0f} tokens, draft {Path(r['draft_model']).name},"
-        f" {r['draft_quantization']} weights):"
-    )
-    print(
-        f"  decode tokens/s   plain {r['draft_plain_decode_tokens_per_s']:8.1f}"
-        f"   draft {r['draft_decode_tokens_per_s']:8.1f}   speedup {r['draft_speedup']:.2f}x"
-        f"  (target >= 1.5)"
-    )
-    print(
-        f"  acceptance {r['draft_acceptance']:.3f}, mean accepted length"
-        f" {r['draft_mean_accepted_length']:.2f}, outputs identical:"
-        f" {r['draft_outputs_identical']}"
-    )
+    if r["draft_model"] is None:
+        print(
+            f"draft model: none ships for {r['model']} (train one: ragspeed train-draft --target"
+            f" {r['model']} --data-dir DATA --out DIR; then --draft-model DIR)"
+        )
+    else:
+        print(
+            f"batch 1 ({r['num_wiki_prompts']} wiki prompts of"
+            f" ~{r['mean_wiki_prompt_tokens']:.0f} tokens, draft {Path(r['draft_model']).name},"
+            f" {r['draft_quantization']} weights):"
+        )
+        print(
+            f"  decode tokens/s   plain {r['draft_plain_decode_tokens_per_s']:8.1f}"
+            f"   draft {r['draft_decode_tokens_per_s']:8.1f}   speedup {r['draft_speedup']:.2f}x"
+            f"  (target >= 1.5)"
+        )
+        print(
+            f"  acceptance {r['draft_acceptance']:.3f}, mean accepted length"
+            f" {r['draft_mean_accepted_length']:.2f}, outputs identical:"
+            f" {r['draft_outputs_identical']}"
+        )
     print(
         f"batch 16 (adaptive):  plain {r['batch16_plain_tokens_per_s']:8.1f} tokens/s"
         f"   ngram {r['batch16_ngram_tokens_per_s']:8.1f}   ratio {r['batch16_ratio']:.2f}"
@@ -307,7 +334,7 @@ def print_table(r: dict[str, Any]) -> None:
 
 
 @click.command("spec")
-@click.option("--model", default="ragspeed-demo", show_default=True, help="target model")
+@click.option("--model", default=DEFAULT_MODEL_NAME, show_default=True, help="target model")
 @click.option(
     "--data",
     "data_path",
@@ -324,7 +351,7 @@ def print_table(r: dict[str, Any]) -> None:
     "--draft-model",
     default=None,
     type=click.Path(exists=True, file_okay=False),
-    help="draft model folder  [default: the bundled ragspeed-demo-draft]",
+    help="draft model folder  [default: the draft the zoo ships for --model; none: no draft figures]",
 )
 @click.option(
     "--draft-quantization",

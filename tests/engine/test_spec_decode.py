@@ -351,11 +351,21 @@ def test_speculation_is_off_by_default(tiny_checkpoints):
     assert engine.speculator is None and "spec_draft_tokens" not in engine.stats()
 
 
+def test_a_zoo_model_speculates_with_its_zoo_draft_when_none_is_given():
+    from ragspeed.engine.model_zoo import DEMO_DRAFT_MODEL_NAME, DEMO_MODEL_NAME
+    from ragspeed.engine.spec_decode.draft import DraftProposer
+
+    engine = make_engine(DEMO_MODEL_NAME, speculative="draft")
+    assert isinstance(engine.speculator.proposer, DraftProposer)
+    assert engine.speculator.proposer.loaded.path.name == DEMO_DRAFT_MODEL_NAME
+
+
 def test_bad_speculation_settings_fail_at_start_up(tiny_checkpoints):
     path = tiny_checkpoints["llama"]
     with pytest.raises(EngineError, match="needs a draft model") as err:
         make_engine(path, speculative="draft")
     assert err.value.param == "draft_model"
+    assert f"ragspeed train-draft --target {path}" in str(err.value)
     with pytest.raises(EngineError, match="unknown speculative method 'medusa'"):
         make_engine(path, speculative="medusa")
     with pytest.raises(ValueError, match="num_speculative_tokens must be >= 1"):

@@ -80,7 +80,6 @@ def test_greedy_answers_are_those_of_the_server_without_speculation(servers, spe
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--speculative", "draft"], "needs a draft model"),
         (
             [
                 "--speculative",
