@@ -2,7 +2,7 @@
 
 Layout: W [n, k] as blocks of 16 output columns, `[ceil(n / 16), k, 16]`, the last block padded
 with zero columns; the bias padded to whole blocks the same way. fp32 weights are used as they
-are. int8 weights carry one fp32 scale per `INT8_GROUP` consecutive inputs of each output
+are. int8 weights carry one fp16 scale per `INT8_GROUP` consecutive inputs of each output
 column (engine.quant.groupwise), laid out per block as `[ceil(n / 16), ceil(k / INT8_GROUP),
 16]`; the kernel widens each weight to fp32 and scales each group's sum, so activations stay
 fp32 (weight-only quantization) and nothing saturates on any instruction set.
@@ -64,7 +64,7 @@ def _pad_to_blocks(vector: torch.Tensor, num_blocks: int) -> torch.Tensor:
 
 
 class BlockedWeight:
-    """W [out_features, in_features] (fp32, or int8 with group `scales` [out_features,
+    """W [out_features, in_features] (fp32, or int8 with fp16 group `scales` [out_features,
     ceil(in_features / INT8_GROUP)]) and an optional bias, in the kernel's layout; `forward(x)`
     is `x @ (W * scales per group).T + bias`."""
 
@@ -78,6 +78,7 @@ class BlockedWeight:
             assert scales is not None and tuple(scales.shape) == (weight.shape[0], num_groups), (
                 "int8 weights need their group scales [out_features, ceil(in / INT8_GROUP)]"
             )
+            assert scales.dtype == torch.float16, f"group scales are fp16, got {scales.dtype}"
             self._kernel = library.ragspeed_gemv_i8
         else:
             assert weight.dtype == torch.float32 and scales is None, weight.dtype
@@ -89,8 +90,8 @@ class BlockedWeight:
         self.blocks = padded.view(num_blocks, BLOCK, self.in_features).transpose(1, 2).contiguous()
         self.scales = None  # int8: [num_blocks, num_groups, 16]
         if scales is not None:
-            padded_scales = torch.zeros(num_blocks * BLOCK, scales.shape[1], dtype=torch.float32)
-            padded_scales[: self.out_features] = scales.float()
+            padded_scales = torch.zeros(num_blocks * BLOCK, scales.shape[1], dtype=torch.float16)
+            padded_scales[: self.out_features] = scales
             self.scales = padded_scales.view(num_blocks, BLOCK, -1).transpose(1, 2).contiguous()
         self.bias = None if bias is None else _pad_to_blocks(bias, num_blocks)
 
@@ -105,7 +106,7 @@ class BlockedWeight:
 
     @property
     def num_bytes(self) -> int:
-        extra = sum(t.numel() * 4 for t in (self.scales, self.bias) if t is not None)
+        extra = sum(t.numel() * t.element_size() for t in (self.scales, self.bias) if t is not None)
         return self.blocks.numel() * self.blocks.element_size() + extra
 
     def forward(self, x: torch.Tensor, num_threads: int) -> torch.Tensor:

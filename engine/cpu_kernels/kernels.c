@@ -66,6 +66,37 @@ static inline vecf loadv_i8(const int8_t *p) {
 #endif
 }
 
+/* fp16 values (their bits) widened to fp32: the int8 weights' group scales. */
+typedef uint16_t f16;
+static inline float f16_to_f32(f16 h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+    float magnitude;
+    if (exponent == 0) /* zero or subnormal: mantissa * 2^-24 */
+        magnitude = (float)mantissa * (1.0f / 16777216.0f);
+    else if (exponent == 31) /* inf or NaN */
+        magnitude = mantissa ? __builtin_nanf("") : __builtin_inff();
+    else {
+        uint32_t bits = ((exponent + 112) << 23) | (mantissa << 13);
+        memcpy(&magnitude, &bits, sizeof magnitude);
+    }
+    uint32_t bits;
+    memcpy(&bits, &magnitude, sizeof bits);
+    bits |= sign;
+    memcpy(&magnitude, &bits, sizeof bits);
+    return magnitude;
+}
+static inline vecf loadv_f16(const f16 *p) {
+#if defined(__AVX512F__)
+    return (vecf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__AVX2__) && defined(__F16C__)
+    return (vecf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    vecf v;
+    for (int i = 0; i < LANES; i++) v[i] = f16_to_f32(p[i]);
+    return v;
+#endif
+}
+
 /* y[first:first+16] = sums + bias (bias padded to whole blocks), the last block only up to n. */
 static inline void store(float *y, const vecf *sums, const float *bias, int first, int n) {
     int count = n - first < BLOCK ? n - first : BLOCK;
@@ -76,7 +107,7 @@ static inline void store(float *y, const vecf *sums, const float *bias, int firs
     }
 }
 
-/* int8 weights carry one fp32 scale per GROUP consecutive inputs of each output column (a
+/* int8 weights carry one fp16 scale per GROUP consecutive inputs of each output column (a
  * block's scales: [ceil(k / GROUP)][16]). Each group's products are summed from the widened
  * int8 values and scaled once, so the sums are those of the fp32 weights q * scale at one
  * multiply per group. GROUP is a multiple of 4: only the last group of a row has a k % 4 tail. */
@@ -87,7 +118,7 @@ int ragspeed_int8_group(void) { return GROUP; }
  * R x 2 partial sums (of H vectors each) live in registers. fp32 weights (scales NULL) are
  * one group of k. */
 #define BLOCK_ROWS(NAME, WTYPE, LOAD, R)                                                        \
-    static inline void NAME(const WTYPE *block, const float *x, float *y, const float *scales, \
+    static inline void NAME(const WTYPE *block, const float *x, float *y, const f16 *scales,   \
                             const float *bias, int first, int n, int k) {                      \
         vecf total[R][H], acc[R][2][H];                                                         \
         int group = scales ? GROUP : k;                                                         \
@@ -129,8 +160,8 @@ int ragspeed_int8_group(void) { return GROUP; }
             _Pragma("GCC unroll 6") for (int r = 0; r < R; r++)                                 \
                 for (int h = 0; h < H; h++) {                                                   \
                     vecf sum = acc[r][0][h] + acc[r][1][h];                                     \
-                    const float *sc = scales ? scales + (size_t)(g0 / GROUP) * BLOCK + h * LANES : NULL; \
-                    total[r][h] += scales ? sum * loadv_f32(sc) : sum;                          \
+                    const f16 *sc = scales ? scales + (size_t)(g0 / GROUP) * BLOCK + h * LANES : NULL; \
+                    total[r][h] += scales ? sum * loadv_f16(sc) : sum;                          \
                 }                                                                               \
         }                                                                                       \
         _Pragma("GCC unroll 6") for (int r = 0; r < R; r++)                                     \
@@ -146,14 +177,14 @@ int ragspeed_int8_group(void) { return GROUP; }
     BLOCK_ROWS(NAME##_4, WTYPE, LOAD, 4)                                                        \
     BLOCK_ROWS(NAME##_5, WTYPE, LOAD, 5)                                                        \
     BLOCK_ROWS(NAME##_6, WTYPE, LOAD, 6)                                                        \
-    static void NAME##_team(const WTYPE *w, const float *scale, const float *bias,             \
+    static void NAME##_team(const WTYPE *w, const f16 *scale, const float *bias,               \
                             const float *x, float *y, int m, int n, int k) {                   \
         int num_blocks = (n + BLOCK - 1) / BLOCK;                                               \
         _Pragma("omp for schedule(static)")                                                     \
         for (int b = 0; b < num_blocks; b++) {                                                  \
             const WTYPE *block = w + (size_t)b * k * BLOCK;                                     \
             /* int8: this block's group scales [ceil(k / GROUP)][16]; fp32: NULL */            \
-            const float *bs = scale ? scale + (size_t)b * ((k + GROUP - 1) / GROUP) * BLOCK : NULL; \
+            const f16 *bs = scale ? scale + (size_t)b * ((k + GROUP - 1) / GROUP) * BLOCK : NULL; \
             for (int r = 0; r < m; r += ROWS) {                                                 \
                 const float *xr = x + (size_t)r * k;                                            \
                 float *yr = y + (size_t)r * n;                                                  \
@@ -168,7 +199,7 @@ int ragspeed_int8_group(void) { return GROUP; }
             }                                                                                   \
         }                                                                                       \
     }                                                                                           \
-    static void NAME(const WTYPE *w, const float *scale, const float *bias, const float *x,    \
+    static void NAME(const WTYPE *w, const f16 *scale, const float *bias, const float *x,      \
                      float *y, int m, int n, int k, int num_threads) {                         \
         _Pragma("omp parallel num_threads(num_threads)")                                        \
         NAME##_team(w, scale, bias, x, y, m, n, k);                                             \
@@ -186,7 +217,7 @@ void ragspeed_gemv_f32(const float *w, const float *bias, const float *x, float 
 /* The same with int8 weights Q and their group scales S (blocks [ceil(n/16)][ceil(k/GROUP)][16],
  * zero-padded): y = x @ (Q * S).T + bias, activations kept in fp32 (weight-only quantization:
  * int8 weights are widened to fp32, so nothing saturates on any instruction set). */
-void ragspeed_gemv_i8(const int8_t *w, const float *scale, const float *bias, const float *x,
+void ragspeed_gemv_i8(const int8_t *w, const f16 *scale, const float *bias, const float *x,
                       float *y, int m, int n, int k, int num_threads) {
     gemv_i8(w, scale, bias, x, y, m, n, k, num_threads);
 }
@@ -359,7 +390,7 @@ void ragspeed_add_rms_norm(float *x, const float *residual, const float *weight,
 
 typedef struct {
     const void *w;      /* blocks [ceil(n/16)][k][16]: fp32, or int8 when scale is set */
-    const float *scale; /* int8: group scales [ceil(n/16)][ceil(k/GROUP)][16]; fp32: NULL */
+    const f16 *scale;   /* int8: fp16 group scales [ceil(n/16)][ceil(k/GROUP)][16]; fp32: NULL */
     const float *bias;  /* padded to blocks, or NULL */
     int n, k;
 } Linear;

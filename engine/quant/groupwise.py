@@ -1,4 +1,4 @@
-"""Group-wise symmetric int8 weights: one fp32 scale per `group_size` consecutive inputs of each
+"""Group-wise symmetric int8 weights: one fp16 scale per `group_size` consecutive inputs of each
 output row, zero point 0.
 
 `W[o, i] ~= q[o, i] * scale[o, i // group_size]`, `q` in [-127, 127], `scale[o, g] = max |W[o,
@@ -6,8 +6,11 @@ g-th group]| / 127`. One scale per row (engine.quant.per_channel) lets the row's
 weights set the step of all its others; checkpoints that were themselves quantized in blocks
 (GGUF's Q8_0, Q4_0, Q4_1: 32 weights a block, each with its own scale) have rows whose blocks
 differ in range, and a row scale rounds their small blocks coarsely. A group of 32 matches those
-blocks: Q8_0 blocks are reproduced exactly, Q4_x blocks to within a 254th of their range. The
-scales cost 4 bytes per 32 weights (1.125 bytes a weight in all).
+blocks: Q8_0 blocks (fp16 scales too) are reproduced exactly, Q4_x blocks to within a 254th of
+their range. The scales cost 2 bytes per 32 weights (1.0625 bytes a weight in all): a decode step
+reads 6% fewer bytes than with fp32 scales. A scale is rounded up to the next fp16 value and the
+weights are rounded against it, so `q * scale` is exactly what the int8 weight stands for and no
+group's largest weight is clipped.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from ragspeed.engine.quant.per_channel import INT8_MAX
 @dataclass(frozen=True)
 class GroupInt8Weight:
     qweight: torch.Tensor  # int8 [out_features, in_features]
-    scales: torch.Tensor  # fp32 [out_features, ceil(in_features / group_size)]
+    scales: torch.Tensor  # fp16 [out_features, ceil(in_features / group_size)]
     group_size: int
 
     @property
@@ -34,7 +37,7 @@ class GroupInt8Weight:
         """fp32 [out_features, in_features]: what the int8 weight stands for."""
         in_features = self.qweight.shape[1]
         scales = self.scales.repeat_interleave(self.group_size, dim=1)[:, :in_features]
-        return self.qweight.float() * scales
+        return self.qweight.float() * scales.float()
 
 
 def quantize_groupwise(weight: torch.Tensor, group_size: int = INT8_GROUP) -> GroupInt8Weight:
@@ -49,8 +52,12 @@ def quantize_groupwise(weight: torch.Tensor, group_size: int = INT8_GROUP) -> Gr
     w = torch.zeros(out_features, num_groups * group_size, dtype=torch.float32)
     w[:, :in_features] = weight.float().cpu()
     groups = w.view(out_features, num_groups, group_size)
+    wanted = groups.abs().amax(dim=2) / INT8_MAX
+    scales = wanted.to(torch.float16)
+    low = scales.float() < wanted
+    scales[low] = torch.nextafter(scales[low], torch.tensor(torch.inf, dtype=torch.float16))
     # An all-zero group would give scale 0 (and 0/0 below): any positive scale represents it.
-    scales = (groups.abs().amax(dim=2) / INT8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
-    q = torch.round(groups / scales[:, :, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    scales = scales.clamp_min(torch.finfo(torch.float16).smallest_normal)
+    q = torch.round(groups / scales.float()[:, :, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     qweight = q.view(out_features, -1)[:, :in_features].contiguous()
     return GroupInt8Weight(qweight.to(weight.device), scales.to(weight.device), group_size)

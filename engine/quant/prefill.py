@@ -1,7 +1,7 @@
 """The int8 kind's prefill paths on CPU: how a product of many rows multiplies the int8 weight.
 
 Decode steps read every weight once per token, so the int8 kind serves them from ragspeed's
-blocked kernel (1.125 bytes a weight, activations in fp32: engine.cpu_kernels). Prefill chunks
+blocked kernel (1.0625 bytes a weight, activations in fp32: engine.cpu_kernels). Prefill chunks
 are bound by arithmetic instead, and there the choice is between precision and speed:
 
 - `fbgemm-u8`: fbgemm's dynamic quantization, activations rounded to uint8 per row

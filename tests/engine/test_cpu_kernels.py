@@ -61,7 +61,7 @@ def test_int8_product_does_not_saturate_with_extreme_values():
     weight = torch.full((16, 64), 127, dtype=torch.int8)
     weight[:, 1::2] = -127
     weight[0] = 127
-    scales = torch.full((16, 2), 0.5)
+    scales = torch.full((16, 2), 0.5, dtype=torch.float16)
     blocked = BlockedWeight(weight, None, scales)
     x = torch.full((2, 64), 1000.0)
     out = blocked.forward(x, 2)
@@ -76,7 +76,7 @@ def test_blocked_int8_unblocks_to_what_it_was_given():
     qweight, scales = blocked.unblocked()
     assert torch.equal(qweight, int8.qweight) and torch.equal(scales, int8.scales)
     assert blocked.scales.shape == (3, 3, 16)  # 37 columns -> 3 blocks; 75 inputs -> 3 groups
-    assert blocked.num_bytes == 3 * 75 * 16 + 3 * 3 * 16 * 4 + 3 * 16 * 4
+    assert blocked.num_bytes == 3 * 75 * 16 + 3 * 3 * 16 * 2 + 3 * 16 * 4  # fp16 scales, fp32 bias
 
 
 def test_non_contiguous_input_and_bytes():

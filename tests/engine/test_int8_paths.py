@@ -68,12 +68,14 @@ def test_candidates_by_capability():
 def test_quantize_groupwise_literal():
     weight = torch.tensor([[1.0, -0.5, 0.02, 0.005, 0.0], [0.0, 0.0, 0.0, 0.0, 2.0]])
     q = quantize_groupwise(weight, group_size=2)
-    assert q.qweight.tolist() == [[127, -64, 127, 32, 0], [0, 0, 0, 0, 127]]
-    assert q.scales.shape == (2, 3)  # 5 inputs: groups of 2, 2 and 1
-    assert q.scales[0].tolist() == pytest.approx([1 / 127, 0.02 / 127, 0.0], rel=1e-6, abs=1e-30)
-    assert q.num_bytes == 10 + 6 * 4
+    # Scales in fp16, rounded up (1/127 -> 0.0078812 above fp16's nearest 0.0078735), the
+    # weights rounded against them: -0.5 is -63 steps, not -64.
+    assert q.qweight.tolist() == [[127, -63, 127, 32, 0], [0, 0, 0, 0, 127]]
+    assert q.scales.shape == (2, 3) and q.scales.dtype == torch.float16  # groups of 2, 2 and 1
+    assert q.scales[0].tolist() == [0.00788116455078125, 0.0001575946807861328, 6.103515625e-05]
+    assert q.num_bytes == 10 + 6 * 2
     err = (q.dequantize() - weight).abs()
-    assert float(err.max()) <= 1 / 254 + 1e-7  # half a step of the largest group scale
+    assert float(err.max()) <= 0.00788116455078125 / 2  # half a step of the largest group scale
     with pytest.raises(ValueError, match="group_size must be >= 1"):
         quantize_groupwise(weight, group_size=0)
 
@@ -143,7 +145,7 @@ def test_switching_the_prefill_path_keeps_decode_and_bytes(monkeypatch):
     assert _relative_error(int8(x), dense(x)) < 0.01
     if blocked_kernels_available(torch.device("cpu")):
         # fp32 prefill layout + bias, beside the blocked int8 copy (weights, scales, bias)
-        assert int8.num_resident_bytes == 96 * 64 * 4 + 96 * 4 + (96 * 64 + 96 * 2 * 4 + 96 * 4)
+        assert int8.num_resident_bytes == 96 * 64 * 4 + 96 * 4 + (96 * 64 + 96 * 2 * 2 + 96 * 4)
 
 
 def _report(ppl_increase: float, top1: float) -> QualityReport:
