@@ -142,7 +142,8 @@ class Settings(BaseSettings):
 
     # Retrieval (collections for `ragspeed.retrieval`)
     collections_dir: str = Field(
-        ".ragspeed/collections", description="Folder of persisted document collections (loaded on first use)."
+        ".ragspeed/collections",
+        description="Folder of persisted document collections (loaded at start-up when retrieval is enabled).",
     )
     enable_retrieval: bool = Field(
         True,
