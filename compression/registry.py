@@ -103,6 +103,10 @@ COMPRESSORS: dict[str, Callable[[dict[str, Any]], Compressor]] = {
     "identity": _build_identity,
 }
 
+# What a server offers unless told otherwise: every method that needs no model of the caller's
+# (llmlingua2 needs a local model folder).
+OFFERED_METHODS: tuple[str, ...] = ("coarse-to-fine", "fast", "bm25", "first-docs", "identity")
+
 
 # Options a caller may offer to any method (a shared embedding cache, the output order); a
 # method that has no use for them ignores them.

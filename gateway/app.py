@@ -1,9 +1,9 @@
 """The app factory: `create_app(settings)`; the lifespan builds an `AppState` (gateway.state)
 onto `app.state.services`.
 
-The engines, the compression stage's models and retrieval's embedder load in the background, so
-that `/healthz` can answer "loading" (503) meanwhile; the pipeline is built once all of them are
-loaded, and requests are served from then on.
+The engines, every offered compressor's models and retrieval's embedder load in the background,
+so that `/healthz` can answer "loading" (503) meanwhile; the pipeline is built once all of them
+are loaded, and requests are served from then on: none pays a load.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from ragspeed.gateway.prompt_registry import PromptService
 from ragspeed.gateway.retrieval_service import RetrievalService
 from ragspeed.gateway.routes import collections, experiments, openai, ops, prompts
 from ragspeed.gateway.security import KeyRing, SecurityMiddleware, warn_if_exposed
-from ragspeed.gateway.settings import ConfigError, Settings
+from ragspeed.gateway.settings import ConfigError, Settings, check_settings
 from ragspeed.gateway.state import AppState
 
 logger = logging.getLogger("ragspeed.gateway")
@@ -40,6 +40,7 @@ def create_app(
 ) -> FastAPI:
     """The app; `engine_factory` builds the main engine and each A/B arm's own (tests pass a
     fake)."""
+    check_settings(settings)
     keyring = KeyRing(settings.api_keys, settings.admin_key_hashes)
     rejections = Rejections()
     experiment = None
@@ -94,7 +95,7 @@ def create_app(
                 engine=engine,
                 metrics=metrics,
                 compress=state.compression,
-                retrieve=state.retrieval,
+                retrieve=state.retrieval if state.retrieval.enabled else None,
                 prompts=state.prompts,
                 experiment=experiment,
                 arm_engines=arm_engines,

@@ -1,7 +1,8 @@
 """The compression stage of the pipeline: the server's default method and rate, per-request
 overrides (`ragspeed.compression`), the break-even policy and failing open.
 
-Compressors are built on first use, one per method, and share one embedding cache. They run
+Every method the server offers (`compression_methods`) is built at start-up (`warm`, before
+the app reports ready), one compressor per method sharing one embedding cache. They run
 in a worker thread (a compression takes tens to hundreds of milliseconds of CPU and must not
 stall the event loop), one at a time.
 """
@@ -11,7 +12,13 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from ragspeed.compression import CompressionError, CompressionPolicy, apply_policy, build_compressor
+from ragspeed.compression import (
+    COMPRESSORS,
+    CompressionError,
+    CompressionPolicy,
+    apply_policy,
+    build_compressor,
+)
 from ragspeed.compression.scoring.embedding_cache import EmbeddingCache
 from ragspeed.gateway.errors import APIError
 from ragspeed.gateway.prepare import CompressionReport
@@ -26,29 +33,69 @@ class CompressionStage:
         self._tokenizer = tokenizer
         self._policy = CompressionPolicy(min_document_tokens=settings.compression_min_document_tokens)
         self._cache = EmbeddingCache(settings.compression_cache_entries)
+        # Options that only some methods take, from the settings.
+        self._method_options: dict[str, dict[str, Any]] = {
+            "llmlingua2": {"model_path": settings.compression_llmlingua2_model}
+        }
         self._compressors: dict[str, Any] = {}
         self._lock = threading.Lock()
+        self.num_loads = 0  # compressors built, each loading its models: one per offered method
+
+    @property
+    def loaded_methods(self) -> tuple[str, ...]:
+        return tuple(self._compressors)
+
+    def _load(self, method: str) -> None:
+        self._compressors[method] = build_compressor(
+            method,
+            cache=self._cache,
+            order=self._settings.compression_order,
+            **self._method_options.get(method, {}),
+        )
+        self.num_loads += 1
 
     def _compressor(self, method: str):
-        if method not in self._compressors:
-            try:
-                self._compressors[method] = build_compressor(
-                    method, cache=self._cache, order=self._settings.compression_order
-                )
-            except CompressionError as exc:
-                raise APIError(400, exc.message, param="ragspeed.compression.method") from None
+        if method not in COMPRESSORS:
+            raise APIError(
+                400,
+                f"unknown compression method {method!r}; known: {sorted(COMPRESSORS)}",
+                param="ragspeed.compression.method",
+            )
+        if method not in self._settings.compression_methods:
+            raise APIError(
+                400,
+                f"this server does not offer the compression method {method!r}; offered: "
+                f"{list(self._settings.compression_methods)} (compression_methods)",
+                param="ragspeed.compression.method",
+            )
+        if method not in self._compressors:  # only before `warm` (the app warms before serving)
+            self._load(method)
         return self._compressors[method]
 
     def warm(self) -> None:
-        """Load the default method's models now rather than on the first request."""
-        if self._settings.compression_method:
-            with self._lock:
-                self._compressor(self._settings.compression_method)
+        """Build every offered compressor now, loading its models, so that no request pays a
+        load; thread-blocking, run it in a worker thread. A compressor that cannot be built
+        (a missing model folder or package) raises: the server cannot offer it."""
+        with self._lock:
+            for method in self._settings.compression_methods:
+                if method not in self._compressors:
+                    self._load(method)
+
+    def method_for(self, options: CompressionOptions | None) -> str | None:
+        """The method a request runs: the one it names; else, when it asks for compression
+        (`ragspeed.compression` given, e.g. a rate alone), the server's compressor; else the
+        server's every-request compressor, if any (None: no compression)."""
+        every_request = self._settings.compression_method
+        if every_request == "none":
+            every_request = None
+        if options is not None:
+            return options.method or every_request or self._settings.compression_default_method
+        return every_request
 
     def __call__(
         self, segments: Segments, documents: tuple[Document, ...], options: CompressionOptions | None
     ) -> tuple[tuple[Document, ...], CompressionReport | None]:
-        method = (options and options.method) or self._settings.compression_method
+        method = self.method_for(options)
         if not method or method == "none":
             return documents, None
         rate = options.rate if options else None

@@ -1,8 +1,8 @@
 """Gateway-side retrieval: the collection store behind `/v1/collections` and `ragspeed.retrieval`.
 
-The store (and the embedding model it needs) is built at start-up (`warm`) when the collections
-folder holds a collection, so no request pays the load; a server without any collection builds
-it when the first one is created, and one that never retrieves never loads the model. Store
+The store, with the embedding model it needs and every persisted collection, is built at
+start-up (`warm`, before the app reports ready), so no request pays the load; a server with
+`enable_retrieval` off never loads the model and answers retrieval requests with a 400. Store
 calls are synchronous; routes run them in a worker thread.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, TypeVar
 
 from ragspeed.gateway.errors import APIError
@@ -28,9 +27,20 @@ class RetrievalService:
         self._lock = threading.Lock()
 
     @property
+    def enabled(self) -> bool:
+        return self._settings.enable_retrieval
+
+    @property
+    def loaded(self) -> bool:
+        """The embedding model and the collections are loaded."""
+        return self._store is not None
+
+    @property
     def store(self) -> Any:
+        if not self.enabled:
+            raise APIError(400, "retrieval is not enabled on this server (enable_retrieval)", param=None)
         with self._lock:
-            if self._store is None:
+            if self._store is None:  # only before `warm` (the app warms before serving)
                 from ragspeed.retrieval import CollectionStore, SentenceTransformerEmbedder
 
                 embedder = SentenceTransformerEmbedder(self._settings.embedding_model)
@@ -38,11 +48,9 @@ class RetrievalService:
             return self._store
 
     def warm(self) -> None:
-        """Build the store now (the embedding model and every collection) if there is any
-        collection to serve; thread-blocking, run it in a worker thread."""
-        from ragspeed.retrieval.store import SUFFIX
-
-        if any(Path(self._settings.collections_dir).glob(f"*{SUFFIX}")):
+        """Build the store now (the embedding model and every collection) when retrieval is
+        enabled; thread-blocking, run it in a worker thread."""
+        if self.enabled:
             self.store  # noqa: B018 -- the property builds it
 
     def call(self, method: Callable[..., T], *args: Any, **kwargs: Any) -> T:

@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from ragspeed.compression.registry import COMPRESSORS, DEFAULT_METHOD, OFFERED_METHODS
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
 from ragspeed.gateway.security import ApiKeyEntry, KeyHash
@@ -111,6 +112,18 @@ class Settings(BaseSettings):
         None,
         description="Default compressor for every request: coarse-to-fine, fast, bm25, first-docs, llmlingua2, identity; none: only when a request asks.",
     )
+    compression_default_method: str = Field(
+        DEFAULT_METHOD,
+        description="Compressor for a request whose `ragspeed.compression` names no method (a rate or target_tokens alone), when compression_method is unset.",
+    )
+    compression_methods: list[str] = Field(
+        default_factory=lambda: list(OFFERED_METHODS),
+        description="Compressors this server offers, each loaded at start-up so that no request pays a load; a request naming another gets 400. llmlingua2 also needs compression_llmlingua2_model.",
+    )
+    compression_llmlingua2_model: str | None = Field(
+        None,
+        description="Local LLMLingua-2 model folder for the llmlingua2 compressor (needs the llmlingua extra).",
+    )
     compression_rate: float = Field(
         0.25, gt=0, le=1, description="Default share of document tokens to keep (0.25 = 4x)."
     )
@@ -129,7 +142,12 @@ class Settings(BaseSettings):
 
     # Retrieval (collections for `ragspeed.retrieval`)
     collections_dir: str = Field(
-        ".ragspeed/collections", description="Folder of persisted document collections (loaded on first use)."
+        ".ragspeed/collections",
+        description="Folder of persisted document collections (loaded at start-up when retrieval is enabled).",
+    )
+    enable_retrieval: bool = Field(
+        True,
+        description="Serve retrieval (`ragspeed.retrieval`, /v1/collections); its embedding model loads at start-up.",
     )
     embedding_model: str | None = Field(
         None, description="sentence-transformers model for retrieval; default: the bundled all-MiniLM-L6-v2."
@@ -185,6 +203,16 @@ class Settings(BaseSettings):
         10.0, ge=0, description="On SIGTERM: seconds to let in-flight requests finish before aborting them."
     )
 
+    @field_validator("compression_methods")
+    @classmethod
+    def _known_compressors(cls, methods: list[str]) -> list[str]:
+        unknown = sorted(set(methods) - set(COMPRESSORS))
+        if unknown:
+            raise ValueError(
+                f"unknown compressor(s) {', '.join(unknown)}; known: {', '.join(sorted(COMPRESSORS))}"
+            )
+        return methods
+
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
             backend=self.engine,
@@ -222,6 +250,22 @@ class Settings(BaseSettings):
         return self.served_model_name or self.model
 
 
+def check_settings(settings: Settings) -> None:
+    """What no single field can check: options that must agree (every layer merged first)."""
+    for name in ("compression_default_method", "compression_method"):
+        method = getattr(settings, name)
+        if method not in (None, "none") and method not in settings.compression_methods:
+            raise ConfigError(
+                f"invalid settings: {name}: {method!r} is not among compression_methods "
+                f"({', '.join(settings.compression_methods) or 'none'})"
+            )
+    if "llmlingua2" in settings.compression_methods and not settings.compression_llmlingua2_model:
+        raise ConfigError(
+            "invalid settings: compression_methods: llmlingua2 needs compression_llmlingua2_model "
+            "(a local LLMLingua-2 model folder)"
+        )
+
+
 def read_config_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
@@ -250,7 +294,9 @@ def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Se
         from_env = Settings()
         values.update({k: getattr(from_env, k) for k in from_env.model_fields_set})
         values.update({k: v for k, v in overrides.items() if v is not None})
-        return Settings(**values)
+        settings = Settings(**values)
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors())
         raise ConfigError(f"invalid settings: {problems}") from exc
+    check_settings(settings)
+    return settings

@@ -18,7 +18,14 @@ async def healthz(state: AppState = Depends(app_state)):
         return JSONResponse({"status": "failed", "error": state.engine_error}, status_code=503)
     if not state.ready:
         return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "2"})
-    return {"status": "ok", "model": state.settings.model_id, "engine": state.settings.engine}
+    return {
+        "status": "ok",
+        "model": state.settings.model_id,
+        "engine": state.settings.engine,
+        # What start-up loaded (gateway.app): the compressors offered, retrieval's embedder.
+        "compressors": list(state.compression.loaded_methods) if state.compression else [],
+        "retrieval": state.retrieval.loaded,
+    }
 
 
 @router.get("/metrics")

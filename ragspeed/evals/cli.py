@@ -14,6 +14,7 @@ from typing import Any
 import click
 
 from ragspeed.bench.common import machine_line, print_rows, write_json
+from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
 from ragspeed.evals.compression import FACTORS, evaluate, flatten, format_table, load_examples
 from ragspeed.retrieval.config import IndexConfig, RetrievalConfig
 from ragspeed.retrieval.errors import RetrievalError
@@ -26,18 +27,19 @@ def eval_group() -> None:
     """Quality evaluations of compression and retrieval on QA data files."""
 
 
-def load_tokenizer(name_or_path: str | None):
-    """A tokenizer by local path or name; default: the bundled MiniLM's."""
+def load_tokenizer(model: str = DEFAULT_MODEL_NAME, tokenizer: str | None = None):
+    """The served model's tokenizer, which the gateway counts budgets with: `tokenizer` when
+    given (a local path or hub id, as `ragspeed serve --tokenizer`), else `model`'s (a zoo name,
+    a folder, a .gguf file or a hub id, as `ragspeed serve --model`)."""
     from transformers import AutoTokenizer
 
-    from ragspeed.compression.scoring.static_encoder import minilm_path
+    from ragspeed.engine.model_zoo import ModelUnavailableError, resolve_model
 
     try:
-        return AutoTokenizer.from_pretrained(name_or_path or minilm_path())
-    except (OSError, ValueError) as exc:
-        raise click.BadParameter(
-            f"cannot load tokenizer {name_or_path!r}: {exc}", param_hint="--tokenizer"
-        ) from exc
+        return AutoTokenizer.from_pretrained(tokenizer or resolve_model(model, tokenizer_only=True))
+    except (OSError, ValueError, ModelUnavailableError) as exc:
+        option, name = ("--tokenizer", tokenizer) if tokenizer else ("--model", model)
+        raise click.BadParameter(f"cannot load the tokenizer of {name!r}: {exc}", param_hint=option) from exc
 
 
 def run_compression_eval(
@@ -46,6 +48,7 @@ def run_compression_eval(
     limit: int | None = None,
     methods: str = DEFAULT_METHODS,
     factors: tuple[int, ...] = FACTORS,
+    model: str = DEFAULT_MODEL_NAME,
     tokenizer: str | None = None,
     llmlingua2_model: str | None = None,
     order: str = "original",
@@ -58,7 +61,7 @@ def run_compression_eval(
     from ragspeed.compression.scoring.static_encoder import ensure_static_model
 
     examples = load_examples(data, limit)
-    tok = load_tokenizer(tokenizer)
+    tok = load_tokenizer(model, tokenizer)
     names = [m.strip() for m in methods.split(",") if m.strip()]
     if llmlingua2_model and "llmlingua2" not in names:
         names.append("llmlingua2")
@@ -67,7 +70,7 @@ def run_compression_eval(
     setup: dict = {
         "num_examples": len(examples),
         "cpu_load_1min": os.getloadavg()[0],
-        "tokenizer": tokenizer or "minilm",
+        "tokenizer": tokenizer or model,
         "torch_threads": torch.get_num_threads(),
     }
     if {"fast", "coarse-to-fine"} & set(names):
@@ -104,7 +107,13 @@ def run_compression_eval(
 @click.option("--limit", default=None, type=click.IntRange(min=1), help="first N examples")
 @click.option("--methods", default=DEFAULT_METHODS, help="comma-separated method names")
 @click.option("--rates", default="4,8,16,32", help="compression factors (4 = keep 1/4)")
-@click.option("--tokenizer", default=None, help="target tokenizer: local path or name")
+@click.option(
+    "--model",
+    default=DEFAULT_MODEL_NAME,
+    show_default=True,
+    help="the served model, whose tokenizer counts the tokens: a zoo name, a folder, a .gguf file or a hub id",
+)
+@click.option("--tokenizer", default=None, help="its tokenizer instead, as `ragspeed serve --tokenizer`")
 @click.option("--llmlingua2-model", default=None, help="local LLMLingua-2 folder")
 @click.option("--order", default="original", help="original | edges")
 @click.option(
@@ -125,6 +134,7 @@ def compression_command(
     limit: int | None,
     methods: str,
     rates: str,
+    model: str,
     tokenizer: str | None,
     llmlingua2_model: str | None,
     order: str,
@@ -151,6 +161,7 @@ def compression_command(
         limit=limit,
         methods=methods,
         factors=factors,
+        model=model,
         tokenizer=tokenizer,
         llmlingua2_model=llmlingua2_model,
         order=order,

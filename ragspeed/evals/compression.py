@@ -5,7 +5,9 @@ Retention: a gold answer survives in the kept text, normalised as in "Lost in th
 call: *cold* with the method's embedding cache emptied before the call, *warm* the same call
 again right after (its passages seen before, as in a corpus that repeats). Cold latency is taken
 at the first factor (4x) of each example, the headline; the other factors run warm unless
-`cold_every_factor` (the cascade's transformer work does not depend on the rate).
+`cold_every_factor` (the cascade's transformer work does not depend on the rate). Tokens are
+counted with the served model's tokenizer (`--model`, default smollm2-135m-instruct), as the
+gateway counts budgets.
 """
 
 from __future__ import annotations
@@ -120,6 +122,9 @@ def evaluate(
                 "retention": s["hits"] / len(examples),
                 "ratio": s["original"] / max(s["compressed"], 1),  # pooled over examples
                 "ratio_median": statistics.median(s["ratios"]),
+                # Document tokens in the served model's tokenizer, summed over the examples.
+                "original_tokens": s["original"],
+                "compressed_tokens": s["compressed"],
                 "latency_p50_ms": 1000 * _percentile(s["cold"], 0.5),
                 "latency_p95_ms": 1000 * _percentile(s["cold"], 0.95),
                 "latency_warm_p50_ms": 1000 * _percentile(s["warm"], 0.5),

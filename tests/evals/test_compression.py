@@ -54,3 +54,39 @@ def test_bad_arguments_name_the_option(tmp_path):
     )
     assert result.exit_code != 0
     assert "--rates" in result.output
+
+
+TEXT = "Wilhelm Conrad Röntgen received the first Nobel Prize in Physics in 1901 for discovering X-rays."
+
+
+def test_tokens_are_counted_with_the_served_models_tokenizer(tmp_path):
+    from ragspeed.engine.model_zoo import resolve_model
+    from ragspeed.evals.cli import load_tokenizer
+
+    tokenizer = load_tokenizer()  # the default model's: smollm2-135m-instruct
+    assert tokenizer.name_or_path == resolve_model("smollm2-135m-instruct")
+    assert len(tokenizer.encode(TEXT, add_special_tokens=False)) == 26  # MiniLM's tokenizer: 20
+    data = tmp_path / "one.jsonl"
+    row = {
+        "id": "q",
+        "question": "Who won?",
+        "answers": ["Röntgen"],
+        "documents": [{"title": "", "text": TEXT}],
+    }
+    data.write_text(json.dumps(row) + "\n", encoding="utf-8")
+    out = tmp_path / "eval.json"
+    result = CliRunner().invoke(
+        eval_group,
+        ["compression", "--data", str(data), "--methods", "identity", "--rates", "1", "--json", str(out)],
+    )
+    assert result.exit_code == 0, result.output
+    flat = json.loads(out.read_text())
+    assert (flat["identity_original_tokens_1x"], flat["setup_tokenizer"]) == (26, "smollm2-135m-instruct")
+
+
+def test_an_unknown_model_names_the_option(tmp_path):
+    data = tmp_path / "one.jsonl"
+    data.write_text("", encoding="utf-8")
+    result = CliRunner().invoke(eval_group, ["compression", "--data", str(data), "--model", "no-such-model"])
+    assert result.exit_code == 2
+    assert "--model" in result.output and "no-such-model" in result.output

@@ -20,13 +20,22 @@ from ragspeed.gateway.app import create_app
 from ragspeed.gateway.settings import Settings
 
 READY_TIMEOUT_S = 30.0
+MODEL_FREE_METHODS = ("bm25", "first-docs", "identity")
 SERVED_MODEL = "tiny"
 
 
 def fake_settings(**overrides: Any) -> Settings:
-    """Settings of a gateway over the fake engine: nothing persisted, nothing loaded."""
+    """Settings of a gateway over the fake engine: nothing persisted, nothing loaded (only the
+    compressors without models are offered, and retrieval is off)."""
     values: dict[str, Any] = dict(
-        engine="fake", model="fake", served_model_name=SERVED_MODEL, prompt_cache_dir=None, max_model_len=4096
+        engine="fake",
+        model="fake",
+        served_model_name=SERVED_MODEL,
+        prompt_cache_dir=None,
+        max_model_len=4096,
+        compression_methods=list(MODEL_FREE_METHODS),
+        compression_default_method="bm25",
+        enable_retrieval=False,
     )
     values.update(overrides)
     return Settings(**values)

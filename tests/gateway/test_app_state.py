@@ -41,7 +41,11 @@ class _IdleEngine:
 
 def test_the_pipeline_is_built_once_every_service_is_loaded(tmp_path):
     settings = load_settings(
-        engine="transformers", model="idle", collections_dir=str(tmp_path / "collections")
+        engine="transformers",
+        model="idle",
+        collections_dir=str(tmp_path / "collections"),
+        compression_methods=["bm25"],  # no compressor models to load; retrieval's embedder is loaded
+        compression_default_method="bm25",
     )
     engines: list[_IdleEngine] = []
 
@@ -57,7 +61,7 @@ def test_the_pipeline_is_built_once_every_service_is_loaded(tmp_path):
             await engines[0].started.wait()
             loading = (state.ready, state.pipeline, state.compression)
             engines[0].release.set()
-            async with asyncio.timeout(10):  # the load task finishes within a few loop turns
+            async with asyncio.timeout(60):  # the load task ends once the embedder has loaded
                 while not state.ready and state.engine_error is None:
                     await asyncio.sleep(0)  # yields the loop: no timed wait
             return state, loading
@@ -70,6 +74,7 @@ def test_the_pipeline_is_built_once_every_service_is_loaded(tmp_path):
     assert isinstance(state.retrieval, RetrievalService) and isinstance(state.prompts, PromptService)
     assert isinstance(state.compression, CompressionStage)
     assert not state.prompts.pins  # the engine has no prefix cache
+    assert state.compression.loaded_methods == ("bm25",) and state.retrieval.loaded
     pipeline = state.pipeline
     assert (pipeline.engine, pipeline.compress, pipeline.retrieve, pipeline.prompts) == (
         engines[0],

@@ -30,7 +30,9 @@ PASSAGES = [
 
 async def test_collection_lifecycle_query_and_retrieval_in_chat(fake, tmp_path):
     base = "/v1/collections"
-    async with serve(fake_settings(collections_dir=str(tmp_path / "collections"))) as client:
+    async with serve(
+        fake_settings(collections_dir=str(tmp_path / "collections"), enable_retrieval=True)
+    ) as client:
         assert (await client.post(base, json={"name": "wiki"})).status_code == 201
         assert (await client.post(f"{base}/wiki/query", json={"query": "anything"})).json()["data"] == []
         added = (
@@ -81,7 +83,9 @@ async def test_collection_errors(fake, tmp_path):
             "collection",
         ),
     ]
-    async with serve(fake_settings(collections_dir=str(tmp_path / "collections"))) as client:
+    async with serve(
+        fake_settings(collections_dir=str(tmp_path / "collections"), enable_retrieval=True)
+    ) as client:
         await client.post("/v1/collections", json={"name": "wiki"})
         for method, path, body, status, param in cases:
             response = await client.request(method, path, json=body)

@@ -1,13 +1,21 @@
 """Compression through the gateway, in-process over the fake engine (the demo tokenizer, as the
-tiny Llama's): per-request options, figures in the response, bad input."""
+tiny Llama's): per-request options, the server's default compressor, models loaded before ready,
+the README's examples, figures in the response, bad input."""
 
 from __future__ import annotations
 
+import ast
 import json
+import re
+from pathlib import Path
 
 import pytest
 
+from ragspeed.gateway.client import _body_kwargs, build_chat_body
+from ragspeed.gateway.settings import Settings
 from tests.gateway.inprocess import fake_settings, serve
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.anyio
 
@@ -83,3 +91,153 @@ async def test_bad_compression_options(fake, documents, compression, param):
         response = await chat(client, documents=documents[0], ragspeed={"compression": compression})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize(
+    "compression",
+    [{"method": "fast", "rate": 0.5}, {"method": "llmlingua2", "rate": 0.5}],
+)
+async def test_a_method_the_server_does_not_offer_is_a_400(fake, documents, compression):
+    async with serve(fake_settings()) as client:
+        response = await chat(client, documents=documents[0], ragspeed={"compression": compression})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "ragspeed.compression.method"
+    assert error["message"] == (
+        f"this server does not offer the compression method {compression['method']!r}; "
+        "offered: ['bm25', 'first-docs', 'identity'] (compression_methods)"
+    )
+
+
+def shipped_settings(**overrides):
+    """The fake engine with compression as shipped: every offered compressor loaded at start-up,
+    coarse-to-fine for a request that names no method."""
+    fields = Settings.model_fields
+    return fake_settings(
+        compression_methods=fields["compression_methods"].default_factory(),
+        compression_default_method=fields["compression_default_method"].default,
+        **overrides,
+    )
+
+
+def test_the_shipped_default_compressor_is_coarse_to_fine():
+    settings = Settings()
+    assert settings.compression_default_method == "coarse-to-fine" and settings.compression_method is None
+    assert settings.compression_methods == ["coarse-to-fine", "fast", "bm25", "first-docs", "identity"]
+    assert settings.enable_retrieval
+
+
+async def test_a_rate_or_target_alone_runs_the_servers_compressor(fake, documents):
+    docs, question = documents
+    async with serve(shipped_settings()) as client:
+
+        async def ask(compression):
+            extra = {} if compression is None else {"ragspeed": {"compression": compression}}
+            response = await chat(client, documents=docs, question=question, **extra)
+            assert response.status_code == 200, response.text
+            return response.json()
+
+        plain, by_rate, by_target, by_method = [
+            await ask(c)
+            for c in (None, {"rate": 0.25}, {"target_tokens": 600}, {"method": "bm25", "rate": 0.25})
+        ]
+    assert "compression" not in plain["ragspeed"]  # a request that does not ask is not compressed
+    full = plain["usage"]["prompt_tokens"]
+    rate, target, method = (b["ragspeed"]["compression"] for b in (by_rate, by_target, by_method))
+    assert (rate["method"], target["method"], method["method"]) == (
+        "coarse-to-fine",
+        "coarse-to-fine",
+        "bm25",
+    )
+    for report in (rate, target, method):
+        assert not report["failed"] and report["skipped_reason"] is None
+    assert 0.2 <= rate["compressed_tokens"] / rate["original_tokens"] <= 0.27
+    assert target["compressed_tokens"] <= 600
+    # What the engine received is shorter by about what the compressor dropped.
+    for body, report in ((by_rate, rate), (by_target, target)):
+        saved = full - body["usage"]["prompt_tokens"]
+        assert saved >= 0.7 * (report["original_tokens"] - report["compressed_tokens"])
+    assert [len(r.prompt_token_ids) for r in fake.engine.requests] == [
+        full,
+        *(b["usage"]["prompt_tokens"] for b in (by_rate, by_target, by_method)),
+    ]
+
+
+async def test_a_rate_alone_runs_the_compressor_the_settings_name(fake, documents):
+    docs, question = documents
+    async with serve(fake_settings(compression_default_method="first-docs")) as client:
+        body = (
+            await chat(client, documents=docs, question=question, ragspeed={"compression": {"rate": 0.5}})
+        ).json()
+    assert body["ragspeed"]["compression"]["method"] == "first-docs"
+
+
+async def test_every_model_is_loaded_before_ready_and_no_request_loads_one(fake, documents, tmp_path):
+    docs, question = documents
+    settings = shipped_settings(enable_retrieval=True, collections_dir=str(tmp_path / "collections"))
+    async with serve(settings) as client:  # returns once /healthz is 200
+        health = (await client.get("/healthz")).json()
+        state = client.app.state.services
+        loads_when_ready = state.compression.num_loads
+        response = await chat(
+            client, documents=docs, question=question, ragspeed={"compression": {"rate": 0.25}}
+        )
+        loads_after_request = state.compression.num_loads
+    assert (health["compressors"], health["retrieval"]) == (
+        ["coarse-to-fine", "fast", "bm25", "first-docs", "identity"],
+        True,
+    )
+    assert state.retrieval.loaded
+    assert (loads_when_ready, loads_after_request) == (5, 5)  # one per offered method, at start-up
+    assert response.json()["ragspeed"]["compression"]["method"] == "coarse-to-fine"
+
+
+def _evaluate(expr: ast.expr, names: dict) -> object:
+    return eval(compile(ast.Expression(expr), "README.md", "eval"), names)
+
+
+def readme_calls() -> dict[str, dict]:
+    """The keyword arguments of the README's `client.chat.completions.create(...)` (openai) and
+    `client.chat(...)` (ragspeed SDK) calls, evaluated as the README's code would, from the
+    checkout: with the `documents` that its block loads."""
+    calls: dict[str, dict] = {}
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    for block in re.findall(r"```python\n(.*?)```", readme, flags=re.DOTALL):
+        tree = ast.parse(block)
+        names = {"json": json, "open": lambda path: open(ROOT / path, encoding="utf-8")}
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == ["documents"]:
+                exec(compile(ast.Module([node], []), "README.md", "exec"), names)
+        for node in ast.walk(tree):
+            name = ast.unparse(node.func) if isinstance(node, ast.Call) else None
+            if name in ("client.chat.completions.create", "client.chat"):
+                kwargs = {kw.arg: _evaluate(kw.value, names) for kw in node.keywords}
+                if node.args:
+                    kwargs["question"] = _evaluate(node.args[0], names)
+                calls[name] = kwargs
+    return calls
+
+
+def test_the_readme_examples_ask_for_compression_without_a_method():
+    calls = readme_calls()
+    openai_body = calls["client.chat.completions.create"]
+    assert openai_body["extra_body"]["ragspeed"] == {"compression": {"rate": 0.5}}
+    assert len(openai_body["extra_body"]["documents"]) == 5
+    assert calls["client.chat"]["compression"] == {"rate": 0.25}
+
+
+async def test_the_readme_examples_compress(fake):
+    calls = readme_calls()
+    create = dict(calls["client.chat.completions.create"])
+    # What the openai SDK sends: its arguments, and `extra_body` merged into the body.
+    openai_body = {**create, **create.pop("extra_body")}
+    sdk = dict(calls["client.chat"])
+    sdk_body = build_chat_body(sdk.pop("question"), stream=False, **_body_kwargs(sdk))
+    async with serve(shipped_settings(served_model_name="smollm2-135m-instruct")) as client:
+        responses = [await client.post("/v1/chat/completions", json=b) for b in (openai_body, sdk_body)]
+    for response, rate in zip(responses, (0.5, 0.25)):
+        assert response.status_code == 200, response.text
+        report = response.json()["ragspeed"]["compression"]
+        assert report["method"] == "coarse-to-fine" and report["skipped_reason"] is None
+        assert report["original_tokens"] == 800  # the demo tokenizer's count of the five passages
+        assert report["compressed_tokens"] <= rate * report["original_tokens"]

@@ -162,7 +162,13 @@ async def test_models_health_and_metrics(fake):
     assert [(m["id"], m["max_model_len"], m["engine"]) for m in models["data"]] == [
         (SERVED_MODEL, 4096, "fake")
     ]
-    assert health == {"status": "ok", "model": SERVED_MODEL, "engine": "fake"}
+    assert health == {
+        "status": "ok",
+        "model": SERVED_MODEL,
+        "engine": "fake",
+        "compressors": ["bm25", "first-docs", "identity"],
+        "retrieval": False,
+    }
     labels = {"model": SERVED_MODEL, "arm": "default"}
     assert metric(metrics, "ragspeed_time_to_first_token_seconds_count", **labels) == 1.0
     assert metric(metrics, "ragspeed_time_per_output_token_seconds_count", **labels) == 1.0

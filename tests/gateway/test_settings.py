@@ -44,3 +44,45 @@ def test_bad_config_is_named(tmp_path, text, message):
 def test_missing_config_file(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_settings(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (
+            {"compression_methods": ["bm25", "zip"]},
+            "invalid settings: compression_methods: Value error, unknown compressor(s) zip; known: "
+            "bm25, coarse-to-fine, fast, first-docs, identity, llmlingua2",
+        ),
+        (
+            {"compression_methods": ["bm25"]},
+            "invalid settings: compression_default_method: 'coarse-to-fine' is not among "
+            "compression_methods (bm25)",
+        ),
+        (
+            {
+                "compression_methods": ["bm25"],
+                "compression_default_method": "bm25",
+                "compression_method": "fast",
+            },
+            "invalid settings: compression_method: 'fast' is not among compression_methods (bm25)",
+        ),
+        (
+            {"compression_methods": ["llmlingua2", "coarse-to-fine"]},
+            "invalid settings: compression_methods: llmlingua2 needs compression_llmlingua2_model "
+            "(a local LLMLingua-2 model folder)",
+        ),
+    ],
+)
+def test_compression_settings_that_disagree_are_named(options, message):
+    with pytest.raises(ConfigError) as error:
+        load_settings(**options)
+    assert str(error.value) == message
+
+
+def test_compression_settings_agree_across_layers(monkeypatch):
+    # The environment offers only bm25 and the flag makes it the default: neither layer alone
+    # agrees with the shipped default, the merged settings do.
+    monkeypatch.setenv("RAGSPEED_COMPRESSION_METHODS", '["bm25"]')
+    settings = load_settings(compression_default_method="bm25", compression_method="none")
+    assert (settings.compression_methods, settings.compression_default_method) == (["bm25"], "bm25")
