@@ -8,6 +8,7 @@ Command logic lives in plain functions returning dicts; the click commands print
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -372,10 +373,9 @@ def rag_command(
     examples, _ = load_examples(data)  # for the progress bar's length; the run reads it again
     num_valid = len(examples) if limit is None else min(limit, len(examples))
     total = len(configs) * (num_valid + 1)  # a warm-up per configuration
-    stderr = click.get_text_stream("stderr")
     try:
         with click.progressbar(
-            length=total, label="eval rag", file=stderr, item_show_func=lambda name: name
+            length=total, label="eval rag", file=sys.stderr, item_show_func=lambda name: name
         ) as bar:
             report = run_rag_eval(
                 data,

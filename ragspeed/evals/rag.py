@@ -51,6 +51,7 @@ from ragspeed.ab.stats import paired_bootstrap_difference
 from ragspeed.ab.workload import SkippedLine
 from ragspeed.bench.common import percentile
 from ragspeed.gateway.settings import Settings
+from ragspeed.retrieval.documents import document_id
 
 # The instruction of "Lost in the Middle"'s QA prompt.
 DEFAULT_SYSTEM_PROMPT = (
@@ -336,7 +337,10 @@ async def run_configs(
             setup["gateway_start_s"] = round(time.perf_counter() - t0, 2)
             if any(c.needs_collection for c in configs):
                 t1 = time.perf_counter()
-                documents = [{"title": p.title, "text": p.text} for p in passages]
+                # Ids given: the store makes content ids only for documents it chunks.
+                documents = [
+                    {"id": document_id(p.title, p.text), "title": p.title, "text": p.text} for p in passages
+                ]
                 setup["collection_documents"] = await create_collection(app, COLLECTION, documents)
                 setup["collection_build_s"] = round(time.perf_counter() - t1, 2)
 
