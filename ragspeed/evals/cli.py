@@ -295,6 +295,38 @@ def parse_settings(assignments: tuple[str, ...]) -> dict[str, Any]:
     return values
 
 
+class Progress:
+    """A progress bar on a terminal; elsewhere (a log, a pipe) a plain stderr line at most every
+    `every_s` seconds, as a bar cannot redraw there."""
+
+    def __init__(self, total: int, label: str, every_s: float = 10.0):
+        self.total, self.label, self.every_s = total, label, every_s
+        self.done = 0
+        self._last = time.monotonic()
+        self._bar: Any = None
+        if sys.stderr.isatty():
+            self._bar = click.progressbar(
+                length=total, label=label, file=sys.stderr, item_show_func=lambda s: s
+            )
+
+    def __enter__(self) -> Progress:
+        if self._bar is not None:
+            self._bar.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._bar is not None:
+            self._bar.__exit__(*exc)
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        if self._bar is not None:
+            self._bar.update(1, what)
+        elif self.done == self.total or time.monotonic() - self._last >= self.every_s:
+            self._last = time.monotonic()
+            click.echo(f"{self.label}: {self.done}/{self.total} requests ({what})", err=True)
+
+
 @eval_group.command("rag")
 @click.option("--data", required=True, type=click.Path(path_type=Path), help="QA jsonl (nq_dev.jsonl).")
 @click.option(
@@ -374,9 +406,7 @@ def rag_command(
     num_valid = len(examples) if limit is None else min(limit, len(examples))
     total = len(configs) * (num_valid + 1)  # a warm-up per configuration
     try:
-        with click.progressbar(
-            length=total, label="eval rag", file=sys.stderr, item_show_func=lambda name: name
-        ) as bar:
+        with Progress(total, "eval rag") as progress:
             report = run_rag_eval(
                 data,
                 configs,
@@ -384,7 +414,7 @@ def rag_command(
                 settings_values=values,
                 system_prompt=system_prompt or DEFAULT_SYSTEM_PROMPT,
                 max_tokens=max_tokens,
-                on_done=lambda name: bar.update(1, name),
+                on_done=progress.step,
                 num_resamples=resamples,
                 seed=seed,
             )

@@ -350,7 +350,7 @@ def test_eval_rag_command_end_to_end(tiny_model, tmp_path):
     ]
     result = CliRunner().invoke(eval_group, args)
     assert result.exit_code == 0, result.output
-    assert result.stdout.startswith("machine: ") and "eval rag" in result.stderr  # the progress bar
+    assert result.stdout.startswith("machine: ") and "eval rag: 8/8 requests" in result.stderr
     assert "skipped 1 invalid line(s): 2 (not valid JSON" in result.stdout
     report = json.loads(out_json.read_text())
     full, first = report["configs"]["full"], report["configs"]["first-docs@2x"]
