@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ragspeed.ab.quality import accuracy, exact_match, f1
 from ragspeed.ab.stats import paired_bootstrap_difference
@@ -52,6 +52,9 @@ from ragspeed.ab.workload import SkippedLine
 from ragspeed.bench.common import percentile
 from ragspeed.gateway.settings import Settings
 from ragspeed.retrieval.documents import document_id
+
+if TYPE_CHECKING:  # the gateway app is imported only when a run starts
+    from ragspeed.evals.rag_gateway import StreamedReply
 
 # The instruction of "Lost in the Middle"'s QA prompt.
 DEFAULT_SYSTEM_PROMPT = (
@@ -271,7 +274,7 @@ class RagRun:
     setup: Mapping[str, Any] = field(default_factory=dict)
 
 
-def observe(config: RagConfig, index: int, example: RagExample, reply: Any) -> RagObservation:
+def observe(config: RagConfig, index: int, example: RagExample, reply: StreamedReply) -> RagObservation:
     """A `StreamedReply` scored against the example's answers."""
     if reply.error is not None:
         return RagObservation(config.name, index, ok=False, error=reply.error)
@@ -296,7 +299,7 @@ def observe(config: RagConfig, index: int, example: RagExample, reply: Any) -> R
     )
 
 
-def compressor_failure(reply: Any, errors: list[str]) -> str | None:
+def compressor_failure(reply: StreamedReply, errors: list[str]) -> str | None:
     """Why the compressor of this reply failed (the gateway fell back to the full documents), or None."""
     compression = reply.ragspeed.get("compression") or {}
     if not compression.get("failed"):
