@@ -420,7 +420,9 @@ def rag_command(
             )
     except (ValueError, GatewayStartError) as exc:
         raise click.ClickException(str(exc)) from exc
-    machine = machine_line(threads)
+    import torch
+
+    machine = machine_line(threads or torch.get_num_threads())
     report["machine"] = machine
     click.echo(machine)
     setup = report["setup"]

@@ -38,13 +38,13 @@ def _colours(names: Sequence[str]) -> dict[str, str]:
 
 
 def _y_top(values: Sequence[float]) -> float:
-    """The accuracy axis' top: the next tenth above the largest value (at least 0.1)."""
-    return max(0.1, math.ceil(max(values, default=0.0) * 10 + 1e-9) / 10)
+    """The accuracy axis' top: the next tenth above the largest value, within [0.1, 1]."""
+    return min(1.0, max(0.1, math.ceil(max(values, default=0.0) * 10 + 1e-9) / 10))
 
 
 def _y_axis(top: float, plot_w: float, plot_h: float) -> list[str]:
     parts = []
-    steps = 5
+    steps = max(1, round(top * 10))  # a line every 0.1 (`top` is a tenth, at most 1)
     for k in range(steps + 1):
         value = top * k / steps
         y = MARGIN["top"] + plot_h * (1 - k / steps)
@@ -185,7 +185,7 @@ def render_html(report: Mapping[str, Any], machine: str = "") -> str:
 <style>
 body {{ font-family: system-ui, sans-serif; margin: 24px; color: #222; }}
 table {{ border-collapse: collapse; margin: 8px 0 24px; }}
-th, td {{ border: 1px solid #ccc; padding: 4px 8px; text-align: right; font-size: 13px; }}
+th, td {{ border: 1px solid #ccc; padding: 4px 8px; text-align: right; font-size: 13px; white-space: nowrap; }}
 th:first-child, td:first-child {{ text-align: left; }}
 svg text {{ font-size: 12px; fill: #333; }}
 svg .label {{ font-size: 11px; }}
