@@ -3,6 +3,7 @@
 Terms: a *percentile CI* is the 2.5th..97.5th percentile of the statistic over `num_resamples`
 bootstrap resamples (draws with replacement of the observations). The *difference* of two arms is
 `b - a` of their medians (negative: b is faster); the *ratio* is `a / b` (above 1: b is faster).
+A *paired* difference resamples items, not observations: `b[i] - a[i]` stays one draw.
 The significance test is the two-sided Mann-Whitney U test (normal approximation with the tie
 correction), which assumes nothing about the shape of latency distributions.
 """
@@ -67,6 +68,20 @@ def bootstrap_median_difference(
             float(np.quantile(ratio, 0.975)),
         ),
     )
+
+
+def paired_bootstrap_difference(
+    a: list[float], b: list[float], *, num_resamples: int = 2000, seed: int = 0
+) -> Estimate:
+    """mean(b) - mean(a) of paired observations (a[i] and b[i] measured on the same item i), with
+    its 95% percentile CI: the items are resampled, each keeping its pair together."""
+    xa, xb = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if xa.shape != xb.shape or xa.size == 0:
+        raise ValueError(f"need two equally long, non-empty lists of pairs, got {xa.size} and {xb.size}")
+    diff = xb - xa  # [n]
+    rng = np.random.default_rng(seed)
+    means = diff[rng.integers(0, diff.size, size=(num_resamples, diff.size))].mean(axis=1)
+    return Estimate(float(diff.mean()), float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975)))
 
 
 def _rank(values: np.ndarray) -> np.ndarray:

@@ -1,5 +1,6 @@
-"""`ragspeed eval compression` (every method side by side with the baselines, in one run) and
-`ragspeed eval retrieval` (recall and latency of dense, BM25 and hybrid search; the index at scale).
+"""`ragspeed eval compression` (every method side by side with the baselines, in one run),
+`ragspeed eval retrieval` (recall and latency of dense, BM25 and hybrid search; the index at scale)
+and `ragspeed eval rag` (answer accuracy beside latency through the real gateway and engine).
 
 Command logic lives in plain functions returning dicts; the click commands print them.
 """
@@ -7,13 +8,14 @@ Command logic lives in plain functions returning dicts; the click commands print
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import click
 
-from ragspeed.bench.common import machine_line, print_rows, write_json
+from ragspeed.bench.common import json_option, machine_line, print_rows, write_json
 from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
 from ragspeed.evals.compression import FACTORS, evaluate, flatten, format_table, load_examples
 from ragspeed.retrieval.config import IndexConfig, RetrievalConfig
@@ -24,7 +26,7 @@ DEFAULT_METHODS = "first-docs,bm25,fast,coarse-to-fine"
 
 @click.group(name="eval")
 def eval_group() -> None:
-    """Quality evaluations of compression and retrieval on QA data files."""
+    """Quality evaluations of compression, retrieval and whole RAG answers on QA data files."""
 
 
 def load_tokenizer(model: str = DEFAULT_MODEL_NAME, tokenizer: str | None = None):
@@ -282,3 +284,170 @@ def eval_retrieval_cmd(
     click.echo(machine_line())
     print_rows(out.items(), echo=click.echo)
     write_json(json_path, out)
+
+
+def parse_settings(assignments: tuple[str, ...]) -> dict[str, Any]:
+    """`KEY=VALUE` gateway settings (values parsed as YAML), checked against `ragspeed serve`'s."""
+    import yaml
+
+    from ragspeed.gateway.settings import Settings
+
+    values: dict[str, Any] = {}
+    for text in assignments:
+        key, sep, value = text.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise click.BadParameter(f"{text!r}: expected KEY=VALUE", param_hint="--set")
+        if key not in Settings.model_fields:
+            raise click.BadParameter(
+                f"{text!r}: '{key}' is not a `ragspeed serve` setting", param_hint="--set"
+            )
+        values[key] = yaml.safe_load(value) if value.strip() else None
+    return values
+
+
+class Progress:
+    """A progress bar on a terminal; elsewhere (a log, a pipe) a plain stderr line at most every
+    `every_s` seconds, as a bar cannot redraw there."""
+
+    def __init__(self, total: int, label: str, every_s: float = 10.0):
+        self.total, self.label, self.every_s = total, label, every_s
+        self.done = 0
+        self._last = time.monotonic()
+        self._bar: Any = None
+        if sys.stderr.isatty():
+            self._bar = click.progressbar(
+                length=total, label=label, file=sys.stderr, item_show_func=lambda s: s
+            )
+
+    def __enter__(self) -> Progress:
+        if self._bar is not None:
+            self._bar.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._bar is not None:
+            self._bar.__exit__(*exc)
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        if self._bar is not None:
+            self._bar.update(1, what)
+        elif self.done == self.total or time.monotonic() - self._last >= self.every_s:
+            self._last = time.monotonic()
+            click.echo(f"{self.label}: {self.done}/{self.total} requests ({what})", err=True)
+
+
+@eval_group.command("rag")
+@click.option("--data", required=True, type=click.Path(path_type=Path), help="QA jsonl (nq_dev.jsonl).")
+@click.option(
+    "--configs",
+    "configs_spec",
+    default="all",
+    help="all, or comma-separated: full, retrieval, <method>@<N>x (e.g. full,coarse-to-fine@4x,retrieval).",
+)
+@click.option("--limit", default=None, type=click.IntRange(min=1), help="first N valid questions")
+@click.option("--model", default=None, help="model to serve (default: the server's default)")
+@click.option("--max-tokens", default=32, type=click.IntRange(min=1), help="tokens per answer (greedy)")
+@click.option(
+    "--order",
+    default="original",
+    type=click.Choice(["original", "edges"]),
+    help="order of the documents a compressor keeps (edges: the most relevant first and last)",
+)
+@click.option("--top-k", default=5, type=click.IntRange(1, 100), help="passages retrieved by `retrieval`")
+@click.option(
+    "--system-prompt", default=None, help="system prompt (default: Lost in the Middle's instruction)"
+)
+@click.option("--threads", default=None, type=click.IntRange(min=1), help="engine threads (default: torch's)")
+@click.option("--resamples", default=2000, type=click.IntRange(min=100), help="bootstrap resamples")
+@click.option("--seed", default=0, type=int, help="bootstrap seed")
+@click.option(
+    "--set", "assignments", multiple=True, help="extra `ragspeed serve` setting KEY=VALUE (repeatable)"
+)
+@json_option
+@click.option(
+    "--html",
+    "html_path",
+    default=None,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="write the HTML page here",
+)
+def rag_command(
+    data: Path,
+    configs_spec: str,
+    limit: int | None,
+    model: str | None,
+    max_tokens: int,
+    order: str,
+    top_k: int,
+    system_prompt: str | None,
+    threads: int | None,
+    resamples: int,
+    seed: int,
+    assignments: tuple[str, ...],
+    json_path: str | None,
+    html_path: Path | None,
+) -> None:
+    """Accuracy, EM, F1, TTFT and e2e per configuration, through the gateway and engine in-process."""
+    from ragspeed.evals.rag import (
+        DEFAULT_SYSTEM_PROMPT,
+        format_text,
+        load_examples,
+        parse_configs,
+        run_rag_eval,
+    )
+    from ragspeed.evals.rag_gateway import GatewayStartError
+
+    if not data.is_file():
+        raise click.BadParameter(f"{data} is not a file", param_hint="--data")
+    try:
+        configs = parse_configs(configs_spec, top_k=top_k)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--configs") from exc
+    values = parse_settings(assignments)
+    values["compression_order"] = order
+    if model is not None:
+        values["model"] = model
+    if threads is not None:
+        values["num_threads"] = threads
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    examples, _ = load_examples(data)  # for the progress bar's length; the run reads it again
+    num_valid = len(examples) if limit is None else min(limit, len(examples))
+    total = len(configs) * (num_valid + 1)  # a warm-up per configuration
+    try:
+        with Progress(total, "eval rag") as progress:
+            report = run_rag_eval(
+                data,
+                configs,
+                limit=limit,
+                settings_values=values,
+                system_prompt=system_prompt or DEFAULT_SYSTEM_PROMPT,
+                max_tokens=max_tokens,
+                on_done=progress.step,
+                num_resamples=resamples,
+                seed=seed,
+            )
+    except (ValueError, GatewayStartError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    import torch
+
+    machine = machine_line(threads or torch.get_num_threads())
+    report["machine"] = machine
+    click.echo(machine)
+    setup = report["setup"]
+    click.echo(
+        f"{setup['num_examples']} questions from {data}, model {setup['model']}, order {setup['compression_order']}, "
+        f"max_tokens {max_tokens}; gateway started in {setup['gateway_start_s']:.1f} s, run {setup['run_s']:.1f} s"
+    )
+    click.echo(format_text(report))
+    write_json(json_path, report)
+    if json_path is not None:
+        click.echo(f"wrote {json_path}")
+    if html_path is not None:
+        from ragspeed.evals.rag_report import render_html
+
+        html_path.parent.mkdir(parents=True, exist_ok=True)
+        html_path.write_text(render_html(report, machine), encoding="utf-8")
+        click.echo(f"wrote {html_path}")

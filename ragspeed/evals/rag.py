@@ -1,0 +1,577 @@
+"""`ragspeed eval rag`: answer accuracy beside latency, through the real gateway and engine.
+
+Every question of a QA file (`nq_dev.jsonl`) is sent to the gateway app, in this process and
+over ASGI (its middleware, routes, pipeline, engine and SSE), once per *configuration*:
+
+- `full`: the question's documents as given, uncompressed;
+- `<method>@<N>x`: the documents compressed by a registered compressor to 1/N of their tokens
+  (rate 1/N), e.g. `coarse-to-fine@4x`, `first-docs@2x`;
+- `retrieval`: no documents sent; the gateway retrieves the question's top-k passages from a
+  collection of every passage of the file (all its valid lines, not only the first `limit`;
+  deduplicated), built before the first question.
+
+Requests are greedy chat completions, streamed. *TTFT* is the time from sending the request to
+the first chunk with content, *e2e* to the end of the stream; prompt tokens come from the usage.
+
+Schedule: one warm-up request per configuration (the first question, one token, neither timed
+nor scored: it loads what the configuration needs and shows a configuration that cannot run);
+then question by question, each configuration in turn, the order rotating from one question to
+the next so that drift of the machine falls on all alike. Each configuration sends its own
+`cache_salt`, so none reuses the KV of another's prompt for the same question; the compressors
+share the gateway's embedding cache, so the sentences of a question are embedded by the first
+configuration of a method to see them and found warm by its other rates.
+
+Scores (texts normalised SQuAD-style: `ragspeed.ab.quality`): *accuracy* is best-subspan, as in
+"Lost in the Middle" (a gold answer is a substring of the output); *EM* and token *F1* as in
+SQuAD. A configuration's accuracy against full context's is a *paired* difference: over the
+questions both answered, with a bootstrap 95% CI that resamples questions. Accuracy by gold
+position groups the questions by `gold_index` (0, 4, 9, 14, 19 in the NQ file): the
+lost-in-the-middle curve.
+
+A configuration *fails* when the gateway refuses its warm-up (an unknown method, a compressor
+that cannot be built: a 4xx) or its compressor raises (the gateway then fails open and sends the
+documents uncompressed): it is reported with the error, its remaining requests are not sent, and
+the run goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ragspeed.ab.quality import accuracy, exact_match, f1
+from ragspeed.ab.stats import paired_bootstrap_difference
+from ragspeed.ab.workload import SkippedLine
+from ragspeed.bench.common import percentile
+from ragspeed.gateway.settings import Settings
+from ragspeed.retrieval.documents import document_id
+
+if TYPE_CHECKING:  # the gateway app is imported only when a run starts
+    from ragspeed.evals.rag_gateway import StreamedReply
+
+# The instruction of "Lost in the Middle"'s QA prompt.
+DEFAULT_SYSTEM_PROMPT = (
+    "Write a high-quality answer for the given question using only the provided search results "
+    "(some of which might be irrelevant)."
+)
+METHODS = ("coarse-to-fine", "fast", "bm25", "llmlingua2", "first-docs")
+FACTORS = (2, 4, 8, 16)
+FULL, RETRIEVAL = "full", "retrieval"
+COLLECTION = "eval-rag"
+DEFAULT_TOP_K = 5
+_COMPRESSED = re.compile(r"^(?P<method>[a-z0-9-]+)@(?P<factor>\d+)x$")
+
+
+# ---------------------------------------------------------------------------------- the data
+
+
+@dataclass(frozen=True)
+class Passage:
+    title: str
+    text: str
+
+
+@dataclass(frozen=True)
+class RagExample:
+    line: int  # 1-based line of the data file
+    id: str
+    question: str
+    answers: tuple[str, ...]
+    documents: tuple[Passage, ...]
+    gold_index: int | None  # the gold document's position; None when unknown
+
+
+def parse_example(text: str, line: int) -> RagExample:
+    """One JSONL line; raises ValueError naming what is wrong with it."""
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON ({exc.msg})") from None
+    if not isinstance(record, dict):
+        raise ValueError("not a JSON object")
+    question = record.get("question")
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError("'question' is missing or not a non-empty string")
+    answers = record.get("answers")
+    if not isinstance(answers, list) or not answers or not all(isinstance(a, str) for a in answers):
+        raise ValueError("'answers' is missing or not a non-empty list of strings")
+    documents = record.get("documents")
+    if not isinstance(documents, list) or not documents:
+        raise ValueError("'documents' is missing or not a non-empty list")
+    passages = []
+    for i, doc in enumerate(documents):
+        if isinstance(doc, str):
+            passages.append(Passage("", doc))
+        elif isinstance(doc, dict) and isinstance(doc.get("text"), str):
+            passages.append(Passage(str(doc.get("title") or ""), doc["text"]))
+        else:
+            raise ValueError(f"documents[{i}] is neither a string nor an object with a string 'text'")
+    gold_index = record.get("gold_index")
+    if gold_index is None:
+        gold = [i for i, d in enumerate(documents) if isinstance(d, dict) and d.get("is_gold")]
+        gold_index = gold[0] if len(gold) == 1 else None
+    elif not isinstance(gold_index, int) or not 0 <= gold_index < len(passages):
+        raise ValueError(f"'gold_index' {gold_index!r} is not a position among the {len(passages)} documents")
+    return RagExample(
+        line, str(record.get("id", f"line-{line}")), question, tuple(answers), tuple(passages), gold_index
+    )
+
+
+def load_examples(path: str | Path) -> tuple[list[RagExample], list[SkippedLine]]:
+    """Every valid line of a QA file, and the skipped ones with their line numbers and reasons."""
+    examples: list[RagExample] = []
+    skipped: list[SkippedLine] = []
+    with open(path, encoding="utf-8", errors="replace") as lines:
+        for number, text in enumerate(lines, start=1):
+            if not text.strip():
+                continue
+            try:
+                examples.append(parse_example(text, number))
+            except ValueError as exc:
+                skipped.append(SkippedLine(number, str(exc)))
+    return examples, skipped
+
+
+def distinct_passages(examples: Sequence[RagExample]) -> list[Passage]:
+    """Every passage once, in order of first appearance (texts equal up to white space are one)."""
+    seen: dict[str, Passage] = {}
+    for example in examples:
+        for passage in example.documents:
+            seen.setdefault(" ".join(passage.text.split()), passage)
+    return list(seen.values())
+
+
+# ------------------------------------------------------------------------- the configurations
+
+
+@dataclass(frozen=True)
+class RagConfig:
+    """A named way of answering: the request's `ragspeed` object, and whether the question's
+    own documents are sent."""
+
+    name: str
+    ragspeed: Mapping[str, Any]
+    send_documents: bool = True
+
+    @property
+    def needs_collection(self) -> bool:
+        return "retrieval" in self.ragspeed
+
+
+def full_config(top_k: int) -> RagConfig:
+    return RagConfig(FULL, {"compression": False})
+
+
+def retrieval_config(top_k: int) -> RagConfig:
+    options = {
+        "retrieval": {"collection": COLLECTION, "top_k": top_k, "mode": "hybrid"},
+        "compression": False,
+    }
+    return RagConfig(RETRIEVAL, options, send_documents=False)
+
+
+def compressed_config(method: str, factor: int) -> RagConfig:
+    return RagConfig(f"{method}@{factor}x", {"compression": {"method": method, "rate": 1.0 / factor}})
+
+
+# The configurations without a parameter in their name.
+FIXED_CONFIGS: dict[str, Callable[[int], RagConfig]] = {FULL: full_config, RETRIEVAL: retrieval_config}
+
+
+def default_config_names() -> list[str]:
+    return [FULL, *(f"{m}@{f}x" for m in METHODS for f in FACTORS), RETRIEVAL]
+
+
+def parse_configs(spec: str, *, top_k: int = DEFAULT_TOP_K) -> list[RagConfig]:
+    """`all`, or comma-separated names: `full`, `retrieval`, `<method>@<N>x` (any registered
+    compression method, N >= 2). Raises ValueError naming the valid names."""
+    from ragspeed.compression.registry import COMPRESSORS
+
+    names = (
+        default_config_names() if spec.strip() == "all" else [n.strip() for n in spec.split(",") if n.strip()]
+    )
+    if not names:
+        raise ValueError("no configuration named; " + _valid_names(COMPRESSORS))
+    configs: list[RagConfig] = []
+    for name in names:
+        match = _COMPRESSED.match(name)
+        if name in FIXED_CONFIGS:
+            config = FIXED_CONFIGS[name](top_k)
+        elif match and match["method"] in COMPRESSORS and int(match["factor"]) >= 2:
+            config = compressed_config(match["method"], int(match["factor"]))
+        else:
+            raise ValueError(f"unknown configuration {name!r}; " + _valid_names(COMPRESSORS))
+        if any(c.name == config.name for c in configs):
+            raise ValueError(f"configuration {name!r} is named twice")
+        configs.append(config)
+    return configs
+
+
+def _valid_names(methods: Mapping[str, Any]) -> str:
+    return (
+        f"valid: all, {', '.join(default_config_names())}; or <method>@<N>x with N >= 2 and a method "
+        f"among {', '.join(sorted(methods))}"
+    )
+
+
+def request_body(
+    config: RagConfig, example: RagExample, *, system_prompt: str, max_tokens: int, cache_salt: str
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "messages": [
+            {"role": "system", "content": system_prompt},
+            {"role": "user", "content": example.question},
+        ],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "cache_salt": cache_salt,
+        "ragspeed": json.loads(json.dumps(config.ragspeed)),  # a plain copy
+    }
+    if config.send_documents:
+        body["documents"] = [{"title": d.title, "text": d.text} for d in example.documents]
+    return body
+
+
+# ------------------------------------------------------------------------------- the run
+
+
+@dataclass(frozen=True)
+class RagObservation:
+    """One question answered by one configuration."""
+
+    config: str
+    example: int  # index into the run's examples
+    ok: bool
+    error: str | None = None
+    text: str = ""
+    ttft_ms: float | None = None
+    e2e_ms: float | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    compression_ms: float | None = None  # the gateway's compression stage
+    compressed: bool | None = None  # None: no compression asked; False: the gateway skipped it
+    accuracy: float | None = None
+    exact_match: float | None = None
+    f1: float | None = None
+
+
+@dataclass(frozen=True)
+class RagRun:
+    examples: tuple[RagExample, ...]
+    configs: tuple[RagConfig, ...]
+    observations: tuple[RagObservation, ...]
+    failures: Mapping[str, str]  # configuration -> why it failed
+    setup: Mapping[str, Any] = field(default_factory=dict)
+
+
+def observe(config: RagConfig, index: int, example: RagExample, reply: StreamedReply) -> RagObservation:
+    """A `StreamedReply` scored against the example's answers."""
+    if reply.error is not None:
+        return RagObservation(config.name, index, ok=False, error=reply.error)
+    usage, ragspeed = reply.usage, reply.ragspeed
+    compression = ragspeed.get("compression")
+    end = reply.end_s if reply.end_s is not None else 0.0
+    return RagObservation(
+        config=config.name,
+        example=index,
+        ok=True,
+        text=reply.text,
+        ttft_ms=1000 * (reply.first_content_s if reply.first_content_s is not None else end),
+        e2e_ms=1000 * end,
+        prompt_tokens=int(usage.get("prompt_tokens") or 0),
+        cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
+        completion_tokens=int(usage.get("completion_tokens") or 0),
+        compression_ms=(ragspeed.get("timings_ms") or {}).get("compression"),
+        compressed=None if compression is None else not compression.get("skipped_reason"),
+        accuracy=accuracy(reply.text, example.answers),
+        exact_match=exact_match(reply.text, example.answers),
+        f1=f1(reply.text, example.answers),
+    )
+
+
+def compressor_failure(reply: StreamedReply, errors: list[str]) -> str | None:
+    """Why the compressor of this reply failed (the gateway fell back to the full documents), or None."""
+    compression = reply.ragspeed.get("compression") or {}
+    if not compression.get("failed"):
+        return None
+    cause = errors[-1] if errors else "no error logged"
+    return f"the compressor {compression.get('method')!r} raised ({cause}); the gateway sent the documents uncompressed"
+
+
+def rotated(items: Sequence[Any], by: int) -> list[Any]:
+    """`items` starting at position `by` (mod their number): 0 1 2, 1 2 0, 2 0 1, ..."""
+    if not items:
+        return []
+    k = by % len(items)
+    return [*items[k:], *items[:k]]
+
+
+async def run_configs(
+    settings: Settings,
+    examples: Sequence[RagExample],
+    configs: Sequence[RagConfig],
+    *,
+    passages: Sequence[Passage] = (),
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT,
+    max_tokens: int = 32,
+    on_done: Callable[[str], None] = lambda config: None,
+) -> RagRun:
+    """Start the gateway of `settings`, build the retrieval collection of `passages` when a
+    configuration retrieves, warm every configuration up, then answer every example with every
+    configuration. `on_done(config name)` is called after each request, warm-ups included."""
+    from ragspeed.evals.rag_gateway import CompressorErrors, create_collection, running_gateway, stream_chat
+
+    setup: dict[str, Any] = {}
+    failures: dict[str, str] = {}
+    observations: list[RagObservation] = []
+    t0 = time.perf_counter()
+    with CompressorErrors() as logged:
+        async with running_gateway(settings) as app:
+            setup["gateway_start_s"] = round(time.perf_counter() - t0, 2)
+            if any(c.needs_collection for c in configs):
+                t1 = time.perf_counter()
+                # Ids given: the store makes content ids only for documents it chunks.
+                documents = [
+                    {"id": document_id(p.title, p.text), "title": p.title, "text": p.text} for p in passages
+                ]
+                setup["collection_documents"] = await create_collection(app, COLLECTION, documents)
+                setup["collection_build_s"] = round(time.perf_counter() - t1, 2)
+
+            def body(config: RagConfig, example: RagExample, salt: str, tokens: int) -> dict[str, Any]:
+                return request_body(
+                    config, example, system_prompt=system_prompt, max_tokens=tokens, cache_salt=salt
+                )
+
+            for config in configs:
+                # A salt of its own: the warm-up must not leave the first question's KV cached.
+                reply = await stream_chat(app, body(config, examples[0], f"warmup-{config.name}", 1))
+                failure = reply.error or compressor_failure(reply, logged.errors)
+                if failure:
+                    failures[config.name] = failure
+                on_done(config.name)
+            for index, example in enumerate(examples):
+                for config in rotated(configs, index):
+                    if config.name in failures:
+                        on_done(config.name)
+                        continue
+                    reply = await stream_chat(app, body(config, example, f"eval-{config.name}", max_tokens))
+                    failure = compressor_failure(reply, logged.errors)
+                    if failure:
+                        failures[config.name] = failure
+                    else:
+                        observations.append(observe(config, index, example, reply))
+                    on_done(config.name)
+    setup["run_s"] = round(time.perf_counter() - t0, 2)
+    # A configuration that failed part way reports no figures: they would mix two kinds of answer.
+    kept = tuple(o for o in observations if o.config not in failures)
+    return RagRun(tuple(examples), tuple(configs), kept, failures, setup)
+
+
+def run_rag_eval(
+    data: str | Path,
+    configs: Sequence[RagConfig],
+    *,
+    limit: int | None = None,
+    settings_values: Mapping[str, Any] | None = None,
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT,
+    max_tokens: int = 32,
+    on_done: Callable[[str], None] = lambda config: None,
+    num_resamples: int = 2000,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Load the data, run every configuration through a gateway of `settings_values` (Settings
+    fields; nothing persisted), and return the report (`summarize`)."""
+    all_examples, skipped = load_examples(data)
+    examples = all_examples[:limit] if limit is not None else all_examples
+    if not examples:
+        raise ValueError(f"{data}: no valid question (skipped {len(skipped)} line(s))")
+    with tempfile.TemporaryDirectory(prefix="ragspeed-eval-rag-") as tmp:
+        values = {"prompt_cache_dir": None, "collections_dir": str(Path(tmp) / "collections")}
+        values.update(settings_values or {})
+        settings = Settings(**values)
+        run = asyncio.run(
+            run_configs(
+                settings,
+                examples,
+                configs,
+                passages=distinct_passages(all_examples),
+                system_prompt=system_prompt,
+                max_tokens=max_tokens,
+                on_done=on_done,
+            )
+        )
+    report = summarize(run, num_resamples=num_resamples, seed=seed)
+    report["setup"] = {
+        "data": str(data),
+        "model": settings.model,
+        "engine": settings.engine,
+        "compression_order": settings.compression_order,
+        "max_tokens": max_tokens,
+        "num_examples": len(examples),
+        "num_resamples": num_resamples,
+        "seed": seed,
+        "system_prompt": system_prompt,
+        **run.setup,
+    }
+    report["skipped_lines"] = [asdict(s) for s in skipped]
+    return report
+
+
+# ------------------------------------------------------------------------------ the figures
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def summarize(run: RagRun, *, num_resamples: int = 2000, seed: int = 0) -> dict[str, Any]:
+    """Per configuration: scores, latencies, the paired difference to `full`, accuracy by gold
+    position; and every observation."""
+    by_config: dict[str, dict[int, RagObservation]] = {c.name: {} for c in run.configs}
+    for o in run.observations:
+        by_config[o.config][o.example] = o
+    full = by_config.get(FULL) if FULL not in run.failures else None
+    positions = sorted({e.gold_index for e in run.examples if e.gold_index is not None})
+    configs: dict[str, Any] = {}
+    for config in run.configs:
+        if config.name in run.failures:
+            configs[config.name] = {"status": "failed", "error": run.failures[config.name]}
+            continue
+        answered = by_config[config.name]
+        ok = [o for o in answered.values() if o.ok]
+        summary: dict[str, Any] = {
+            "status": "ok",
+            "num_questions": len(run.examples),
+            "num_errors": len(answered) - len(ok),
+            "errors": sorted({o.error for o in answered.values() if o.error})[:5],
+            "accuracy": _mean([o.accuracy for o in ok if o.accuracy is not None]),
+            "exact_match": _mean([o.exact_match for o in ok if o.exact_match is not None]),
+            "f1": _mean([o.f1 for o in ok if o.f1 is not None]),
+        }
+        for metric in ("ttft_ms", "e2e_ms"):
+            values = [getattr(o, metric) for o in ok if getattr(o, metric) is not None]
+            summary[f"{metric}_p50"] = percentile(values, 0.5) if values else None
+            summary[f"{metric}_p95"] = percentile(values, 0.95) if values else None
+        summary["prompt_tokens_p50"] = percentile([o.prompt_tokens for o in ok], 0.5) if ok else None
+        summary["cached_tokens_mean"] = _mean([o.cached_tokens for o in ok])
+        summary["completion_tokens_mean"] = _mean([o.completion_tokens for o in ok])
+        compression = [o.compression_ms for o in ok if o.compression_ms is not None]
+        summary["compression_ms_p50"] = percentile(compression, 0.5) if compression else None
+        summary["num_uncompressed"] = sum(1 for o in ok if o.compressed is False)
+        summary["accuracy_minus_full"] = None
+        if full is not None:
+            pairs = [(full[i], o) for i, o in answered.items() if o.ok and i in full and full[i].ok]
+            if pairs:
+                estimate = paired_bootstrap_difference(
+                    [a.accuracy for a, _ in pairs],
+                    [b.accuracy for _, b in pairs],
+                    num_resamples=num_resamples,
+                    seed=seed,
+                )
+                summary["accuracy_minus_full"] = {**estimate.as_dict(), "num_pairs": len(pairs)}
+        by_position = {}
+        for position in positions:
+            scored = [o.accuracy for o in ok if run.examples[o.example].gold_index == position]
+            by_position[str(position)] = {"accuracy": _mean(scored), "n": len(scored)}
+        summary["accuracy_by_gold_index"] = by_position
+        configs[config.name] = summary
+    observations = [
+        {
+            **asdict(o),
+            "id": run.examples[o.example].id,
+            "line": run.examples[o.example].line,
+            "gold_index": run.examples[o.example].gold_index,
+        }
+        for o in run.observations
+    ]
+    return {
+        "configs": configs,
+        "failed": dict(run.failures),
+        "gold_positions": positions,
+        "observations": observations,
+    }
+
+
+def _fmt(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _ci(estimate: Mapping[str, float] | None) -> str:
+    if estimate is None:
+        return "-"
+    return f"{estimate['value']:+.3f} [{estimate['ci_low']:+.3f}, {estimate['ci_high']:+.3f}]"
+
+
+SUMMARY_HEADER = (
+    "config", "n", "accuracy", "EM", "F1", "acc - full [95% CI]",
+    "TTFT p50", "TTFT p95", "e2e p50", "e2e p95", "prompt tok p50",
+)  # fmt: skip
+
+
+def summary_rows(report: Mapping[str, Any]) -> list[tuple[str, ...]]:
+    rows = []
+    for name, s in report["configs"].items():
+        if s["status"] != "ok":
+            rows.append((name, "failed", *("-",) * (len(SUMMARY_HEADER) - 2)))
+            continue
+        rows.append(
+            (
+                name,
+                str(s["num_questions"] - s["num_errors"]),
+                _fmt(s["accuracy"]),
+                _fmt(s["exact_match"]),
+                _fmt(s["f1"]),
+                _ci(s["accuracy_minus_full"]),
+                f"{_fmt(s['ttft_ms_p50'], 0)} ms",
+                f"{_fmt(s['ttft_ms_p95'], 0)} ms",
+                f"{_fmt(s['e2e_ms_p50'], 0)} ms",
+                f"{_fmt(s['e2e_ms_p95'], 0)} ms",
+                _fmt(s["prompt_tokens_p50"], 0),
+            )
+        )
+    return rows
+
+
+def position_rows(report: Mapping[str, Any]) -> list[tuple[str, ...]]:
+    rows = []
+    for name, s in report["configs"].items():
+        if s["status"] == "ok":
+            cells = [s["accuracy_by_gold_index"][str(p)] for p in report["gold_positions"]]
+            rows.append((name, *(f"{_fmt(c['accuracy'])} ({c['n']})" for c in cells)))
+    return rows
+
+
+def text_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = [
+        "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+        for r in [header, *rows]
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def format_text(report: Mapping[str, Any]) -> str:
+    parts = [text_table(SUMMARY_HEADER, summary_rows(report))]
+    if report["gold_positions"]:
+        header = ("accuracy by gold position", *(str(p) for p in report["gold_positions"]))
+        parts.append(text_table(header, position_rows(report)))
+    for name, error in report["failed"].items():
+        parts.append(f"failed: {name}: {error}")
+    skipped = report.get("skipped_lines") or []
+    if skipped:
+        parts.append(
+            f"skipped {len(skipped)} invalid line(s): "
+            + "; ".join(f"{s['line']} ({s['reason']})" for s in skipped)
+        )
+    return "\n\n".join(parts)
