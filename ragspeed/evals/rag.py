@@ -50,6 +50,7 @@ from ragspeed.ab.quality import accuracy, exact_match, f1
 from ragspeed.ab.stats import paired_bootstrap_difference
 from ragspeed.ab.workload import SkippedLine
 from ragspeed.bench.common import percentile
+from ragspeed.compression.registry import COMPRESSORS, DEFAULT_METHOD
 from ragspeed.gateway.settings import Settings
 from ragspeed.retrieval.documents import document_id
 
@@ -377,6 +378,22 @@ async def run_configs(
     return RagRun(tuple(examples), tuple(configs), kept, failures, setup)
 
 
+def offered_methods(configs: Sequence[RagConfig], settings_values: Mapping[str, Any]) -> dict[str, Any]:
+    """The gateway's compressors: those the configurations name, each loaded at start-up (none
+    else); llmlingua2 only with its model (`--set compression_llmlingua2_model=DIR`): without,
+    its configurations fail with the gateway's 400 while the others run."""
+    named = {
+        c.ragspeed["compression"]["method"]
+        for c in configs
+        if isinstance(c.ragspeed.get("compression"), dict)
+    }
+    if not settings_values.get("compression_llmlingua2_model"):
+        named.discard("llmlingua2")
+    methods = sorted(named & set(COMPRESSORS)) or ["identity"]  # an unknown one: the gateway's 400
+    default = DEFAULT_METHOD if DEFAULT_METHOD in methods else methods[0]
+    return {"compression_methods": methods, "compression_default_method": default}
+
+
 def run_rag_eval(
     data: str | Path,
     configs: Sequence[RagConfig],
@@ -396,7 +413,11 @@ def run_rag_eval(
     if not examples:
         raise ValueError(f"{data}: no valid question (skipped {len(skipped)} line(s))")
     with tempfile.TemporaryDirectory(prefix="ragspeed-eval-rag-") as tmp:
-        values = {"prompt_cache_dir": None, "collections_dir": str(Path(tmp) / "collections")}
+        values: dict[str, Any] = {
+            "prompt_cache_dir": None,
+            "collections_dir": str(Path(tmp) / "collections"),
+            **offered_methods(configs, settings_values or {}),
+        }
         values.update(settings_values or {})
         settings = Settings(**values)
         run = asyncio.run(
