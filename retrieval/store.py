@@ -14,11 +14,12 @@ import logging
 import re
 import threading
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from ragspeed.retrieval.collection import AddResult, Collection, CollectionStats
 from ragspeed.retrieval.config import RetrievalConfig
-from ragspeed.retrieval.documents import Document, Hit
+from ragspeed.retrieval.documents import Document, Hit, document_id
 from ragspeed.retrieval.embedders import Embedder
 from ragspeed.retrieval.errors import CollectionNotFound, CorruptCollectionError, RetrievalError
 from ragspeed.retrieval.ingest import IngestReport, SourceRecord, documents_from_records, ingest_paths
@@ -156,6 +157,9 @@ class CollectionStore:
             documents = documents_from_records(
                 records, self.embedder.tokenizer, self.config.chunk_tokens, self.config.chunk_overlap_tokens
             )
+        else:
+            source = f"collection:{name}"
+            documents = [d if d.id else replace(d, id=document_id(source, d.text)) for d in documents]
         with self._lock:
             collection = self.get(name)
             result = collection.add(documents)

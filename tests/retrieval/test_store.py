@@ -82,6 +82,15 @@ def test_long_documents_are_chunked_with_derived_ids(tmp_path, embedder):
     assert len(anonymous.ids[0]) == 16  # content-hash id
 
 
+def test_unchunked_documents_without_ids_get_content_hash_ids(store):
+    store.create("kb")
+    result = store.add_documents("kb", [Document("", "cats purr"), Document("", "dogs bark")], chunk=False)
+    assert result.num_added == 2 and len(set(result.ids)) == 2
+    assert all(len(i) == 16 for i in result.ids)
+    again = store.add_documents("kb", [Document("", "cats purr")], chunk=False)
+    assert (again.num_added, again.num_duplicates) == (0, 1)  # the same text, the same id
+
+
 def test_bad_queries_are_named(store):
     store.create("kb")
     store.add_documents("kb", DOCS)
