@@ -93,6 +93,7 @@ def test_invalid_yaml_and_duplicate_names(tmp_path):
 def test_example_arms_load():
     arms = load_all_arms([str(REPO / "examples/ab/baseline.yaml"), str(REPO / "examples/ab/full.yaml")])
     assert [a.name for a in arms] == ["baseline", "full"]
+    assert [a.settings["model"] for a in arms] == ["smollm2-135m-instruct"] * 2
     assert arms[1].request == {"ragspeed": {"compression": {"rate": 0.25}}}
     words = len((REPO / "ragspeed/bench/system_prompt.txt").read_text().split())
     assert 2000 <= words <= 2200
