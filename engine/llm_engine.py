@@ -16,11 +16,13 @@ from typing import Any
 import torch
 
 from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.cpu_features import CpuFeatures
 from ragspeed.engine.detokenizer import IncrementalDetokenizer
 from ragspeed.engine.kv_cache import KVCachePool, plan_num_blocks
 from ragspeed.engine.loader import LoadedModel, load_for_engine, resolve_model_path
 from ragspeed.engine.logprobs import token_logprobs
 from ragspeed.engine.model_runner import ModelRunner
+from ragspeed.engine.precision import PrefillChoice, calibration_windows, choose_prefill
 from ragspeed.engine.protocol import (
     EngineError,
     GenerationRequest,
@@ -34,6 +36,7 @@ from ragspeed.engine.sampler import Sampler
 from ragspeed.engine.sampling import SamplingState, validate_sampling
 from ragspeed.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from ragspeed.engine.spec_decode import build_speculator
+from ragspeed.engine.threads import cpu_threads
 from ragspeed.prompt_cache.manager import KVCacheManager
 
 logger = logging.getLogger(__name__)
@@ -46,19 +49,37 @@ class StepOutput:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, *, loaded: LoadedModel | None = None, tokenizer: Any = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        loaded: LoadedModel | None = None,
+        tokenizer: Any = None,
+        features: CpuFeatures | None = None,  # default: this CPU's (engine.cpu_features)
+    ):
         self.config = config
         self.device = torch.device(config.device)
         num_threads = config.num_threads or torch.get_num_threads()
         if loaded is None:
             path = resolve_model_path(config.model)
             loaded = load_for_engine(
-                path, config, max_model_len=config.max_model_len, num_threads=num_threads
+                path,
+                config,
+                max_model_len=config.max_model_len,
+                num_threads=num_threads,
+                features=features,
             )
         if tokenizer is None:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(str(config.tokenizer or loaded.path))
+        # The prefill path (CPU): the fastest the plan offers that passes the quality gate.
+        self.prefill_choice: PrefillChoice | None = None
+        if loaded.prefill_plan is not None:
+            with cpu_threads(num_threads):
+                self.prefill_choice = choose_prefill(
+                    loaded, loaded.prefill_plan, lambda: calibration_windows(tokenizer)
+                )
         self.loaded = loaded
         self.tokenizer = tokenizer
         self.arch = loaded.arch
@@ -291,6 +312,11 @@ class LLMEngine:
             list(token_ids) + [0], cache_salt, record_stats=False
         )
         return num_cached
+
+    @property
+    def prefill_path(self) -> str | None:
+        """The name of the prefill path serving this model (None off CPU)."""
+        return None if self.prefill_choice is None else self.prefill_choice.path.name
 
     def stats(self) -> dict[str, float]:
         cache = self.manager.stats()

@@ -7,9 +7,9 @@ One code path for every supported family; a family is a row of `FAMILIES`, found
 config's `architectures` or `model_type`. Weights are read from every `*.safetensors` file of
 the folder (sharded checkpoints too), converted to the compute dtype, and fused at load:
 Q, K, V into one projection (Q and K rows permuted for the one-op rotation, see
-`engine.models.rotary`), gate and up into another. Half-precision checkpoints are computed in
-fp32 on CPU: most CPUs (those without AVX-512 BF16 or AMX) have no fast bf16/fp16 matrix
-products, and there a bf16 GEMM is about 30x slower than an fp32 one.
+`engine.models.rotary`), gate and up into another. Every checkpoint is computed in fp32 on CPU;
+where the CPU multiplies bf16 at speed, prefill products may read a bf16 copy of the weights
+(engine.precision plans it here, before reading weights, and the engine chooses it).
 """
 
 from __future__ import annotations
@@ -22,10 +22,12 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from ragspeed.engine import cpu_features
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.models.arch import ModelArch
 from ragspeed.engine.models.decoder import DecoderLM
 from ragspeed.engine.models.rotary import RotaryEmbedding, permute_heads
+from ragspeed.engine.precision import PrefillPlan, compute_dtype, plan_prefill
 from ragspeed.engine.quant import check_quantization
 from ragspeed.engine.threads import cpu_threads
 
@@ -64,6 +66,7 @@ class LoadedModel:
     max_model_len: int  # the model's own context limit (sliding window included)
     eos_token_ids: tuple[int, ...]
     path: Path
+    prefill_plan: PrefillPlan | None = None  # CPU: the prefill paths it may move to
 
 
 def find_family(hf_config: Any) -> ModelFamily:
@@ -131,16 +134,6 @@ def rope_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
         )
     inv_freq, attention_scaling = init(hf_config, "cpu")
     return inv_freq, float(attention_scaling)
-
-
-def compute_dtype(requested: str, device: str) -> torch.dtype:
-    dtype = getattr(torch, requested, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"dtype {requested!r} is not a torch dtype (e.g. 'float32', 'bfloat16')")
-    if torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16):
-        logger.info("computing in float32 on CPU instead of %s (no fast half matmuls here)", dtype)
-        return torch.float32
-    return dtype
 
 
 def read_safetensors(path: Path, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
@@ -222,7 +215,12 @@ def resolve_model_path(name: str) -> Path:
 
 
 def load_for_engine(
-    path: Path, config: EngineConfig, *, max_model_len: int | None, num_threads: int
+    path: Path,
+    config: EngineConfig,
+    *,
+    max_model_len: int | None,
+    num_threads: int,
+    features: cpu_features.CpuFeatures | None = None,
 ) -> LoadedModel:
     """`path` loaded as `config` asks (device, dtype, quantization) on the engine's thread
     count: the linear kinds keep the count of their load for their products (engine.threads)."""
@@ -233,6 +231,7 @@ def load_for_engine(
             dtype=config.dtype,
             quantization=config.quantization,
             max_model_len=max_model_len,
+            features=features,
         )
 
 
@@ -243,9 +242,11 @@ def load_model(
     dtype: str = "float32",
     quantization: str | None = None,
     max_model_len: int | None = None,
+    features: cpu_features.CpuFeatures | None = None,
 ) -> LoadedModel:
     """`max_model_len` (default: the model's limit) sizes the rotation table; it may not exceed
-    the model's own limit."""
+    the model's own limit. The model loads on its exact prefill path; `features` (default:
+    this CPU's) decide which faster ones its `prefill_plan` offers (engine.precision)."""
     from transformers import AutoConfig, GenerationConfig
 
     path = Path(path)
@@ -253,6 +254,9 @@ def load_model(
     family = find_family(hf_config)
     arch = arch_from_config(hf_config, family)
     check_quantization(quantization, device)  # before reading weights: lists what runs here
+    if features is None and torch.device(device).type == "cpu":
+        features = cpu_features.read_cpu_features()
+    plan = plan_prefill(dtype, quantization, device, features)  # raises for a dtype not run here
     torch_dtype = compute_dtype(dtype, device)
     model = DecoderLM(arch, quantization=quantization)
     load_weights(model, read_safetensors(path, torch_dtype, device))
@@ -270,4 +274,4 @@ def load_model(
     if eos is None:
         eos = getattr(hf_config, "eos_token_id", None)
     eos_ids = (eos,) if isinstance(eos, int) else tuple(eos or ())
-    return LoadedModel(model.eval(), rotary, arch, max_model_len, eos_ids, path)
+    return LoadedModel(model.eval(), rotary, arch, max_model_len, eos_ids, path, plan)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import Field, ValidationError, field_validator
@@ -18,6 +18,9 @@ from ragspeed.compression.registry import COMPRESSORS, DEFAULT_METHOD, OFFERED_M
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
 from ragspeed.gateway.security import ApiKeyEntry, KeyHash
+
+# The keys of engine.precision.DTYPES (kept here as a type: settings import no torch).
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 class ConfigError(ValueError):
@@ -43,7 +46,10 @@ class Settings(BaseSettings):
     engine: str = Field("native", description="Engine backend: native, transformers, openai or vllm.")
     tokenizer: str | None = Field(None, description="Tokenizer path or id; default: the model's.")
     device: str = Field("cpu", description="Device for embedded engines: cpu or cuda.")
-    dtype: str = Field("float32", description="Compute dtype for embedded engines.")
+    dtype: Dtype = Field(
+        "auto",
+        description="Precision of embedded engines: auto, float32, bfloat16 or float16. On CPU the native engine keeps fp32 weights, activations and KV cache and chooses only its prefill products' precision: auto takes bf16 where the CPU has AMX-BF16 or AVX512-BF16 and the start-up quality gate passes it, fp32 elsewhere; bfloat16 fails to start on a CPU without them. Elsewhere the compute dtype (auto: bf16 where supported).",
+    )
     num_threads: int | None = Field(
         None,
         ge=1,

@@ -29,3 +29,23 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"{SHARED_DATA} not found (../shared/data beside the checkout, or set RAGSPEED_DATA_DIR)")
     return SHARED_DATA
+
+
+@pytest.fixture(autouse=True)
+def exact_prefill_paths(monkeypatch):
+    """Engines of the suite prefill on their exact fp32 paths on any CPU: their outputs are
+    compared with fp32 references. The read CPU loses the flags that open a faster path (bf16,
+    VNNI); a test of those paths injects its own `CpuFeatures` (tests/engine/test_precision.py,
+    test_int8_paths.py)."""
+    from ragspeed.engine import cpu_features
+
+    read = cpu_features.read_cpu_features
+    faster = {"avx512_bf16", "amx_bf16", "avx512_vnni", "avx_vnni"}
+
+    def read_without_faster_paths(*args, **kwargs):
+        features = read(*args, **kwargs)
+        return cpu_features.CpuFeatures(
+            features.model_name, features.flags - faster, features.torch_capability
+        )
+
+    monkeypatch.setattr(cpu_features, "read_cpu_features", read_without_faster_paths)

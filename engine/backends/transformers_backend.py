@@ -16,9 +16,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
+from ragspeed.engine import cpu_features
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.detokenizer import IncrementalDetokenizer
 from ragspeed.engine.model_zoo import resolve_model
+from ragspeed.engine.precision import model_dtype
 from ragspeed.engine.protocol import (
     EngineError,
     GenerationRequest,
@@ -98,7 +100,8 @@ class TransformersEngine:
 
     def _load(self) -> None:
         path = resolve_model(self.config.model)
-        dtype = getattr(torch, self.config.dtype)
+        # The whole model in one dtype; "auto": bf16 on a CPU that multiplies it at speed.
+        dtype = model_dtype(self.config.dtype, self.config.device, cpu_features.read_cpu_features())
         self._tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer or path)
         self._model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
         self._model.to(self.config.device)

@@ -11,6 +11,10 @@ quantized one) and records the thread count its products run on (engine.threads)
 On CPU both kinds also keep the weight in the column blocks of ragspeed's own kernels
 (engine.cpu_kernels) for products of a few rows, the decode steps: bandwidth-bound, they read
 the blocks at close to the machine's read bandwidth, about 1.5x faster than the packed kernels.
+
+The packed copy that serves prefill products is one of `DENSE_PREFILL_PATHS` (fp32, or bf16 on
+a CPU with AMX-BF16 or AVX512-BF16: engine.packed); a model loads on fp32 and
+engine.precision moves it (`use_prefill`) once the quality gate passes a faster path.
 """
 
 from __future__ import annotations
@@ -22,12 +26,25 @@ from torch import nn
 
 from ragspeed.engine.cpu_kernels import BlockedWeight, blocked_kernels_available, takes_blocked
 from ragspeed.engine.linear_kind import LinearKind
+from ragspeed.engine.packed import PackedLinear, bf16_missing
 from ragspeed.engine.quant import QUANT_KINDS
+from ragspeed.engine.quant.prefill import PrefillPath, bf16_speedup, fp32_speedup, runs_anywhere
 from ragspeed.engine.threads import linear_threads
 
 
 def onednn_available(device: torch.device) -> bool:
     return device.type == "cpu" and torch.backends.mkldnn.is_available()
+
+
+def _packed(dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor | None], PackedLinear]:
+    return lambda weight, bias: PackedLinear(weight, bias, dtype)
+
+
+# The dense kind's prefill paths (engine.quant.prefill.PrefillPath); the last runs everywhere.
+DENSE_PREFILL_PATHS: tuple[PrefillPath, ...] = (
+    PrefillPath("bf16", "bf16", "rounded to bf16", bf16_missing, bf16_speedup, _packed(torch.bfloat16)),
+    PrefillPath("fp32", "fp32", "kept in fp32", runs_anywhere, fp32_speedup, _packed(torch.float32)),
+)
 
 
 class DenseLinear(LinearKind):
@@ -46,19 +63,22 @@ class DenseLinear(LinearKind):
 
     Products of up to `MAX_BLOCKED_ROWS` rows, and every product of a decode-type step
     (engine.cpu_kernels.decode_step), use the column-blocked copy of the weight instead: 1 row 11-18 ms vs 21-27 ms over the same matrices, 8 rows
-    even. That copy doubles the resident fp32 weights; decoding reads only it.
+    even. That copy doubles the resident fp32 weights; decoding reads only it. The packed copy
+    is the prefill path's (`use_prefill`): fp32, or bf16 where engine.precision chose it.
+    Without a blocked copy the packed one serves every product, and W is kept to rebuild it.
 
     Elsewhere (GPUs, builds without oneDNN) `W.T` is kept contiguous (`[in, out]`) for `mm`.
     """
 
-    PACKING_BATCH_HINT = 256
     MAX_BLOCKED_ROWS = 8
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__(in_features, out_features, bias)
-        self.packed: torch.Tensor | None = None  # oneDNN layout of W [out, in], CPU
+        self.prefill: PackedLinear | None = None  # oneDNN layout of W, CPU (engine.packed)
+        self.path: PrefillPath | None = None  # the prefill path `prefill` was built for
         self.weight_t: torch.Tensor | None = None  # [in_features, out_features], elsewhere
         self.blocked: BlockedWeight | None = None  # fp32 CPU weights, ragspeed's kernels
+        self.source: torch.Tensor | None = None  # W, kept where no blocked copy rebuilds it
         self.bias: torch.Tensor | None = None  # [out_features]
         self.element_size = 0
 
@@ -66,47 +86,56 @@ class DenseLinear(LinearKind):
         self.check_weights(weight, bias)
         self.element_size = weight.element_size()
         self.bias = None if bias is None else bias.contiguous()
+        if weight.dtype == torch.float32 and blocked_kernels_available(weight.device):
+            self.blocked = BlockedWeight(weight, self.bias)
         if onednn_available(weight.device):
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(
-                weight.contiguous(), self.PACKING_BATCH_HINT
+            self.source = None if self.blocked is not None else weight
+            self.use_prefill(
+                DENSE_PREFILL_PATHS[-1] if weight.dtype == torch.float32 else _same_dtype(weight)
             )
         else:
             self.weight_t = weight.t().contiguous()
-        if weight.dtype == torch.float32 and blocked_kernels_available(weight.device):
-            self.blocked = BlockedWeight(weight, self.bias)
+
+    def use_prefill(self, path: PrefillPath) -> None:
+        """Rebuild the packed copy that prefill products read for `path` (CPU)."""
+        assert self.blocked is not None or self.source is not None, "load() on CPU first"
+        weight = self.source if self.blocked is None else self.blocked.unblocked()[0]
+        self.path = path
+        self.prefill = path.build(weight, self.bias)
 
     def blocked_weight(self) -> BlockedWeight | None:
         return self.blocked
 
     @property
     def num_weight_bytes(self) -> int:
-        """Bytes read per forward: what a token costs in memory bandwidth."""
+        """Bytes read per forward of a few rows: what a token costs in memory bandwidth."""
+        if self.blocked is None and self.prefill is not None:
+            return self.num_params * self.prefill.element_size
         return self.num_params * self.element_size
 
     @property
     def num_resident_bytes(self) -> int:
         """Bytes held: the weight once per layout kept."""
-        copies = 1 + (self.blocked is not None)
-        return self.num_params * self.element_size * copies
+        held = [self.blocked is not None, self.source is not None, self.weight_t is not None]
+        total = self.num_params * self.element_size * sum(held)
+        return total + (0 if self.prefill is None else self.num_params * self.prefill.element_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, in_features] -> [num_tokens, out_features]."""
         if self.blocked is not None and takes_blocked(x.shape[0], self.MAX_BLOCKED_ROWS):
             return self.blocked.forward(x, self.num_threads)
-        if self.packed is not None:
-            return linear_threads(
-                self.num_threads,
-                torch.ops.mkldnn._linear_pointwise,
-                x.contiguous(),
-                self.packed,
-                self.bias,
-                "none",
-                [],
-                "",
-            )
+        if self.prefill is not None:
+            return linear_threads(self.num_threads, self.prefill.forward, x)
         if self.bias is None:
             return torch.mm(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)
+
+
+def _same_dtype(weight: torch.Tensor) -> PrefillPath:
+    """A CPU weight loaded in a dtype other than fp32 (not through the loader, which computes
+    in fp32 on CPU): packed as it is."""
+    name = str(weight.dtype).removeprefix("torch.")
+    return PrefillPath(name, name, f"in {name}", runs_anywhere, fp32_speedup, _packed(weight.dtype))
 
 
 # quantization name (EngineConfig.quantization) -> linear kind.

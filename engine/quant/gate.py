@@ -8,9 +8,9 @@ that passes, and logs why each one before it fell back; the model's int8 layers 
 the path it returns. No passing path means int8 itself fails: the next precision is fp32.
 
 Two references: `bench quant` measures against the fp32 model (weights and activations), which
-gates the int8 weights too; `gate_loaded_model`, cheap enough for start-up, measures against the
-same model on its most precise path (the same int8 weights, activations in fp32), which gates
-what a faster path does to the activations.
+gates the int8 weights too; engine.precision's start-up gate, cheap enough for start-up,
+measures against the same model on its most precise path (the same weights, activations in
+fp32), which gates what a faster path does to the activations.
 """
 
 from __future__ import annotations
@@ -22,11 +22,9 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from ragspeed.engine.cpu_features import CpuFeatures
-from ragspeed.engine.quant.prefill import PrefillPath, prefill_candidates
+from ragspeed.engine.quant.prefill import PrefillPath
 
 if TYPE_CHECKING:  # engine.quant.quality imports the loader, which imports this package
-    from ragspeed.engine.loader import LoadedModel
     from ragspeed.engine.quant.quality import QualityReport
 
 logger = logging.getLogger(__name__)
@@ -58,8 +56,10 @@ def gate_prefill(
     candidates: list[PrefillPath],
     measure: Callable[[PrefillPath], QualityReport],
     gate: QualityGate = QualityGate(),
+    after_last: str = "fp32 (no int8)",
 ) -> GateOutcome:
-    """Measure `candidates` in order until one passes `gate`; log each fallback."""
+    """Measure `candidates` in order until one passes `gate`; log each fallback (to the next
+    candidate, or to `after_last`)."""
     if not candidates:
         raise ValueError("gate_prefill needs at least one candidate path")
     reports: dict[str, QualityReport] = {}
@@ -70,9 +70,9 @@ def gate_prefill(
         if not missed:
             return GateOutcome(path, reports, rejected)
         rejected[path.name] = "; ".join(missed)
-        after = candidates[i + 1].name if i + 1 < len(candidates) else "fp32 (no int8)"
+        after = candidates[i + 1].name if i + 1 < len(candidates) else after_last
         logger.warning(
-            "int8 prefill path %s fails the quality gate (%s): falling back to %s",
+            "prefill path %s fails the quality gate (%s): falling back to %s",
             path.name,
             rejected[path.name],
             after,
@@ -85,39 +85,17 @@ def int8_kernels(model: nn.Module) -> list:
     return [m.kernel for m in model.modules() if hasattr(getattr(m, "kernel", None), "use_prefill")]
 
 
+def prefill_layers(model: nn.Module) -> list:
+    """Whatever holds a prefill path in `model`'s linear layers: the CPU int8 kernels, and
+    the dense layers that keep a packed copy (engine.models.linear)."""
+    dense = [m for m in model.modules() if hasattr(m, "use_prefill") and getattr(m, "path", None)]
+    return int8_kernels(model) + dense
+
+
 def use_prefill_path(model: nn.Module, path: PrefillPath) -> int:
-    """Move every CPU int8 layer of `model` to `path`; returns how many moved."""
-    kernels = int8_kernels(model)
-    for kernel in kernels:
-        if kernel.path is not path:
-            kernel.use_prefill(path)
-    return len(kernels)
-
-
-def gate_loaded_model(
-    loaded: LoadedModel,
-    windows: list[list[int]],
-    features: CpuFeatures,
-    gate: QualityGate = QualityGate(),
-) -> PrefillPath:
-    """Gate the faster prefill paths of an int8 model against its most precise one on
-    `windows` (token ids; each one prefill); leave the model on the path chosen and return it."""
-    from ragspeed.engine.quant.quality import compare_logits, window_logits
-
-    candidates = prefill_candidates(features)
-    exact = candidates[-1]
-    use_prefill_path(loaded.model, exact)
-    if len(candidates) == 1:
-        return exact
-    reference = {tuple(ids): window_logits(loaded, ids) for ids in windows}
-
-    def measure(path: PrefillPath) -> QualityReport:
-        use_prefill_path(loaded.model, path)
-        logits = (
-            (lambda ids: reference[tuple(ids)]) if path is exact else (lambda ids: window_logits(loaded, ids))
-        )
-        return compare_logits(lambda ids: reference[tuple(ids)], logits, windows)
-
-    chosen = gate_prefill(candidates, measure, gate).path or exact
-    use_prefill_path(loaded.model, chosen)
-    return chosen
+    """Move every CPU layer of `model` with a prefill path to `path`; returns how many moved."""
+    layers = prefill_layers(model)
+    for layer in layers:
+        if layer.path is not path:
+            layer.use_prefill(path)
+    return len(layers)

@@ -8,14 +8,19 @@ are bound by arithmetic instead, and there the choice is between precision and s
   (engine.quant.fbgemm_int8), int8 by uint8 products. Needs VNNI: without it fbgemm's AVX2
   kernel saturates 16-bit pair sums (engine.cpu_features). Its weights are per-channel int8
   requantized from the group-wise ones, so prefill and decode round the weights differently.
-- `fp32-dequantized`: the group-wise int8 weight dequantized once, at load, to fp32 and packed
-  for oneDNN; activations stay fp32, so prefill computes exactly what decode computes (the same
-  int8 values and scales), at fp32's speed. Runs on every CPU.
+- `bf16-dequantized`: the group-wise int8 weight dequantized once, at load, to bf16 and packed
+  for oneDNN (engine.packed); activations rounded to bf16 for the product. Needs AMX-BF16 or
+  AVX512-BF16.
+- `fp32-dequantized`: the same, in fp32: activations stay fp32, so prefill computes exactly
+  what decode computes (the same int8 values and scales), at fp32's speed. Runs on every CPU.
 
-`PREFILL_PATHS` lists them fastest first. `prefill_candidates(features)` keeps those this CPU
-runs. A model loads on the last, most precise one: a faster path rounds the activations, which
-only a quality gate on the model itself can clear (engine.quant.gate measures the candidates
-fastest first and moves the model to the first that passes).
+A `PrefillPath` is one row of such a table (the dense kind has its own, engine.models.linear):
+what it does to the activations (`precision`: which `--dtype` admits it, engine.precision), why
+a CPU cannot run it, and its GEMM rate over fp32's on a CPU (`speedup`, from the rates measured
+on these machines, issue 21). `prefill_candidates(features)` keeps those this CPU runs, fastest
+first; the last, the most precise, is what a model loads on. A faster path rounds the
+activations, which only a quality gate on the model itself can clear (engine.quant.gate
+measures the candidates fastest first and moves the model to the first that passes).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Protocol
 import torch
 
 from ragspeed.engine.cpu_features import CpuFeatures
+from ragspeed.engine.packed import PackedLinear, bf16_missing
 from ragspeed.engine.quant.fbgemm_int8 import FbgemmInt8Kernel, fbgemm_available
 from ragspeed.engine.quant.groupwise import GroupInt8Weight
 from ragspeed.engine.quant.per_channel import quantize_per_channel
@@ -38,26 +44,11 @@ class PrefillKernel(Protocol):
     def forward(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
-class DequantizedKernel:
-    """The int8 weight's fp32 values, packed once like engine.models.linear's dense kind."""
+def _dequantized(dtype: torch.dtype) -> Callable[[GroupInt8Weight, torch.Tensor | None], PrefillKernel]:
+    def build(weight: GroupInt8Weight, bias: torch.Tensor | None) -> PrefillKernel:
+        return PackedLinear(weight.dequantize(), None if bias is None else bias.float(), dtype)
 
-    PACKING_BATCH_HINT = 256
-
-    def __init__(self, weight: GroupInt8Weight, bias: torch.Tensor | None):
-        w = weight.dequantize().contiguous()  # fp32 [out_features, in_features]
-        self.bias = None if bias is None else bias.float().contiguous()
-        self.packed = self.weight = None
-        if torch.backends.mkldnn.is_available():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(w, self.PACKING_BATCH_HINT)
-        else:
-            self.weight = w
-        self.num_bytes = w.numel() * 4 + (0 if bias is None else bias.numel() * 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x fp32 [num_tokens, in_features] -> fp32 [num_tokens, out_features]."""
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
-        return torch.nn.functional.linear(x, self.weight, self.bias)
+    return build
 
 
 class _FbgemmPrefill:
@@ -75,22 +66,51 @@ def _needs_vnni(features: CpuFeatures) -> str | None:
     return None
 
 
-def _runs_anywhere(features: CpuFeatures) -> str | None:
+def runs_anywhere(features: CpuFeatures) -> str | None:
     return None
+
+
+# GEMM rates over fp32 on the Intel Xeon of issue 21 (2 threads, 2,048 rows): bf16 `linear`
+# on AMX 1,113 vs fp32 218 GFLOP/s; fbgemm's int8 536 GOP/s. AVX512-BF16 without AMX doubles
+# the products per instruction of an fp32 FMA: about 2x.
+def bf16_speedup(features: CpuFeatures) -> float:
+    return 5.1 if "amx_bf16" in features.flags else 2.0
+
+
+def _fbgemm_speedup(features: CpuFeatures) -> float:
+    return 2.5
+
+
+def fp32_speedup(features: CpuFeatures) -> float:
+    return 1.0
 
 
 @dataclass(frozen=True)
 class PrefillPath:
     name: str
-    activations: str  # what a prefill product does to the activations
+    precision: str  # "fp32", "bf16" or "int8": what the product does to the activations
+    activations: str  # the same, in words
     missing: Callable[[CpuFeatures], str | None]  # why this CPU cannot run it, or None
-    build: Callable[[GroupInt8Weight, torch.Tensor | None], PrefillKernel]
+    speedup: Callable[[CpuFeatures], float]  # its GEMM rate over fp32's on a CPU that runs it
+    build: Callable[..., PrefillKernel]  # (weight, bias) -> kernel
 
 
-# Fastest first; the last runs everywhere.
+# Every path a CPU may run; the last runs everywhere and rounds nothing.
 PREFILL_PATHS: tuple[PrefillPath, ...] = (
-    PrefillPath("fbgemm-u8", "rounded to 8 bits per row", _needs_vnni, _FbgemmPrefill),
-    PrefillPath("fp32-dequantized", "kept in fp32", _runs_anywhere, DequantizedKernel),
+    PrefillPath(
+        "fbgemm-u8", "int8", "rounded to 8 bits per row", _needs_vnni, _fbgemm_speedup, _FbgemmPrefill
+    ),
+    PrefillPath(
+        "bf16-dequantized",
+        "bf16",
+        "rounded to bf16",
+        bf16_missing,
+        bf16_speedup,
+        _dequantized(torch.bfloat16),
+    ),
+    PrefillPath(
+        "fp32-dequantized", "fp32", "kept in fp32", runs_anywhere, fp32_speedup, _dequantized(torch.float32)
+    ),
 )
 
 
@@ -102,9 +122,17 @@ def prefill_path(name: str) -> PrefillPath:
     raise ValueError(f"unknown int8 prefill path {name!r}; known: {known}")
 
 
+def runnable_paths(paths: tuple[PrefillPath, ...], features: CpuFeatures) -> list[PrefillPath]:
+    """Those of `paths` (the last one runs everywhere) this CPU runs, fastest first; ties keep
+    the table's order, and the last of `paths` stays last."""
+    *faster, exact = paths
+    runnable = [p for p in faster if p.missing(features) is None]
+    return sorted(runnable, key=lambda p: -p.speedup(features)) + [exact]
+
+
 def prefill_candidates(features: CpuFeatures) -> list[PrefillPath]:
-    """The paths this CPU runs, fastest first (never empty)."""
-    return [path for path in PREFILL_PATHS if path.missing(features) is None]
+    """The int8 paths this CPU runs, fastest first (never empty)."""
+    return runnable_paths(PREFILL_PATHS, features)
 
 
 def describe_choice(features: CpuFeatures) -> str:

@@ -34,6 +34,13 @@ def machine_line(threads: int | None = None) -> str:
     return "machine: " + ", ".join(parts)
 
 
+def prefill_line(engine: Any) -> str:
+    """One line naming the prefill path a native engine (`LLMEngine`) chose at start-up and the
+    CPU's capabilities (engine.precision), for every bench that runs one."""
+    choice = getattr(engine, "prefill_choice", None)
+    return "prefill: " + ("one dtype for every product (not a CPU)" if choice is None else choice.describe())
+
+
 def require_positive(**values: int) -> None:
     """Raise ValueError naming the first count below 1."""
     for name, value in values.items():

@@ -10,8 +10,11 @@ Figures (one run, after a warm-up, medians of `repeats` runs; JSON keys in brack
 - resident weight bytes [int8_weight_bytes, fp32_weight_bytes];
 - quality of int8 against fp32 on `text` (see engine.quant.quality) [ppl_increase (a fraction),
   top1_agreement, logit_rms_error, ppl_fp32, ppl_int8], of the int8 prefill path the quality
-  gate chose (engine.quant.gate) [int8_prefill_path; None: no path passed], each path measured
-  on the way [quality_<path>_<figure>]; the CPU's capability line [cpu].
+  gate chose (engine.quant.gate) [int8_prefill_path; None: no path passed], and of every
+  prefill path this CPU runs against the fp32 model: the int8 ones (fbgemm-u8, bf16-dequantized,
+  fp32-dequantized) and, where the CPU has AMX-BF16 or AVX512-BF16, the fp32 model's bf16 prefill
+  [quality_<path>_<figure>]; the CPU's capability line [cpu] and each engine's prefill line
+  [<engine>_prefill].
 Targets (issue 5, bench-0.5b): int8_tpot_ms <= 2.5 x int8_tpot_bound_ms; fp32/int8 TPOT >= 3;
 int8 TTFT no worse than fp32. Issue 20 (the real default model): ppl increase <= 1%, top-1
 agreement >= 97%, fp32/int8 TPOT >= 2.4. A *ratio* divides two contenders' times;
@@ -29,7 +32,7 @@ from typing import Any
 import click
 import torch
 
-from ragspeed.bench.common import json_option, machine_line, require_positive, write_json
+from ragspeed.bench.common import json_option, machine_line, prefill_line, require_positive, write_json
 from ragspeed.bench.engine import (
     BandwidthProbe,
     _NativeContender,
@@ -59,9 +62,10 @@ def run_bench_quant(
     from ragspeed.engine.cpu_features import read_cpu_features
     from ragspeed.engine.llm_engine import LLMEngine
     from ragspeed.engine.loader import resolve_model_path
+    from ragspeed.engine.models.linear import DENSE_PREFILL_PATHS
     from ragspeed.engine.quant.gate import gate_prefill, use_prefill_path
-    from ragspeed.engine.quant.prefill import prefill_candidates
-    from ragspeed.engine.quant.quality import compare_quality, text_windows
+    from ragspeed.engine.quant.prefill import prefill_candidates, runnable_paths
+    from ragspeed.engine.quant.quality import compare_logits, text_windows, window_logits
 
     require_positive(
         prompt_len=prompt_len,
@@ -83,6 +87,7 @@ def run_bench_quant(
         quantization or "fp32": LLMEngine(
             EngineConfig(
                 model=str(path),
+                dtype="float32",  # the reference and the int8 timings: no bf16 dense prefill
                 quantization=quantization,
                 max_model_len=max_model_len,
                 num_kv_cache_tokens=max_model_len + 1024,
@@ -102,14 +107,24 @@ def run_bench_quant(
         engines["fp32"].tokenizer, text, window=quality_window, num_windows=quality_windows
     )
     int8_model = engines["int8"].loaded.model
+    fp32_loaded = engines["fp32"].loaded
+    reference = {tuple(ids): window_logits(fp32_loaded, ids) for ids in windows}
 
-    def measure(path):
-        use_prefill_path(int8_model, path)
-        return compare_quality(engines["fp32"].loaded, engines["int8"].loaded, windows)
+    def against_fp32(loaded, path):
+        use_prefill_path(loaded.model, path)
+        return compare_logits(
+            lambda ids: reference[tuple(ids)], lambda ids: window_logits(loaded, ids), windows
+        )
 
-    outcome = gate_prefill(prefill_candidates(features), measure)
+    int8_reports = {p.name: against_fp32(engines["int8"].loaded, p) for p in prefill_candidates(features)}
+    outcome = gate_prefill(prefill_candidates(features), lambda p: int8_reports[p.name])
     # The timings run on the chosen path (the most precise one where none passed).
     use_prefill_path(int8_model, outcome.path or prefill_candidates(features)[-1])
+    # The fp32 model's own faster paths (bf16 where the CPU has it), then back on fp32.
+    dense_reports = {
+        p.name: against_fp32(fp32_loaded, p) for p in runnable_paths(DENSE_PREFILL_PATHS, features)[:-1]
+    }
+    use_prefill_path(fp32_loaded.model, DENSE_PREFILL_PATHS[-1])
     gen = torch.Generator().manual_seed(seed)
 
     probe = BandwidthProbe()
@@ -117,9 +132,10 @@ def run_bench_quant(
         "model": model,
         "cpu": features.describe(),
         "int8_prefill_path": None if outcome.path is None else outcome.path.name,
+        **{f"{name}_prefill": prefill_line(engine) for name, engine in engines.items()},
         **{
             f"quality_{name}_{key}": value
-            for name, report in outcome.reports.items()
+            for name, report in {**int8_reports, **dense_reports}.items()
             for key, value in asdict(report).items()
         },
         "threads": threads,
@@ -168,7 +184,7 @@ def run_bench_quant(
             results["transformers_tpot_ms"] / results["transformers_tpot_bound_ms"]
         )
 
-    quality = list(outcome.reports.values())[-1]
+    quality = int8_reports[outcome.path.name if outcome.path else prefill_candidates(features)[-1].name]
     results.update(
         quality_tokens=quality.num_predictions,
         ppl_fp32=quality.ppl_reference,
@@ -199,6 +215,8 @@ def print_table(r: dict[str, Any], ttft_len: int) -> None:
         f"read {r['read_bandwidth_gb_s']:.1f} GB/s\ncpu {r['cpu']}\n"
         f"int8 prefill path {r['int8_prefill_path'] or 'none passed the gate'}"
     )
+    for name in ("int8", "fp32"):
+        print(f"{name} engine {r[f'{name}_prefill']}")
     print(
         f"{'contender':<16}{'TPOT ms':>10}{'bound ms':>10}{'/bound':>8}"
         f"{f'TTFT {ttft_len} ms':>15}{'weights MB':>12}"
@@ -219,6 +237,18 @@ def print_table(r: dict[str, Any], ttft_len: int) -> None:
         f"ppl {r['ppl_fp32']:.2f} -> {r['ppl_int8']:.2f} ({r['ppl_increase']:+.2%}), "
         f"top-1 agreement {r['top1_agreement']:.2%}, logit RMS error {r['logit_rms_error']:.3f}"
     )
+    paths = sorted(
+        {
+            k.removeprefix("quality_").removesuffix("_ppl_increase")
+            for k in r
+            if k.endswith("_ppl_increase") and k.startswith("quality_")
+        }
+    )
+    for path in paths:
+        print(
+            f"prefill path {path} vs fp32: ppl {r[f'quality_{path}_ppl_increase']:+.2%}, "
+            f"top-1 agreement {r[f'quality_{path}_top1_agreement']:.2%}"
+        )
     targets = [k for k in r if k.startswith("target_")]
     print("targets: " + ", ".join(f"{k[7:]}={'pass' if r[k] else 'FAIL'}" for k in targets))
 

@@ -54,10 +54,10 @@ def _hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-def make_engine(path, **overrides) -> LLMEngine:
+def make_engine(path, features=None, **overrides) -> LLMEngine:
     kwargs = dict(model=str(path), max_model_len=256, num_kv_cache_tokens=4096, block_size=8)
     kwargs.update(overrides)
-    return LLMEngine(EngineConfig(**kwargs))
+    return LLMEngine(EngineConfig(**kwargs), features=features)
 
 
 def speculate_every_step(engine: LLMEngine) -> None:

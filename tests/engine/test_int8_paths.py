@@ -26,7 +26,10 @@ from ragspeed.engine.quant.quality import QualityReport
 
 AVX2 = CpuFeatures("AMD EPYC", frozenset({"avx2"}), "AVX2")
 VNNI = CpuFeatures("Intel Xeon", frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16"}), "AVX512")
-HERE = read_cpu_features()
+AMX = CpuFeatures(
+    "Intel Xeon", frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16"}), "AVX512"
+)
+HERE = read_cpu_features()  # at import: before the suite's fixture hides the faster paths
 needs_vnni = pytest.mark.skipif(
     not HERE.has_vnni, reason=f"fbgemm's u8 path needs VNNI; this CPU: {HERE.describe()}"
 )
@@ -59,7 +62,9 @@ def test_read_cpu_features_of_this_machine(tmp_path):
 
 def test_candidates_by_capability():
     assert [p.name for p in prefill_candidates(AVX2)] == ["fp32-dequantized"]
-    assert [p.name for p in prefill_candidates(VNNI)] == ["fbgemm-u8", "fp32-dequantized"]
+    # AVX512-BF16 without AMX: fbgemm's int8 (~2.5x fp32) before bf16 (~2x); AMX: bf16 (~5x) first
+    assert [p.name for p in prefill_candidates(VNNI)] == ["fbgemm-u8", "bf16-dequantized", "fp32-dequantized"]
+    assert [p.name for p in prefill_candidates(AMX)] == ["bf16-dequantized", "fbgemm-u8", "fp32-dequantized"]
     assert prefill_path("fbgemm-u8") is PREFILL_PATHS[0]
     with pytest.raises(ValueError, match="unknown int8 prefill path 'u4'; known: 'fbgemm-u8', "):
         prefill_path("u4")
@@ -154,7 +159,11 @@ def _report(ppl_increase: float, top1: float) -> QualityReport:
 
 def test_gate_falls_back_and_logs_why(caplog):
     measured = []
-    reports = {"fbgemm-u8": _report(0.0387, 0.853), "fp32-dequantized": _report(0.0002, 0.978)}
+    reports = {
+        "fbgemm-u8": _report(0.0387, 0.853),
+        "bf16-dequantized": _report(0.02, 0.99),
+        "fp32-dequantized": _report(0.0002, 0.978),
+    }
 
     def measure(path):
         measured.append(path.name)
@@ -163,13 +172,17 @@ def test_gate_falls_back_and_logs_why(caplog):
     with caplog.at_level(logging.WARNING, logger="ragspeed.engine.quant.gate"):
         outcome = gate_prefill(prefill_candidates(VNNI), measure)
     assert outcome.path.name == "fp32-dequantized"
-    assert measured == ["fbgemm-u8", "fp32-dequantized"]
-    assert outcome.rejected == {"fbgemm-u8": "perplexity +3.87% > +1%; top-1 agreement 85.30% < 97%"}
+    assert measured == ["fbgemm-u8", "bf16-dequantized", "fp32-dequantized"]
+    assert outcome.rejected == {
+        "fbgemm-u8": "perplexity +3.87% > +1%; top-1 agreement 85.30% < 97%",
+        "bf16-dequantized": "perplexity +2.00% > +1%",
+    }
     assert caplog.messages == [
         (
-            "int8 prefill path fbgemm-u8 fails the quality gate (perplexity +3.87% > +1%; top-1 "
-            "agreement 85.30% < 97%): falling back to fp32-dequantized"
-        )
+            "prefill path fbgemm-u8 fails the quality gate (perplexity +3.87% > +1%; top-1 "
+            "agreement 85.30% < 97%): falling back to bf16-dequantized"
+        ),
+        "prefill path bf16-dequantized fails the quality gate (perplexity +2.00% > +1%): falling back to fp32-dequantized",
     ]
 
 
@@ -193,7 +206,8 @@ def test_gate_passes_first_path_or_none():
                 "int8 on AMD EPYC (torch AVX2): avx2; no avx512f, avx512_vnni, avx_vnni, "
                 "avx512_bf16, amx_bf16, amx_int8: prefill fp32-dequantized (activations kept in "
                 "fp32), decode ragspeed's blocked int8 kernel; not fbgemm-u8: no VNNI (avx512_vnni "
-                "/ avx_vnni): fbgemm's AVX2 kernel saturates"
+                "/ avx_vnni): fbgemm's AVX2 kernel saturates; bf16-dequantized: no AMX-BF16 or "
+                "AVX512-BF16 (amx_bf16 / avx512_bf16): bf16 products run ~30x slower than fp32"
             ),
         ),
         (
@@ -201,8 +215,8 @@ def test_gate_passes_first_path_or_none():
             (
                 "int8 on Intel Xeon (torch AVX512): avx2, avx512f, avx512_vnni, avx512_bf16; no "
                 "avx_vnni, amx_bf16, amx_int8: prefill fp32-dequantized (activations kept in fp32), "
-                "decode ragspeed's blocked int8 kernel; fbgemm-u8 runs here once the quality gate "
-                "passes it"
+                "decode ragspeed's blocked int8 kernel; fbgemm-u8, bf16-dequantized runs here once "
+                "the quality gate passes it"
             ),
         ),
     ],
@@ -216,27 +230,46 @@ def test_start_up_logs_the_choice(monkeypatch, caplog, features, line):
     assert describe_choice(features) == line
 
 
-def test_start_up_gate_on_a_tiny_model(monkeypatch, caplog, tiny_checkpoints):
-    """The start-up gate against the model's own exact-activation path, VNNI forced: a strict
-    gate rejects fbgemm-u8 (its activations are rounded) and the model falls back, logged; a
-    lenient one keeps it; without VNNI there is nothing to gate."""
+def test_start_up_gate_on_a_tiny_model(caplog, tiny_checkpoints):
+    """The start-up gate against the model's own exact-activation path, VNNI forced (int8 on
+    dtype float32: bf16 not admitted): a strict gate rejects fbgemm-u8 (its activations are
+    rounded) and the model falls back, logged; a lenient one keeps it; without VNNI there is
+    nothing to gate."""
     from ragspeed.engine.loader import load_model
-    from ragspeed.engine.quant.gate import gate_loaded_model
+    from ragspeed.engine.precision import choose_prefill, plan_prefill
 
-    monkeypatch.setattr(cpu_features, "read_cpu_features", lambda: VNNI)
-    loaded = load_model(tiny_checkpoints["llama"], quantization="int8", max_model_len=64)
+    loaded = load_model(tiny_checkpoints["llama"], quantization="int8", max_model_len=64, features=VNNI)
     assert _paths(loaded) == {"fp32-dequantized"}  # loaded on the exact path
     windows = [list(range(3, 35)), list(range(40, 72))]
+    plan = plan_prefill("float32", "int8", "cpu", VNNI)
+    assert [p.name for p in plan.candidates] == ["fbgemm-u8", "fp32-dequantized"]
     with caplog.at_level(logging.WARNING, logger="ragspeed.engine.quant.gate"):
-        strict = gate_loaded_model(loaded, windows, VNNI, QualityGate(0.0, 1.0))
-        assert strict.name == "fp32-dequantized"  # nothing rounded matches exactly
-        assert caplog.messages[0].startswith("int8 prefill path fbgemm-u8 fails the quality gate (")
+        strict = choose_prefill(loaded, plan, lambda: windows, gate=QualityGate(0.0, 1.0))
+        assert strict.path.name == "fp32-dequantized"  # nothing rounded matches exactly
+        assert caplog.messages[0].startswith("prefill path fbgemm-u8 fails the quality gate (")
         assert caplog.messages[0].endswith("): falling back to fp32-dequantized")
-        lenient = gate_loaded_model(loaded, windows, VNNI, QualityGate(1e9, 0.0))
-    assert lenient.name == "fbgemm-u8"
+        lenient = choose_prefill(loaded, plan, lambda: windows, gate=QualityGate(1e9, 0.0))
+    assert lenient.path.name == "fbgemm-u8"
     assert _paths(loaded) == {"fbgemm-u8"}
-    assert gate_loaded_model(loaded, windows, AVX2).name == "fp32-dequantized"
+    exact = choose_prefill(loaded, plan_prefill("auto", "int8", "cpu", AVX2), lambda: windows)
+    assert exact.path.name == "fp32-dequantized" and exact.reports == {}
     assert _paths(loaded) == {"fp32-dequantized"}
+
+
+def test_bf16_dequantized_is_close_to_the_exact_path(monkeypatch):
+    """bf16-dequantized (AMX/AVX512-BF16 forced; oneDNN or F.linear in bf16 on this CPU):
+    the same int8 weight, activations rounded to bf16."""
+    dense, int8 = _layers(monkeypatch, AMX, bias=True)
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(6))
+    exact = int8(x)
+    use_prefill_path(torch.nn.Sequential(int8), prefill_path("bf16-dequantized"))
+    assert int8.kernel.path.name == "bf16-dequantized"
+    out = int8(x)
+    assert out.dtype == torch.float32
+    assert 0 < _relative_error(out, exact) < 0.01
+    if blocked_kernels_available(torch.device("cpu")):
+        # the bf16 prefill layout and the fp32 bias, beside the blocked int8 copy
+        assert int8.num_resident_bytes == 96 * 64 * 2 + 96 * 4 + (96 * 64 + 96 * 2 * 4 + 96 * 4)
 
 
 def _paths(loaded):

@@ -35,7 +35,7 @@ def test_computes_x_at_w_transposed(kind, threads, bias, num_tokens):
     x = torch.randn(num_tokens, 12, generator=gen)
     layer = DenseLinear(12, 7, bias)
     layer.load(weight, b)
-    assert (layer.packed is not None) == (kind != "mm")
+    assert (layer.prefill is not None) == (kind != "mm")
     assert (layer.blocked is not None) == (kind == "blocked")
     with cpu_threads(threads):
         out = layer(x)

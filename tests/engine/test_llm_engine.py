@@ -159,7 +159,7 @@ def test_sharded_bf16_checkpoint_with_llama3_rope_loads_and_computes_in_fp32(tmp
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (sharded / name).write_bytes((path / name).read_bytes())
     assert len(list(sharded.glob("*.safetensors"))) > 1
-    engine = make_engine(sharded, dtype="bfloat16")
+    engine = make_engine(sharded, dtype="float32")
     assert engine.loaded.model.embed_tokens.dtype == torch.float32
     reference = AutoModelForCausalLM.from_pretrained(sharded, dtype=torch.float32).eval()
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)

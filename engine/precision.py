@@ -1,0 +1,211 @@
+"""Prefill precision by the CPU's capability: what `--dtype` admits, and which path serves.
+
+On CPU the model's weights, norms, residual stream, KV cache and logits are fp32, and decode
+steps read ragspeed's blocked fp32 or int8 kernels (activations fp32). Only the packed copy of
+each weight that prefill products read (many rows: bound by arithmetic) has a choice of
+precision: a *prefill path* (engine.quant.prefill.PrefillPath; the dense kind's in
+engine.models.linear.DENSE_PREFILL_PATHS, the int8 kind's in engine.quant.prefill).
+
+`DTYPES` is the policy: each `--dtype` admits some path precisions (fp32, bf16, int8
+activations) and may require one. `plan_prefill` keeps the admitted paths this CPU runs
+(`CpuFeatures`, injected in tests), fastest first, the exact fp32 one last; `auto` thus takes
+bf16 (oneDNN on AMX or AVX512-BF16) where the CPU has it and fp32 elsewhere, where bf16 is
+emulated and ~30x slower. The model loads on the last; `choose_prefill` then measures the faster
+ones against it on a few calibration windows of a text shipped with the package
+(engine.quant.gate: top-1 agreement and perplexity), keeps the first that passes, logs why each
+one before it fell back, and logs the chosen path beside the CPU's capabilities.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ragspeed.engine.cpu_features import CpuFeatures
+from ragspeed.engine.quant.gate import QualityGate, gate_prefill, use_prefill_path
+from ragspeed.engine.quant.prefill import PREFILL_PATHS, PrefillPath, runnable_paths
+
+if TYPE_CHECKING:
+    from ragspeed.engine.loader import LoadedModel
+    from ragspeed.engine.quant.quality import QualityReport
+
+logger = logging.getLogger(__name__)
+
+CALIBRATION_WINDOW = 128  # tokens per window; each window is one prefill per path measured
+CALIBRATION_WINDOWS = 4
+
+
+class DtypeUnavailableError(ValueError):
+    """An unknown `--dtype`, or one this CPU cannot run."""
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    name: str  # the --dtype value
+    admits: frozenset[str]  # the prefill path precisions it allows on CPU
+    requires: str | None = None  # a precision the CPU must run, else a start-up error
+    gpu_dtype: torch.dtype | None = None  # the compute dtype elsewhere; None: auto
+
+
+DTYPES: dict[str, DtypeChoice] = {
+    choice.name: choice
+    for choice in (
+        DtypeChoice("auto", frozenset({"bf16", "int8", "fp32"})),
+        DtypeChoice("float32", frozenset({"int8", "fp32"}), gpu_dtype=torch.float32),
+        DtypeChoice("bfloat16", frozenset({"bf16", "fp32"}), requires="bf16", gpu_dtype=torch.bfloat16),
+        # fp16 has no fast CPU products: on CPU it computes as float32.
+        DtypeChoice("float16", frozenset({"int8", "fp32"}), gpu_dtype=torch.float16),
+    )
+}
+
+
+def dtype_choice(name: str) -> DtypeChoice:
+    choice = DTYPES.get(name)
+    if choice is None:
+        raise DtypeUnavailableError(f"unknown dtype {name!r}; choices: {', '.join(DTYPES)}")
+    return choice
+
+
+def model_dtype(name: str, device: str | torch.device, features: CpuFeatures) -> torch.dtype:
+    """The dtype a whole-model backend (transformers) computes in for `--dtype name`: on CPU,
+    `auto` is bf16 where the CPU multiplies it at speed and fp32 elsewhere."""
+    choice = dtype_choice(name)
+    if choice.gpu_dtype is not None:
+        return choice.gpu_dtype
+    if torch.device(device).type == "cpu":
+        return torch.bfloat16 if features.has_bf16 else torch.float32
+    cuda_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return torch.bfloat16 if cuda_bf16 else torch.float32
+
+
+def compute_dtype(name: str, device: str | torch.device) -> torch.dtype:
+    """The native engine's weights and activations: fp32 on CPU (a bf16 prefill path keeps
+    its own bf16 copy), `model_dtype` elsewhere."""
+    choice = dtype_choice(name)
+    if torch.device(device).type == "cpu":
+        return torch.float32
+    return model_dtype(choice.name, device, CpuFeatures("none", frozenset(), "DEFAULT"))
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """The prefill paths a CPU model may use, fastest first; the last is the exact one."""
+
+    dtype: str
+    kind: str  # "dense" or "int8": which linear kind's paths
+    features: CpuFeatures
+    candidates: tuple[PrefillPath, ...]
+    unavailable: dict[str, str] = field(default_factory=dict)  # admitted path -> why not here
+
+    @property
+    def exact(self) -> PrefillPath:
+        return self.candidates[-1]
+
+
+def _kind_paths(quantization: str | None) -> tuple[str, tuple[PrefillPath, ...]]:
+    if quantization == "int8":
+        return "int8", PREFILL_PATHS
+    from ragspeed.engine.models.linear import DENSE_PREFILL_PATHS
+
+    return "dense", DENSE_PREFILL_PATHS
+
+
+def plan_prefill(
+    dtype: str, quantization: str | None, device: str | torch.device, features: CpuFeatures
+) -> PrefillPlan | None:
+    """The plan for a model on `device` (None off CPU: one dtype serves everything there);
+    raises DtypeUnavailableError for an unknown dtype or one this CPU cannot run."""
+    choice = dtype_choice(dtype)
+    if torch.device(device).type != "cpu":
+        return None
+    kind, paths = _kind_paths(quantization)
+    admitted = tuple(p for p in paths if p.precision in choice.admits)
+    unavailable = {p.name: why for p in admitted[:-1] if (why := p.missing(features)) is not None}
+    if choice.requires is not None and not any(
+        p.precision == choice.requires and p.name not in unavailable for p in admitted
+    ):
+        have = ", ".join(sorted(features.flags)) or "none of the tracked flags"
+        raise DtypeUnavailableError(
+            f"{choice.name} prefill needs AMX-BF16 or AVX512-BF16 (amx_bf16 / avx512_bf16); this CPU "
+            f"({features.model_name}) has {have}: use --dtype auto or float32"
+        )
+    return PrefillPlan(dtype, kind, features, tuple(runnable_paths(admitted, features)), unavailable)
+
+
+@dataclass(frozen=True)
+class PrefillChoice:
+    """What `choose_prefill` chose, for logs and benches."""
+
+    plan: PrefillPlan
+    path: PrefillPath
+    reports: dict[str, QualityReport] = field(default_factory=dict)  # path -> vs the exact path
+    rejected: dict[str, str] = field(default_factory=dict)  # path -> why the gate refused it
+
+    def describe(self) -> str:
+        """The start-up line: path, activations, decode kernel, what else ran or could not."""
+        plan = self.plan
+        decode = "blocked int8" if plan.kind == "int8" else "blocked fp32"
+        line = (
+            f"prefill {self.path.name} (activations {self.path.activations}), decode {decode}, "
+            f"dtype {plan.dtype} on {plan.features.describe()}"
+        )
+        if self.rejected:
+            line += "; failed the quality gate: " + "; ".join(f"{n} ({w})" for n, w in self.rejected.items())
+        if plan.unavailable:
+            line += "; not here: " + "; ".join(f"{n}: {w}" for n, w in plan.unavailable.items())
+        return line
+
+
+def calibration_windows(
+    tokenizer: Any, window: int = CALIBRATION_WINDOW, num_windows: int = CALIBRATION_WINDOWS
+) -> list[list[int]]:
+    """`num_windows` windows of `window` token ids of the calibration text (engine/assets)."""
+    text = resources.files("ragspeed.engine").joinpath("assets/calibration.txt").read_text(encoding="utf-8")
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) < window * num_windows:
+        raise ValueError(f"the calibration text gives {len(ids)} tokens, fewer than {num_windows} x {window}")
+    return [ids[i * window : (i + 1) * window] for i in range(num_windows)]
+
+
+def choose_prefill(
+    loaded: LoadedModel,
+    plan: PrefillPlan,
+    windows: Callable[[], list[list[int]]],
+    *,
+    gate: QualityGate = QualityGate(),
+    measure: Callable[[PrefillPath], QualityReport] | None = None,
+) -> PrefillChoice:
+    """Gate `plan`'s faster paths against its exact one (on `windows()`, computed only where
+    there is something to gate, or by `measure`, tests); move the model to the first that
+    passes; log the choice."""
+    from ragspeed.engine.quant.quality import compare_logits, window_logits
+
+    exact = plan.exact
+    use_prefill_path(loaded.model, exact)
+    choice = PrefillChoice(plan, exact)
+    if len(plan.candidates) > 1:
+        if measure is None:
+            ids = windows()
+            reference = {tuple(w): window_logits(loaded, w) for w in ids}
+
+            def measure(path: PrefillPath) -> QualityReport:
+                use_prefill_path(loaded.model, path)
+                return compare_logits(
+                    lambda w: reference[tuple(w)],
+                    (lambda w: reference[tuple(w)])
+                    if path is exact
+                    else (lambda w: window_logits(loaded, w)),
+                    ids,
+                )
+
+        outcome = gate_prefill(list(plan.candidates), measure, gate)
+        chosen = outcome.path or exact
+        use_prefill_path(loaded.model, chosen)
+        choice = PrefillChoice(plan, chosen, outcome.reports, outcome.rejected)
+    logger.info(choice.describe())
+    return choice

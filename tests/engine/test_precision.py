@@ -1,0 +1,198 @@
+"""Prefill precision by the CPU's capability (engine.precision): the policy on an AMX Xeon and
+on this AVX2 AMD (both injected), the bf16 branch forced on any machine (emulated bf16 here:
+tiny model, few tokens), the start-up gate's fallback and the bad-input errors."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from ragspeed.engine.cpu_features import CpuFeatures
+from ragspeed.engine.models.linear import DENSE_PREFILL_PATHS, DenseLinear
+from ragspeed.engine.precision import (
+    DTYPES,
+    DtypeUnavailableError,
+    calibration_windows,
+    choose_prefill,
+    dtype_choice,
+    model_dtype,
+    plan_prefill,
+)
+from ragspeed.engine.protocol import GenerationRequest, SamplingParams
+from ragspeed.engine.quant.gate import use_prefill_path
+from ragspeed.engine.quant.quality import QualityReport
+from tests.engine.conftest import make_engine
+
+AVX2 = CpuFeatures("AMD EPYC", frozenset({"avx2"}), "AVX2")
+AMX = CpuFeatures(
+    "Intel Xeon",
+    frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8"}),
+    "AVX512",
+)
+AVX512_BF16 = CpuFeatures(
+    "AMD EPYC Zen 4", frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16"}), "AVX512"
+)
+
+
+def _names(plan) -> list[str]:
+    return [p.name for p in plan.candidates]
+
+
+@pytest.mark.parametrize(
+    "dtype, quantization, features, names",
+    [
+        ("auto", None, AVX2, ["fp32"]),
+        ("auto", None, AMX, ["bf16", "fp32"]),
+        ("auto", None, AVX512_BF16, ["bf16", "fp32"]),
+        ("float32", None, AMX, ["fp32"]),
+        ("float16", None, AMX, ["fp32"]),
+        ("bfloat16", None, AMX, ["bf16", "fp32"]),
+        ("auto", "int8", AVX2, ["fp32-dequantized"]),
+        ("auto", "int8", AMX, ["bf16-dequantized", "fbgemm-u8", "fp32-dequantized"]),
+        ("auto", "int8", AVX512_BF16, ["fbgemm-u8", "bf16-dequantized", "fp32-dequantized"]),
+        ("float32", "int8", AMX, ["fbgemm-u8", "fp32-dequantized"]),
+        ("bfloat16", "int8", AMX, ["bf16-dequantized", "fp32-dequantized"]),
+    ],
+)
+def test_policy_by_cpu(dtype, quantization, features, names):
+    assert _names(plan_prefill(dtype, quantization, "cpu", features)) == names
+
+
+def test_policy_off_cpu_and_the_transformers_dtype():
+    assert plan_prefill("auto", None, "cuda", AVX2) is None
+    assert model_dtype("auto", "cpu", AVX2) == torch.float32
+    assert model_dtype("auto", "cpu", AMX) == torch.bfloat16
+    assert model_dtype("bfloat16", "cpu", AVX2) == torch.bfloat16  # the baseline, asked for
+    assert model_dtype("float16", "cuda", AVX2) == torch.float16
+    assert list(DTYPES) == ["auto", "float32", "bfloat16", "float16"]
+
+
+def test_bad_dtypes_are_refused_with_what_runs():
+    with pytest.raises(DtypeUnavailableError) as error:
+        plan_prefill("bfloat16", None, "cpu", AVX2)
+    assert str(error.value) == (
+        "bfloat16 prefill needs AMX-BF16 or AVX512-BF16 (amx_bf16 / avx512_bf16); this CPU (AMD EPYC) "
+        "has avx2: use --dtype auto or float32"
+    )
+    with pytest.raises(DtypeUnavailableError, match=r"^bfloat16 prefill needs .* has avx2: use"):
+        plan_prefill("bfloat16", "int8", "cpu", AVX2)
+    with pytest.raises(
+        DtypeUnavailableError, match=r"^unknown dtype 'fp8'; choices: auto, float32, bfloat16, float16$"
+    ):
+        dtype_choice("fp8")
+    with pytest.raises(DtypeUnavailableError, match="^unknown dtype 'fp8'"):
+        plan_prefill("fp8", None, "cuda", AVX2)
+
+
+def test_engine_start_up_refuses_bfloat16_without_bf16(tiny_checkpoints):
+    from ragspeed.engine.config import EngineConfig
+    from ragspeed.engine.llm_engine import LLMEngine
+
+    config = EngineConfig(model=str(tiny_checkpoints["llama"]), dtype="bfloat16", max_model_len=64)
+    with pytest.raises(DtypeUnavailableError, match=r"this CPU \(AMD EPYC\) has avx2: use --dtype auto"):
+        LLMEngine(config, features=AVX2)
+
+
+def test_settings_list_the_dtypes():
+    from ragspeed.gateway.settings import ConfigError, load_settings
+
+    assert load_settings().dtype == "auto"
+    with pytest.raises(
+        ConfigError, match="dtype: Input should be 'auto', 'float32', 'bfloat16' or 'float16'"
+    ):
+        load_settings(dtype="fp8")
+
+
+def _dense_dtypes(engine) -> set[torch.dtype]:
+    return {m.prefill.compute_dtype for m in engine.loaded.model.modules() if isinstance(m, DenseLinear)}
+
+
+def test_auto_on_avx2_is_fp32_and_nothing_in_bf16(tiny_checkpoints, caplog):
+    with caplog.at_level(logging.INFO, logger="ragspeed.engine.precision"):
+        engine = make_engine(tiny_checkpoints["llama"], dtype="auto", features=AVX2)
+    assert engine.prefill_path == "fp32"
+    assert _dense_dtypes(engine) == {torch.float32}
+    assert engine.prefill_choice.reports == {}  # nothing to gate: no calibration pass
+    assert caplog.messages == [
+        "prefill fp32 (activations kept in fp32), decode blocked fp32, dtype auto on AMD EPYC (torch AVX2): "
+        "avx2; no avx512f, avx512_vnni, avx_vnni, avx512_bf16, amx_bf16, amx_int8; not here: bf16: no "
+        "AMX-BF16 or AVX512-BF16 (amx_bf16 / avx512_bf16): bf16 products run ~30x slower than fp32"
+    ]
+
+
+def _failing(path) -> QualityReport:
+    passing = path.name == "fp32"
+    return QualityReport(4, 508, 50.0, 50.0 if passing else 51.0, 0.0 if passing else 0.02, 1.0, 0.1)
+
+
+def test_gate_falls_back_to_fp32_and_logs_why(tiny_checkpoints, caplog):
+    from ragspeed.engine.loader import load_model
+
+    loaded = load_model(tiny_checkpoints["llama"], dtype="auto", max_model_len=64, features=AMX)
+    plan = loaded.prefill_plan
+    with caplog.at_level(logging.INFO):
+        choice = choose_prefill(loaded, plan, lambda: pytest.fail("measure is injected"), measure=_failing)
+    assert choice.path.name == "fp32" and choice.rejected == {"bf16": "perplexity +2.00% > +1%"}
+    assert {m.path.name for m in loaded.model.modules() if isinstance(m, DenseLinear)} == {"fp32"}
+    assert caplog.messages == [
+        "prefill path bf16 fails the quality gate (perplexity +2.00% > +1%): falling back to fp32",
+        "prefill fp32 (activations kept in fp32), decode blocked fp32, dtype auto on Intel Xeon (torch "
+        "AVX512): avx2, avx512f, avx512_vnni, avx512_bf16, amx_bf16, amx_int8; no avx_vnni; failed the "
+        "quality gate: bf16 (perplexity +2.00% > +1%)",
+    ]
+
+
+def test_calibration_windows_of_the_shipped_text(tiny_checkpoints):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_checkpoints["llama"]))
+    windows = calibration_windows(tokenizer)
+    assert [len(w) for w in windows] == [128, 128, 128, 128]
+    with pytest.raises(ValueError, match=r"the calibration text gives \d+ tokens, fewer than 1000 x 128"):
+        calibration_windows(tokenizer, num_windows=1000)
+
+
+def test_forced_bf16_branch_computes_on_this_cpu(tiny_checkpoints):
+    """AMX injected: the engine's start-up gate measures bf16 against fp32 on the calibration
+    windows (emulated bf16 here: slow but the same rounding); then, on the bf16 path, prefill
+    rounds only the GEMMs and decode stays fp32."""
+    engine = make_engine(tiny_checkpoints["llama"], dtype="bfloat16", features=AMX)
+    choice = engine.prefill_choice
+    report = choice.reports["bf16"]
+    assert report.num_predictions == 4 * 127
+    assert engine.prefill_path == ("fp32" if choice.rejected else "bf16")
+    use_prefill_path(engine.loaded.model, DENSE_PREFILL_PATHS[0])
+    assert _dense_dtypes(engine) == {torch.bfloat16}
+    assert (
+        engine.kv_pool.kv.dtype == torch.float32 and engine.loaded.model.embed_tokens.dtype == torch.float32
+    )
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [tuple(range(3, 40)), tuple(range(50, 70)), tuple(range(7, 107, 3))]
+    out = engine.generate([GenerationRequest(f"r{i}", p, params) for i, p in enumerate(prompts)])
+    from transformers import AutoModelForCausalLM
+
+    from tests.engine.conftest import hf_greedy
+
+    bf16_model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama"], dtype=torch.bfloat16).eval()
+    reference = [hf_greedy(bf16_model, list(p), 6) for p in prompts]
+    got = [out[f"r{i}"]["token_ids"] for i in range(len(prompts))]
+    # Greedy outputs are not equal on this tiny random model (its logits are nearly flat:
+    # perplexity ~1,300 over a 512-token vocabulary), where transformers rounds every op to
+    # bf16 and the native engine only the prefill GEMMs; each first token (the prefill's) is.
+    assert [g[0] for g in got] == [r[0] for r in reference]
+    # Prefill logits against transformers' bf16 ones, by the gate's measures.
+    from ragspeed.engine.quant.quality import compare_logits, window_logits
+
+    windows = calibration_windows(engine.tokenizer)
+
+    def hf_logits(ids):
+        with torch.inference_mode():
+            return bf16_model(torch.tensor([ids])).logits[0].float()
+
+    versus = compare_logits(hf_logits, lambda ids: window_logits(engine.loaded, ids), windows)
+    print(f"native bf16 prefill vs transformers bf16 prefill: {versus}")
+    agree = sum(a == b for g, r in zip(got, reference) for a, b in zip(g, r))
+    print(f"greedy tokens equal: {agree}/{6 * len(prompts)}; native bf16 vs fp32: {report}")
+    assert versus.ppl_increase < 0.01 and versus.top1_agreement > 0.9
