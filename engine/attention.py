@@ -13,8 +13,11 @@ context blocks out of the pool (whole blocks: few, contiguous copies) and calls 
 - decodes: one batched SDPA call; the query heads of a KV head are grouped as rows
   (`[num_decodes, num_kv_heads, group, head_dim]`), which needs neither a repeat of K/V nor a
   causal mask, only a padding mask when context lengths differ;
-- prefill chunks: one SDPA call each, with a causal mask shifted by the chunk's start (queries at
-  positions `start .. start + n` see keys `0 .. start + i`).
+- prefill chunks: on CPU, two calls of SDPA's fused flash kernel each, neither with a mask: the
+  chunk's queries over the keys before it (every query sees every one) and over its own keys
+  (causal, square), merged by their log-sum-exps (`chunk_attention`); so no [n, context] mask
+  nor score matrix exists at long contexts. Elsewhere, one SDPA call with a causal mask shifted
+  by the chunk's start (`masked_chunk_attention`, also the reference of the CPU path).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from ragspeed.engine.cpu_kernels.attention import decode_kernel_applies, paged_decode_attention
 
@@ -34,7 +38,22 @@ class PrefillSpan:
     query_end: int
     block_table: torch.Tensor  # [num_blocks] blocks holding the chunk's whole context
     context_len: int  # keys the chunk attends to: cached prefix, earlier chunks, itself
-    mask: torch.Tensor | None  # [num_queries, context_len] 0 / -inf, None when plainly causal
+    dtype: torch.dtype  # of the additive mask
+
+    @property
+    def num_cached(self) -> int:
+        """Keys before the chunk's first query: cached prefix and earlier chunks."""
+        return self.context_len - (self.query_end - self.query_start)
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor | None:
+        """[num_queries, context_len] 0 / -inf for `masked_chunk_attention`, built on its first
+        use (once a step, not per layer); None when plainly causal (no keys before the chunk:
+        SDPA's is_causal aligns the diagonal top-left)."""
+        if not self.num_cached:
+            return None
+        num_queries = self.query_end - self.query_start
+        return additive(causal_mask(num_queries, self.context_len, self.block_table.device), self.dtype)
 
 
 @dataclass(frozen=True)
@@ -74,23 +93,21 @@ class AttentionMetadata:
 
     @functools.cached_property
     def prefills(self) -> tuple[PrefillSpan, ...]:
-        """The prefill chunks as SDPA's spans: queries in the flat batch, blocks, causal mask."""
+        """The prefill chunks as SDPA's spans: queries in the flat batch, blocks."""
         device = self.slot_mapping.device
         spans = []
         start = self.num_decodes
         for table, context_len, num_queries in self.prefill_chunks:
             table_t = padded_tables([table], -(-context_len // self.block_size), device)[0]
-            # SDPA's is_causal aligns the diagonal top-left: right only without a cached prefix.
-            mask = None
-            if num_queries != context_len:
-                mask = additive(causal_mask(num_queries, context_len, device), self.dtype)
-            spans.append(PrefillSpan(start, start + num_queries, table_t, context_len, mask))
+            spans.append(PrefillSpan(start, start + num_queries, table_t, context_len, self.dtype))
             start += num_queries
         return tuple(spans)
 
 
 # Chunks of at most this many queries (1 + k for verification) go to the decode kernel.
 SMALL_CHUNK_QUERIES = 16
+# The profiler event around the prefill chunks' attention (`ragspeed bench engine` sums it).
+PREFILL_ATTENTION_EVENT = "ragspeed::prefill_attention"
 
 
 def padded_tables(tables: list[list[int]], num_blocks: int, device="cpu") -> torch.Tensor:
@@ -236,20 +253,59 @@ def paged_attention(
         if out is None:
             return od.reshape(num_tokens, num_heads * head_dim)
         out[:nd] = od.reshape(nd, num_heads, head_dim)
-    for span in meta.prefills:
-        table = span.block_table.unsqueeze(0)
-        # [1, kv_heads, context_len, D]
-        kp = gather_context(k_cache, table, block_size, span.context_len).transpose(1, 2)
-        vp = gather_context(v_cache, table, block_size, span.context_len).transpose(1, 2)
-        qp = q[span.query_start : span.query_end].transpose(0, 1).unsqueeze(0)
-        op = F.scaled_dot_product_attention(
-            qp,
-            kp,
-            vp,
-            attn_mask=span.mask,
-            is_causal=span.mask is None,
-            scale=scale,
-            enable_gqa=num_heads != num_kv_heads,
-        )  # [1, num_heads, n, head_dim]
-        out[span.query_start : span.query_end] = op[0].transpose(0, 1)
+    attend = chunk_attention if q.device.type == "cpu" else masked_chunk_attention
+    with record_function(PREFILL_ATTENTION_EVENT):
+        for span in meta.prefills:
+            table = span.block_table.unsqueeze(0)
+            # [1, kv_heads, context_len, D]
+            kp = gather_context(k_cache, table, block_size, span.context_len).transpose(1, 2)
+            vp = gather_context(v_cache, table, block_size, span.context_len).transpose(1, 2)
+            qp = q[span.query_start : span.query_end].transpose(0, 1).unsqueeze(0)
+            op = attend(qp, kp, vp, span, scale)  # [1, num_heads, n, head_dim]
+            out[span.query_start : span.query_end] = op[0].transpose(0, 1)
     return out.view(num_tokens, num_heads * head_dim)
+
+
+def masked_chunk_attention(
+    q: torch.Tensor,  # [1, num_heads, n, head_dim]
+    k: torch.Tensor,  # [1, num_kv_heads, context_len, head_dim]
+    v: torch.Tensor,
+    span: PrefillSpan,
+    scale: float,
+) -> torch.Tensor:
+    """One SDPA call with the span's shifted causal mask: [1, num_heads, n, head_dim]."""
+    return F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=span.mask,
+        is_causal=span.mask is None,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+
+
+def chunk_attention(
+    q: torch.Tensor,  # [1, num_heads, n, head_dim]
+    k: torch.Tensor,  # [1, num_kv_heads, context_len, head_dim]
+    v: torch.Tensor,
+    span: PrefillSpan,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of a chunk after `span.num_cached` earlier keys, without a mask, on CPU:
+    [1, num_heads, n, head_dim].
+
+    Softmax over all keys is the two partial softmaxes weighted by their share of the total
+    mass: out = o_before * w + o_own * (1 - w), w = sigmoid(lse_before - lse_own). The fused
+    kernel takes the query heads of a KV head as they are (GQA) and returns the log-sum-exp in
+    fp32 for bf16 / fp16 inputs, so the merge runs in that precision.
+    """
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    cached = span.num_cached
+    own, own_lse = flash(q, k[:, :, cached:], v[:, :, cached:], 0.0, True, scale=scale)
+    if not cached:  # the kernel cannot take zero keys (it dies of SIGFPE)
+        return own
+    before, before_lse = flash(q, k[:, :, :cached], v[:, :, :cached], 0.0, False, scale=scale)
+    weight = torch.sigmoid(before_lse - own_lse).unsqueeze(-1)  # [1, num_heads, n, 1]
+    merged = torch.lerp(own.to(weight.dtype), before.to(weight.dtype), weight)
+    return merged.to(q.dtype)

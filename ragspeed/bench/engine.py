@@ -13,6 +13,11 @@ Figures (all from one run, after a warm-up, medians of `repeats` runs; JSON keys
 - time to first token of a `ttft_prompt_len`-token prompt [ttft_2048_ms] against the FLOP bound:
   FLOPs (projections, attention, one LM-head row) / fp32 GEMM rate measured here
   [ttft_2048_bound_ms].
+- the attention share of TTFT at each of `attention_lens` prompt lengths (2,048 and 8,192; a
+  length that leaves no room for the output token in the model's context is cut to fit): one
+  prefill under torch's profiler, the time inside the engine's prefill-attention event over
+  the prefill's time [attention_share_2048, attention_share_8191 on SmolLM2's 8,192 positions;
+  the prefill's time under the profiler in attention_ttft_{N}_ms].
 A *ratio* divides two rates or two times of contenders; `*_over_bound` divides a time by its bound.
 """
 
@@ -28,6 +33,7 @@ import click
 import torch
 
 from ragspeed.bench.common import json_option, machine_line, require_positive, write_json
+from ragspeed.engine.attention import PREFILL_ATTENTION_EVENT
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
 from ragspeed.engine.protocol import GenerationRequest, SamplingParams
@@ -138,6 +144,32 @@ class _NativeContender:
         (arrival,) = self._run([prompt], 1)
         return arrival[0]
 
+    def attention_share(self, prompt) -> tuple[float, float]:
+        """One prefill under torch's profiler: (share of its time in prefill attention, its
+        time in seconds)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as profiler:
+            ttft = self.ttft(prompt)
+        events = profiler.key_averages()
+        attention_us = sum(e.cpu_time_total for e in events if e.key == PREFILL_ATTENTION_EVENT)
+        return attention_us / 1e6 / ttft, ttft
+
+
+def parse_lengths(text: str) -> tuple[int, ...]:
+    """`2048,8192` -> (2048, 8192); an empty text -> (). Raise ValueError on anything else."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    try:
+        lengths = tuple(int(part) for part in parts)
+    except ValueError:
+        raise ValueError(f"attention lengths must be integers separated by commas, got {text!r}") from None
+    return lengths
+
+
+def fit_lengths(lengths: tuple[int, ...], context: int) -> tuple[int, ...]:
+    """Prompt lengths cut to leave the one output token room in a `context`-token model."""
+    return tuple(sorted({min(n, context - 1) for n in lengths}))
+
 
 class _TransformersContender:
     """Plain `generate()`, one request at a time, token times from a streamer."""
@@ -193,6 +225,7 @@ def bench_engine(
     prompt_len: int = 256,
     output_len: int = 64,
     ttft_prompt_len: int = 2048,
+    attention_lens: tuple[int, ...] = (2048, 8192),
     repeats: int = 3,
     transformers_requests: int = 4,
     threads: int = 2,
@@ -200,8 +233,10 @@ def bench_engine(
     seed: int = 0,
 ) -> dict[str, Any]:
     """Measure the native engine (and transformers beside it); print a table, return flat JSON."""
+    from transformers import AutoConfig
+
     from ragspeed.engine.llm_engine import LLMEngine
-    from ragspeed.engine.loader import resolve_model_path
+    from ragspeed.engine.loader import context_limit, resolve_model_path
 
     require_positive(
         num_requests=num_requests,
@@ -213,8 +248,12 @@ def bench_engine(
         transformers_requests=transformers_requests,
     )
     torch.set_num_threads(threads)
+    for length in attention_lens:
+        require_positive(attention_len=length)
     path = resolve_model_path(model)
-    max_model_len = max(prompt_len + output_len, ttft_prompt_len + 1, 64 + 4)  # 64 + 4: warm-up
+    attention_lens = fit_lengths(attention_lens, context_limit(AutoConfig.from_pretrained(path)))
+    longest = max(attention_lens, default=0) + 1
+    max_model_len = max(prompt_len + output_len, ttft_prompt_len + 1, longest, 64 + 4)  # 64 + 4: warm-up
     config = EngineConfig(
         model=str(path),
         max_model_len=max_model_len,
@@ -265,6 +304,10 @@ def bench_engine(
                 file=sys.stderr,
                 flush=True,
             )
+        for length in attention_lens:
+            share, ttft = contenders["native"].attention_share(prompts(1, length)[0])
+            results[f"attention_share_{length}"] = share
+            results[f"attention_ttft_{length}_ms"] = ttft * 1e3
 
     results.update(probe.finish())
     bandwidth = probe.bandwidth
@@ -281,12 +324,12 @@ def bench_engine(
     if with_transformers:
         results["throughput_ratio"] = results["native_tokens_per_s"] / results["transformers_tokens_per_s"]
         results["transformers_tpot_over_bound"] = results["transformers_tpot_ms"] / results["tpot_bound_ms"]
-    print_table(results, ttft_prompt_len)
+    print_table(results, ttft_prompt_len, attention_lens)
     write_json(json_path, results)
     return results
 
 
-def print_table(r: dict[str, Any], ttft_len: int) -> None:
+def print_table(r: dict[str, Any], ttft_len: int, attention_lens: tuple[int, ...] = ()) -> None:
     def fmt(value: Any, unit: str = "") -> str:
         return "-" if value is None else f"{value:,.1f}{unit}"
 
@@ -323,6 +366,14 @@ def print_table(r: dict[str, Any], ttft_len: int) -> None:
         ratio_text = "-" if ratio is None else f"{ratio:.2f}x"
         print(f"{name:<22}{fmt(native):>12}{fmt(hf):>14}{fmt(bound):>10}{ratio_text:>8}")
     print("ratio: native/transformers for throughput; native/bound for times")
+    if attention_lens:
+        print(attention_line(r, attention_lens))
+
+
+def attention_line(r: dict[str, Any], attention_lens: tuple[int, ...]) -> str:
+    """`attention share of TTFT 2,048: 21.0%, 8,191: 48.3%` (native engine)."""
+    shares = ", ".join(f"{n:,}: {r[f'attention_share_{n}']:.1%}" for n in attention_lens)
+    return f"attention share of TTFT {shares}"
 
 
 @click.command("engine")
@@ -332,6 +383,13 @@ def print_table(r: dict[str, Any], ttft_len: int) -> None:
 @click.option("--threads", default=2, type=int, help="torch CPU threads")
 @click.option("--transformers-requests", default=4, type=int, help="requests through generate()")
 @click.option(
+    "--attention-lens",
+    default="2048,8192",
+    show_default=True,
+    help="prompt lengths of the attention share of TTFT, separated by commas ('' for none); "
+    "a length past the model's context less one output token is cut to it",
+)
+@click.option(
     "--transformers/--no-transformers", "with_transformers", default=True, help="run the baseline beside"
 )
 def bench_engine_command(
@@ -340,6 +398,7 @@ def bench_engine_command(
     repeats: int,
     threads: int,
     transformers_requests: int,
+    attention_lens: str,
     with_transformers: bool,
 ) -> None:
     """Native engine vs transformers: throughput, TPOT and TTFT against the hardware bounds."""
@@ -347,6 +406,7 @@ def bench_engine_command(
         bench_engine(
             model,
             json_path,
+            attention_lens=parse_lengths(attention_lens),
             repeats=repeats,
             threads=threads,
             transformers_requests=transformers_requests,

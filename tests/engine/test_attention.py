@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from ragspeed.engine import attention as attention_module
-from ragspeed.engine.attention import SMALL_CHUNK_QUERIES, build_metadata, causal_mask, paged_attention
+from ragspeed.engine.attention import (
+    SMALL_CHUNK_QUERIES,
+    PrefillSpan,
+    build_metadata,
+    causal_mask,
+    chunk_attention,
+    masked_chunk_attention,
+    paged_attention,
+)
 from ragspeed.engine.cpu_kernels import load_library
 
 
@@ -100,3 +108,94 @@ def test_mixed_batch_of_decodes_and_chunks_matches_dense_attention(
         start += n
     # the new K/V landed in their slots
     torch.testing.assert_close(k_cache[slot_mapping], torch.cat(ks))
+
+
+# (context_len, num_queries): a lone token, a whole prompt, a chunk after 11 cached keys (not a
+# multiple of the block size 16), a long prompt, a chunk after 255 keys, one query after 299.
+CHUNKS = [(1, 1), (17, 17), (17, 6), (300, 300), (300, 45), (300, 1)]
+
+
+def span_of(context_len: int, num_queries: int, dtype=torch.float32) -> PrefillSpan:
+    table = torch.arange(-(-context_len // 16))
+    return PrefillSpan(3, 3 + num_queries, table, context_len, dtype)
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", HEAD_LAYOUTS)
+@pytest.mark.parametrize("context_len, num_queries", CHUNKS)
+def test_chunk_attention_without_masks_matches_the_masked_sdpa_call(
+    num_heads, num_kv_heads, head_dim, context_len, num_queries
+):
+    torch.manual_seed(0)
+    q = torch.randn(1, num_heads, num_queries, head_dim)
+    k = torch.randn(1, num_kv_heads, context_len, head_dim)
+    v = torch.randn(1, num_kv_heads, context_len, head_dim)
+    span = span_of(context_len, num_queries)
+    assert span.num_cached == context_len - num_queries
+    out = chunk_attention(q, k, v, span, head_dim**-0.5)
+    assert out.shape == (1, num_heads, num_queries, head_dim) and out.dtype == torch.float32
+    expected = masked_chunk_attention(q, k, v, span, head_dim**-0.5)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_chunk_attention_in_bf16_merges_in_fp32_and_returns_bf16():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 9, 45, 64), torch.randn(1, 3, 300, 64), torch.randn(1, 3, 300, 64)
+    span = span_of(300, 45, torch.bfloat16)
+    out = chunk_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), span, 0.125)
+    assert out.dtype == torch.bfloat16
+    expected = masked_chunk_attention(q, k, v, span_of(300, 45), 0.125)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_the_shifted_mask_is_built_only_for_a_chunk_after_earlier_keys():
+    assert span_of(17, 17).mask is None
+    assert span_of(5, 2).mask.tolist() == [[0, 0, 0, 0, float("-inf")], [0, 0, 0, 0, 0]]
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (4, 2, 8)])
+def test_several_long_chunks_and_decodes_match_the_masked_path(
+    monkeypatch, decode_path, num_heads, num_kv_heads, head_dim
+):
+    """paged_attention over a batch of two decodes and three chunks past SMALL_CHUNK_QUERIES
+    (no prefix; after 13 cached keys; after 283), fused-kernel path against the masked one."""
+    torch.manual_seed(0)
+    block_size = 16
+    # (block table, tokens already cached, new tokens this step)
+    layout = [
+        ([7], 9, 1),
+        ([2, 3], 20, 1),
+        ([40, 41], 0, 17),
+        ([8, 9, 10], 13, 20),
+        (list(range(20, 39)), 283, 17),
+    ]
+    k_cache = torch.randn(64 * block_size, num_kv_heads, head_dim)
+    v_cache = torch.randn_like(k_cache)
+    num_tokens = sum(n for _, _, n in layout)
+    q = torch.randn(num_tokens, num_heads, head_dim)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim)
+    slot_mapping = []
+    for table, num_cached, n in layout:
+        slot_mapping += [
+            table[p // block_size] * block_size + p % block_size for p in range(num_cached, num_cached + n)
+        ]
+    decodes, prefills = layout[:2], layout[2:]
+
+    def attend():
+        meta = build_metadata(
+            decode_tables=[t for t, _, _ in decodes],
+            decode_context_lens=[c + n for _, c, n in decodes],
+            prefill_tables=[t for t, _, _ in prefills],
+            prefill_context_lens=[c + n for _, c, n in prefills],
+            prefill_num_queries=[n for _, _, n in prefills],
+            slot_mapping=slot_mapping,
+            block_size=block_size,
+            device="cpu",
+        )
+        assert meta.row_block_tables is None  # the chunks are not all small
+        assert [s.num_cached for s in meta.prefills] == [0, 13, 283]
+        return paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, head_dim**-0.5)
+
+    out = attend()
+    monkeypatch.setattr(attention_module, "chunk_attention", masked_chunk_attention)
+    torch.testing.assert_close(out, attend(), atol=1e-5, rtol=1e-5)

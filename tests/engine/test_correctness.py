@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from ragspeed.engine import attention as attention_module
+from ragspeed.engine.attention import SMALL_CHUNK_QUERIES, chunk_attention
 from ragspeed.engine.protocol import GenerationRequest, SamplingParams
 from tests.engine.conftest import FAMILIES, assert_all_blocks_free, hf_greedy, make_engine
 
@@ -63,4 +65,30 @@ def test_interleaved_requests_match_transformers(family, mode, overrides, tiny_c
         assert engine.scheduler.num_preemptions > 0
     else:
         assert engine.num_steps > sum(n for n, _ in SHAPES) // 16
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_long_chunks_after_earlier_chunks_match_transformers(
+    family, monkeypatch, tiny_checkpoints, hf_models
+):
+    """Chunks of up to 37 tokens: past SMALL_CHUNK_QUERIES, so prefills take the fused-kernel
+    path (chunk_attention), after cached keys whose count is not a multiple of the block size."""
+    num_cached = []
+
+    def spy(q, k, v, span, scale):
+        num_cached.append(span.num_cached)
+        return chunk_attention(q, k, v, span, scale)
+
+    monkeypatch.setattr(attention_module, "chunk_attention", spy)
+    engine = make_engine(tiny_checkpoints[family], max_num_batched_tokens=37)
+    requests = [
+        GenerationRequest(f"r{i}", tuple(prompt_of(i, n)), greedy(m)) for i, (n, m) in enumerate(SHAPES)
+    ]
+    outputs = run_interleaved(engine, requests)
+    for i, (n, m) in enumerate(SHAPES):
+        assert outputs[f"r{i}"] == hf_greedy(hf_models[family], prompt_of(i, n), m), f"r{i}"
+    assert 37 > SMALL_CHUNK_QUERIES
+    assert 0 in num_cached  # a first chunk
+    assert any(c % 8 for c in num_cached)  # a chunk after an unaligned prefix (block size 8)
     assert_all_blocks_free(engine)
