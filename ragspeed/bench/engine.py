@@ -14,6 +14,9 @@ Figures (all from one run, after a warm-up, medians of `repeats` runs; JSON keys
   FLOPs (projections, attention, one LM-head row) / fp32 GEMM rate measured here
   [ttft_2048_bound_ms].
 A *ratio* divides two rates or two times of contenders; `*_over_bound` divides a time by its bound.
+- llama.cpp beside them, where llama-cpp-python is installed (bench.llamacpp: the same figures
+  per GGUF type [llamacpp_<type>_*], the fastest type's [llamacpp_*, llamacpp_*_type] and the
+  ratios to native [llamacpp_throughput_ratio, llamacpp_tpot_ratio, llamacpp_ttft_speedup]).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 import click
 import torch
 
+from ragspeed.bench import llamacpp
 from ragspeed.bench.common import json_option, machine_line, require_positive, write_json
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
@@ -197,6 +201,9 @@ def bench_engine(
     transformers_requests: int = 4,
     threads: int = 2,
     with_transformers: bool = True,
+    with_llamacpp: bool = True,
+    llamacpp_gguf: tuple[str, ...] = (),
+    llamacpp_requests: int = 4,
     seed: int = 0,
 ) -> dict[str, Any]:
     """Measure the native engine (and transformers beside it); print a table, return flat JSON."""
@@ -211,6 +218,7 @@ def bench_engine(
         repeats=repeats,
         threads=threads,
         transformers_requests=transformers_requests,
+        llamacpp_requests=llamacpp_requests,
     )
     torch.set_num_threads(threads)
     path = resolve_model_path(model)
@@ -233,6 +241,13 @@ def bench_engine(
     contenders: dict[str, Any] = {"native": _NativeContender(engine)}
     if with_transformers:
         contenders["transformers"] = _TransformersContender(path)
+    requests = {"native": num_requests, "transformers": transformers_requests}
+    # llama.cpp's contenders by GGUF type, or why it is skipped; None when not asked for.
+    llama = llamacpp.build_contenders(model, llamacpp_gguf, threads, max_model_len) if with_llamacpp else None
+    if isinstance(llama, dict):
+        for label, contender in llama.items():
+            contenders[f"llamacpp_{label}"] = contender
+            requests[f"llamacpp_{label}"] = llamacpp_requests
 
     probe = BandwidthProbe()
     gemm_rate = measure_gemm_rate()
@@ -251,7 +266,7 @@ def bench_engine(
             contender.throughput(prompts(2, 32), 4)
             contender.ttft(prompts(1, 64)[0])
         for name, contender in contenders.items():
-            n = num_requests if name == "native" else transformers_requests
+            n = requests[name]
             rates = [contender.throughput(prompts(n, prompt_len), output_len) for _ in range(repeats)]
             results[f"{name}_tokens_per_s"] = statistics.median(rates)
             tpots = [contender.tpot(prompts(1, prompt_len)[0], output_len) for _ in range(repeats)]
@@ -281,7 +296,15 @@ def bench_engine(
     if with_transformers:
         results["throughput_ratio"] = results["native_tokens_per_s"] / results["transformers_tokens_per_s"]
         results["transformers_tpot_over_bound"] = results["transformers_tpot_ms"] / results["tpot_bound_ms"]
+    if isinstance(llama, dict):
+        results.update(llamacpp.summary(results, llama, llamacpp_requests, ttft_prompt_len))
+    elif isinstance(llama, str):
+        results["llamacpp_skipped"] = llama
     print_table(results, ttft_prompt_len)
+    if isinstance(llama, dict):
+        llamacpp.print_comparison(results, list(llama), ttft_prompt_len)
+    elif isinstance(llama, str):
+        print(llamacpp.skip_line(llama))
     write_json(json_path, results)
     return results
 
@@ -334,6 +357,19 @@ def print_table(r: dict[str, Any], ttft_len: int) -> None:
 @click.option(
     "--transformers/--no-transformers", "with_transformers", default=True, help="run the baseline beside"
 )
+@click.option(
+    "--llamacpp/--no-llamacpp",
+    "with_llamacpp",
+    default=True,
+    help="run llama.cpp beside where llama-cpp-python is installed (pip install 'ragspeed[llamacpp]')",
+)
+@click.option(
+    "--llamacpp-gguf",
+    multiple=True,
+    type=click.Path(exists=True, dir_okay=False),
+    help="GGUF file for llama.cpp, repeatable (default: the model's GGUF and its F16/Q8_0/BF16 copies)",
+)
+@click.option("--llamacpp-requests", default=4, type=int, help="requests through llama.cpp, one at a time")
 def bench_engine_command(
     model: str,
     json_path: str | None,
@@ -341,6 +377,9 @@ def bench_engine_command(
     threads: int,
     transformers_requests: int,
     with_transformers: bool,
+    with_llamacpp: bool,
+    llamacpp_gguf: tuple[str, ...],
+    llamacpp_requests: int,
 ) -> None:
     """Native engine vs transformers: throughput, TPOT and TTFT against the hardware bounds."""
     try:
@@ -351,6 +390,9 @@ def bench_engine_command(
             threads=threads,
             transformers_requests=transformers_requests,
             with_transformers=with_transformers,
+            with_llamacpp=with_llamacpp,
+            llamacpp_gguf=llamacpp_gguf,
+            llamacpp_requests=llamacpp_requests,
         )
     except ValueError as error:
         raise click.UsageError(str(error)) from error
