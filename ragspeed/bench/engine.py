@@ -33,6 +33,7 @@ import torch
 from ragspeed.bench import llamacpp
 from ragspeed.bench.common import json_option, machine_line, require_positive, write_json
 from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.cpu_features import read_cpu_features
 from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
 from ragspeed.engine.protocol import GenerationRequest, SamplingParams
 
@@ -260,6 +261,7 @@ def bench_engine(
         "repeats": repeats,
         "transformers_requests": transformers_requests,
         "gemm_gflop_s": gemm_rate / 1e9,
+        "cpu": read_cpu_features().describe(),
     }
     with torch.inference_mode():
         for contender in contenders.values():  # warm-up: every code path once
@@ -337,6 +339,7 @@ def print_table(r: dict[str, Any], ttft_len: int) -> None:
         ),
     ]
     print(machine_line(r["threads"]))
+    print(f"cpu: {r['cpu']}")
     print(
         f"model {r['model']}, {r['threads']} threads: read {r['read_bandwidth_gb_s']:.1f} GB/s, "
         f"GEMM {r['gemm_gflop_s']:.0f} GFLOP/s"
