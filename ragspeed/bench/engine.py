@@ -13,10 +13,10 @@ Figures (all from one run, after a warm-up, medians of `repeats` runs; JSON keys
 - time to first token of a `ttft_prompt_len`-token prompt [ttft_2048_ms] against the FLOP bound:
   FLOPs (projections, attention, one LM-head row) / fp32 GEMM rate measured here
   [ttft_2048_bound_ms].
-A *ratio* divides two rates or two times of contenders; `*_over_bound` divides a time by its bound.
 - llama.cpp beside them, where llama-cpp-python is installed (bench.llamacpp: the same figures
   per GGUF type [llamacpp_<type>_*], the fastest type's [llamacpp_*, llamacpp_*_type] and the
   ratios to native [llamacpp_throughput_ratio, llamacpp_tpot_ratio, llamacpp_ttft_speedup]).
+A *ratio* divides two rates or two times of contenders; `*_over_bound` divides a time by its bound.
 """
 
 from __future__ import annotations
@@ -384,7 +384,7 @@ def bench_engine_command(
     llamacpp_gguf: tuple[str, ...],
     llamacpp_requests: int,
 ) -> None:
-    """Native engine vs transformers: throughput, TPOT and TTFT against the hardware bounds."""
+    """Native engine vs transformers (and llama.cpp): throughput, TPOT and TTFT against the hardware bounds."""
     try:
         bench_engine(
             model,
