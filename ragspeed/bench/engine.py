@@ -18,6 +18,9 @@ Figures (all from one run, after a warm-up, medians of `repeats` runs; JSON keys
   prefill under torch's profiler, the time inside the engine's prefill-attention event over
   the prefill's time [attention_share_2048, attention_share_8191 on SmolLM2's 8,192 positions;
   the prefill's time under the profiler in attention_ttft_{N}_ms].
+- llama.cpp beside them, where llama-cpp-python is installed (bench.llamacpp: the same figures
+  per GGUF type [llamacpp_<type>_*], the fastest type's [llamacpp_*, llamacpp_*_type] and the
+  ratios to native [llamacpp_throughput_ratio, llamacpp_tpot_ratio, llamacpp_ttft_speedup]).
 A *ratio* divides two rates or two times of contenders; `*_over_bound` divides a time by its bound.
 """
 
@@ -32,9 +35,11 @@ from typing import Any
 import click
 import torch
 
+from ragspeed.bench import llamacpp
 from ragspeed.bench.common import json_option, machine_line, require_positive, write_json
 from ragspeed.engine.attention import PREFILL_ATTENTION_EVENT
 from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.cpu_features import read_cpu_features
 from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
 from ragspeed.engine.protocol import GenerationRequest, SamplingParams
 
@@ -230,6 +235,9 @@ def bench_engine(
     transformers_requests: int = 4,
     threads: int = 2,
     with_transformers: bool = True,
+    with_llamacpp: bool = True,
+    llamacpp_gguf: tuple[str, ...] = (),
+    llamacpp_requests: int = 4,
     seed: int = 0,
 ) -> dict[str, Any]:
     """Measure the native engine (and transformers beside it); print a table, return flat JSON."""
@@ -246,6 +254,7 @@ def bench_engine(
         repeats=repeats,
         threads=threads,
         transformers_requests=transformers_requests,
+        llamacpp_requests=llamacpp_requests,
     )
     torch.set_num_threads(threads)
     for length in attention_lens:
@@ -272,6 +281,13 @@ def bench_engine(
     contenders: dict[str, Any] = {"native": _NativeContender(engine)}
     if with_transformers:
         contenders["transformers"] = _TransformersContender(path)
+    requests = {"native": num_requests, "transformers": transformers_requests}
+    # llama.cpp's contenders by GGUF type, or why it is skipped; None when not asked for.
+    llama = llamacpp.build_contenders(model, llamacpp_gguf, threads, max_model_len) if with_llamacpp else None
+    if isinstance(llama, dict):
+        for label, contender in llama.items():
+            contenders[f"llamacpp_{label}"] = contender
+            requests[f"llamacpp_{label}"] = llamacpp_requests
 
     probe = BandwidthProbe()
     gemm_rate = measure_gemm_rate()
@@ -284,13 +300,14 @@ def bench_engine(
         "repeats": repeats,
         "transformers_requests": transformers_requests,
         "gemm_gflop_s": gemm_rate / 1e9,
+        "cpu": read_cpu_features().describe(),
     }
     with torch.inference_mode():
         for contender in contenders.values():  # warm-up: every code path once
             contender.throughput(prompts(2, 32), 4)
             contender.ttft(prompts(1, 64)[0])
         for name, contender in contenders.items():
-            n = num_requests if name == "native" else transformers_requests
+            n = requests[name]
             rates = [contender.throughput(prompts(n, prompt_len), output_len) for _ in range(repeats)]
             results[f"{name}_tokens_per_s"] = statistics.median(rates)
             tpots = [contender.tpot(prompts(1, prompt_len)[0], output_len) for _ in range(repeats)]
@@ -324,7 +341,15 @@ def bench_engine(
     if with_transformers:
         results["throughput_ratio"] = results["native_tokens_per_s"] / results["transformers_tokens_per_s"]
         results["transformers_tpot_over_bound"] = results["transformers_tpot_ms"] / results["tpot_bound_ms"]
+    if isinstance(llama, dict):
+        results.update(llamacpp.summary(results, llama, llamacpp_requests, ttft_prompt_len))
+    elif isinstance(llama, str):
+        results["llamacpp_skipped"] = llama
     print_table(results, ttft_prompt_len, attention_lens)
+    if isinstance(llama, dict):
+        llamacpp.print_comparison(results, list(llama), ttft_prompt_len)
+    elif isinstance(llama, str):
+        print(llamacpp.skip_line(llama))
     write_json(json_path, results)
     return results
 
@@ -357,6 +382,7 @@ def print_table(r: dict[str, Any], ttft_len: int, attention_lens: tuple[int, ...
         ),
     ]
     print(machine_line(r["threads"]))
+    print(f"cpu: {r['cpu']}")
     print(
         f"model {r['model']}, {r['threads']} threads: read {r['read_bandwidth_gb_s']:.1f} GB/s, "
         f"GEMM {r['gemm_gflop_s']:.0f} GFLOP/s"
@@ -392,6 +418,19 @@ def attention_line(r: dict[str, Any], attention_lens: tuple[int, ...]) -> str:
 @click.option(
     "--transformers/--no-transformers", "with_transformers", default=True, help="run the baseline beside"
 )
+@click.option(
+    "--llamacpp/--no-llamacpp",
+    "with_llamacpp",
+    default=True,
+    help="run llama.cpp beside where llama-cpp-python is installed (pip install 'ragspeed[llamacpp]')",
+)
+@click.option(
+    "--llamacpp-gguf",
+    multiple=True,
+    type=click.Path(exists=True, dir_okay=False),
+    help="GGUF file for llama.cpp, repeatable (default: the model's GGUF and its F16/Q8_0/BF16 copies)",
+)
+@click.option("--llamacpp-requests", default=4, type=int, help="requests through llama.cpp, one at a time")
 def bench_engine_command(
     model: str,
     json_path: str | None,
@@ -400,8 +439,11 @@ def bench_engine_command(
     transformers_requests: int,
     attention_lens: str,
     with_transformers: bool,
+    with_llamacpp: bool,
+    llamacpp_gguf: tuple[str, ...],
+    llamacpp_requests: int,
 ) -> None:
-    """Native engine vs transformers: throughput, TPOT and TTFT against the hardware bounds."""
+    """Native engine vs transformers (and llama.cpp): throughput, TPOT and TTFT against the hardware bounds."""
     try:
         bench_engine(
             model,
@@ -411,6 +453,9 @@ def bench_engine_command(
             threads=threads,
             transformers_requests=transformers_requests,
             with_transformers=with_transformers,
+            with_llamacpp=with_llamacpp,
+            llamacpp_gguf=llamacpp_gguf,
+            llamacpp_requests=llamacpp_requests,
         )
     except ValueError as error:
         raise click.UsageError(str(error)) from error
