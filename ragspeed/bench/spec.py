@@ -25,8 +25,8 @@ Figures (one run; warm-up first; medians of `repeats` runs; JSON keys in bracket
   [ceiling_decode_tokens_per_s, ceiling_speedup = ceiling / plain, ceiling_acceptance (1.0
   unless batched and lone greedy runs disagree)].
 A *ratio* or *speedup* divides the speculative contender's rate by the plain one's.
-The table prints each ratio beside its target: ngram_speedup >= 2; draft_speedup >= 1.5;
-batch16_ratio >= 0.95.
+The table prints each ratio beside its target (issue 23): ngram_speedup >= 0.97 (prompt lookup
+never slower); draft_speedup >= 1.6; batch16_ratio >= 0.97.
 """
 
 from __future__ import annotations
@@ -295,7 +295,7 @@ def print_table(r: dict[str, Any]) -> None:
     print(
         f"  decode tokens/s   plain {r['plain_decode_tokens_per_s']:8.1f}"
         f"   ngram {r['ngram_decode_tokens_per_s']:8.1f}   speedup {r['ngram_speedup']:.2f}x"
-        f"  (target >= 2)"
+        f"  (target >= 0.97)"
     )
     print(
         f"  acceptance {r['ngram_acceptance']:.3f}, mean accepted length"
@@ -319,7 +319,7 @@ def print_table(r: dict[str, Any]) -> None:
         print(
             f"  decode tokens/s   plain {r['draft_plain_decode_tokens_per_s']:8.1f}"
             f"   draft {r['draft_decode_tokens_per_s']:8.1f}   speedup {r['draft_speedup']:.2f}x"
-            f"  (target >= 1.5)"
+            f"  (target >= 1.6)"
         )
         print(
             f"  acceptance {r['draft_acceptance']:.3f}, mean accepted length"
@@ -329,7 +329,7 @@ def print_table(r: dict[str, Any]) -> None:
     print(
         f"batch 16 (adaptive):  plain {r['batch16_plain_tokens_per_s']:8.1f} tokens/s"
         f"   ngram {r['batch16_ngram_tokens_per_s']:8.1f}   ratio {r['batch16_ratio']:.2f}"
-        f"  (target >= 0.95)"
+        f"  (target >= 0.97)"
     )
 
 
