@@ -99,13 +99,7 @@ def run_compression_eval(
     type=click.Path(path_type=Path),
     help="QA jsonl (nq_dev.jsonl, hotpot_dev100.jsonl)",
 )
-@click.option(
-    "--json",
-    "json_path",
-    default=None,
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="write the flat figures here",
-)
+@json_option
 @click.option("--limit", default=None, type=click.IntRange(min=1), help="first N examples")
 @click.option("--methods", default=DEFAULT_METHODS, help="comma-separated method names")
 @click.option("--rates", default="4,8,16,32", help="compression factors (4 = keep 1/4)")
@@ -132,7 +126,7 @@ def run_compression_eval(
 )
 def compression_command(
     data: Path,
-    json_path: Path | None,
+    json_path: str | None,
     limit: int | None,
     methods: str,
     rates: str,
@@ -218,13 +212,7 @@ def run_retrieval_eval(
 
 @eval_group.command("retrieval")
 @click.option("--data", required=True, type=click.Path(path_type=Path), help="NQ-style QA JSONL.")
-@click.option(
-    "--json",
-    "json_path",
-    default=None,
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="Write flat JSON results here.",
-)
+@json_option
 @click.option(
     "--distractors",
     default=None,
@@ -255,7 +243,7 @@ def run_retrieval_eval(
 )
 def eval_retrieval_cmd(
     data: Path,
-    json_path: Path | None,
+    json_path: str | None,
     distractors: Path | None,
     scale_n: int,
     scale_index: str,
