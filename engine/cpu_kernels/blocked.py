@@ -1,11 +1,12 @@
 """One weight in the layout of kernels.c and its product with a few rows.
 
-Layout: W [n, k] as blocks of 16 output columns, `[ceil(n / 16), k, 16]`, the last block padded
-with zero columns; the bias padded to whole blocks the same way. fp32 weights are used as they
-are. int8 weights carry one fp16 scale per `INT8_GROUP` consecutive inputs of each output
-column (engine.quant.groupwise), laid out per block as `[ceil(n / 16), ceil(k / INT8_GROUP),
-16]`; the kernel widens each weight to fp32 and scales each group's sum, so activations stay
-fp32 (weight-only quantization) and nothing saturates on any instruction set.
+Layout: W [n, k] as blocks of 16 output columns, the last block padded with zero columns; the
+bias padded to whole blocks the same way. fp32 blocks are `[ceil(n / 16), k, 16]`. int8 blocks
+hold their inputs in pairs, `[ceil(n / 16), ceil(k / 2), 16, 2]` (an odd k padded with a zero
+weight), with one fp16 scale per `INT8_GROUP` consecutive inputs of each output column
+(engine.quant.groupwise) laid out per block as `[ceil(n / 16), ceil(k / INT8_GROUP), 16]`. The
+int8 kernel quantizes each input row per group to int16, sums each group's products exactly
+in int32 and scales it once (kernels.c): the activations' rounding is far below the weights'.
 
 A product is bound by reading the weight: the kernel streams each block once per pass of a few
 rows (four with AVX2, six with AVX-512). The linear kinds use it up to their `max_rows` rows and
@@ -66,7 +67,7 @@ def _pad_to_blocks(vector: torch.Tensor, num_blocks: int) -> torch.Tensor:
 class BlockedWeight:
     """W [out_features, in_features] (fp32, or int8 with fp16 group `scales` [out_features,
     ceil(in_features / INT8_GROUP)]) and an optional bias, in the kernel's layout; `forward(x)`
-    is `x @ (W * scales per group).T + bias`."""
+    is `x @ (W * scales per group).T + bias` (int8: with x rounded per group to int16)."""
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None = None, scales: torch.Tensor | None = None
@@ -85,9 +86,15 @@ class BlockedWeight:
             self._kernel = library.ragspeed_gemv_f32
         self.out_features, self.in_features = weight.shape
         num_blocks = -(-self.out_features // BLOCK)
-        padded = torch.zeros(num_blocks * BLOCK, self.in_features, dtype=weight.dtype)
-        padded[: self.out_features] = weight
-        self.blocks = padded.view(num_blocks, BLOCK, self.in_features).transpose(1, 2).contiguous()
+        if weight.dtype == torch.int8:  # [blocks, pairs, 16, 2]
+            pairs = -(-self.in_features // 2)
+            padded = torch.zeros(num_blocks * BLOCK, pairs * 2, dtype=torch.int8)
+            padded[: self.out_features, : self.in_features] = weight
+            self.blocks = padded.view(num_blocks, BLOCK, pairs, 2).transpose(1, 2).contiguous()
+        else:  # [blocks, k, 16]
+            padded = torch.zeros(num_blocks * BLOCK, self.in_features, dtype=weight.dtype)
+            padded[: self.out_features] = weight
+            self.blocks = padded.view(num_blocks, BLOCK, self.in_features).transpose(1, 2).contiguous()
         self.scales = None  # int8: [num_blocks, num_groups, 16]
         if scales is not None:
             padded_scales = torch.zeros(num_blocks * BLOCK, scales.shape[1], dtype=torch.float16)
@@ -98,7 +105,8 @@ class BlockedWeight:
     def unblocked(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The weight [out_features, in_features] as given, and its group scales (int8) or
         None: what another layout of the same weight is built from."""
-        weight = self.blocks.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
+        columns = self.blocks.transpose(1, 2).reshape(-1, self.blocks[0].numel() // BLOCK)
+        weight = columns[: self.out_features, : self.in_features].contiguous()
         if self.scales is None:
             return weight, None
         scales = self.scales.transpose(1, 2).reshape(-1, self.scales.shape[1])

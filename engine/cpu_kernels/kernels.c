@@ -24,7 +24,6 @@
 #include <string.h>
 
 typedef float f32x16 __attribute__((vector_size(64), aligned(4)));
-typedef int8_t i8x16 __attribute__((vector_size(16), aligned(1)));
 
 #define BLOCK 16
 /* Rows per pass over a block: with AVX-512, 6 rows x 4 partial sums + 4 weights = 28 of its 32
@@ -45,7 +44,6 @@ typedef float vecf __attribute__((vector_size(64)));
 #define H 1
 #else
 typedef float vecf __attribute__((vector_size(32)));
-typedef int8_t i8x8 __attribute__((vector_size(8), aligned(1)));
 #define H 2
 #endif
 #define LANES (BLOCK / H)
@@ -55,17 +53,6 @@ static inline vecf loadv_f32(const float *p) {
     memcpy(&v, p, sizeof v);
     return v;
 }
-/* LANES int8 weights widened to fp32 (GCC's generic conversion of a vector of int8 is scalar). */
-static inline vecf loadv_i8(const int8_t *p) {
-#if defined(__AVX512F__)
-    return (vecf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-#elif defined(__AVX2__)
-    return (vecf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-#else
-    return __builtin_convertvector(*(const i8x8 *)p, vecf);
-#endif
-}
-
 /* fp16 values (their bits) widened to fp32: the int8 weights' group scales. */
 typedef uint16_t f16;
 static inline float f16_to_f32(f16 h) {
@@ -98,6 +85,10 @@ static inline vecf loadv_f16(const f16 *p) {
 }
 
 /* y[first:first+16] = sums + bias (bias padded to whole blocks), the last block only up to n. */
+static inline void store_sums(float *y, const float *sums, const float *bias, int first, int n) {
+    int count = n - first < BLOCK ? n - first : BLOCK;
+    for (int i = 0; i < count; i++) y[first + i] = sums[i] + (bias ? bias[first + i] : 0.0f);
+}
 static inline void store(float *y, const vecf *sums, const float *bias, int first, int n) {
     int count = n - first < BLOCK ? n - first : BLOCK;
     for (int h = 0; h < H; h++) {
@@ -107,97 +98,177 @@ static inline void store(float *y, const vecf *sums, const float *bias, int firs
     }
 }
 
-/* int8 weights carry one fp16 scale per GROUP consecutive inputs of each output column (a
- * block's scales: [ceil(k / GROUP)][16]). Each group's products are summed from the widened
- * int8 values and scaled once, so the sums are those of the fp32 weights q * scale at one
- * multiply per group. GROUP is a multiple of 4: only the last group of a row has a k % 4 tail. */
-#define GROUP 32
-int ragspeed_int8_group(void) { return GROUP; }
-
-/* Rows r0..r0+R-1 of x times one block (16 columns): R is a compile-time constant, so the
- * R x 2 partial sums (of H vectors each) live in registers. fp32 weights (scales NULL) are
- * one group of k. */
-#define BLOCK_ROWS(NAME, WTYPE, LOAD, R)                                                        \
-    static inline void NAME(const WTYPE *block, const float *x, float *y, const f16 *scales,   \
-                            const float *bias, int first, int n, int k) {                      \
-        vecf total[R][H], acc[R][2][H];                                                         \
-        int group = scales ? GROUP : k;                                                         \
-        for (int r = 0; r < R; r++)                                                             \
-            for (int h = 0; h < H; h++) total[r][h] = (vecf){0};                               \
-        for (int g0 = 0; g0 < k; g0 += group) {                                                 \
-            int end = g0 + group < k ? g0 + group : k;                                          \
-            _Pragma("GCC unroll 6") for (int r = 0; r < R; r++)                                 \
-                for (int h = 0; h < H; h++) acc[r][0][h] = acc[r][1][h] = (vecf){0};           \
-            int j = g0;                                                                         \
-            for (; j + 4 <= end; j += 4) {                                                      \
-                const WTYPE *p = block + (size_t)j * BLOCK;                                     \
-                /* int8 (16 bytes a k-row): the hardware prefetcher falls behind */            \
-                if (sizeof(WTYPE) == 1) __builtin_prefetch(p + 96 * BLOCK);                     \
-                vecf w0[H], w1[H], w2[H], w3[H];                                                \
-                for (int h = 0; h < H; h++) {                                                   \
-                    w0[h] = LOAD(p + h * LANES); w1[h] = LOAD(p + BLOCK + h * LANES);           \
-                    w2[h] = LOAD(p + 2 * BLOCK + h * LANES); w3[h] = LOAD(p + 3 * BLOCK + h * LANES); \
-                }                                                                               \
-                _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                           \
-                    const float *xr = x + (size_t)r * k + j;                                    \
-                    for (int h = 0; h < H; h++) {                                               \
-                        acc[r][0][h] += w0[h] * xr[0] + w2[h] * xr[2];                          \
-                        acc[r][1][h] += w1[h] * xr[1] + w3[h] * xr[3];                          \
-                    }                                                                           \
-                }                                                                               \
-            }                                                                                   \
-            /* The last k % 4 columns, into partial sums 0, 1, 0 (constant indices keep the \
-             * sums in registers). */                                                           \
-            _Pragma("GCC unroll 3") for (int t = 0; t < 3; t++) {                               \
-                if (j + t >= end) break;                                                        \
-                const WTYPE *p = block + (size_t)(j + t) * BLOCK;                               \
-                for (int h = 0; h < H; h++) {                                                   \
-                    vecf wt = LOAD(p + h * LANES);                                              \
-                    _Pragma("GCC unroll 6") for (int r = 0; r < R; r++)                         \
-                        acc[r][t & 1][h] += wt * x[(size_t)r * k + j + t];                      \
-                }                                                                               \
-            }                                                                                   \
-            _Pragma("GCC unroll 6") for (int r = 0; r < R; r++)                                 \
-                for (int h = 0; h < H; h++) {                                                   \
-                    vecf sum = acc[r][0][h] + acc[r][1][h];                                     \
-                    const f16 *sc = scales ? scales + (size_t)(g0 / GROUP) * BLOCK + h * LANES : NULL; \
-                    total[r][h] += scales ? sum * loadv_f16(sc) : sum;                          \
-                }                                                                               \
-        }                                                                                       \
+/* Rows r0..r0+R-1 of x times one fp32 block (16 columns): R is a compile-time constant, so the
+ * R x 2 partial sums (of H vectors each) live in registers. */
+#define F32_ROWS(NAME, R)                                                                        \
+    static inline void NAME(const float *block, const float *x, float *y, const float *bias,    \
+                            int first, int n, int k) {                                          \
+        vecf acc[R][2][H], total[R][H];                                                         \
         _Pragma("GCC unroll 6") for (int r = 0; r < R; r++)                                     \
+            for (int h = 0; h < H; h++) acc[r][0][h] = acc[r][1][h] = (vecf){0};               \
+        int j = 0;                                                                              \
+        for (; j + 4 <= k; j += 4) {                                                            \
+            const float *p = block + (size_t)j * BLOCK;                                         \
+            vecf w0[H], w1[H], w2[H], w3[H];                                                    \
+            for (int h = 0; h < H; h++) {                                                       \
+                w0[h] = loadv_f32(p + h * LANES); w1[h] = loadv_f32(p + BLOCK + h * LANES);     \
+                w2[h] = loadv_f32(p + 2 * BLOCK + h * LANES); w3[h] = loadv_f32(p + 3 * BLOCK + h * LANES); \
+            }                                                                                   \
+            _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                               \
+                const float *xr = x + (size_t)r * k + j;                                        \
+                for (int h = 0; h < H; h++) {                                                   \
+                    acc[r][0][h] += w0[h] * xr[0] + w2[h] * xr[2];                              \
+                    acc[r][1][h] += w1[h] * xr[1] + w3[h] * xr[3];                              \
+                }                                                                               \
+            }                                                                                   \
+        }                                                                                       \
+        /* The last k % 4 columns, into partial sums 0, 1, 0 (constant indices keep the sums   \
+         * in registers). */                                                                    \
+        _Pragma("GCC unroll 3") for (int t = 0; t < 3; t++) {                                   \
+            if (j + t >= k) break;                                                              \
+            const float *p = block + (size_t)(j + t) * BLOCK;                                   \
+            for (int h = 0; h < H; h++) {                                                       \
+                vecf wt = loadv_f32(p + h * LANES);                                             \
+                _Pragma("GCC unroll 6") for (int r = 0; r < R; r++)                             \
+                    acc[r][t & 1][h] += wt * x[(size_t)r * k + j + t];                          \
+            }                                                                                   \
+        }                                                                                       \
+        _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                                   \
+            for (int h = 0; h < H; h++) total[r][h] = acc[r][0][h] + acc[r][1][h];              \
             store(y + (size_t)r * n, total[r], bias, first, n);                                 \
+        }                                                                                       \
     }
 
-/* The product for one weight type: blocks split across the threads of the enclosing parallel
- * region (NAME##_team, ending in its barrier), rows in passes of ROWS; NAME opens a region. */
-#define GEMV(NAME, WTYPE, LOAD)                                                                 \
-    BLOCK_ROWS(NAME##_1, WTYPE, LOAD, 1)                                                        \
-    BLOCK_ROWS(NAME##_2, WTYPE, LOAD, 2)                                                        \
-    BLOCK_ROWS(NAME##_3, WTYPE, LOAD, 3)                                                        \
-    BLOCK_ROWS(NAME##_4, WTYPE, LOAD, 4)                                                        \
-    BLOCK_ROWS(NAME##_5, WTYPE, LOAD, 5)                                                        \
-    BLOCK_ROWS(NAME##_6, WTYPE, LOAD, 6)                                                        \
+/* int8 products. int8 weights carry one fp16 scale per GROUP consecutive inputs of each output
+ * column, a block's scales [ceil(k / GROUP)][16]. The input rows are quantized per GROUP too,
+ * to int16 with one fp32 scale each (max |x| / 32767): an error of a 65,534th of the group's
+ * range, far below the weights' own (a 254th), so the products keep the answers of fp32
+ * activations. A group's products are summed exactly in int32 (vpmaddwd adds pairs of int16
+ * products; 32 x 128 x 32767 < 2^31) and scaled once, by the weight's scale times the row's,
+ * into the fp32 sum. Widening int8 to fp32 took three AVX2 instructions per 8 weights before
+ * the FMA; here two inputs times 16 columns are two widenings, two multiply-adds and two adds.
+ *
+ * Layout: a block's inputs in pairs, [ceil(k / 2)][16][2] (inputs 2j and 2j + 1 of a column
+ * side by side, as vpmaddwd pairs them), an odd k padded with a zero weight. */
+#define GROUP 32
+#define PAIRS (GROUP / 2)
+int ragspeed_int8_group(void) { return GROUP; }
+
+/* x [m, k] per group: xq [m][groups * GROUP] int16 (zero beyond k), xs [m][groups] fp32. */
+static void quantize_rows(const float *x, int m, int k, int16_t *xq, float *xs) {
+    int groups = (k + GROUP - 1) / GROUP;
+    for (int r = 0; r < m; r++)
+        for (int g = 0; g < groups; g++) {
+            const float *xg = x + (size_t)r * k + g * GROUP;
+            int16_t *qg = xq + ((size_t)r * groups + g) * GROUP;
+            int count = k - g * GROUP < GROUP ? k - g * GROUP : GROUP;
+            float amax = 0.0f;
+            for (int i = 0; i < count; i++) {
+                float a = __builtin_fabsf(xg[i]);
+                amax = a > amax ? a : amax;
+            }
+            float inverse = amax > 0.0f ? 32767.0f / amax : 0.0f;
+            for (int i = 0; i < count; i++) qg[i] = (int16_t)__builtin_rintf(xg[i] * inverse);
+            for (int i = count; i < GROUP; i++) qg[i] = 0;
+            xs[(size_t)r * groups + g] = amax / 32767.0f;
+        }
+}
+
+/* Rows r0..r0+R-1 (quantized: xq, xs) times one int8 block: the R x 16 int32 sums of a group in
+ * registers (AVX2: two vectors of 8 columns a row), its fp32 totals updated once a group. */
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define I8_ROWS(NAME, R)                                                                         \
+    static inline void NAME(const int8_t *block, const int16_t *xq, const float *xs,             \
+                            const f16 *scales, float *y, const float *bias, int first, int n,   \
+                            int k) {                                                            \
+        int groups = (k + GROUP - 1) / GROUP, pairs = (k + 1) / 2;                              \
+        __m256 total[R][2];                                                                     \
+        for (int r = 0; r < R; r++) total[r][0] = total[r][1] = _mm256_setzero_ps();           \
+        for (int g = 0; g < groups; g++) {                                                      \
+            __m256i acc[R][2];                                                                  \
+            _Pragma("GCC unroll 6") for (int r = 0; r < R; r++)                                 \
+                acc[r][0] = acc[r][1] = _mm256_setzero_si256();                                 \
+            int end = (g + 1) * PAIRS < pairs ? (g + 1) * PAIRS : pairs;                        \
+            _Pragma("GCC unroll 2") for (int j = g * PAIRS; j < end; j++) {                     \
+                const int8_t *p = block + (size_t)j * 2 * BLOCK;                                \
+                /* 32 bytes a pair: the hardware prefetcher falls behind */                    \
+                __builtin_prefetch(p + 48 * 2 * BLOCK);                                         \
+                __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));         \
+                __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 16)));  \
+                _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                           \
+                    int32_t pair;                                                               \
+                    memcpy(&pair, xq + (size_t)r * groups * GROUP + 2 * j, sizeof pair);        \
+                    __m256i xb = _mm256_set1_epi32(pair);                                       \
+                    acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(w0, xb));         \
+                    acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(w1, xb));         \
+                }                                                                               \
+            }                                                                                   \
+            const f16 *sc = scales + (size_t)g * BLOCK;                                         \
+            __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sc));                 \
+            __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 8)));           \
+            _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                               \
+                __m256 sx = _mm256_set1_ps(xs[(size_t)r * groups + g]);                         \
+                total[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][0]), _mm256_mul_ps(s0, sx), total[r][0]); \
+                total[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][1]), _mm256_mul_ps(s1, sx), total[r][1]); \
+            }                                                                                   \
+        }                                                                                       \
+        _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                                   \
+            float sums[BLOCK];                                                                  \
+            _mm256_storeu_ps(sums, total[r][0]);                                                \
+            _mm256_storeu_ps(sums + 8, total[r][1]);                                            \
+            store_sums(y + (size_t)r * n, sums, bias, first, n);                                \
+        }                                                                                       \
+    }
+#else /* the same sums in plain C */
+#define I8_ROWS(NAME, R)                                                                         \
+    static inline void NAME(const int8_t *block, const int16_t *xq, const float *xs,             \
+                            const f16 *scales, float *y, const float *bias, int first, int n,   \
+                            int k) {                                                            \
+        int groups = (k + GROUP - 1) / GROUP, pairs = (k + 1) / 2;                              \
+        float total[R][BLOCK] = {{0}};                                                          \
+        for (int g = 0; g < groups; g++) {                                                      \
+            int32_t acc[R][BLOCK] = {{0}};                                                      \
+            int end = (g + 1) * PAIRS < pairs ? (g + 1) * PAIRS : pairs;                        \
+            for (int j = g * PAIRS; j < end; j++) {                                             \
+                const int8_t *p = block + (size_t)j * 2 * BLOCK;                                \
+                for (int r = 0; r < R; r++) {                                                   \
+                    const int16_t *xr = xq + (size_t)r * groups * GROUP + 2 * j;                \
+                    for (int c = 0; c < BLOCK; c++)                                             \
+                        acc[r][c] += p[2 * c] * xr[0] + p[2 * c + 1] * xr[1];                   \
+                }                                                                               \
+            }                                                                                   \
+            for (int r = 0; r < R; r++)                                                         \
+                for (int c = 0; c < BLOCK; c++)                                                 \
+                    total[r][c] += (float)acc[r][c] * (f16_to_f32(scales[(size_t)g * BLOCK + c]) * xs[(size_t)r * groups + g]); \
+        }                                                                                       \
+        for (int r = 0; r < R; r++) store_sums(y + (size_t)r * n, total[r], bias, first, n);   \
+    }
+#endif
+
+/* The products of one weight type: blocks split across the threads of the enclosing parallel
+ * region (NAME##_team, ending in its barrier), rows in passes of ROWS; NAME opens a region.
+ * PREPARE runs on each thread before its blocks, FINISH after; PASS(KERNEL) is one pass of rows. */
+#define GEMV(NAME, WTYPE, KERNEL, PREPARE, PASS, FINISH)                                        \
+    KERNEL(NAME##_1, 1) KERNEL(NAME##_2, 2) KERNEL(NAME##_3, 3)                                 \
+    KERNEL(NAME##_4, 4) KERNEL(NAME##_5, 5) KERNEL(NAME##_6, 6)                                 \
     static void NAME##_team(const WTYPE *w, const f16 *scale, const float *bias,               \
                             const float *x, float *y, int m, int n, int k) {                   \
         int num_blocks = (n + BLOCK - 1) / BLOCK;                                               \
+        PREPARE                                                                                 \
         _Pragma("omp for schedule(static)")                                                     \
-        for (int b = 0; b < num_blocks; b++) {                                                  \
-            const WTYPE *block = w + (size_t)b * k * BLOCK;                                     \
-            /* int8: this block's group scales [ceil(k / GROUP)][16]; fp32: NULL */            \
-            const f16 *bs = scale ? scale + (size_t)b * ((k + GROUP - 1) / GROUP) * BLOCK : NULL; \
+        for (int b = 0; b < num_blocks; b++)                                                    \
             for (int r = 0; r < m; r += ROWS) {                                                 \
-                const float *xr = x + (size_t)r * k;                                            \
                 float *yr = y + (size_t)r * n;                                                  \
                 switch (m - r < ROWS ? m - r : ROWS) {                                          \
-                case 1: NAME##_1(block, xr, yr, bs, bias, b * BLOCK, n, k); break;           \
-                case 2: NAME##_2(block, xr, yr, bs, bias, b * BLOCK, n, k); break;           \
-                case 3: NAME##_3(block, xr, yr, bs, bias, b * BLOCK, n, k); break;           \
-                case 4: NAME##_4(block, xr, yr, bs, bias, b * BLOCK, n, k); break;           \
-                case 5: NAME##_5(block, xr, yr, bs, bias, b * BLOCK, n, k); break;           \
-                default: NAME##_6(block, xr, yr, bs, bias, b * BLOCK, n, k); break;          \
+                case 1: PASS(NAME##_1); break;                                                  \
+                case 2: PASS(NAME##_2); break;                                                  \
+                case 3: PASS(NAME##_3); break;                                                  \
+                case 4: PASS(NAME##_4); break;                                                  \
+                case 5: PASS(NAME##_5); break;                                                  \
+                default: PASS(NAME##_6); break;                                                 \
                 }                                                                               \
             }                                                                                   \
-        }                                                                                       \
+        FINISH                                                                                  \
     }                                                                                           \
     static void NAME(const WTYPE *w, const f16 *scale, const float *bias, const float *x,      \
                      float *y, int m, int n, int k, int num_threads) {                         \
@@ -205,8 +276,22 @@ int ragspeed_int8_group(void) { return GROUP; }
         NAME##_team(w, scale, bias, x, y, m, n, k);                                             \
     }
 
-GEMV(gemv_f32, float, loadv_f32)
-GEMV(gemv_i8, int8_t, loadv_i8)
+/* fp32: block b is [k][16] */
+#define F32_PASS(KERNEL) KERNEL(w + (size_t)b * k * BLOCK, x + (size_t)r * k, yr, bias, b * BLOCK, n, k)
+GEMV(gemv_f32, float, F32_ROWS, (void)scale;, F32_PASS, )
+
+/* int8: each thread quantizes every row for itself (no barrier before the products); block b
+ * is [ceil(k / 2)][16][2], its scales [groups][16]. */
+#define I8_PREPARE                                                                              \
+    int groups = (k + GROUP - 1) / GROUP;                                                       \
+    size_t row = (size_t)groups * GROUP;                                                        \
+    int16_t *xq = malloc(sizeof(int16_t) * m * row + sizeof(float) * m * groups);               \
+    float *xs = (float *)(xq + m * row);                                                        \
+    quantize_rows(x, m, k, xq, xs);
+#define I8_PASS(KERNEL)                                                                         \
+    KERNEL(w + (size_t)b * ((k + 1) / 2) * 2 * BLOCK, xq + r * row, xs + (size_t)r * groups,     \
+           scale + (size_t)b * groups * BLOCK, yr, bias, b * BLOCK, n, k)
+GEMV(gemv_i8, int8_t, I8_ROWS, I8_PREPARE, I8_PASS, free(xq);)
 
 /* y [m, n] = x [m, k] @ W.T + bias; w: W in blocks [ceil(n/16)][k][16] (zero-padded), fp32. */
 void ragspeed_gemv_f32(const float *w, const float *bias, const float *x, float *y,
@@ -214,9 +299,9 @@ void ragspeed_gemv_f32(const float *w, const float *bias, const float *x, float 
     gemv_f32(w, NULL, bias, x, y, m, n, k, num_threads);
 }
 
-/* The same with int8 weights Q and their group scales S (blocks [ceil(n/16)][ceil(k/GROUP)][16],
- * zero-padded): y = x @ (Q * S).T + bias, activations kept in fp32 (weight-only quantization:
- * int8 weights are widened to fp32, so nothing saturates on any instruction set). */
+/* The same with int8 weights Q in blocks [ceil(n/16)][ceil(k/2)][16][2] and their group scales
+ * S [ceil(n/16)][ceil(k/GROUP)][16] (zero-padded): y = x @ (Q * S).T + bias, x quantized per
+ * group to int16 (above). */
 void ragspeed_gemv_i8(const int8_t *w, const f16 *scale, const float *bias, const float *x,
                       float *y, int m, int n, int k, int num_threads) {
     gemv_i8(w, scale, bias, x, y, m, n, k, num_threads);
@@ -389,7 +474,7 @@ void ragspeed_add_rms_norm(float *x, const float *residual, const float *weight,
  * with torch's to float rounding. Each row is computed alike whatever the number of rows. */
 
 typedef struct {
-    const void *w;      /* blocks [ceil(n/16)][k][16]: fp32, or int8 when scale is set */
+    const void *w;      /* fp32 blocks [ceil(n/16)][k][16], or int8 [ceil(n/16)][ceil(k/2)][16][2] when scale is set */
     const f16 *scale;   /* int8: fp16 group scales [ceil(n/16)][ceil(k/GROUP)][16]; fp32: NULL */
     const float *bias;  /* padded to blocks, or NULL */
     int n, k;

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ragspeed.engine.attention import build_metadata
+from ragspeed.engine.cpu_kernels.blocked import decode_step
 from ragspeed.engine.kv_cache import KVCachePool
 from ragspeed.engine.loader import LoadedModel
 
@@ -64,6 +65,14 @@ def window_logits(loaded: LoadedModel, token_ids: list[int], block_size: int = 1
         meta,
     )  # [n, hidden_size]
     return loaded.model.compute_logits(hidden)  # [n, vocab]
+
+
+def decode_window_logits(loaded: LoadedModel, token_ids: list[int]) -> torch.Tensor:
+    """`window_logits` with every product on the decode kernels (engine.cpu_kernels.blocked:
+    int8 weights times int16 activations): each position's logits as a decode step computes
+    them, teacher-forced."""
+    with decode_step(True):
+        return window_logits(loaded, token_ids)
 
 
 def text_windows(

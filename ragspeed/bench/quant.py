@@ -10,14 +10,16 @@ Figures (one run, after a warm-up, medians of `repeats` runs; JSON keys in brack
 - resident weight bytes [int8_weight_bytes, fp32_weight_bytes];
 - quality of int8 against fp32 on `text` (see engine.quant.quality) [ppl_increase (a fraction),
   top1_agreement, logit_rms_error, ppl_fp32, ppl_int8], of the int8 prefill path the quality
-  gate chose (engine.quant.gate) [int8_prefill_path; None: no path passed], and of every
+  gate chose (engine.quant.gate) [int8_prefill_path; None: no path passed]; of the int8 decode
+  kernels, teacher-forced on the same windows [decode_ppl_increase, decode_top1_agreement,
+  decode_logit_rms_error]; and of every
   prefill path this CPU runs against the fp32 model: the int8 ones (fbgemm-u8, bf16-dequantized,
   fp32-dequantized) and, where the CPU has AMX-BF16 or AVX512-BF16, the fp32 model's bf16 prefill
   [quality_<path>_<figure>]; the CPU's capability line [cpu] and each engine's prefill line
   [<engine>_prefill].
 Targets (issue 5, bench-0.5b): int8_tpot_ms <= 2.5 x int8_tpot_bound_ms; fp32/int8 TPOT >= 3;
 int8 TTFT no worse than fp32. Issue 20 (the real default model): ppl increase <= 1%, top-1
-agreement >= 97%, fp32/int8 TPOT >= 2.4. A *ratio* divides two contenders' times;
+agreement >= 97% (prefill and decode), fp32/int8 TPOT >= 2.4. A *ratio* divides two contenders' times;
 `*_over_bound` a time by its bound.
 """
 
@@ -65,7 +67,12 @@ def run_bench_quant(
     from ragspeed.engine.models.linear import DENSE_PREFILL_PATHS
     from ragspeed.engine.quant.gate import gate_prefill, use_prefill_path
     from ragspeed.engine.quant.prefill import prefill_candidates, runnable_paths
-    from ragspeed.engine.quant.quality import compare_logits, text_windows, window_logits
+    from ragspeed.engine.quant.quality import (
+        compare_logits,
+        decode_window_logits,
+        text_windows,
+        window_logits,
+    )
 
     require_positive(
         prompt_len=prompt_len,
@@ -117,6 +124,11 @@ def run_bench_quant(
         )
 
     int8_reports = {p.name: against_fp32(engines["int8"].loaded, p) for p in prefill_candidates(features)}
+    decode_report = compare_logits(
+        lambda ids: reference[tuple(ids)],
+        lambda ids: decode_window_logits(engines["int8"].loaded, ids),
+        windows,
+    )
     outcome = gate_prefill(prefill_candidates(features), lambda p: int8_reports[p.name])
     # The timings run on the chosen path (the most precise one where none passed).
     use_prefill_path(int8_model, outcome.path or prefill_candidates(features)[-1])
@@ -192,6 +204,9 @@ def run_bench_quant(
         ppl_increase=quality.ppl_increase,
         top1_agreement=quality.top1_agreement,
         logit_rms_error=quality.logit_rms_error,
+        decode_ppl_increase=decode_report.ppl_increase,
+        decode_top1_agreement=decode_report.top1_agreement,
+        decode_logit_rms_error=decode_report.logit_rms_error,
     )
     results["target_int8_tpot_within_2_5x_bound"] = results["int8_tpot_over_bound"] <= 2.5
     results["target_fp32_over_int8_tpot_ge_3"] = results["fp32_over_int8_tpot"] >= 3
@@ -199,6 +214,8 @@ def run_bench_quant(
     # issue 20 (the real default model): the gate's figures and decode >= 2.4x fp32's
     results["target_ppl_increase_le_1pct"] = results["ppl_increase"] <= 0.01
     results["target_top1_agreement_ge_97pct"] = results["top1_agreement"] >= 0.97
+    results["target_decode_ppl_increase_le_1pct"] = results["decode_ppl_increase"] <= 0.01
+    results["target_decode_top1_agreement_ge_97pct"] = results["decode_top1_agreement"] >= 0.97
     results["target_fp32_over_int8_tpot_ge_2_4"] = results["fp32_over_int8_tpot"] >= 2.4
     print_table(results, ttft_prompt_len)
     write_json(json_path, results)
@@ -236,6 +253,10 @@ def print_table(r: dict[str, Any], ttft_len: int) -> None:
         f"{r['int8_over_fp32_ttft']:.2f}x; int8 vs fp32 on {r['quality_tokens']} tokens: "
         f"ppl {r['ppl_fp32']:.2f} -> {r['ppl_int8']:.2f} ({r['ppl_increase']:+.2%}), "
         f"top-1 agreement {r['top1_agreement']:.2%}, logit RMS error {r['logit_rms_error']:.3f}"
+    )
+    print(
+        f"int8 decode kernels vs fp32: ppl {r['decode_ppl_increase']:+.2%}, top-1 agreement "
+        f"{r['decode_top1_agreement']:.2%}, logit RMS error {r['decode_logit_rms_error']:.3f}"
     )
     paths = sorted(
         {

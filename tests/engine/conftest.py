@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.cpu_kernels.blocked import INT8_GROUP
 from ragspeed.engine.llm_engine import LLMEngine
 from tests.engine.tiny_models import build_tiny_checkpoint
 
@@ -70,3 +71,14 @@ def assert_all_blocks_free(engine: LLMEngine) -> None:
     engine.manager.check_invariants()
     assert engine.manager.num_free_blocks == engine.manager.num_blocks
     assert not engine.has_unfinished()
+
+
+def int16_rows(x: torch.Tensor) -> torch.Tensor:
+    """What the int8 kernel multiplies for x [m, k]: each group of INT8_GROUP inputs rounded to
+    int16 steps of max |x| / 32767 (fp32 arithmetic, as kernels.c's quantize_rows)."""
+    m, k = x.shape
+    groups = -(-k // INT8_GROUP)
+    padded = torch.zeros(m, groups * INT8_GROUP).index_copy_(1, torch.arange(k), x).view(m, groups, -1)
+    amax = padded.abs().amax(dim=2, keepdim=True)
+    inverse = torch.where(amax > 0, torch.tensor(32767.0) / amax, torch.zeros(()))
+    return (torch.round(padded * inverse) * (amax / 32767.0)).view(m, -1)[:, :k]

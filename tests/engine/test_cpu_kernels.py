@@ -8,6 +8,7 @@ import torch
 from ragspeed.engine.cpu_kernels import BlockedWeight, build, load_library
 from ragspeed.engine.cpu_kernels.blocked import INT8_GROUP
 from ragspeed.engine.quant.groupwise import quantize_groupwise
+from tests.engine.conftest import int16_rows
 
 pytestmark = pytest.mark.skipif(
     load_library() is None, reason="ragspeed's CPU kernels could not be built here"
@@ -35,8 +36,11 @@ def test_product_equals_x_at_w_transposed(kind, n, k, bias, threads):
         x = torch.randn(rows, k, generator=gen)
         out = blocked.forward(x, threads)
         assert out.shape == (rows, n) and out.dtype == torch.float32
-        expected = x @ reference.T + (0 if b is None else b)
+        rounded = x if kind == "fp32" else int16_rows(x)
+        expected = (rounded.double() @ reference.double().T + (0 if b is None else b)).float()
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+        if kind == "int8":  # the activations' rounding, against fp32's product: small
+            torch.testing.assert_close(out, x @ reference.T + (0 if b is None else b), rtol=0, atol=2e-3)
 
 
 @pytest.mark.parametrize("kind", ["fp32", "int8"])
@@ -56,16 +60,18 @@ def test_int8_group_size_is_the_librarys():
 
 
 def test_int8_product_does_not_saturate_with_extreme_values():
-    """The int8 kernel widens weights to fp32 (no 16-bit pair sums as in fbgemm's AVX2
-    kernel): full-range weights times large activations give the fp32 product."""
+    """Full-range weights times full-range int16 activations: a group's int32 sum (32 x 127 x
+    32767) and the int16 pair sums of vpmaddwd stay in range (no 16-bit sums of products as in
+    fbgemm's AVX2 kernel)."""
     weight = torch.full((16, 64), 127, dtype=torch.int8)
     weight[:, 1::2] = -127
     weight[0] = 127
     scales = torch.full((16, 2), 0.5, dtype=torch.float16)
     blocked = BlockedWeight(weight, None, scales)
     x = torch.full((2, 64), 1000.0)
+    x[0, 1] = -1000.0  # both signs at full range
     out = blocked.forward(x, 2)
-    assert out[0, 0].item() == 64 * 127 * 0.5 * 1000.0  # 4,064,000: every term adds up
+    assert out[0, 0].item() == 62 * 127 * 0.5 * 1000.0  # 3,937,000: every term adds up
     assert out[1, 1].item() == 0.0  # +127 and -127 alternate
 
 
@@ -76,7 +82,8 @@ def test_blocked_int8_unblocks_to_what_it_was_given():
     qweight, scales = blocked.unblocked()
     assert torch.equal(qweight, int8.qweight) and torch.equal(scales, int8.scales)
     assert blocked.scales.shape == (3, 3, 16)  # 37 columns -> 3 blocks; 75 inputs -> 3 groups
-    assert blocked.num_bytes == 3 * 75 * 16 + 3 * 3 * 16 * 2 + 3 * 16 * 4  # fp16 scales, fp32 bias
+    assert blocked.blocks.shape == (3, 38, 16, 2)  # 75 inputs -> 38 pairs, the last padded
+    assert blocked.num_bytes == 3 * 76 * 16 + 3 * 3 * 16 * 2 + 3 * 16 * 4  # fp16 scales, fp32 bias
 
 
 def test_non_contiguous_input_and_bytes():
@@ -162,3 +169,19 @@ def test_add_rms_norm_equals_torch(rows, dim, with_residual):
     out = add_rms_norm(x, residual, weight, 1e-6)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(x, stream)  # the stream's new value, written into x
+
+
+@pytest.mark.parametrize("n, k", [(37, 75), (49, 576), (16, 1)])
+def test_int8_products_in_plain_c(fresh_build, monkeypatch, n, k):
+    """Built without AVX2 (as for a CPU that lacks it), the int8 kernel's plain-C sums give the
+    product the intrinsics give, a row alone or in a batch."""
+    monkeypatch.setattr(build, "FLAGS", build.FLAGS + ("-mno-avx2",))
+    gen = torch.Generator().manual_seed(n + k)
+    int8 = quantize_groupwise(torch.randn(n, k, generator=gen))
+    b = torch.randn(n, generator=gen)
+    blocked = BlockedWeight(int8.qweight, b, int8.scales)
+    x = torch.randn(7, k, generator=gen)
+    out = blocked.forward(x, 2)
+    expected = (int16_rows(x).double() @ int8.dequantize().double().T + b).float()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+    assert torch.equal(blocked.forward(x[2:3], 1), out[2:3])

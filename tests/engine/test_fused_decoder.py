@@ -83,8 +83,11 @@ def test_fused_forward_matches_the_layer_by_layer_path(
     assert loaded.model._fused_decoder() is not None
     fused, fused_kv = _step(loaded, STEPS[step], fused=True)
     layered, layered_kv = _step(loaded, STEPS[step], fused=False)
-    torch.testing.assert_close(fused, layered, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(fused_kv, layered_kv, rtol=1e-4, atol=1e-4)
+    # int8: the int16 rounding of the activations can turn a float-order difference (fused and
+    # layered attention) into a whole step of a group's range (a 65,534th)
+    tolerance = 1e-4 if quantization is None else 5e-4
+    torch.testing.assert_close(fused, layered, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(fused_kv, layered_kv, rtol=tolerance, atol=tolerance)
     assert not torch.equal(fused_kv, KVCachePool(loaded.arch, 16, BLOCK_SIZE, torch.float32, "cpu").kv)
 
 

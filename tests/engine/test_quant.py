@@ -19,7 +19,13 @@ from ragspeed.engine.quant import (
     check_quantization,
     quantize_per_channel,
 )
-from ragspeed.engine.quant.quality import compare_quality, text_windows
+from ragspeed.engine.quant.quality import (
+    compare_logits,
+    compare_quality,
+    decode_window_logits,
+    text_windows,
+    window_logits,
+)
 from ragspeed.engine.quant.weight_only_int8 import WeightOnlyInt8Kernel
 from tests.engine.conftest import make_engine
 
@@ -178,6 +184,12 @@ def test_demo_quality_gates(demo_path, shared_data):
     assert report.ppl_increase <= 0.02
     assert report.top1_agreement >= 0.97
     assert 0 < report.logit_rms_error < 0.1  # int8 moves the logits, a little (0.034 measured)
+    # The decode kernels (int8 weights times int16 activations), teacher-forced: the same gates.
+    decode = compare_logits(
+        lambda ids: window_logits(reference, ids), lambda ids: decode_window_logits(quantized, ids), windows
+    )
+    assert decode.ppl_increase <= 0.02 and decode.top1_agreement >= 0.97
+    assert decode.logit_rms_error != report.logit_rms_error  # other kernels ran
 
 
 def test_int8_batching_and_prefix_cache_keep_greedy_outputs(demo_path, shared_data):
