@@ -342,9 +342,14 @@ def build_draft_proposer(config: EngineConfig, engine) -> DraftProposer:
     as many tokens as the target's."""
     from transformers import AutoTokenizer
 
+    from ragspeed.engine.model_zoo import ModelUnavailableError
+
     name = config.draft_model
     try:
         path = resolve_model_path(name)
+    except ModelUnavailableError as error:  # e.g. a trained draft not built yet: says how
+        raise EngineError(f"{error} (the draft of {config.model!r})", param="draft_model") from error
+    try:
         draft_tokenizer = AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as error:
         raise EngineError(
