@@ -342,8 +342,12 @@ def test_train_demo_needs_out_and_data_dir(tmp_path):
 def test_train_draft_needs_out_and_a_target_model(tmp_path):
     (tmp_path / "wiki_passages.txt").write_text("A passage.\n")
     (tmp_path / "wikitext2_raw_test.txt").write_text(" = A =\n text\n")
-    missing_out = CliRunner().invoke(train_draft, ["--data-dir", str(tmp_path)])
-    assert missing_out.exit_code == 2 and "Missing option '--out'" in missing_out.output
+    # only a zoo model with a trained draft in the zoo (the default model) has a default --out
+    missing_out = CliRunner().invoke(train_draft, ["--data-dir", str(tmp_path), "--target", "ragspeed-demo"])
+    assert missing_out.exit_code == 2
+    assert "the zoo has no trained draft for 'ragspeed-demo' to write: pass --out DIR" in " ".join(
+        missing_out.output.split()
+    )
     no_model = CliRunner().invoke(
         train_draft, ["--out", str(tmp_path / "d"), "--data-dir", str(tmp_path), "--target", str(tmp_path)]
     )
