@@ -65,8 +65,9 @@ from ragspeed.training.demo import ChatEncoder, chunk_documents, encode_document
 from ragspeed.training.examples import make_extractive_example, make_generic_example, make_repeat_example
 from ragspeed.training.trainer import Phase, Piece, TrainingConfig, TrainingLog, train_loop
 
-# Files of the target's folder that are not the draft's own (weights, config, card).
-_OWN_FILES = ("config.json", "README.md")
+# Files of the target's folder that are not the draft's own (weights, config, card, and the
+# manifest of a target converted from GGUF, engine.gguf).
+_OWN_FILES = ("config.json", "README.md", "ragspeed_gguf.json")
 
 
 @dataclass(frozen=True)
