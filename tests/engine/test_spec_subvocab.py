@@ -17,7 +17,7 @@ from ragspeed.engine.loader import load_model
 from ragspeed.engine.protocol import EngineError, GenerationRequest, SamplingParams
 from ragspeed.engine.sampling import SamplingState
 from ragspeed.engine.spec_decode import DraftProposer, verify_sampled
-from ragspeed.engine.spec_decode.rejection import target_probs
+from ragspeed.engine.spec_decode.rejection import target_probs, verify_sampled_q
 from tests.engine.conftest import assert_all_blocks_free, make_engine
 from tests.engine.tiny_models import VOCAB_SIZE, build_sub_vocab_draft, build_tiny_checkpoint
 
@@ -168,6 +168,36 @@ def test_rejection_sampling_keeps_the_target_distribution_with_a_sub_vocabulary_
     wrong[drafts[0]] += wrong[top_two].sum()
     wrong[top_two] = 0
     statistic, _ = chisquare(wrong[support].numpy(), (probs[0][support] * num_samples).numpy())
+    assert statistic > 24.32
+
+
+def test_rejection_sampling_with_a_sampled_proposal_zero_outside_the_sub_vocabulary():
+    """A general proposal q (drafts drawn from a sub-vocabulary head's softmax, zero elsewhere):
+    accept with min(1, p/q), else draw from max(0, p - q); the output is ~p, including the
+    tokens q never proposes."""
+    from scipy.stats import chisquare
+
+    vocab = 8
+    state = SamplingState.create(
+        SamplingParams(max_tokens=2, temperature=1.0), eos_token_ids=(), device="cpu"
+    )
+    p_logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, 0.3, 1.2]] * 2)  # [1 + k, vocab], k = 1
+    p = target_probs(p_logits, state)[0]
+    sub_vocab = torch.tensor([0, 2, 3, 5])  # 1, 4, 6, 7 are never drafted
+    q = torch.zeros(vocab)
+    q[sub_vocab] = torch.tensor([0.1, 0.5, 0.3, 0.1])  # far from p on purpose
+    generator = torch.Generator().manual_seed(0)
+    num_samples = 20000
+    counts = torch.zeros(vocab)
+    for _ in range(num_samples):
+        x = int(torch.multinomial(q, 1, generator=generator))
+        counts[verify_sampled_q(p_logits, [x], q[None], state, generator)[0]] += 1
+    # 7 degrees of freedom: below 24.32 (p = 0.001)
+    statistic, _ = chisquare(counts.numpy(), (p * num_samples).numpy())
+    assert statistic < 24.32
+    assert counts[[1, 4, 6, 7]].sum() / num_samples == pytest.approx(float(p[[1, 4, 6, 7]].sum()), abs=0.01)
+    # q's own distribution (every draft accepted) fails the same test
+    statistic, _ = chisquare((q * num_samples).numpy() + 1e-9, (p * num_samples).numpy())
     assert statistic > 24.32
 
 
