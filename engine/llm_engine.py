@@ -69,6 +69,11 @@ class LLMEngine:
                 num_threads=num_threads,
                 features=features,
             )
+        if loaded.arch.draft_vocab_size is not None:
+            raise ValueError(
+                f"model {config.model!r} is a draft with a {loaded.arch.draft_vocab_size}-token sub-vocabulary"
+                " head, not a model to serve: pass it as --draft-model of its target"
+            )
         if tokenizer is None:
             from transformers import AutoTokenizer
 

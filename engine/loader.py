@@ -102,6 +102,7 @@ def arch_from_config(hf_config: Any, family: ModelFamily) -> ModelArch:
         o_bias=attention_bias,
         mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
         qk_norm=family.qk_norm,
+        draft_vocab_size=getattr(hf_config, "draft_vocab_size", None) or None,
     )
 
 
@@ -144,7 +145,9 @@ def read_safetensors(path: Path, dtype: torch.dtype, device: str) -> dict[str, t
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                tensors[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+                tensor = f.get_tensor(name)
+                # Integer tensors are ids (a draft's d2t map), never weights: kept exact.
+                tensors[name] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
     return tensors
 
 
@@ -197,13 +200,41 @@ def load_weights(model: DecoderLM, tensors: dict[str, torch.Tensor]) -> None:
         mlp.down_proj.load(take(p + "mlp.down_proj.weight"), down_bias)
     model.norm.weight = take("model.norm.weight")
     lm_head = maybe("lm_head.weight")
-    if lm_head is None or arch.tie_word_embeddings:
+    d2t = maybe("d2t")
+    if arch.draft_vocab_size is not None:
+        model.d2t = check_d2t(d2t, arch)
+        if lm_head is None:
+            raise KeyError("checkpoint lacks weight 'lm_head.weight' (a sub-vocabulary head)")
+    elif d2t is not None:
+        raise ValueError("checkpoint has a 'd2t' map but its config sets no draft_vocab_size")
+    if lm_head is None or (arch.tie_word_embeddings and arch.draft_vocab_size is None):
         # Tied: the LM head is the embedding; it keeps its own packed copy (linear kinds pack).
         lm_head = model.embed_tokens
     model.lm_head.load(lm_head)
     leftovers = [n for n in tensors if "rotary_emb" not in n]
     if leftovers:
         logger.warning("ignored %d checkpoint tensors, e.g. %s", len(leftovers), leftovers[:3])
+
+
+def check_d2t(d2t: torch.Tensor | None, arch: ModelArch) -> torch.Tensor:
+    """A sub-vocabulary head's map (row i scores token d2t[i]): `draft_vocab_size` distinct
+    integer ids of the vocabulary, in a 1-d tensor."""
+    if d2t is None:
+        raise KeyError(f"checkpoint lacks the 'd2t' map of its draft_vocab_size={arch.draft_vocab_size} head")
+    if d2t.is_floating_point() or tuple(d2t.shape) != (arch.draft_vocab_size,):
+        raise ValueError(
+            f"'d2t' must be {arch.draft_vocab_size} integer token ids (draft_vocab_size), "
+            f"got a {d2t.dtype} tensor of shape {tuple(d2t.shape)}"
+        )
+    d2t = d2t.long()
+    low, high = int(d2t.min()), int(d2t.max())
+    if low < 0 or high >= arch.vocab_size:
+        raise ValueError(
+            f"'d2t' holds ids {low} .. {high}, outside the vocabulary of {arch.vocab_size} tokens"
+        )
+    if len(torch.unique(d2t)) != len(d2t):
+        raise ValueError("'d2t' maps two head rows to the same token id")
+    return d2t
 
 
 def resolve_model_path(name: str) -> Path:

@@ -6,6 +6,9 @@
 - *fixture*: committed under engine/assets/: `ragspeed-demo` (a 7M-parameter Llama trained by
   `ragspeed train-demo`; it cannot answer questions) and its distilled draft. Tests use them, and
   the bench models take the demo tokenizer.
+- *trained draft*: a draft model distilled from a zoo model by `ragspeed train-draft --target
+  NAME`, which writes it into <cache>/<name> by default: built by one command on this machine,
+  never shipped; until then resolving it raises an error that names the command.
 - *bench*: a real architecture (SmolLM2-135M or Qwen2.5-0.5B shape) with seeded random weights,
   built on first use into a cache folder and saved in HF format, so every engine loads it like
   any checkpoint. Speed does not depend on the weights' values.
@@ -40,8 +43,9 @@ ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 DEMO_MODEL_NAME = "ragspeed-demo"
 DEMO_DRAFT_MODEL_NAME = "ragspeed-demo-draft"
+DEFAULT_DRAFT_MODEL_NAME = "smollm2-135m-instruct-draft"
 # The draft each zoo model speculates with when none is given (`--speculative draft`).
-ZOO_DRAFTS = {DEMO_MODEL_NAME: DEMO_DRAFT_MODEL_NAME}
+ZOO_DRAFTS = {DEMO_MODEL_NAME: DEMO_DRAFT_MODEL_NAME, DEFAULT_MODEL_NAME: DEFAULT_DRAFT_MODEL_NAME}
 CACHE_DIR_ENV = "RAGSPEED_CACHE_DIR"
 # Files copied from the demo model into every bench model.
 TOKENIZER_FILES = (
@@ -136,6 +140,33 @@ class PackagedGgufModel:
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "kind": "gguf", "description": self.description}
+
+
+@dataclass(frozen=True)
+class TrainedDraftModel:
+    """A draft of a zoo model, trained on this machine into the cache (`build_command`)."""
+
+    name: str
+    target: str  # the zoo name of the model it drafts for
+    description: str
+
+    def local_dir(self, cache_dir: Path) -> Path:
+        return cache_dir / self.name
+
+    def build_command(self) -> str:
+        return f"ragspeed train-draft --target {self.target} --data-dir ../shared/data"
+
+    def materialize(self, cache_dir: Path) -> Path:
+        path = self.local_dir(cache_dir)
+        if not (path / _COMPLETE_MARKER).is_file():
+            raise ModelUnavailableError(
+                f"draft model {self.name!r} is not built on this machine (no {path / _COMPLETE_MARKER}):"
+                f" build it once with `{self.build_command()}`, which writes it there"
+            )
+        return path
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": "trained-draft", "description": self.description}
 
 
 @dataclass(frozen=True)
@@ -246,6 +277,12 @@ ZOO: dict[str, ZooModel] = {
         path=ASSETS_DIR / DEMO_DRAFT_MODEL_NAME,
         description="test fixture: 2-layer draft distilled from ragspeed-demo",
     ),
+    DEFAULT_DRAFT_MODEL_NAME: TrainedDraftModel(
+        name=DEFAULT_DRAFT_MODEL_NAME,
+        target=DEFAULT_MODEL_NAME,
+        description="2-layer draft of smollm2-135m-instruct with a 4,096-token head, built by"
+        " `ragspeed train-draft` into the cache",
+    ),
     **BENCH_MODELS,
 }
 ZOO_NAMES: tuple[str, ...] = tuple(ZOO)
@@ -280,6 +317,16 @@ def resolve_model(name_or_path: str, *, cache_dir: Path | None = None, tokenizer
         f"model {name_or_path!r} is not a zoo name ({', '.join(ZOO)}), an existing folder or .gguf file, "
         "or a hub id (org/name)"
     )
+
+
+def zoo_draft(model: str, cache_dir: Path | None = None) -> str | None:
+    """The zoo's draft for `model` if its files are here; None if it has none or it is not
+    built yet (a trained draft: TrainedDraftModel)."""
+    name = ZOO_DRAFTS.get(model)
+    if name is None:
+        return None
+    local_dir = ZOO[name].local_dir(cache_dir or default_cache_dir())
+    return name if (local_dir / _COMPLETE_MARKER).is_file() else None
 
 
 def download_hub_model(repo_id: str, *, allow_patterns: tuple[str, ...] | None = None) -> str:

@@ -74,7 +74,7 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.ragspeed_int8_group.restype = integer
     library.ragspeed_greedy_steps.argtypes = (
         [pointer, pointer, integer]
-        + [pointer] * 3
+        + [pointer] * 4
         + [integer] * 3
         + [pointer] * 4
         + [ctypes.c_float]

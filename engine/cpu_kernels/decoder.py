@@ -206,6 +206,7 @@ class FusedDecoder:
         self,
         rotation_table: torch.Tensor,  # [max_positions, head_dim/2] complex64
         vocab_size: int,  # the argmax runs over the first vocab_size logits
+        d2t: torch.Tensor | None,  # [num_logits] int64: head row -> token id; None: identity
         k_caches: list[torch.Tensor],
         v_caches: list[torch.Tensor],
         block_tables: torch.Tensor,  # [num_seqs, max_blocks] int64, blocks for every step
@@ -218,7 +219,8 @@ class FusedDecoder:
     ) -> list[list[int]]:
         """Greedy decoding of each sequence after its fed tokens, for its `num_steps` tokens, in
         one call (kernels.c's `ragspeed_greedy_steps`; a token whose softmax probability is
-        below `min_confidence` is its sequence's last); returns each sequence's new tokens."""
+        below `min_confidence` is its sequence's last); returns each sequence's new tokens
+        (token ids: a sub-vocabulary head's argmax row mapped through `d2t`)."""
         num_seqs, max_steps = len(fed), max(num_steps)
         drafts = torch.zeros(num_seqs, max_steps, dtype=torch.long)
         counts = torch.zeros(num_seqs, dtype=torch.int32)
@@ -231,6 +233,7 @@ class FusedDecoder:
             ctypes.byref(self.model),
             rotation_table.data_ptr(),
             vocab_size,
+            _pointer(d2t),
             k_pointers,
             v_pointers,
             block_tables.data_ptr(),

@@ -620,9 +620,11 @@ void ragspeed_decode_forward(const Model *model, float *const *k_caches, float *
  * to itself) and one LM-head product over each sequence's last row: the kernels, in the order,
  * of the model's own steps. rotation_table: [positions, head_dim/2] (cos, sin) pairs;
  * block_tables [m, max_blocks] must hold every position fed. drafts [m, max_steps] receives
- * each sequence's tokens, counts [m] how many. */
+ * each sequence's tokens, counts [m] how many. d2t [lm_head rows] (NULL: identity) maps a
+ * sub-vocabulary head's argmax row to the token id it scores: that id is the draft and is what
+ * the next step feeds (the embedding covers the whole vocabulary). */
 void ragspeed_greedy_steps(const Model *model, const float *rotation_table, int vocab,
-                           float *const *k_caches, float *const *v_caches,
+                           const int64_t *d2t, float *const *k_caches, float *const *v_caches,
                            const int64_t *block_tables, int max_blocks, int block_size, int m,
                            const int64_t *fed, const int32_t *num_fed, const int64_t *positions,
                            const int32_t *num_steps, float min_confidence, int64_t *drafts,
@@ -675,7 +677,8 @@ void ragspeed_greedy_steps(const Model *model, const float *rotation_table, int 
             int best = 0;
             for (int t = 1; t < vocab; t++) best = l[t] > l[best] ? t : best;
             int i = seqs[r];
-            drafts[(size_t)i * max_steps + counts[i]++] = next[i] = best;
+            /* a sub-vocabulary head's row -> the token id it scores (fed back, and the draft) */
+            drafts[(size_t)i * max_steps + counts[i]++] = next[i] = d2t ? d2t[best] : best;
             if (min_confidence > 0.0f) {
                 float total = 0.0f;
                 for (int t = 0; t < vocab; t++) total += __builtin_expf(l[t] - l[best]);

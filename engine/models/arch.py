@@ -22,6 +22,15 @@ class ModelArch:
     o_bias: bool = False  # Llama with attention_bias=True
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm of each Q and K head before the rotation
+    # A draft's LM head over a sub-vocabulary of its target (config `draft_vocab_size`): that
+    # many rows, row i scoring target token d2t[i] (engine.spec_decode.draft). None: the head
+    # has a row per token of the vocabulary.
+    draft_vocab_size: int | None = None
+
+    @property
+    def num_logits(self) -> int:
+        """Rows of the LM head: logits per position."""
+        return self.draft_vocab_size or self.vocab_size
 
     @property
     def q_size(self) -> int:

@@ -142,7 +142,9 @@ class DecoderLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(arch, quantization) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         # Quantized too: a tied head quantizes its own copy; the embedding lookup stays fp.
-        self.lm_head = build_linear(arch.hidden_size, arch.vocab_size, quantization=quantization)
+        self.lm_head = build_linear(arch.hidden_size, arch.num_logits, quantization=quantization)
+        # A sub-vocabulary head's map, head row -> token id, [num_logits] int64; else None.
+        self.d2t: torch.Tensor | None = None
         # Decode-type steps in one call of ragspeed's CPU kernels, where they run this model
         # (engine.cpu_kernels.decoder); built at the first such step, once the weights are in.
         self.fused_decode = True
@@ -175,7 +177,7 @@ class DecoderLM(nn.Module):
         return self._fused or None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [num_sequences, hidden_size] -> fp32 logits [num_sequences, vocab_size]."""
+        """hidden [num_sequences, hidden_size] -> fp32 logits [num_sequences, num_logits]."""
         return self.lm_head(hidden).float()
 
     @property

@@ -17,6 +17,14 @@ One `propose_batch` call, for all running decodes of the step:
 Where ragspeed's CPU kernels run the draft, 2 and 3 are one call of theirs (`_fused_steps`),
 after a catch-up forward of its own when the catch-up is long (a new request's prompt).
 
+A draft may carry a *sub-vocabulary head* (FR-Spec, arXiv 2502.14856): an LM head over the
+`draft_vocab_size` most frequent tokens of its target's outputs, row i scoring target token
+`d2t[i]` (engine.models.arch, engine.loader). Its input embedding keeps the target's whole
+vocabulary, so what it is fed and what it proposes are target ids: the argmax row is mapped
+through `d2t` before it is a draft or the next input (in the fused kernels too). The head's
+product is the draft step's largest (SmolLM2-135M's head is 576 x 49,152, a 2-layer draft's
+layers 7M weights); a 4,096-token head is a twelfth of it.
+
 Drafts are greedy, so the proposal q is a point mass on the draft: exactly the case the
 rejection sampler (rejection.py) handles, "accept x with probability p(x), else draw from p
 without x", which keeps the target's distribution for temperature > 0 (and greedy output
@@ -81,8 +89,17 @@ class DraftProposer:
         self.model = loaded.model
         self.rotary = loaded.rotary
         self.max_model_len = loaded.rotary.freqs_cis.shape[0]
-        # Drafts must be ids of the target's vocabulary (embedding tables may be padded).
-        self.vocab_size = min(loaded.arch.vocab_size, vocab_size or loaded.arch.vocab_size)
+        # A sub-vocabulary head (engine.models.arch.ModelArch.draft_vocab_size): head row i scores
+        # target token d2t[i], [num_logits] int64; None: row i scores token i.
+        self.d2t = loaded.model.d2t
+        # The argmax runs over the first vocab_size logits: every row of a sub-vocabulary head
+        # (its ids are checked at start-up), else the rows that are ids of the target's
+        # vocabulary (embedding tables may be padded).
+        self.vocab_size = (
+            loaded.arch.num_logits
+            if self.d2t is not None
+            else min(loaded.arch.vocab_size, vocab_size or loaded.arch.vocab_size)
+        )
         self.block_size = block_size
         self.device = torch.device(device)
         # A request stops drafting after a draft the draft model gives less than this
@@ -192,6 +209,7 @@ class DraftProposer:
         steps = fused.greedy_steps(
             self.rotary.freqs_cis,
             self.vocab_size,
+            self.d2t,
             self.pool.k_caches,
             self.pool.v_caches,
             tables,
@@ -253,6 +271,8 @@ class DraftProposer:
             probs = best.tolist()
         else:
             next_ids, probs = logits.argmax(dim=-1), [1.0] * len(chunks)
+        if self.d2t is not None:  # head rows -> target token ids
+            next_ids = self.d2t[next_ids]
         next_tokens = next_ids.tolist()
         tokens, confidences = [0] * len(chunks), [0.0] * len(chunks)
         for row, i in enumerate(order):
@@ -285,6 +305,25 @@ def tokenizer_mismatch(target: Any, draft: Any) -> str | None:
     return None
 
 
+def vocabulary_mismatch(target_vocab_size: int, draft: LoadedModel) -> str | None:
+    """Why a draft cannot take every token id of a target with `target_vocab_size` embedding
+    rows as input, or propose only ids of it; None when it can. (The draft's own map was
+    checked against its own vocabulary at load: engine.loader.check_d2t.)"""
+    draft_vocab_size = draft.arch.vocab_size
+    if draft_vocab_size < target_vocab_size:
+        return (
+            f"its embedding has {draft_vocab_size} rows, the target's vocabulary {target_vocab_size} tokens"
+            " (input ids are the target's)"
+        )
+    d2t = draft.model.d2t
+    if d2t is not None and int(d2t.max()) >= target_vocab_size:
+        return (
+            f"its sub-vocabulary map (d2t, {len(d2t)} ids) holds id {int(d2t.max())},"
+            f" outside the target's vocabulary of {target_vocab_size} tokens"
+        )
+    return None
+
+
 def draft_quantization(config: EngineConfig) -> str | None:
     """The draft's weight quantization. `auto`: int8 on a CPU where it runs, else the target's.
     A draft step reads all the draft's weights, like a target step reads the target's, and
@@ -303,9 +342,14 @@ def build_draft_proposer(config: EngineConfig, engine) -> DraftProposer:
     as many tokens as the target's."""
     from transformers import AutoTokenizer
 
+    from ragspeed.engine.model_zoo import ModelUnavailableError
+
     name = config.draft_model
     try:
         path = resolve_model_path(name)
+    except ModelUnavailableError as error:  # e.g. a trained draft not built yet: says how
+        raise EngineError(f"{error} (the draft of {config.model!r})", param="draft_model") from error
+    try:
         draft_tokenizer = AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as error:
         raise EngineError(
@@ -329,8 +373,16 @@ def build_draft_proposer(config: EngineConfig, engine) -> DraftProposer:
         )
     except QuantizationUnavailableError as error:
         raise EngineError(f"draft model {name!r}: {error}", param="draft_quantization") from error
-    except ValueError as error:
-        raise EngineError(f"draft model {name!r}: {error}", param="draft_model") from error
+    except (KeyError, ValueError) as error:
+        raise EngineError(
+            f"draft model {name!r} (for target model {config.model!r}): {error}", param="draft_model"
+        ) from error
+    mismatch = vocabulary_mismatch(engine.arch.vocab_size, loaded)
+    if mismatch is not None:
+        raise EngineError(
+            f"draft model {name!r} does not fit the vocabulary of the target model {config.model!r}: {mismatch}",
+            param="draft_model",
+        )
     proposer = DraftProposer(
         loaded,
         num_blocks=engine.kv_pool.num_blocks,
@@ -340,9 +392,10 @@ def build_draft_proposer(config: EngineConfig, engine) -> DraftProposer:
         num_threads=num_threads,
     )
     logger.info(
-        "draft model %s (%d layers, weights %s), KV pool %d blocks x %d tokens (%.0f MiB)",
+        "draft model %s (%d layers, LM head %d tokens, weights %s), KV pool %d blocks x %d tokens (%.0f MiB)",
         name,
         loaded.arch.num_layers,
+        loaded.arch.num_logits,
         quantization or "unquantized",
         proposer.pool.num_blocks,
         config.block_size,

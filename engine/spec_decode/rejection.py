@@ -86,3 +86,29 @@ def verify_sampled(
         return out
     out.append(_draw(probs[k], generator))  # every draft accepted: the bonus token
     return out
+
+
+def verify_sampled_q(
+    logits: torch.Tensor,
+    draft_token_ids: Sequence[int],
+    draft_probs: torch.Tensor,
+    state: SamplingState,
+    generator: torch.Generator,
+) -> list[int]:
+    """Rejection sampling with a general proposal: draft_probs [k, vocab] is q at each draft
+    (zero outside a sub-vocabulary head's ids, mapped to target ids), the drafts drawn from it.
+    Accept x with probability min(1, p(x) / q(x)), else draw from max(0, p - q) (the module
+    docstring); `verify_sampled` is the point-mass case. No engine proposer samples its drafts
+    today: they are greedy."""
+    probs = target_probs(logits, state)  # [1 + k, vocab]
+    uniforms = torch.rand(len(draft_token_ids), generator=generator, device=logits.device).tolist()
+    out: list[int] = []
+    for i, (x, u) in enumerate(zip(draft_token_ids, uniforms)):
+        p_x, q_x = float(probs[i, x]), float(draft_probs[i, x])
+        if u * q_x < p_x:  # u < p(x) / q(x), without dividing by q(x) (q(x) > 0: x was drawn)
+            out.append(x)
+            continue
+        out.append(_draw((probs[i] - draft_probs[i]).clamp(min=0.0), generator))
+        return out
+    out.append(_draw(probs[len(draft_token_ids)], generator))
+    return out

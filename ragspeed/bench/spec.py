@@ -9,8 +9,8 @@ Figures (one run; warm-up first; medians of `repeats` runs; JSON keys in bracket
   ngram_mean_accepted_length], and whether both gave the same tokens [outputs_identical].
 - batch 1, wiki-style prompts (the first 64 tokens of held-out passages of the demo's split, as
   plain text to continue), without speculation and with the draft model (`--draft-model`,
-  default the draft the zoo ships for the model, engine.model_zoo.ZOO_DRAFTS; none: the section
-  is skipped and `draft_model` is null; its weights as `--draft-quantization` says, default int8
+  default the zoo's draft for the model where it is here, engine.model_zoo.zoo_draft; none: the
+  section is skipped and `draft_model` is null; its weights as `--draft-quantization` says, default int8
   on a CPU [draft_quantization]), side by side: [draft_plain_decode_tokens_per_s,
   draft_decode_tokens_per_s, draft_speedup = draft / plain], acceptance and mean accepted
   length over the timed runs [draft_acceptance, draft_mean_accepted_length],
@@ -43,7 +43,7 @@ import torch
 
 from ragspeed.bench.common import json_option, machine_line, write_json
 from ragspeed.engine.config import EngineConfig
-from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME, ZOO_DRAFTS
+from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME, zoo_draft
 from ragspeed.engine.protocol import GenerationRequest, SamplingParams
 
 SYSTEM = "Answer the question by quoting the documents."
@@ -167,7 +167,7 @@ def run_bench_spec(
     from ragspeed.engine.loader import load_model, resolve_model_path
     from ragspeed.engine.spec_decode.draft import draft_quantization as resolve_draft_quantization
 
-    draft_model = str(draft_model) if draft_model else ZOO_DRAFTS.get(model)
+    draft_model = str(draft_model) if draft_model else zoo_draft(model)
 
     torch.set_num_threads(threads)
     base = EngineConfig(model=model, num_kv_cache_tokens=32 * 1024, max_model_len=4096)
@@ -307,8 +307,8 @@ def print_table(r: dict[str, Any]) -> None:
     )
     if r["draft_model"] is None:
         print(
-            f"draft model: none ships for {r['model']} (train one: ragspeed train-draft --target"
-            f" {r['model']} --data-dir DATA --out DIR; then --draft-model DIR)"
+            f"draft model: none built for {r['model']} (train one: ragspeed train-draft --target"
+            f" {r['model']} --data-dir DATA [--out DIR; then --draft-model DIR])"
         )
     else:
         print(

@@ -1,7 +1,8 @@
 """`ragspeed train-demo` and `ragspeed train-draft`: the tools that write the bundled models.
 
-Both write only where `--out` says (never into the installed package) and read their data only
-from `--data-dir`.
+Both write only where `--out` says (never into the installed package; `train-draft` of a zoo
+model with a trained draft in the zoo writes, by default, that draft's cache folder) and read
+their data only from `--data-dir`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import click
+
+from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
 
 _DATA_DIR_HELP = "Folder with wiki_passages.txt and wikitext2_raw_test.txt (e.g. ../shared/data)."
 
@@ -87,6 +90,7 @@ def run_train_draft(
     threads: int | None,
     num_layers: int = 2,
     command: str | None = None,
+    draft_vocab_size: int | None = 4096,
 ) -> dict[str, Any]:
     from ragspeed.training.distill import DistillRecipe, distill_draft  # torch loads only here
 
@@ -98,15 +102,24 @@ def run_train_draft(
         seed=seed,
         max_steps=max_steps,
         num_threads=threads,
-        recipe=DistillRecipe(num_hidden_layers=num_layers),
+        recipe=DistillRecipe(num_hidden_layers=num_layers, draft_vocab_size=draft_vocab_size),
         command=command,
     )
 
 
 @click.command("train-draft")
-@click.option("--target", default="ragspeed-demo", help="Target model: a model-zoo name or a local folder.")
 @click.option(
-    "--out", type=click.Path(file_okay=False, path_type=Path), required=True, help="Output folder (replaced)."
+    "--target",
+    default=DEFAULT_MODEL_NAME,
+    show_default=True,
+    help="Target model: a model-zoo name or a local folder.",
+)
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Output folder (replaced). Default, for a zoo model with a trained draft in the zoo"
+    " (smollm2-135m-instruct): that draft's cache folder, where --speculative draft finds it.",
 )
 @click.option(
     "--data-dir",
@@ -139,6 +152,14 @@ def run_train_draft(
     default=2,
     help="Draft layers (initialised from the target's first and last).",
 )
+@click.option(
+    "--draft-vocab",
+    type=click.IntRange(min=0),
+    default=4096,
+    show_default=True,
+    help="Rows of the draft's LM head: the target's most frequent tokens (0, or at least the"
+    " target's vocabulary: a full head tied to the embedding).",
+)
 def train_draft(
     target: str,
     out: Path,
@@ -148,30 +169,40 @@ def train_draft(
     max_steps: int | None,
     threads: int | None,
     num_layers: int,
+    draft_vocab: int,
 ) -> None:
-    """Distil a small draft model from the demo model (knowledge distillation), with a model card."""
-    from ragspeed.engine.model_zoo import resolve_model
+    """Distil a small draft model from a target (knowledge distillation), with a model card."""
+    from ragspeed.engine.model_zoo import ZOO, ZOO_DRAFTS, TrainedDraftModel, default_cache_dir, resolve_model
 
     _check_data_dir(data_dir)
     try:
         target_dir = Path(resolve_model(target))
-    except ValueError as error:
+    except (ValueError, FileNotFoundError) as error:
         raise click.BadParameter(str(error), param_hint="--target") from error
     if not (target_dir / "config.json").is_file():
         raise click.BadParameter(f"no model in {target_dir} (no config.json)", param_hint="--target")
+    zoo_draft = ZOO.get(ZOO_DRAFTS.get(target, ""))
+    if out is None and not isinstance(zoo_draft, TrainedDraftModel):
+        raise click.BadParameter(
+            f"the zoo has no trained draft for {target!r} to write: pass --out DIR", param_hint="--out"
+        )
+    default_out = out is None
+    if default_out:
+        out = zoo_draft.local_dir(default_cache_dir())
     options = {
-        "--target": target if target != "ragspeed-demo" else None,
-        "--out": out,
+        "--target": target if target != DEFAULT_MODEL_NAME else None,
+        "--out": None if default_out else out,
         "--data-dir": data_dir,
         "--max-steps": max_steps,
         "--threads": threads,
         "--num-layers": num_layers if num_layers != 2 else None,
+        "--draft-vocab": draft_vocab if draft_vocab != 4096 else None,
     }
     command = f"ragspeed train-draft --minutes {minutes:g} --seed {seed}" + "".join(
         f" {name} {value}" for name, value in options.items() if value is not None
     )
     figures = run_train_draft(
-        target_dir, out, data_dir, minutes, seed, max_steps, threads, num_layers, command
+        target_dir, out, data_dir, minutes, seed, max_steps, threads, num_layers, command, draft_vocab or None
     )
     figures.pop("losses", None)
     click.echo(json.dumps(figures, indent=2))

@@ -1,23 +1,43 @@
-"""`ragspeed train-draft`: distil a 1-2 layer draft model from the demo target (or any Llama).
+"""`ragspeed train-draft`: distil a 1-2 layer draft model from a target (the default model, the
+demo model, or any Llama).
 
-The draft shares the target's tokenizer, hidden size, heads and vocabulary; it starts from the
-target's embedding (tied to its LM head), final norm and a few of its layers (the first and the
-last by default), so training starts from a model that already maps hidden states to tokens.
+The draft shares the target's tokenizer, hidden size, heads and input vocabulary; it starts from
+the target's embedding, final norm and a few of its layers (the first and the last by default),
+so training starts from a model that already maps hidden states to tokens.
+
+*Sub-vocabulary head* (FR-Spec, arXiv 2502.14856; `DistillRecipe.draft_vocab_size`, default
+4,096 tokens): the draft's LM head scores only the most frequent tokens of the target's own
+continuations and the training text (`frequency_sub_vocab`), row i scoring target token d2t[i].
+A draft step reads the whole head, and the target's is most of a small draft's weights
+(SmolLM2-135M: 576 x 49,152 = 28M, against 7M in two layers); 4,096 rows are a twelfth of it,
+covering most of what the target writes (the card reports the held-out coverage). The head
+starts as the target's (tied) embedding rows of those tokens; the input embedding stays whole,
+so the draft reads every target id. Distillation matches the target's distribution restricted to
+the sub-vocabulary and renormalised (its argmax there is what the draft should propose). The
+folder stores `draft_vocab_size` in config.json and `d2t` (int64) beside the weights; the native
+engine maps drafts back to target ids (engine.spec_decode.draft). transformers cannot load such a
+folder (its head is not vocabulary-sized): it is the native engine's draft only.
 
 Data (`--data-dir`, the demo's seeded train / held-out split, ragspeed.training.corpus):
 - *text*: language-modelling rows of passages and WikiText articles (ragspeed.training.demo);
 - *chat*: the demo's chat examples (extractive, repeat, generic; ragspeed.training.examples);
-- *continuations*: prompts (the start of a passage as plain text, or a chat prompt over
-  passages) continued by the target itself, greedy or sampled at temperature 1, through the
-  native engine: the sequences the draft must predict when it serves.
+- *continuations*: prompts continued by the target itself, greedy or sampled at temperature 1,
+  through the native engine: the sequences the draft must predict when it serves. Prompts: the
+  start of a passage as plain text, a chat prompt of the demo's examples over passages, and RAG
+  prompts (`nq_dev.jsonl` of the data folder when it is there: a question's first documents,
+  then bench spec's instruction to quote the passage that answers, or to answer), `rag_share` of
+  every stretch of the generation order (`interleave`), so a time cut keeps the mix while they
+  last. The first `num_heldout_rag` questions (bench spec's prompts) are never trained on.
 Loss: knowledge distillation, KL(p_target || q_draft) of the next-token distributions at
 temperature 1, at every real position of the packed rows. The target runs beside the draft
 (no gradient), so its full distribution is matched, not just its argmax.
 
 Figures: final KD loss; held-out *greedy agreement* (the share of positions of held-out target
-continuations where the draft's argmax equals the target's next token, teacher-forced); and the
-*engine acceptance*: accepted / drafted tokens of the native engine speculating with the draft
-on held-out prompts (greedy, k = 4, adaptive).
+continuations where the draft's argmax, mapped to a target id, equals the target's next token,
+teacher-forced); *sub-vocabulary coverage* (the share of those tokens inside the draft's
+vocabulary: agreement's ceiling); and the *engine acceptance*: accepted / drafted tokens of the
+native engine speculating with the draft on held-out prompts (text, chat and RAG; greedy, k = 4,
+adaptive).
 """
 
 from __future__ import annotations
@@ -29,6 +49,7 @@ import random
 import shutil
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -36,6 +57,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from ragspeed.training.corpus import load_corpus
@@ -43,8 +65,9 @@ from ragspeed.training.demo import ChatEncoder, chunk_documents, encode_document
 from ragspeed.training.examples import make_extractive_example, make_generic_example, make_repeat_example
 from ragspeed.training.trainer import Phase, Piece, TrainingConfig, TrainingLog, train_loop
 
-# Files of the target's folder that are not the draft's own (weights, config, card).
-_OWN_FILES = ("config.json", "README.md")
+# Files of the target's folder that are not the draft's own (weights, config, card, and the
+# manifest of a target converted from GGUF, engine.gguf).
+_OWN_FILES = ("config.json", "README.md", "ragspeed_gguf.json")
 
 
 @dataclass(frozen=True)
@@ -62,7 +85,14 @@ class DistillRecipe:
     # Tokens of each epoch by source, relative to the continuations' tokens.
     text_ratio: float = 1.0
     chat_ratio: float = 0.5
-    num_eval_prompts: int = 16  # held-out prompts (half text, half chat) for both figures
+    num_eval_prompts: int = 16  # held-out prompts (text, chat, RAG as rag_share) for the figures
+    # Rows of the draft's LM head: the most frequent target tokens; None: the whole vocabulary.
+    draft_vocab_size: int | None = 4096
+    # Share of RAG prompts among the continuations (where nq_dev.jsonl is), the rest text and
+    # chat prompts half and half.
+    rag_share: float = 0.4
+    max_rag_documents: int = 2  # a RAG prompt's documents: 1 .. this, the first of the question's
+    num_heldout_rag: int = 16  # nq_dev's first questions (bench spec's prompts): evaluation only
     training: TrainingConfig = TrainingConfig(
         learning_rate=2e-3, min_learning_rate=2e-4, warmup_steps=20, log_every=10, num_threads=1
     )
@@ -110,6 +140,92 @@ def chat_prompts(
     return prompts
 
 
+# RAG prompts: bench spec's (ragspeed.bench.spec: the answer quoted from the documents), and a
+# free answer, as the gateway's users ask.
+RAG_STYLES: tuple[tuple[str, str], ...] = (
+    (
+        "Answer the question by quoting the documents.",
+        "Quote the passage that answers the question: {question}",
+    ),
+    ("Answer the question using the documents.", "Question: {question}"),
+)
+RAG_FILE = "nq_dev.jsonl"
+
+
+def read_rag_examples(data_dir: Path) -> list[dict]:
+    """The questions of `nq_dev.jsonl` (each with its documents) in file order; [] without it."""
+    path = Path(data_dir) / RAG_FILE
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def rag_prompts(
+    tokenizer,
+    examples: Sequence[dict],
+    rng: random.Random,
+    *,
+    max_documents: int,
+    max_tokens: int,
+) -> list[tuple[int, ...]]:
+    """Chat prompts of bench spec's layout: the question's first 1 .. max_documents documents
+    numbered, then a RAG_STYLES instruction; those over max_tokens are left out."""
+    prompts = []
+    for example in examples:
+        system, instruction = RAG_STYLES[rng.randrange(len(RAG_STYLES))]
+        docs = example["documents"][: rng.randint(1, max_documents)]
+        body = "\n\n".join(f"[{i}] {d['title']}: {d['text']}" for i, d in enumerate(docs, 1))
+        messages = [
+            {"role": "system", "content": system},
+            {"role": "user", "content": body + "\n\n" + instruction.format(question=example["question"])},
+        ]
+        prompt = chat_prompt(tokenizer, messages)
+        if len(prompt) <= max_tokens:
+            prompts.append(prompt)
+    return prompts
+
+
+def interleave(groups: Sequence[Sequence], shares: Sequence[float]) -> list:
+    """The groups' items merged so that every prefix holds them about in `shares` (a group
+    that runs out leaves the rest to the others)."""
+    taken = [0] * len(groups)
+    merged = []
+    while True:
+        open_groups = [g for g in range(len(groups)) if taken[g] < len(groups[g]) and shares[g] > 0]
+        if not open_groups:
+            return merged
+        g = min(open_groups, key=lambda g: (taken[g] + 1) / shares[g])
+        merged.append(groups[g][taken[g]])
+        taken[g] += 1
+
+
+def frequency_sub_vocab(
+    continuations: Sequence[Sequence[int]],
+    texts: Sequence[Sequence[int]],
+    size: int,
+    always: Sequence[int] = (),
+) -> tuple[int, ...]:
+    """The `size` target ids ranked first by frequency (FR-Spec): a token's share of the
+    target's continuation tokens plus its share of the text tokens (each source weighs the
+    same however long), `always` (special tokens: eos ends answers) included; ascending, so a
+    tie of the draft's logits breaks toward the lower id, as the target's argmax does."""
+    scores: Counter = Counter()
+    for stream in (continuations, texts):
+        counts = Counter(t for ids in stream for t in ids)
+        total = sum(counts.values())
+        for token, count in counts.items():
+            scores[token] += count / total
+    chosen = list(dict.fromkeys(always))[:size]
+    chosen_set = set(chosen)
+    for token, _ in sorted(scores.items(), key=lambda item: (-item[1], item[0])):
+        if len(chosen) == size:
+            break
+        if token not in chosen_set:
+            chosen.append(token)
+            chosen_set.add(token)
+    return tuple(sorted(chosen))
+
+
 def generate_continuations(
     engine,
     prompts: Sequence[tuple[int, ...]],
@@ -146,10 +262,20 @@ def generate_continuations(
 # ---------------------------------------------------------------------- model
 
 
-def build_draft(target: PreTrainedModel, recipe: DistillRecipe) -> PreTrainedModel:
+def build_draft(
+    target: PreTrainedModel, recipe: DistillRecipe, d2t: Sequence[int] | None = None
+) -> PreTrainedModel:
     """A `recipe.num_hidden_layers` copy of the target's architecture, initialised from the
-    target's embedding, final norm and `init_from_layers` (the rest at random)."""
-    config = replace_config(target.config, num_hidden_layers=recipe.num_hidden_layers)
+    target's embedding, final norm and `init_from_layers` (the rest at random). With `d2t`,
+    its LM head has a row per id of it, starting as the target's LM-head rows of those ids;
+    else the head is tied to the embedding."""
+    changes: dict[str, Any] = {
+        "num_hidden_layers": recipe.num_hidden_layers,
+        "tie_word_embeddings": d2t is None,
+    }
+    if d2t is not None:
+        changes["draft_vocab_size"] = len(d2t)
+    config = replace_config(target.config, **changes)
     draft = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         draft.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
@@ -157,12 +283,17 @@ def build_draft(target: PreTrainedModel, recipe: DistillRecipe) -> PreTrainedMod
         num_target_layers = len(target.model.layers)
         for draft_layer, source in zip(draft.model.layers, recipe.init_from_layers):
             draft_layer.load_state_dict(target.model.layers[source % num_target_layers].state_dict())
-    draft.tie_weights()
+        if d2t is not None:
+            rows = target.get_output_embeddings().weight[torch.tensor(list(d2t))]  # [len(d2t), hidden]
+            draft.lm_head = torch.nn.Linear(config.hidden_size, len(d2t), bias=False)
+            draft.lm_head.weight.copy_(rows)
+    if d2t is None:
+        draft.tie_weights()
     return draft
 
 
 def replace_config(config, **changes):
-    return config.__class__.from_dict({**config.to_dict(), **changes, "tie_word_embeddings": True})
+    return config.__class__.from_dict({**config.to_dict(), **changes})
 
 
 def kd_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -184,16 +315,25 @@ def train_kd(
     *,
     pad_id: int,
     budget_s: float,
+    d2t: Sequence[int] | None = None,
     log: Callable[[str], None] = print,
 ) -> TrainingLog:
     """The shared training loop (ragspeed.training.trainer.train_loop) on the KD loss, one phase
-    of `recipe.seq_len`-token rows."""
+    of `recipe.seq_len`-token rows. With `d2t` (a sub-vocabulary head) the target's logits are
+    those of its ids: softmax over them is the target's distribution restricted and renormalised."""
     torch.manual_seed(config.seed)
     draft.train()
+    # The target's head rows of the sub-vocabulary, [len(d2t), hidden]: its logits of those ids
+    # alone, a twelfth of the full head's product (SmolLM2-135M's head is a fifth of its forward).
+    head_rows = None if d2t is None else target.get_output_embeddings().weight[torch.tensor(list(d2t))]
 
     def step_loss(token_ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, int]:
         with torch.no_grad():
-            target_logits = target(input_ids=token_ids).logits
+            if head_rows is None:
+                target_logits = target(input_ids=token_ids).logits
+            else:
+                hidden = target.model(input_ids=token_ids).last_hidden_state  # [batch, seq_len, hidden]
+                target_logits = F.linear(hidden, head_rows)  # [batch, seq_len, len(d2t)]
         return kd_loss(draft(input_ids=token_ids).logits, target_logits, mask), int(mask.sum())
 
     phase = Phase(
@@ -219,19 +359,36 @@ def train_kd(
 
 @torch.no_grad()
 def greedy_agreement(
-    draft: PreTrainedModel, pairs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]
+    draft: PreTrainedModel,
+    pairs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
+    d2t: Sequence[int] | None = None,
 ) -> float:
     """Share of continuation positions where the draft's argmax (teacher-forced on prompt +
-    continuation) equals the target's greedy next token."""
+    continuation; a head row mapped through `d2t`) equals the target's greedy next token."""
+    to_ids = None if d2t is None else torch.tensor(list(d2t))
     hits = total = 0
     for prompt, continuation in pairs:
         if not continuation:
             continue
         ids = torch.tensor([list(prompt) + list(continuation)])
-        logits = draft(input_ids=ids).logits[0, len(prompt) - 1 : -1]  # [len(continuation), vocab]
-        hits += int((logits.argmax(dim=-1) == torch.tensor(continuation)).sum())
+        logits = draft(input_ids=ids).logits[0, len(prompt) - 1 : -1]  # [len(continuation), rows]
+        best = logits.argmax(dim=-1)
+        if to_ids is not None:
+            best = to_ids[best]
+        hits += int((best == torch.tensor(continuation)).sum())
         total += len(continuation)
     return hits / max(total, 1)
+
+
+def sub_vocab_coverage(
+    pairs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]], d2t: Sequence[int] | None
+) -> float:
+    """Share of the continuations' tokens inside the draft's vocabulary (1.0 for a full head)."""
+    tokens = [t for _, continuation in pairs for t in continuation]
+    if d2t is None or not tokens:
+        return 1.0
+    inside = set(d2t)
+    return sum(t in inside for t in tokens) / len(tokens)
 
 
 def engine_acceptance(
@@ -269,11 +426,19 @@ def engine_acceptance(
 # ---------------------------------------------------------------------- the command
 
 
-def save_draft(draft: PreTrainedModel, target_dir: Path, out_dir: Path) -> None:
-    """HF folder: bf16 safetensors (config says float32: load it so), and the target's
-    tokenizer and generation config copied unchanged."""
+def save_draft(
+    draft: PreTrainedModel, target_dir: Path, out_dir: Path, d2t: Sequence[int] | None = None
+) -> None:
+    """HF folder: bf16 safetensors (config says float32: load it so), with `d2t` (int64) beside
+    the weights for a sub-vocabulary head, and the target's tokenizer and generation config
+    copied unchanged."""
     draft.to(torch.bfloat16).save_pretrained(str(out_dir), safe_serialization=True)
     draft.to(torch.float32)
+    if d2t is not None:
+        weights_path = out_dir / "model.safetensors"
+        weights = load_file(str(weights_path))
+        weights["d2t"] = torch.tensor(list(d2t), dtype=torch.long)
+        save_file(weights, str(weights_path), metadata={"format": "pt"})
     config_path = out_dir / "config.json"
     config = json.loads(config_path.read_text())
     config["dtype"] = "float32"
@@ -321,12 +486,16 @@ def distill_draft(
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
     for p in target.parameters():
         p.requires_grad_(False)
+    vocab_size = target.config.vocab_size
+    if recipe.draft_vocab_size is not None and not 0 < recipe.draft_vocab_size:
+        raise ValueError(f"draft_vocab_size must be positive, got {recipe.draft_vocab_size}")
     corpus = load_corpus(Path(data_dir), seed=0)  # the demo's split: held-out text stays unseen
+    rag_examples = read_rag_examples(Path(data_dir))
     rng = random.Random(seed)
     budget_s = minutes * 60.0
     max_model_len = recipe.seq_len + recipe.max_new_tokens
 
-    # 1. the target's own continuations of text and chat prompts
+    # 1. the target's own continuations of text, chat and RAG prompts
     from ragspeed.engine.config import EngineConfig
     from ragspeed.engine.llm_engine import LLMEngine
 
@@ -342,11 +511,20 @@ def distill_draft(
     prompt_limit = recipe.seq_len - recipe.max_new_tokens
     train_texts = list(corpus.train_passages)
     rng.shuffle(train_texts)
-    prompts = text_prompts(tokenizer, train_texts, recipe.prompt_tokens)
-    prompts += chat_prompts(
-        tokenizer, corpus.train_passages, rng, len(prompts), recipe.max_chat_passages, prompt_limit
+    text = text_prompts(tokenizer, train_texts, recipe.prompt_tokens)
+    chat = chat_prompts(
+        tokenizer, corpus.train_passages, rng, len(text), recipe.max_chat_passages, prompt_limit
     )
-    rng.shuffle(prompts)
+    train_rag = list(rag_examples[recipe.num_heldout_rag :])
+    rng.shuffle(train_rag)
+    rag = rag_prompts(
+        tokenizer, train_rag, rng, max_documents=recipe.max_rag_documents, max_tokens=prompt_limit
+    )
+    text_and_chat = [("text", p) for p in text] + [("chat", p) for p in chat]
+    rng.shuffle(text_and_chat)
+    rag_share = recipe.rag_share
+    tagged = interleave([text_and_chat, [("rag", p) for p in rag]], (1.0 - rag_share, rag_share))
+    prompts = [p for _, p in tagged]
     generation_start = time.perf_counter()
     pairs = generate_continuations(
         generator,
@@ -358,13 +536,21 @@ def distill_draft(
         deadline=generation_start + budget_s * recipe.generation_fraction,
     )
     generation_s = time.perf_counter() - generation_start
-    log(f"{len(pairs)} target continuations in {generation_s:.0f}s")
+    generated = Counter(kind for kind, _ in tagged[: len(pairs)])  # prompts are taken in order
+    log(f"{len(pairs)} target continuations in {generation_s:.0f}s ({dict(generated)})")
 
-    # 2. knowledge distillation on continuations, text and chat rows
+    # 2. the sub-vocabulary, then knowledge distillation on continuations, text and chat rows
+    lm_texts = list(corpus.train_passages + corpus.train_articles)
+    encoded_texts = encode_documents(tokenizer, lm_texts)
+    d2t = None
+    if recipe.draft_vocab_size is not None and recipe.draft_vocab_size < vocab_size:
+        d2t = frequency_sub_vocab(
+            [c for _, c in pairs], encoded_texts, recipe.draft_vocab_size, always=tokenizer.all_special_ids
+        )
+        log(f"sub-vocabulary: {len(d2t)} of {vocab_size} tokens")
     continuation_pieces = [Piece(p + c, (1,) * (len(p) + len(c))) for p, c in pairs]
     num_continuation_tokens = sum(len(p.token_ids) for p in continuation_pieces)
-    lm_texts = list(corpus.train_passages + corpus.train_articles)
-    text_pieces = chunk_documents(encode_documents(tokenizer, lm_texts), recipe.seq_len)
+    text_pieces = chunk_documents(encoded_texts, recipe.seq_len)
     encoder = ChatEncoder(tokenizer)
 
     def make_pieces(epoch_rng: random.Random) -> list[Piece]:
@@ -392,7 +578,7 @@ def distill_draft(
         epoch_rng.shuffle(pieces)
         return pieces
 
-    draft = build_draft(target, recipe)
+    draft = build_draft(target, recipe, d2t)
     remaining_s = max(budget_s - (time.perf_counter() - started), 1.0)
     training_log = train_kd(
         target,
@@ -402,13 +588,22 @@ def distill_draft(
         training,
         pad_id=tokenizer.pad_token_id,
         budget_s=remaining_s,
+        d2t=d2t,
         log=log,
     )
 
     # 3. figures on held-out prompts, then the folder
     eval_rng = random.Random(seed + 1)
-    num_text = recipe.num_eval_prompts // 2
+    num_rag = round(recipe.num_eval_prompts * recipe.rag_share) if rag_examples else 0
+    num_text = (recipe.num_eval_prompts - num_rag) // 2
     eval_prompts = text_prompts(tokenizer, corpus.heldout_passages, recipe.prompt_tokens)[:num_text]
+    eval_prompts += rag_prompts(
+        tokenizer,
+        rag_examples[: recipe.num_heldout_rag],
+        eval_rng,
+        max_documents=recipe.max_rag_documents,
+        max_tokens=prompt_limit,
+    )[:num_rag]
     eval_prompts += chat_prompts(
         tokenizer,
         corpus.heldout_passages,
@@ -425,13 +620,14 @@ def distill_draft(
         batch_size=recipe.generation_batch,
         seed=seed,
     )
-    agreement = greedy_agreement(draft, eval_pairs)
+    agreement = greedy_agreement(draft, eval_pairs, d2t)
+    coverage = sub_vocab_coverage(eval_pairs, d2t)
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     staging.chmod(0o755)
     try:
-        save_draft(draft, target_dir, staging)
+        save_draft(draft, target_dir, staging, d2t)
         acceptance = engine_acceptance(
             target_dir,
             staging,
@@ -440,17 +636,21 @@ def distill_draft(
             max_model_len=max_model_len,
         )
         log(
-            f"kd {training_log.final_loss:.3f}; held-out greedy agreement {agreement:.3f}; "
-            f"engine acceptance {acceptance['acceptance_rate']:.3f}"
+            f"kd {training_log.final_loss:.3f}; held-out greedy agreement {agreement:.3f}"
+            f" (sub-vocabulary coverage {coverage:.3f}); engine acceptance {acceptance['acceptance_rate']:.3f}"
         )
         figures = {
             "command": command or f"ragspeed train-draft --minutes {minutes:g} --seed {seed}",
             "target": str(target_dir),
+            "name": out_dir.name,
             "minutes": minutes,
             "seed": seed,
             "num_threads": training.num_threads,
+            "draft_vocab_size": len(d2t) if d2t is not None else vocab_size,
+            "target_vocab_size": vocab_size,
             "generation_seconds": round(generation_s, 1),
             "num_continuations": len(pairs),
+            "continuations_by_kind": dict(generated),
             "continuation_tokens": num_continuation_tokens,
             "training_wall_seconds": round(training_log.wall_seconds, 1),
             "total_wall_seconds": round(time.perf_counter() - started, 1),
@@ -459,7 +659,9 @@ def distill_draft(
             "first_kd_loss": round(training_log.losses[0][1], 4) if training_log.losses else math.nan,
             "final_kd_loss": round(training_log.final_loss, 4),
             "heldout_greedy_agreement": round(agreement, 4),
+            "heldout_sub_vocab_coverage": round(coverage, 4),
             "heldout_num_tokens": sum(len(c) for _, c in eval_pairs),
+            "num_eval_prompts": len(eval_prompts),
             "engine_acceptance_rate": round(acceptance["acceptance_rate"], 4),
             "engine_mean_accepted_length": round(acceptance["mean_accepted_length"], 3),
             "num_parameters": sum(p.numel() for p in draft.parameters()),
@@ -482,10 +684,21 @@ def model_card(recipe: DistillRecipe, draft: PreTrainedModel, figures: dict) -> 
     losses = ", ".join(
         f"{step}: {loss:.2f}" for step, loss in figures["losses"][:: max(1, len(figures["losses"]) // 12)]
     )
-    return f"""# ragspeed-demo-draft
+    name, target = figures["name"], Path(figures["target"]).name
+    sub_vocab = figures["draft_vocab_size"] < figures["target_vocab_size"]
+    head = (
+        f"an LM head over a sub-vocabulary of {figures['draft_vocab_size']:,} of the target's"
+        f" {figures['target_vocab_size']:,} tokens (the most frequent in its continuations and the training text;"
+        " `d2t` in model.safetensors maps head rows to target ids, `draft_vocab_size` in config.json), initialised"
+        " from the target's LM-head rows of those tokens; only ragspeed's native engine loads it"
+        if sub_vocab
+        else "tied embeddings"
+    )
+    by_kind = ", ".join(f"{kind} {count}" for kind, count in figures["continuations_by_kind"].items())
+    return f"""# {name}
 
-A {c.num_hidden_layers}-layer draft model distilled from `{Path(figures["target"]).name}` for speculative
-decoding (`--speculative draft --draft-model ragspeed-demo-draft`). It shares the target's
+A {c.num_hidden_layers}-layer draft model distilled from `{target}` for speculative
+decoding (`--speculative draft --draft-model {name}`). It shares the target's
 tokenizer (copied unchanged) and is useful only as that model's proposer.
 
 ## How it was made
@@ -495,16 +708,19 @@ tokenizer (copied unchanged) and is useful only as that model's proposer.
 ```
 
 - Model: LlamaForCausalLM, {c.num_hidden_layers} layers, hidden {c.hidden_size}, intermediate {c.intermediate_size},
-  {c.num_attention_heads} heads, {c.num_key_value_heads} KV heads, tied embeddings; {figures["num_parameters"]:,} parameters.
+  {c.num_attention_heads} heads, {c.num_key_value_heads} KV heads; {head}; {figures["num_parameters"]:,} parameters.
   Initialised from the target's embedding, final norm and layers {list(recipe.init_from_layers)}.
   Weights stored in bf16 ({figures["size_bytes"] / 1e6:.1f} MB in all); `config.json` says float32.
-- Data (`wiki_passages.txt` and `wikitext2_raw_test.txt`, the demo's train split): {figures["num_continuations"]} continuations generated by the
-  target ({figures["continuation_tokens"]:,} tokens with their prompts; {recipe.sampled_fraction:.0%} sampled at temperature 1, the rest
-  greedy; prompts: the first {recipe.prompt_tokens} tokens of passages, and chat prompts of the demo's examples
-  over up to {recipe.max_chat_passages} passages), in {figures["generation_seconds"]:.0f} s; plus language-modelling rows of passages and
-  WikiText articles ({recipe.text_ratio:g}x as many tokens) and the demo's chat examples ({recipe.chat_ratio:g}x).
-- Loss: knowledge distillation, KL(target || draft) of next-token distributions at temperature 1,
-  every real position of {recipe.seq_len}-token rows, {recipe.batch_size} rows per step.
+- Data (`wiki_passages.txt`, `wikitext2_raw_test.txt` (the demo's train split) and `nq_dev.jsonl` past its first
+  {recipe.num_heldout_rag} questions): {figures["num_continuations"]} continuations generated by the target ({by_kind};
+  {figures["continuation_tokens"]:,} tokens with their prompts; {recipe.sampled_fraction:.0%} sampled at temperature 1, the rest
+  greedy; prompts: the first {recipe.prompt_tokens} tokens of passages, chat prompts of the demo's examples
+  over up to {recipe.max_chat_passages} passages, and RAG prompts over a question's first 1 to {recipe.max_rag_documents} documents), in
+  {figures["generation_seconds"]:.0f} s; plus language-modelling rows of passages and WikiText articles
+  ({recipe.text_ratio:g}x as many tokens) and the demo's chat examples ({recipe.chat_ratio:g}x).
+- Loss: knowledge distillation, KL(target || draft) of next-token distributions at temperature 1
+  (the target's restricted to the draft's vocabulary and renormalised), every real position of
+  {recipe.seq_len}-token rows, {recipe.batch_size} rows per step.
 - Training: AdamW (lr {recipe.training.learning_rate:g} to {recipe.training.min_learning_rate:g}, cosine over the time
   budget, warm-up {recipe.training.warmup_steps} steps), seed {figures["seed"]}, {figures["steps"]} steps, {figures["tokens_seen"]:,} tokens,
   {figures["training_wall_seconds"]:.0f} s of training ({figures["total_wall_seconds"]:.0f} s in all) on {figures["machine"]},
@@ -512,15 +728,19 @@ tokenizer (copied unchanged) and is useful only as that model's proposer.
 
 ## Results
 
+Held out: {figures["num_eval_prompts"]} prompts (passages of the demo's held-out split; RAG prompts of nq_dev's first
+{recipe.num_heldout_rag} questions, which `ragspeed bench spec` times), greedy continuations of the target.
+
 | figure | value |
 |---|---|
 | KD loss, first logged (mean of {recipe.training.log_every} steps) | {figures["first_kd_loss"]:.3f} |
 | final KD loss (mean of the last {recipe.training.log_every} steps) | {figures["final_kd_loss"]:.3f} |
 | held-out greedy agreement (draft argmax = target's greedy next token, per token, {figures["heldout_num_tokens"]} tokens) | {figures["heldout_greedy_agreement"]:.3f} |
-| engine acceptance rate (native engine, greedy, k = 4, {recipe.num_eval_prompts} held-out prompts) | {figures["engine_acceptance_rate"]:.3f} |
+| held-out sub-vocabulary coverage (target tokens the draft can propose) | {figures["heldout_sub_vocab_coverage"]:.3f} |
+| engine acceptance rate (native engine, greedy, k = 4) | {figures["engine_acceptance_rate"]:.3f} |
 | engine mean accepted length (per verification) | {figures["engine_mean_accepted_length"]:.2f} |
 
 KD loss by step: {losses}.
 
-License of the data: CC BY-SA 3.0 (Wikipedia) / GFDL (WikiText-2).
+License of the data: CC BY-SA 3.0 (Wikipedia) / GFDL (WikiText-2); Natural Questions: CC BY-SA 3.0.
 """

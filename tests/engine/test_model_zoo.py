@@ -43,6 +43,7 @@ def test_zoo_names():
         "smollm2-135m-instruct",
         "ragspeed-demo",
         "ragspeed-demo-draft",
+        "smollm2-135m-instruct-draft",
         "bench-135m",
         "bench-0.5b",
     )
@@ -52,6 +53,7 @@ def test_zoo_names():
         "smollm2-135m-instruct": "gguf",
         "ragspeed-demo": "fixture",
         "ragspeed-demo-draft": "fixture",
+        "smollm2-135m-instruct-draft": "trained-draft",
         "bench-135m": "bench",
         "bench-0.5b": "bench",
     }
@@ -101,8 +103,8 @@ def test_neither_path_nor_hub_id_is_named(name, tmp_path):
     with pytest.raises(ModelUnavailableError) as error:
         resolve_model(name, cache_dir=tmp_path)
     assert str(error.value) == (
-        f"model {name!r} is not a zoo name (smollm2-135m-instruct, ragspeed-demo, ragspeed-demo-draft, bench-135m, "
-        "bench-0.5b), an existing folder or .gguf file, or a hub id (org/name)"
+        f"model {name!r} is not a zoo name (smollm2-135m-instruct, ragspeed-demo, ragspeed-demo-draft, "
+        "smollm2-135m-instruct-draft, bench-135m, bench-0.5b), an existing folder or .gguf file, or a hub id (org/name)"
     )
 
 
@@ -265,3 +267,22 @@ def test_cli_list_and_bad_build(tmp_path, monkeypatch):
     result = runner.invoke(models_group, ["build", "ragspeed-demo"])
     assert result.exit_code == 2
     assert "not a bench model" in result.output
+
+
+def test_the_default_models_draft_is_built_by_one_command_into_the_cache(tmp_path):
+    from ragspeed.engine.model_zoo import ZOO_DRAFTS, zoo_draft
+
+    assert ZOO_DRAFTS[DEFAULT_MODEL_NAME] == "smollm2-135m-instruct-draft"
+    assert zoo_draft(DEFAULT_MODEL_NAME, tmp_path) is None and zoo_draft("bench-135m", tmp_path) is None
+    with pytest.raises(ModelUnavailableError) as error:
+        resolve_model("smollm2-135m-instruct-draft", cache_dir=tmp_path)
+    folder = tmp_path / "smollm2-135m-instruct-draft"
+    assert str(error.value) == (
+        f"draft model 'smollm2-135m-instruct-draft' is not built on this machine (no {folder}/model.safetensors):"
+        " build it once with `ragspeed train-draft --target smollm2-135m-instruct --data-dir ../shared/data`,"
+        " which writes it there"
+    )
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"")
+    assert zoo_draft(DEFAULT_MODEL_NAME, tmp_path) == "smollm2-135m-instruct-draft"
+    assert resolve_model("smollm2-135m-instruct-draft", cache_dir=tmp_path) == str(folder)

@@ -371,3 +371,85 @@ def test_bench_spec_runs_the_draft_contender(shared_data):
     )
     assert result["draft_outputs_identical"] is True
     assert result["draft_acceptance"] > 0 and result["draft_speedup"] > 0
+
+
+@pytest.fixture(scope="module")
+def small_rag_data(small_data, shared_data, tmp_path_factory):
+    """small_data and the first 12 questions of nq_dev.jsonl."""
+    path = tmp_path_factory.mktemp("rag-data")
+    for name in ("wiki_passages.txt", "wikitext2_raw_test.txt"):
+        shutil.copy(small_data / name, path / name)
+    lines = (shared_data / "nq_dev.jsonl").read_text().splitlines()
+    (path / "nq_dev.jsonl").write_text("\n".join(lines[:12]) + "\n")
+    return path
+
+
+def test_tiny_distillation_with_a_sub_vocabulary_head_and_rag_answers(
+    tiny_demo_target, small_rag_data, tmp_path
+):
+    from transformers import AutoTokenizer
+
+    from ragspeed.training.distill import DistillRecipe, TrainingConfig, distill_draft
+
+    recipe = DistillRecipe(
+        num_hidden_layers=1,
+        init_from_layers=(0,),
+        seq_len=320,
+        batch_size=2,
+        prompt_tokens=16,
+        max_new_tokens=16,
+        max_chat_passages=1,
+        generation_batch=8,
+        num_eval_prompts=4,
+        draft_vocab_size=512,
+        max_rag_documents=1,
+        num_heldout_rag=4,
+        training=TrainingConfig(
+            learning_rate=1e-2, min_learning_rate=1e-3, warmup_steps=2, log_every=5, num_threads=1
+        ),
+    )
+    out = tmp_path / "draft"
+    figures = distill_draft(
+        tiny_demo_target,
+        out,
+        data_dir=small_rag_data,
+        minutes=1.0,
+        max_steps=10,
+        recipe=recipe,
+        log=lambda _: None,
+    )
+    assert figures["draft_vocab_size"] == 512 and figures["target_vocab_size"] == 4096
+    assert figures["continuations_by_kind"]["rag"] > 0 and figures["num_eval_prompts"] == 4
+    assert 0.0 < figures["heldout_sub_vocab_coverage"] <= 1.0
+    assert figures["heldout_greedy_agreement"] <= figures["heldout_sub_vocab_coverage"]
+    config = json.loads((out / "config.json").read_text())
+    assert config["draft_vocab_size"] == 512 and config["tie_word_embeddings"] is False
+    weights = load_file(str(out / "model.safetensors"))
+    d2t = weights["d2t"].tolist()
+    assert weights["d2t"].dtype == torch.int64 and d2t == sorted(set(d2t)) and len(d2t) == 512
+    assert set(AutoTokenizer.from_pretrained(tiny_demo_target).all_special_ids) <= set(d2t)
+    assert tuple(weights["lm_head.weight"].shape) == (512, 32)
+    assert tuple(weights["model.embed_tokens.weight"].shape) == (4096, 32)
+    assert "sub-vocabulary of 512 of the target's 4,096 tokens" in " ".join(
+        (out / "README.md").read_text().split()
+    )
+    # the folder serves as a draft of its target; every draft is a target id of the map
+    engine = make_engine(tiny_demo_target, speculative="draft", draft_model=str(out))
+    assert engine.speculator.proposer.loaded.model.lm_head.out_features == 512
+    request = GenerationRequest("d", (1, 100, 200, 300), GREEDY)
+    result = engine.generate([request])
+    plain = make_engine(tiny_demo_target).generate([request])
+    assert result["d"]["token_ids"] == plain["d"]["token_ids"]
+    assert_both_pools_free(engine)
+
+
+def test_the_sub_vocabulary_ranks_continuations_and_text_alike_and_keeps_special_tokens():
+    from ragspeed.training.distill import frequency_sub_vocab, interleave
+
+    continuations = [[5, 5, 5, 9], [9, 5]]  # 5: 4/6, 9: 2/6
+    texts = [[7, 7, 7, 7, 7, 7, 7, 3], [3, 5]]  # 7: 7/10, 3: 2/10, 5: 1/10
+    assert frequency_sub_vocab(continuations, texts, 3) == (5, 7, 9)  # 5: 0.77, 7: 0.70, 9: 0.33, 3: 0.20
+    assert frequency_sub_vocab(continuations, texts, 3, always=(2, 0)) == (0, 2, 5)
+    assert frequency_sub_vocab(continuations, texts, 9) == (3, 5, 7, 9)  # only tokens seen
+    assert interleave([list("aaaaaa"), list("bb")], (0.6, 0.4)) == list("abaabaaa")
+    assert interleave([list("aaa"), []], (0.6, 0.4)) == list("aaa")

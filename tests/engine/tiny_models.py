@@ -68,3 +68,31 @@ def build_tiny_checkpoint(family: str, path: Path, *, seed: int = 0, **overrides
     model.save_pretrained(path)
     build_tokenizer().save_pretrained(path)
     return path
+
+
+def build_sub_vocab_draft(source: Path, path: Path, d2t, *, num_layers: int | None = None) -> Path:
+    """`source` as a draft with a sub-vocabulary head: head row i is `source`'s LM-head row
+    d2t[i] (so its argmax over the rows is `source`'s argmax over those tokens), the `d2t` map
+    stored beside the weights; `num_layers`: keep only the first ones."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, path)
+    config = json.loads((path / "config.json").read_text())
+    weights = load_file(str(source / "model.safetensors"))
+    head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+    d2t = torch.tensor(list(d2t), dtype=torch.long)
+    weights["lm_head.weight"] = head[d2t].contiguous()
+    weights["d2t"] = d2t
+    num_layers = num_layers or config["num_hidden_layers"]
+    weights = {
+        k: v
+        for k, v in weights.items()
+        if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers
+    }
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config.update(num_hidden_layers=num_layers, tie_word_embeddings=False, draft_vocab_size=len(d2t))
+    (path / "config.json").write_text(json.dumps(config))
+    return path

@@ -342,8 +342,12 @@ def test_train_demo_needs_out_and_data_dir(tmp_path):
 def test_train_draft_needs_out_and_a_target_model(tmp_path):
     (tmp_path / "wiki_passages.txt").write_text("A passage.\n")
     (tmp_path / "wikitext2_raw_test.txt").write_text(" = A =\n text\n")
-    missing_out = CliRunner().invoke(train_draft, ["--data-dir", str(tmp_path)])
-    assert missing_out.exit_code == 2 and "Missing option '--out'" in missing_out.output
+    # only a zoo model with a trained draft in the zoo (the default model) has a default --out
+    missing_out = CliRunner().invoke(train_draft, ["--data-dir", str(tmp_path), "--target", "ragspeed-demo"])
+    assert missing_out.exit_code == 2
+    assert "the zoo has no trained draft for 'ragspeed-demo' to write: pass --out DIR" in " ".join(
+        missing_out.output.split()
+    )
     no_model = CliRunner().invoke(
         train_draft, ["--out", str(tmp_path / "d"), "--data-dir", str(tmp_path), "--target", str(tmp_path)]
     )
@@ -360,3 +364,26 @@ def test_ragspeed_train_demo_without_out_fails_before_training(tmp_path):
     )
     assert result.returncode == 2
     assert "Missing option '--out'" in result.stderr
+
+
+def test_train_draft_of_the_default_model_writes_its_zoo_draft_by_default(tmp_path, monkeypatch):
+    from ragspeed.engine import model_zoo
+    from ragspeed.training import cli
+
+    (tmp_path / "wiki_passages.txt").write_text("A passage.\n")
+    (tmp_path / "wikitext2_raw_test.txt").write_text(" = A =\n text\n")
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    monkeypatch.setenv(model_zoo.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(model_zoo, "resolve_model", lambda name: str(target))
+    calls = []
+    monkeypatch.setattr(cli, "run_train_draft", lambda *args: calls.append(args) or {})
+    result = CliRunner().invoke(
+        train_draft, ["--data-dir", str(tmp_path), "--minutes", "55", "--threads", "2"]
+    )
+    assert result.exit_code == 0, result.output
+    ((target_dir, out, _, minutes, _, _, threads, num_layers, command, draft_vocab),) = calls
+    assert (target_dir, out) == (target, tmp_path / "cache" / "smollm2-135m-instruct-draft")
+    assert (minutes, threads, num_layers, draft_vocab) == (55.0, 2, 2, 4096)
+    assert command == f"ragspeed train-draft --minutes 55 --seed 0 --data-dir {tmp_path} --threads 2"
