@@ -150,7 +150,7 @@ def run_train_draft(
     "--num-layers",
     type=click.IntRange(1, 4),
     default=2,
-    help="Draft layers (initialised from the target's first and last).",
+    help="Draft layers (initialised from the target's first ones).",
 )
 @click.option(
     "--draft-vocab",

@@ -2,7 +2,7 @@
 demo model, or any Llama).
 
 The draft shares the target's tokenizer, hidden size, heads and input vocabulary; it starts from
-the target's embedding, final norm and a few of its layers (the first and the last by default),
+the target's embedding, final norm and a few of its layers (its first ones by default),
 so training starts from a model that already maps hidden states to tokens.
 
 *Sub-vocabulary head* (FR-Spec, arXiv 2502.14856; `DistillRecipe.draft_vocab_size`, default
@@ -73,7 +73,7 @@ _OWN_FILES = ("config.json", "README.md", "ragspeed_gguf.json")
 @dataclass(frozen=True)
 class DistillRecipe:
     num_hidden_layers: int = 2
-    init_from_layers: tuple[int, ...] = (0, -1)  # target layers copied in (negative: from the end)
+    init_from_layers: tuple[int, ...] = (0, 1)  # target layers copied in (negative: from the end)
     seq_len: int = 512
     batch_size: int = 2
     prompt_tokens: int = 48  # text prompts: the first tokens of a passage (bos included)
