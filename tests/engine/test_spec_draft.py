@@ -371,6 +371,7 @@ def test_bench_spec_runs_the_draft_contender(shared_data):
     )
     assert result["draft_outputs_identical"] is True
     assert result["draft_acceptance"] > 0 and result["draft_speedup"] > 0
+    assert result["draft_rag_outputs_identical"] is True and result["draft_rag_speedup"] > 0
 
 
 @pytest.fixture(scope="module")
