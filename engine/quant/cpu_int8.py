@@ -3,7 +3,9 @@
 The weight is quantized group-wise (engine.quant.groupwise) once, at load. A product of up to
 `MAX_BLOCKED_ROWS` rows, and every product of a decode-type step (engine.cpu_kernels.
 decode_step: speculation stays lossless), goes to the blocked copy: bound by reading the weight,
-it reads 1.0625 bytes a weight (fp16 group scales) where fp32 reads 4. Longer products go to the prefill path chosen
+it reads 1.0625 bytes a weight (fp16 group scales) where fp32 reads 4, and multiplies them by
+the activations rounded to int16 per group (engine.cpu_kernels.blocked; `bench quant` reports
+that path's quality as the decode kernels'). Longer products go to the prefill path chosen
 for this CPU and model (engine.quant.prefill); both layouts stay resident. Where the blocked
 kernels are not built, the prefill path serves every product.
 
