@@ -306,15 +306,13 @@ def small_data(shared_data, tmp_path_factory):
     return path
 
 
-def test_tiny_distillation_writes_a_loadable_draft_and_lowers_the_kd_loss(
-    tiny_demo_target, small_data, tmp_path
-):
-    from ragspeed.training.distill import DistillRecipe, TrainingConfig, distill_draft
+def _tiny_recipe(**overrides):
+    """A distillation recipe small enough for a test: one layer, short rows, a few prompts."""
+    from ragspeed.training.distill import DistillRecipe, TrainingConfig
 
     recipe = DistillRecipe(
         num_hidden_layers=1,
         init_from_layers=(0,),
-        seq_len=128,
         batch_size=2,
         prompt_tokens=16,
         max_new_tokens=16,
@@ -325,6 +323,15 @@ def test_tiny_distillation_writes_a_loadable_draft_and_lowers_the_kd_loss(
             learning_rate=1e-2, min_learning_rate=1e-3, warmup_steps=2, log_every=5, num_threads=1
         ),
     )
+    return replace(recipe, **overrides)
+
+
+def test_tiny_distillation_writes_a_loadable_draft_and_lowers_the_kd_loss(
+    tiny_demo_target, small_data, tmp_path
+):
+    from ragspeed.training.distill import distill_draft
+
+    recipe = _tiny_recipe(seq_len=128)
     out = tmp_path / "draft"
     figures = distill_draft(
         tiny_demo_target,
@@ -390,25 +397,9 @@ def test_tiny_distillation_with_a_sub_vocabulary_head_and_rag_answers(
 ):
     from transformers import AutoTokenizer
 
-    from ragspeed.training.distill import DistillRecipe, TrainingConfig, distill_draft
+    from ragspeed.training.distill import distill_draft
 
-    recipe = DistillRecipe(
-        num_hidden_layers=1,
-        init_from_layers=(0,),
-        seq_len=320,
-        batch_size=2,
-        prompt_tokens=16,
-        max_new_tokens=16,
-        max_chat_passages=1,
-        generation_batch=8,
-        num_eval_prompts=4,
-        draft_vocab_size=512,
-        max_rag_documents=1,
-        num_heldout_rag=4,
-        training=TrainingConfig(
-            learning_rate=1e-2, min_learning_rate=1e-3, warmup_steps=2, log_every=5, num_threads=1
-        ),
-    )
+    recipe = _tiny_recipe(seq_len=320, draft_vocab_size=512, max_rag_documents=1, num_heldout_rag=4)
     out = tmp_path / "draft"
     figures = distill_draft(
         tiny_demo_target,
