@@ -26,14 +26,9 @@
 typedef float f32x16 __attribute__((vector_size(64), aligned(4)));
 
 #define BLOCK 16
-/* Rows per pass over a block: with AVX-512, 6 rows x 4 partial sums + 4 weights = 28 of its 32
- * registers, so a verification of 1 + 4 rows reads each block once (in passes of four, 1 + 4
- * rows took 1.46x the time of 4 rows on the development CPU; now 1.14x). */
-#if defined(__AVX512F__)
+/* Rows per pass over a block: a verification of 1 + 4 rows reads each block once (in passes of
+ * four, 1 + 4 rows took 1.46x the time of 4 rows on an AVX-512 CPU; in one pass 1.14x). */
 #define ROWS 6
-#else
-#define ROWS 4
-#endif
 
 static inline f32x16 load_f32(const float *p) { return *(const f32x16 *)p; }
 /* The products' vectors: one register each. A block's 16 columns are H of them (AVX-512: one
@@ -47,6 +42,14 @@ typedef float vecf __attribute__((vector_size(32)));
 #define H 2
 #endif
 #define LANES (BLOCK / H)
+/* Partial sums per row and vector in the fp32 products (more hide the FMA's latency; every row
+ * of a pass has the same, so a row gets the same bits whatever the pass). ROWS rows of them fit
+ * the registers: AVX-512, 6 x 2 x 1 of 32; AVX2, 6 x 1 x 2 of 16, beside a weight and an input. */
+#if H == 1
+#define SUMS 2
+#else
+#define SUMS 1
+#endif
 
 static inline vecf loadv_f32(const float *p) {
     vecf v;
@@ -99,42 +102,29 @@ static inline void store(float *y, const vecf *sums, const float *bias, int firs
 }
 
 /* Rows r0..r0+R-1 of x times one fp32 block (16 columns): R is a compile-time constant, so the
- * R x 2 partial sums (of H vectors each) live in registers. */
+ * R x SUMS partial sums (of H vectors each) live in registers; input j goes to sum j % SUMS. */
 #define F32_ROWS(NAME, R)                                                                        \
     static inline void NAME(const float *block, const float *x, float *y, const float *bias,    \
                             int first, int n, int k) {                                          \
-        vecf acc[R][2][H], total[R][H];                                                         \
+        vecf acc[R][SUMS][H], total[R][H];                                                      \
         _Pragma("GCC unroll 6") for (int r = 0; r < R; r++)                                     \
-            for (int h = 0; h < H; h++) acc[r][0][h] = acc[r][1][h] = (vecf){0};               \
-        int j = 0;                                                                              \
-        for (; j + 4 <= k; j += 4) {                                                            \
-            const float *p = block + (size_t)j * BLOCK;                                         \
-            vecf w0[H], w1[H], w2[H], w3[H];                                                    \
-            for (int h = 0; h < H; h++) {                                                       \
-                w0[h] = loadv_f32(p + h * LANES); w1[h] = loadv_f32(p + BLOCK + h * LANES);     \
-                w2[h] = loadv_f32(p + 2 * BLOCK + h * LANES); w3[h] = loadv_f32(p + 3 * BLOCK + h * LANES); \
-            }                                                                                   \
-            _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                               \
-                const float *xr = x + (size_t)r * k + j;                                        \
-                for (int h = 0; h < H; h++) {                                                   \
-                    acc[r][0][h] += w0[h] * xr[0] + w2[h] * xr[2];                              \
-                    acc[r][1][h] += w1[h] * xr[1] + w3[h] * xr[3];                              \
+            for (int s = 0; s < SUMS; s++)                                                      \
+                for (int h = 0; h < H; h++) acc[r][s][h] = (vecf){0};                           \
+        for (int j = 0; j < k; j += SUMS)                                                       \
+            for (int s = 0; s < SUMS && j + s < k; s++) {                                       \
+                const float *p = block + (size_t)(j + s) * BLOCK;                               \
+                vecf w[H];                                                                      \
+                for (int h = 0; h < H; h++) w[h] = loadv_f32(p + h * LANES);                    \
+                _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                           \
+                    float xr = x[(size_t)r * k + j + s];                                        \
+                    for (int h = 0; h < H; h++) acc[r][s][h] += w[h] * xr;                      \
                 }                                                                               \
             }                                                                                   \
-        }                                                                                       \
-        /* The last k % 4 columns, into partial sums 0, 1, 0 (constant indices keep the sums   \
-         * in registers). */                                                                    \
-        _Pragma("GCC unroll 3") for (int t = 0; t < 3; t++) {                                   \
-            if (j + t >= k) break;                                                              \
-            const float *p = block + (size_t)(j + t) * BLOCK;                                   \
-            for (int h = 0; h < H; h++) {                                                       \
-                vecf wt = loadv_f32(p + h * LANES);                                             \
-                _Pragma("GCC unroll 6") for (int r = 0; r < R; r++)                             \
-                    acc[r][t & 1][h] += wt * x[(size_t)r * k + j + t];                          \
-            }                                                                                   \
-        }                                                                                       \
         _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                                   \
-            for (int h = 0; h < H; h++) total[r][h] = acc[r][0][h] + acc[r][1][h];              \
+            for (int h = 0; h < H; h++) {                                                       \
+                total[r][h] = acc[r][0][h];                                                     \
+                for (int s = 1; s < SUMS; s++) total[r][h] += acc[r][s][h];                     \
+            }                                                                                   \
             store(y + (size_t)r * n, total[r], bias, first, n);                                 \
         }                                                                                       \
     }
