@@ -1,5 +1,8 @@
 """`ragspeed bench engine`: the native engine against transformers, with the hardware bounds.
 
+The native engine runs on `quantization`'s weights [quantization]: int8 by default, the path
+that passes the model's quality gate and reads the fewest bytes (`--quantization none`: fp32).
+
 Figures (all from one run, after a warm-up, medians of `repeats` runs; JSON keys in brackets):
 - throughput: `num_requests` concurrent requests of `prompt_len` random tokens, `output_len`
   greedy tokens each, EOS ignored; the native engine batches them, transformers runs
@@ -238,6 +241,7 @@ def bench_engine(
     with_llamacpp: bool = True,
     llamacpp_gguf: tuple[str, ...] = (),
     llamacpp_requests: int = 4,
+    quantization: str | None = "int8",
     seed: int = 0,
 ) -> dict[str, Any]:
     """Measure the native engine (and transformers beside it); print a table, return flat JSON."""
@@ -269,6 +273,7 @@ def bench_engine(
         num_kv_cache_tokens=max(num_requests * (prompt_len + output_len), max_model_len) + 1024,
         max_num_seqs=max(num_requests, 1),
         enable_prefix_caching=False,  # random prompts share nothing; keep the pool honest
+        quantization=quantization,
         seed=seed,
     )
     engine = LLMEngine(config)
@@ -293,6 +298,7 @@ def bench_engine(
     gemm_rate = measure_gemm_rate()
     results: dict[str, Any] = {
         "model": model,
+        "quantization": quantization or "none",
         "threads": threads,
         "num_requests": num_requests,
         "prompt_len": prompt_len,
@@ -384,7 +390,7 @@ def print_table(r: dict[str, Any], ttft_len: int, attention_lens: tuple[int, ...
     print(machine_line(r["threads"]))
     print(f"cpu: {r['cpu']}")
     print(
-        f"model {r['model']}, {r['threads']} threads: read {r['read_bandwidth_gb_s']:.1f} GB/s, "
+        f"model {r['model']}, native weights {r['quantization']}, {r['threads']} threads: read {r['read_bandwidth_gb_s']:.1f} GB/s, "
         f"GEMM {r['gemm_gflop_s']:.0f} GFLOP/s"
     )
     print(f"{'figure':<22}{'native':>12}{'transformers':>14}{'bound':>10}{'ratio':>8}")
@@ -431,6 +437,13 @@ def attention_line(r: dict[str, Any], attention_lens: tuple[int, ...]) -> str:
     help="GGUF file for llama.cpp, repeatable (default: the model's GGUF and its F16/Q8_0/BF16 copies)",
 )
 @click.option("--llamacpp-requests", default=4, type=int, help="requests through llama.cpp, one at a time")
+@click.option(
+    "--quantization",
+    type=click.Choice(["int8", "none"]),
+    default="int8",
+    show_default=True,
+    help="the native engine's weights (int8 passes the model's quality gate: ragspeed bench quant)",
+)
 def bench_engine_command(
     model: str,
     json_path: str | None,
@@ -442,6 +455,7 @@ def bench_engine_command(
     with_llamacpp: bool,
     llamacpp_gguf: tuple[str, ...],
     llamacpp_requests: int,
+    quantization: str,
 ) -> None:
     """Native engine vs transformers (and llama.cpp): throughput, TPOT and TTFT against the hardware bounds."""
     try:
@@ -456,6 +470,7 @@ def bench_engine_command(
             with_llamacpp=with_llamacpp,
             llamacpp_gguf=llamacpp_gguf,
             llamacpp_requests=llamacpp_requests,
+            quantization=None if quantization == "none" else quantization,
         )
     except ValueError as error:
         raise click.UsageError(str(error)) from error

@@ -1,10 +1,10 @@
-"""`ragspeed bench engine`: its attention-share figure and the option that picks its lengths."""
+"""`ragspeed bench engine`: its attention share, its lengths option and the native weights it runs."""
 
 from __future__ import annotations
 
 import pytest
 
-from ragspeed.bench.engine import _NativeContender, attention_line, fit_lengths, parse_lengths
+from ragspeed.bench.engine import _NativeContender, attention_line, bench_engine, fit_lengths, parse_lengths
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.llm_engine import LLMEngine
 from tests.engine.tiny_models import build_tiny_checkpoint
@@ -34,3 +34,16 @@ def test_the_attention_share_of_a_prefill_comes_from_the_profiler_event(tmp_path
     share, ttft = contender.attention_share(tuple(range(2, 102)))  # one chunk of 100 queries
     assert 0.0 < share < 1.0
     assert ttft > 0.0
+
+
+def test_the_native_engine_runs_on_the_weights_asked_for(tmp_path, capsys):
+    path = build_tiny_checkpoint("llama", tmp_path / "llama", seed=1)
+    sizes = dict(num_requests=2, prompt_len=16, output_len=4, ttft_prompt_len=32, repeats=1, threads=1)
+    off = dict(attention_lens=(), with_transformers=False, with_llamacpp=False)
+    int8 = bench_engine(str(path), quantization="int8", **sizes, **off)
+    fp32 = bench_engine(str(path), quantization=None, **sizes, **off)
+    assert (int8["quantization"], fp32["quantization"]) == ("int8", "none")
+    # int8 reads 1.0625 bytes a weight, fp32 4: the bound is the weights' bytes over bandwidth.
+    assert int8["weight_bytes_per_token"] < fp32["weight_bytes_per_token"] / 2
+    assert int8["tpot_ms"] > 0 and int8["native_tokens_per_s"] > 0
+    assert "native weights int8" in capsys.readouterr().out
