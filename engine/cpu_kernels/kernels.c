@@ -23,14 +23,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef float f32x16 __attribute__((vector_size(64), aligned(4)));
 
 #define BLOCK 16
 /* Rows per pass over a block: a verification of 1 + 4 rows reads each block once (in passes of
  * four, 1 + 4 rows took 1.46x the time of 4 rows on an AVX-512 CPU; in one pass 1.14x). */
 #define ROWS 6
 
-static inline f32x16 load_f32(const float *p) { return *(const f32x16 *)p; }
 /* The products' vectors: one register each. A block's 16 columns are H of them (AVX-512: one
  * of 16 floats; AVX2 and others: two of 8). GCC's generic 16-float vectors would work too, but
  * on AVX2 it moves arrays of them through the stack. */
@@ -42,6 +40,7 @@ typedef float vecf __attribute__((vector_size(32)));
 #define H 2
 #endif
 #define LANES (BLOCK / H)
+typedef int32_t veci __attribute__((vector_size(sizeof(vecf))));  /* masks of vecf's lanes */
 /* Partial sums per row and vector in the fp32 products (more hide the FMA's latency; every row
  * of a pass has the same, so a row gets the same bits whatever the pass). ROWS rows of them fit
  * the registers: AVX-512, 6 x 2 x 1 of 32; AVX2, 6 x 1 x 2 of 16, beside a weight and an input. */
@@ -56,6 +55,7 @@ static inline vecf loadv_f32(const float *p) {
     memcpy(&v, p, sizeof v);
     return v;
 }
+static inline void storev_f32(float *p, vecf v) { memcpy(p, &v, sizeof v); }
 /* fp16 values (their bits) widened to fp32: the int8 weights' group scales. */
 typedef uint16_t f16;
 static inline float f16_to_f32(f16 h) {
@@ -311,39 +311,41 @@ void ragspeed_gemv_i8(const int8_t *w, const f16 *scale, const float *bias, cons
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
 
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-
-static inline float reduce_add(f32x16 v) {
+static inline float reduce_add(vecf v) {
 #if defined(__AVX512F__)
     return _mm512_reduce_add_ps((__m512)v);
+#elif defined(__AVX2__)
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 #else
     float s = 0.0f;
-    for (int i = 0; i < 16; i++) s += v[i];
+    for (int i = 0; i < LANES; i++) s += v[i];
     return s;
 #endif
 }
 
 static inline float dot(const float *a, const float *b, int d) {
-    f32x16 acc = {0};
+    vecf acc = {0};
     int i = 0;
-    for (; i + 16 <= d; i += 16) acc += load_f32(a + i) * load_f32(b + i);
+    for (; i + LANES <= d; i += LANES) acc += loadv_f32(a + i) * loadv_f32(b + i);
     float s = reduce_add(acc);
     for (; i < d; i++) s += a[i] * b[i];
     return s;
 }
 
-/* e^x for x <= 0 (scores minus their maximum), 16 at a time: x = n ln2 + r, |r| <= ln2 / 2,
+/* e^x for x <= 0 (scores minus their maximum), a vector at a time: x = n ln2 + r, |r| <= ln2 / 2,
  * e^r by its degree-6 Taylor polynomial (relative error < 2e-7), 2^n put in the exponent bits. */
-static inline f32x16 exp_nonpositive(f32x16 x) {
-    const f32x16 lowest = (f32x16){0} - 87.0f;  /* e^-87 is near FLT_MIN; below, 0 */
-    i32x16 underflow = x < lowest;
-    x = (f32x16)(((i32x16)x & ~underflow) | ((i32x16)lowest & underflow));
-    const f32x16 shifter = (f32x16){0} + 12582912.0f;  /* 1.5 * 2^23: rounds to an integer */
-    f32x16 n = (x * 1.44269504f + shifter) - shifter;
-    f32x16 r = x - n * 0.693145752f - n * 1.42860677e-6f;
-    f32x16 p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
-    i32x16 two_n = (__builtin_convertvector(n, i32x16) + 127) << 23;
-    return (f32x16)((i32x16)(p * (f32x16)two_n) & ~underflow);
+static inline vecf exp_nonpositive(vecf x) {
+    const vecf lowest = (vecf){0} - 87.0f;  /* e^-87 is near FLT_MIN; below, 0 */
+    veci underflow = x < lowest;
+    x = (vecf)(((veci)x & ~underflow) | ((veci)lowest & underflow));
+    const vecf shifter = (vecf){0} + 12582912.0f;  /* 1.5 * 2^23: rounds to an integer */
+    vecf n = (x * 1.44269504f + shifter) - shifter;
+    vecf r = x - n * 0.693145752f - n * 1.42860677e-6f;
+    vecf p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
+    veci two_n = (__builtin_convertvector(n, veci) + 127) << 23;
+    return (vecf)((veci)(p * (vecf)two_n) & ~underflow);
 }
 
 /* The tasks split across the threads of the enclosing parallel region, ending in its barrier. */
@@ -376,17 +378,17 @@ static void paged_decode_attention_team(const float *q, const float *k_cache, co
                 for (int g = 0; g < group; g++) {
                     float *sg = scores + g * row, top = -__builtin_inff();
                     for (size_t t = n; t < padded; t++) sg[t] = -__builtin_inff();
-                    f32x16 tops = load_f32(sg);  /* n >= 1 */
-                    for (size_t t = 16; t < padded; t += 16) {
-                        f32x16 x = load_f32(sg + t);
-                        i32x16 larger = x > tops;
-                        tops = (f32x16)(((i32x16)x & larger) | ((i32x16)tops & ~larger));
+                    vecf tops = loadv_f32(sg);  /* n >= 1 */
+                    for (size_t t = LANES; t < padded; t += LANES) {
+                        vecf x = loadv_f32(sg + t);
+                        veci larger = x > tops;
+                        tops = (vecf)(((veci)x & larger) | ((veci)tops & ~larger));
                     }
-                    for (int i = 0; i < 16; i++) top = tops[i] > top ? tops[i] : top;
-                    f32x16 sum = {0};
-                    for (size_t t = 0; t < padded; t += 16) {
-                        f32x16 e = exp_nonpositive(load_f32(sg + t) - top);
-                        *(f32x16 *)(sg + t) = e;
+                    for (int i = 0; i < LANES; i++) top = tops[i] > top ? tops[i] : top;
+                    vecf sum = {0};
+                    for (size_t t = 0; t < padded; t += LANES) {
+                        vecf e = exp_nonpositive(loadv_f32(sg + t) - top);
+                        storev_f32(sg + t, e);
                         sum += e;
                     }
                     total[g] = reduce_add(sum);
@@ -400,8 +402,8 @@ static void paged_decode_attention_team(const float *q, const float *k_cache, co
                         for (int g = 0; g < group; g++) {
                             float weight = scores[g * row + t];
                             int d = 0;  /* whole vectors, then the rest */
-                            for (; d + 16 <= head_dim; d += 16)
-                                *(f32x16 *)(acc[g] + d) += weight * load_f32(v + d);
+                            for (; d + LANES <= head_dim; d += LANES)
+                                storev_f32(acc[g] + d, loadv_f32(acc[g] + d) + weight * loadv_f32(v + d));
                             for (; d < head_dim; d++) acc[g][d] += weight * v[d];
                         }
                     }
@@ -435,10 +437,10 @@ static void add_rms_norm_row(float *x, const float *residual, const float *weigh
         const float *res = residual + (size_t)r * dim;
         for (int d = 0; d < dim; d++) xr[d] += res[d];
     }
-    f32x16 squares = {0};
+    vecf squares = {0};
     int d = 0;
-    for (; d + 16 <= dim; d += 16) {
-        f32x16 v = load_f32(xr + d);
+    for (; d + LANES <= dim; d += LANES) {
+        vecf v = loadv_f32(xr + d);
         squares += v * v;
     }
     float sum = reduce_add(squares);
@@ -522,19 +524,18 @@ static void rotate(const float *src, float *dst, const float *rotation, int head
 /* act [m, inter] = silu(gate) * up for gate_up [m, 2 * inter]: sigmoid(g) from e = e^-|g|,
  * 1 / (1 + e) for g >= 0 and e / (1 + e) below. */
 static void silu_mul(const float *gate_up, float *act, int m, int inter) {
-    const i32x16 sign = (i32x16){0} + (int32_t)0x80000000;
+    const veci sign = (veci){0} + (int32_t)0x80000000;
     for (int r = 0; r < m; r++) {
         const float *g = gate_up + (size_t)r * 2 * inter, *u = g + inter;
         float *a = act + (size_t)r * inter;
         int i = 0;
-        for (; i + 16 <= inter; i += 16) {
-            f32x16 x = load_f32(g + i);
-            f32x16 e = exp_nonpositive((f32x16)((i32x16)x | sign));
-            f32x16 inverse = 1.0f / (1.0f + e);
-            i32x16 negative = x < 0;
-            f32x16 sigmoid = (f32x16)(((i32x16)inverse & ~negative) | ((i32x16)(e * inverse) & negative));
-            f32x16 out = x * sigmoid * load_f32(u + i);
-            memcpy(a + i, &out, sizeof out);
+        for (; i + LANES <= inter; i += LANES) {
+            vecf x = loadv_f32(g + i);
+            vecf e = exp_nonpositive((vecf)((veci)x | sign));
+            vecf inverse = 1.0f / (1.0f + e);
+            veci negative = x < 0;
+            vecf sigmoid = (vecf)(((veci)inverse & ~negative) | ((veci)(e * inverse) & negative));
+            storev_f32(a + i, x * sigmoid * loadv_f32(u + i));
         }
         for (; i < inter; i++) {
             float x = g[i], e = __builtin_expf(-__builtin_fabsf(x)), inverse = 1.0f / (1.0f + e);
