@@ -23,15 +23,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-
 #define BLOCK 16
 /* Rows per pass over a block: a verification of 1 + 4 rows reads each block once (in passes of
  * four, 1 + 4 rows took 1.46x the time of 4 rows on an AVX-512 CPU; in one pass 1.14x). */
 #define ROWS 6
 
-/* The products' vectors: one register each. A block's 16 columns are H of them (AVX-512: one
- * of 16 floats; AVX2 and others: two of 8). GCC's generic 16-float vectors would work too, but
- * on AVX2 it moves arrays of them through the stack. */
+/* The kernels' vectors: one register each. A block's 16 columns are H of them (AVX-512: one of
+ * 16 floats; AVX2 and others: two of 8). GCC's generic 16-float vectors would work too, but on
+ * AVX2 it moves them through the stack: decode attention took 6x as long in them. */
 #if defined(__AVX512F__)
 typedef float vecf __attribute__((vector_size(64)));
 #define H 1
