@@ -298,7 +298,7 @@ def bench_engine(
     gemm_rate = measure_gemm_rate()
     results: dict[str, Any] = {
         "model": model,
-        "quantization": quantization or "none",
+        "quantization": config.quantization or "none",
         "threads": threads,
         "num_requests": num_requests,
         "prompt_len": prompt_len,
@@ -390,8 +390,8 @@ def print_table(r: dict[str, Any], ttft_len: int, attention_lens: tuple[int, ...
     print(machine_line(r["threads"]))
     print(f"cpu: {r['cpu']}")
     print(
-        f"model {r['model']}, native weights {r['quantization']}, {r['threads']} threads: read {r['read_bandwidth_gb_s']:.1f} GB/s, "
-        f"GEMM {r['gemm_gflop_s']:.0f} GFLOP/s"
+        f"model {r['model']}, native weights {r['quantization']}, {r['threads']} threads: "
+        f"read {r['read_bandwidth_gb_s']:.1f} GB/s, GEMM {r['gemm_gflop_s']:.0f} GFLOP/s"
     )
     print(f"{'figure':<22}{'native':>12}{'transformers':>14}{'bound':>10}{'ratio':>8}")
     for name, native, hf, bound, ratio in rows:
@@ -470,7 +470,7 @@ def bench_engine_command(
             with_llamacpp=with_llamacpp,
             llamacpp_gguf=llamacpp_gguf,
             llamacpp_requests=llamacpp_requests,
-            quantization=None if quantization == "none" else quantization,
+            quantization=quantization,  # "none": EngineConfig reads it as off
         )
     except ValueError as error:
         raise click.UsageError(str(error)) from error
