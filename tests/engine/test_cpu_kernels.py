@@ -132,6 +132,18 @@ def test_turned_off_or_failed_build_means_no_kernels(fresh_build, monkeypatch, c
 # 5 and 40: contexts that end inside a block, heads that end inside a vector
 @pytest.mark.parametrize("block_size, head_dim", [(16, 32), (5, 40)])
 def test_decode_attention_over_a_long_scattered_context(score_scale, block_size, head_dim):
+    check_decode_attention(score_scale, block_size, head_dim)
+
+
+def test_decode_attention_in_plain_c(fresh_build, monkeypatch):
+    """Built without AVX2, the kernel's generic sums give the same attention."""
+    monkeypatch.setattr(build, "FLAGS", build.FLAGS + ("-mno-avx2",))
+    check_decode_attention(0.125, 16, 64)
+
+
+def check_decode_attention(score_scale, block_size, head_dim):
+    """Two requests (1,000 and 37 tokens) over blocks in random order against softmax(q K^T) V;
+    on one thread or two, a row alone or in the batch: the same bits."""
     from ragspeed.engine.cpu_kernels.attention import paged_decode_attention
 
     gen = torch.Generator().manual_seed(11)
@@ -139,13 +151,12 @@ def test_decode_attention_over_a_long_scattered_context(score_scale, block_size,
     lengths = [1000, 37]
     num_blocks = -(-1000 // block_size)  # per table; the pool holds more, in random order
     pool_blocks = num_blocks + 17
-    tables = [torch.randperm(pool_blocks, generator=gen)[:num_blocks] for _ in lengths]
+    tables = torch.stack([torch.randperm(pool_blocks, generator=gen)[:num_blocks] for _ in lengths])
     k_cache = torch.randn(pool_blocks * block_size, num_kv_heads, head_dim, generator=gen)
     v_cache = torch.randn(pool_blocks * block_size, num_kv_heads, head_dim, generator=gen)
     q = torch.randn(2, num_heads, head_dim, generator=gen)
-    out = paged_decode_attention(
-        q, k_cache, v_cache, torch.stack(tables), torch.tensor(lengths), block_size, score_scale
-    )
+    lens = torch.tensor(lengths)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, block_size, score_scale)
     for i, (table, n) in enumerate(zip(tables, lengths)):
         slots = (table[:, None] * block_size + torch.arange(block_size)).flatten()[:n]
         keys = k_cache[slots].repeat_interleave(num_heads // num_kv_heads, dim=1)  # [n, H, D]
@@ -153,6 +164,10 @@ def test_decode_attention_over_a_long_scattered_context(score_scale, block_size,
         weights = (torch.einsum("hd,thd->ht", q[i], keys) * score_scale).softmax(-1)
         expected = torch.einsum("ht,thd->hd", weights, values)
         torch.testing.assert_close(out[i], expected, rtol=1e-4, atol=1e-5)
+    threaded = paged_decode_attention(q, k_cache, v_cache, tables, lens, block_size, score_scale, 2)
+    assert torch.equal(threaded, out)
+    alone = paged_decode_attention(q[1:], k_cache, v_cache, tables[1:], lens[1:], block_size, score_scale)
+    assert torch.equal(alone[0], out[1])
 
 
 @pytest.mark.parametrize("rows, dim", [(1, 576), (3, 37), (100, 64)])  # 100 rows: threaded
