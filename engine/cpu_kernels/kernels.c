@@ -18,6 +18,7 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
+#include <omp.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -302,20 +303,22 @@ void ragspeed_gemv_i8(const int8_t *w, const f16 *scale, const float *bias, cons
  * block * block_size + offset; block_tables [num_seqs, max_blocks]; context_lens [num_seqs];
  * out [num_seqs, num_heads, head_dim]. The SDPA path of engine/attention.py is the reference.
  *
- * Each sequence's context is cut into chunks of CHUNK keys, one task each: for every KV head and
- * its group of query heads, the scores (each key row read where it lies in the pool, no
- * gather), their softmax within the chunk and the weighted sum of the value rows, kept as the
- * chunk's maximum, sum and partial output; a second loop merges each query head's chunks in
- * order. Chunks balance the threads (one sequence has only num_kv_heads heads: SmolLM2's 3 on 2
- * threads), and a chunk reads each of its rows, all heads, once. A row's chunks depend only on
- * its own context length, so its result is the same in any batch and on any thread count.
+ * Each context is cut into chunks of CHUNK keys. For a chunk and every KV head, the kernel
+ * computes the scores of the head's group of query heads (each key row read where it lies in
+ * the pool, no gather), their softmax within the chunk and the weighted sum of the value rows,
+ * kept as the chunk's maximum, sum and partial output; a second loop merges each query head's
+ * chunks in order. Chunks balance the threads (one sequence has only num_kv_heads heads:
+ * SmolLM2's 3 on 2 threads): each thread takes one contiguous stretch of them and prefetches
+ * its next chunk while it computes the current one. Rows over one context (a verification's)
+ * run together, so a chunk is read from memory once for all of them. A row's chunks depend only
+ * on its own context length, so its result is the same in any batch and on any thread count.
  *
- * A decode step streams the weights through the caches, so the keys and values come from
- * memory: a chunk prefetches its rows first. Scores take eight keys at a time (eight sums in
- * registers, one load of the query for all), value sums four vectors of the output at a time.
- * SmolLM2-135M's shape, one row, every layer in turn (K/V far beyond the caches), 2 threads, on
- * the 2-core Zen 3: 256 keys 7.4 -> 2.6 ms a step, 2,048 keys 67 -> 16 ms (before: a task per
- * KV head, each score one chain of FMAs and a horizontal sum, the value sums through memory).
+ * Scores take eight keys at a time (eight sums in registers, one load of the query for all),
+ * value sums four vectors of the output at a time. SmolLM2-135M's shape, every layer in turn
+ * (K/V far beyond the caches), 2 threads, the 2-core Zen 3; before, a task per (sequence, KV
+ * head), each score one chain of FMAs and a horizontal sum, the value sums through memory:
+ * - one row: 256 keys 7.4 -> 2.0 ms a step, 2,048 keys 67 -> 11 ms;
+ * - five rows of one verification at 2,048 keys: 173 -> 18 ms.
  */
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
@@ -397,12 +400,42 @@ static void chunk_scores(const float *q, const float *const *keys, int count, in
     for (; t < count; t++) scores[t] = dot(q, keys[t], head_dim) * scale;
 }
 
+/* The next chunk's rows (keys and values, every head), prefetched a line of each per call while
+ * the thread computes the current one: spread out, the prefetches overlap the arithmetic (at a
+ * chunk's start, 1,536 of them in a row stalled the thread until nearly all had arrived). */
+typedef struct {
+    const char *k_cache, *v_cache;
+    size_t row_bytes, slots[CHUNK];
+    int count, row, line; /* the next chunk's rows; the next line to prefetch */
+} Ahead;
+
+static inline void prefetch_ahead(Ahead *a) {
+    if (a->row >= a->count) return;
+    size_t offset = a->slots[a->row] * a->row_bytes + (size_t)a->line * 64;
+    __builtin_prefetch(a->k_cache + offset);
+    __builtin_prefetch(a->v_cache + offset);
+    if ((size_t)++a->line * 64 >= a->row_bytes) a->line = 0, a->row++;
+}
+
+/* Chunk c of a context of `n` keys in blocks `table`: its rows' slots, none prefetched yet. */
+static void chunk_rows(Ahead *a, const int64_t *table, int64_t n, int c, int block_size) {
+    int64_t first = (int64_t)c * CHUNK;
+    a->count = n - first < CHUNK ? (int)(n - first) : CHUNK;
+    a->row = a->line = 0;
+    for (int t = 0; t < a->count; t++) {
+        int64_t p = first + t;
+        a->slots[t] = (size_t)table[p / block_size] * block_size + p % block_size;
+    }
+}
+
 /* out[d] = sum over t of weights[t] * values[t][d]: four vectors of out at a time in registers. */
-static void chunk_values(const float *weights, const float *const *values, int count, int head_dim, float *out) {
+static void chunk_values(const float *weights, const float *const *values, int count, int head_dim,
+                         float *out, Ahead *ahead) {
     int d = 0;
     for (; d + 4 * LANES <= head_dim; d += 4 * LANES) {
         vecf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
         for (int t = 0; t < count; t++) {
+            prefetch_ahead(ahead);
             const float *v = values[t] + d;
             vecf w = (vecf){0} + weights[t];
             a0 += w * loadv_f32(v); a1 += w * loadv_f32(v + LANES);
@@ -427,7 +460,7 @@ static void chunk_values(const float *weights, const float *const *values, int c
  * head_dim]: their partials [group][2 + head_dim] (max, sum, unnormalised output). */
 static void attention_chunk(const float *q, const float *k_cache, const float *v_cache,
                             const size_t *slots, int count, int h, int group, int num_kv_heads,
-                            int head_dim, float scale, float *partials) {
+                            int head_dim, float scale, float *partials, Ahead *ahead) {
     size_t row_floats = (size_t)num_kv_heads * head_dim;
     const float *keys[CHUNK], *values[CHUNK];
     for (int t = 0; t < count; t++) {
@@ -456,7 +489,7 @@ static void attention_chunk(const float *q, const float *k_cache, const float *v
         }
         partial[0] = top;
         partial[1] = reduce_add(sum);
-        chunk_values(scores, values, count, head_dim, partial + 2);
+        chunk_values(scores, values, count, head_dim, partial + 2, ahead);
     }
 }
 
@@ -469,28 +502,50 @@ static void paged_decode_attention_team(const float *q, const float *k_cache, co
                                         int64_t longest, float *partials) {
     int group = num_heads / num_kv_heads, chunks = (int)((longest + CHUNK - 1) / CHUNK);
     size_t task_floats = (size_t)group * (head_dim + 2);
-    size_t row_bytes = sizeof(float) * num_kv_heads * head_dim;
-    _Pragma("omp for schedule(dynamic)")
-    for (int task = 0; task < num_seqs * chunks; task++) {
-        int s = task / chunks, c = task % chunks;
-        int64_t first = (int64_t)c * CHUNK, n = context_lens[s];
-        if (first >= n) continue;
-        int count = n - first < CHUNK ? (int)(n - first) : CHUNK;
-        const int64_t *table = block_tables + (size_t)s * max_blocks;
-        size_t slots[CHUNK];
-        for (int t = 0; t < count; t++) {
-            int64_t p = first + t;
-            slots[t] = (size_t)table[p / block_size] * block_size + p % block_size;
-        }
-        for (int t = 0; t < count; t++) {  /* the chunk's rows, every head: read once, in parallel */
-            const char *k = (const char *)k_cache + slots[t] * row_bytes, *v = (const char *)v_cache + slots[t] * row_bytes;
-            for (size_t b = 0; b < row_bytes; b += 64) { __builtin_prefetch(k + b); __builtin_prefetch(v + b); }
-        }
-        for (int h = 0; h < num_kv_heads; h++)
-            attention_chunk(q + ((size_t)s * num_heads + (size_t)h * group) * head_dim, k_cache, v_cache,
-                            slots, count, h, group, num_kv_heads, head_dim, scale,
-                            partials + ((size_t)(s * num_kv_heads + h) * chunks + c) * task_floats);
+    /* Runs of rows over one context (a verification's rows: each row's context the previous
+     * row's and more, over the same blocks): a chunk's keys and values are read from memory once
+     * for all of them, and each row computes what it computes alone. */
+    int *run_first = malloc(sizeof(int) * (num_seqs + 1)), runs = 0, total = 0;
+    for (int r = 0; r < num_seqs; r++) {
+        const int64_t *table = block_tables + (size_t)r * max_blocks;
+        if (r == 0 || context_lens[r] < context_lens[r - 1] ||
+            memcmp(table - max_blocks, table, sizeof(int64_t) * ((context_lens[r - 1] + block_size - 1) / block_size)))
+            run_first[runs++] = r;
     }
+    run_first[runs] = num_seqs;
+    for (int u = 0; u < runs; u++) total += (int)((context_lens[run_first[u + 1] - 1] + CHUNK - 1) / CHUNK);
+    /* The runs' chunks, in order, in one contiguous stretch per thread: while it computes a
+     * chunk, a thread prefetches its next. */
+    int threads = omp_get_num_threads(), per = (total + threads - 1) / threads;
+    int begin = omp_get_thread_num() * per, end = begin + per < total ? begin + per : total;
+    int u = 0, c = begin;  /* chunk `begin`: run u's chunk c */
+    while (u < runs && (int64_t)c * CHUNK >= context_lens[run_first[u + 1] - 1])
+        c -= (int)((context_lens[run_first[u + 1] - 1] + CHUNK - 1) / CHUNK), u++;
+    Ahead ahead[2];  /* chunk i's rows: ahead[i % 2] */
+    for (int j = 0; j < 2; j++) {
+        ahead[j].k_cache = (const char *)k_cache, ahead[j].v_cache = (const char *)v_cache;
+        ahead[j].row_bytes = sizeof(float) * num_kv_heads * head_dim;
+    }
+#define RUN_ROWS(u) block_tables + (size_t)(run_first[(u) + 1] - 1) * max_blocks, context_lens[run_first[(u) + 1] - 1]
+    if (begin < end) chunk_rows(ahead + begin % 2, RUN_ROWS(u), c, block_size);
+    for (int i = begin; i < end; i++) {
+        Ahead *current = ahead + i % 2, *next = ahead + (i + 1) % 2;
+        int cu = u, cc = c;
+        for (c++; u < runs && (int64_t)c * CHUNK >= context_lens[run_first[u + 1] - 1]; c = 0) u++;
+        next->count = 0;
+        if (i + 1 < end) chunk_rows(next, RUN_ROWS(u), c, block_size);
+        for (int r = run_first[cu]; r < run_first[cu + 1]; r++) {
+            int64_t left = context_lens[r] - (int64_t)cc * CHUNK;  /* this row's keys in the chunk */
+            if (left <= 0) continue;
+            for (int h = 0; h < num_kv_heads; h++)
+                attention_chunk(q + ((size_t)r * num_heads + (size_t)h * group) * head_dim, k_cache, v_cache,
+                                current->slots, left < CHUNK ? (int)left : CHUNK, h, group, num_kv_heads,
+                                head_dim, scale, partials + ((size_t)(r * num_kv_heads + h) * chunks + cc) * task_floats, next);
+        }
+    }
+#undef RUN_ROWS
+    free(run_first);
+    _Pragma("omp barrier")
     _Pragma("omp for schedule(static)")
     for (int row = 0; row < num_seqs * num_heads; row++) {  /* merge each query head's chunks */
         int s = row / num_heads, h = row % num_heads / group, g = row % group;

@@ -143,7 +143,8 @@ def test_decode_attention_in_plain_c(fresh_build, monkeypatch):
 
 def check_decode_attention(score_scale, block_size, head_dim):
     """Two requests (1,000 and 37 tokens) over blocks in random order against softmax(q K^T) V;
-    on one thread or two, a row alone or in the batch: the same bits."""
+    on one thread or two, a row alone, in the batch or among rows over the same blocks (a
+    verification's, read once for all): the same bits."""
     from ragspeed.engine.cpu_kernels.attention import paged_decode_attention
 
     gen = torch.Generator().manual_seed(11)
@@ -168,6 +169,16 @@ def check_decode_attention(score_scale, block_size, head_dim):
     assert torch.equal(threaded, out)
     alone = paged_decode_attention(q[1:], k_cache, v_cache, tables[1:], lens[1:], block_size, score_scale)
     assert torch.equal(alone[0], out[1])
+    verification_lens = torch.tensor([997, 998, 1000])
+    rows = torch.randn(3, num_heads, head_dim, generator=gen)
+    together = paged_decode_attention(
+        rows, k_cache, v_cache, tables[:1].repeat(3, 1), verification_lens, block_size, score_scale, 2
+    )
+    for i, n in enumerate(verification_lens.tolist()):
+        row = paged_decode_attention(
+            rows[i : i + 1], k_cache, v_cache, tables[:1], torch.tensor([n]), block_size, score_scale
+        )
+        assert torch.equal(together[i], row[0])
 
 
 @pytest.mark.parametrize("rows, dim", [(1, 576), (3, 37), (100, 64)])  # 100 rows: threaded
