@@ -401,8 +401,8 @@ static void chunk_scores(const float *q, const float *const *keys, int count, in
 }
 
 /* The next chunk's rows (keys and values, every head), prefetched a line of each per call while
- * the thread computes the current one: spread out, the prefetches overlap the arithmetic (at a
- * chunk's start, 1,536 of them in a row stalled the thread until nearly all had arrived). */
+ * the thread computes the current one, so that the prefetches spread over the arithmetic (all
+ * 1,536 of a chunk's lines prefetched at its start measured no faster than none at all). */
 typedef struct {
     const char *k_cache, *v_cache;
     size_t row_bytes, slots[CHUNK];
@@ -521,8 +521,9 @@ static void paged_decode_attention_team(const float *q, const float *k_cache, co
     int u = 0, c = begin;  /* chunk `begin`: run u's chunk c */
     while (u < runs && (int64_t)c * CHUNK >= context_lens[run_first[u + 1] - 1])
         c -= (int)((context_lens[run_first[u + 1] - 1] + CHUNK - 1) / CHUNK), u++;
-    Ahead ahead[2];  /* chunk i's rows: ahead[i % 2] */
+    Ahead ahead[2];  /* chunk i's rows: ahead[i % 2]; none until chunk_rows fills one */
     for (int j = 0; j < 2; j++) {
+        memset(ahead + j, 0, sizeof ahead[j]);
         ahead[j].k_cache = (const char *)k_cache, ahead[j].v_cache = (const char *)v_cache;
         ahead[j].row_bytes = sizeof(float) * num_kv_heads * head_dim;
     }
@@ -532,7 +533,7 @@ static void paged_decode_attention_team(const float *q, const float *k_cache, co
         Ahead *current = ahead + i % 2, *next = ahead + (i + 1) % 2;
         int cu = u, cc = c;
         for (c++; u < runs && (int64_t)c * CHUNK >= context_lens[run_first[u + 1] - 1]; c = 0) u++;
-        next->count = 0;
+        next->count = next->row = next->line = 0;  /* the stretch's last chunk: nothing to prefetch */
         if (i + 1 < end) chunk_rows(next, RUN_ROWS(u), c, block_size);
         for (int r = run_first[cu]; r < run_first[cu + 1]; r++) {
             int64_t left = context_lens[r] - (int64_t)cc * CHUNK;  /* this row's keys in the chunk */
