@@ -16,6 +16,10 @@ Figures (all from one run, after a warm-up, medians of `repeats` runs; JSON keys
 - time to first token of a `ttft_prompt_len`-token prompt [ttft_2048_ms] against the FLOP bound:
   FLOPs (projections, attention, one LM-head row) / fp32 GEMM rate measured here
   [ttft_2048_bound_ms].
+- time per output token after that prompt, `long_output_len` greedy tokens in the same runs: a
+  RAG request's decoding, which reads the context's keys and values beside the weights
+  [tpot_2048_ms, transformers_tpot_2048_ms] against its bandwidth bound, the weight bytes and
+  the KV cache's bytes per token / read bandwidth [tpot_2048_bound_ms].
 - the attention share of TTFT at each of `attention_lens` prompt lengths (2,048 and 8,192; a
   length that leaves no room for the output token in the model's context is cut to fit): one
   prefill under torch's profiler, the time inside the engine's prefill-attention event over
@@ -23,7 +27,8 @@ Figures (all from one run, after a warm-up, medians of `repeats` runs; JSON keys
   the prefill's time under the profiler in attention_ttft_{N}_ms].
 - llama.cpp beside them, where llama-cpp-python is installed (bench.llamacpp: the same figures
   per GGUF type [llamacpp_<type>_*], the fastest type's [llamacpp_*, llamacpp_*_type] and the
-  ratios to native [llamacpp_throughput_ratio, llamacpp_tpot_ratio, llamacpp_ttft_speedup]).
+  ratios to native [llamacpp_throughput_ratio, llamacpp_tpot_ratio, llamacpp_ttft_speedup,
+  llamacpp_tpot_2048_ratio]).
 A *ratio* divides two rates or two times of contenders; `*_over_bound` divides a time by its bound.
 """
 
@@ -144,13 +149,15 @@ class _NativeContender:
         arrivals = self._run(prompts, max_tokens)
         return sum(len(a) for a in arrivals) / (time.perf_counter() - start)
 
+    def arrivals(self, prompt, max_tokens) -> list[float]:
+        """One request alone: the times its tokens arrived."""
+        return self._run([prompt], max_tokens)[0]
+
     def tpot(self, prompt, max_tokens) -> float:
-        (arrival,) = self._run([prompt], max_tokens)
-        return statistics.median(b - a for a, b in zip(arrival, arrival[1:]))
+        return llamacpp.median_gap(self.arrivals(prompt, max_tokens))
 
     def ttft(self, prompt) -> float:
-        (arrival,) = self._run([prompt], 1)
-        return arrival[0]
+        return self.arrivals(prompt, 1)[0]
 
     def attention_share(self, prompt) -> tuple[float, float]:
         """One prefill under torch's profiler: (share of its time in prefill attention, its
@@ -217,9 +224,11 @@ class _TransformersContender:
         num_tokens = sum(len(self._generate(p, max_tokens)) for p in prompts)
         return num_tokens / (time.perf_counter() - start)
 
+    def arrivals(self, prompt, max_tokens) -> list[float]:
+        return self._generate(prompt, max_tokens)
+
     def tpot(self, prompt, max_tokens) -> float:
-        arrival = self._generate(prompt, max_tokens)
-        return statistics.median(b - a for a, b in zip(arrival, arrival[1:]))
+        return llamacpp.median_gap(self._generate(prompt, max_tokens))
 
     def ttft(self, prompt) -> float:
         return self._generate(prompt, 1)[0]
@@ -233,6 +242,7 @@ def bench_engine(
     prompt_len: int = 256,
     output_len: int = 64,
     ttft_prompt_len: int = 2048,
+    long_output_len: int = 16,
     attention_lens: tuple[int, ...] = (2048, 8192),
     repeats: int = 3,
     transformers_requests: int = 4,
@@ -260,13 +270,16 @@ def bench_engine(
         transformers_requests=transformers_requests,
         llamacpp_requests=llamacpp_requests,
     )
+    if long_output_len < 2:
+        raise ValueError(f"long_output_len must be >= 2 (a TPOT needs two tokens), got {long_output_len}")
     torch.set_num_threads(threads)
     for length in attention_lens:
         require_positive(attention_len=length)
     path = resolve_model_path(model)
     attention_lens = fit_lengths(attention_lens, context_limit(AutoConfig.from_pretrained(path)))
     longest = max(attention_lens, default=0) + 1
-    max_model_len = max(prompt_len + output_len, ttft_prompt_len + 1, longest, 64 + 4)  # 64 + 4: warm-up
+    warm_up = 64 + 4  # the warm-up's longest request
+    max_model_len = max(prompt_len + output_len, ttft_prompt_len + long_output_len, longest, warm_up)
     config = EngineConfig(
         model=str(path),
         max_model_len=max_model_len,
@@ -318,12 +331,16 @@ def bench_engine(
             results[f"{name}_tokens_per_s"] = statistics.median(rates)
             tpots = [contender.tpot(prompts(1, prompt_len)[0], output_len) for _ in range(repeats)]
             results[f"{name}_tpot_ms"] = statistics.median(tpots) * 1e3
-            ttfts = [contender.ttft(prompts(1, ttft_prompt_len)[0]) for _ in range(repeats)]
-            results[f"{name}_ttft_{ttft_prompt_len}_ms"] = statistics.median(ttfts) * 1e3
+            long_prompts = prompts(repeats, ttft_prompt_len)
+            runs = [contender.arrivals(prompt, long_output_len) for prompt in long_prompts]
+            results[f"{name}_ttft_{ttft_prompt_len}_ms"] = statistics.median(r[0] for r in runs) * 1e3
+            long_tpots = [llamacpp.median_gap(r) for r in runs]
+            results[f"{name}_tpot_{ttft_prompt_len}_ms"] = statistics.median(long_tpots) * 1e3
             print(  # progress: a slow baseline on a busy machine can take many minutes
                 f"{name}: {results[f'{name}_tokens_per_s']:.1f} tok/s, TPOT "
                 f"{results[f'{name}_tpot_ms']:.1f} ms, TTFT {ttft_prompt_len} "
-                f"{results[f'{name}_ttft_{ttft_prompt_len}_ms']:.0f} ms",
+                f"{results[f'{name}_ttft_{ttft_prompt_len}_ms']:.0f} ms, TPOT after it "
+                f"{results[f'{name}_tpot_{ttft_prompt_len}_ms']:.1f} ms",
                 file=sys.stderr,
                 flush=True,
             )
@@ -339,6 +356,12 @@ def bench_engine(
     results["tpot_ms"] = results.pop("native_tpot_ms")
     results["tpot_bound_ms"] = weight_bytes / bandwidth * 1e3
     results["tpot_over_bound"] = results["tpot_ms"] / results["tpot_bound_ms"]
+    long_tpot = f"tpot_{ttft_prompt_len}"
+    results[f"{long_tpot}_ms"] = results.pop(f"native_{long_tpot}_ms")
+    kv_bytes = engine.arch.kv_bytes_per_token * engine.kv_pool.kv.element_size()
+    context = ttft_prompt_len + long_output_len / 2  # the mean context of its output tokens
+    results[f"{long_tpot}_bound_ms"] = (weight_bytes + kv_bytes * context) / bandwidth * 1e3
+    results[f"{long_tpot}_over_bound"] = results[f"{long_tpot}_ms"] / results[f"{long_tpot}_bound_ms"]
     results[f"ttft_{ttft_prompt_len}_ms"] = results.pop(f"native_ttft_{ttft_prompt_len}_ms")
     results[f"ttft_{ttft_prompt_len}_bound_ms"] = prefill_flops(engine, ttft_prompt_len) / gemm_rate * 1e3
     results["ttft_over_bound"] = (
@@ -385,6 +408,13 @@ def print_table(r: dict[str, Any], ttft_len: int, attention_lens: tuple[int, ...
             r.get(f"transformers_ttft_{ttft_len}_ms"),
             r.get(f"ttft_{ttft_len}_bound_ms"),
             r.get("ttft_over_bound"),
+        ),
+        (
+            f"TPOT after {ttft_len} (ms)",
+            r.get(f"tpot_{ttft_len}_ms"),
+            r.get(f"transformers_tpot_{ttft_len}_ms"),
+            r.get(f"tpot_{ttft_len}_bound_ms"),
+            r.get(f"tpot_{ttft_len}_over_bound"),
         ),
     ]
     print(machine_line(r["threads"]))

@@ -46,4 +46,6 @@ def test_the_native_engine_runs_on_the_weights_asked_for(tmp_path, capsys):
     # int8 reads 1.0625 bytes a weight, fp32 4: the bound is the weights' bytes over bandwidth.
     assert int8["weight_bytes_per_token"] < fp32["weight_bytes_per_token"] / 2
     assert int8["tpot_ms"] > 0 and int8["native_tokens_per_s"] > 0
+    # After the 32-token prompt a token also reads the context's keys and values.
+    assert int8["tpot_32_ms"] > 0 and int8["tpot_32_bound_ms"] > int8["tpot_bound_ms"]
     assert "native weights int8" in capsys.readouterr().out

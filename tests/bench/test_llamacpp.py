@@ -187,12 +187,15 @@ PER_TYPE = {
     "llamacpp_q4_1_tokens_per_s": 20.0,
     "llamacpp_q4_1_tpot_ms": 30.0,
     "llamacpp_q4_1_ttft_2048_ms": 17_000.0,
+    "llamacpp_q4_1_tpot_2048_ms": 45.0,
     "llamacpp_f16_tokens_per_s": 18.0,
     "llamacpp_f16_tpot_ms": 38.0,
     "llamacpp_f16_ttft_2048_ms": 8_000.0,
+    "llamacpp_f16_tpot_2048_ms": 50.0,
     "llamacpp_q8_0_tokens_per_s": 22.0,
     "llamacpp_q8_0_tpot_ms": 29.0,
     "llamacpp_q8_0_ttft_2048_ms": 9_000.0,
+    "llamacpp_q8_0_tpot_2048_ms": 40.0,
 }
 
 
@@ -204,12 +207,14 @@ def test_the_fastest_type_per_figure():
         "llamacpp_tpot_ms_type": "q8_0",
         "llamacpp_ttft_2048_ms": 8_000.0,
         "llamacpp_ttft_2048_ms_type": "f16",
+        "llamacpp_tpot_2048_ms": 40.0,
+        "llamacpp_tpot_2048_ms_type": "q8_0",
     }
     with pytest.raises(ValueError, match="no llama.cpp types measured"):
         llamacpp.fastest(PER_TYPE, [], 2048)
 
 
-NATIVE = {"native_tokens_per_s": 110.0, "tpot_ms": 14.5, "ttft_2048_ms": 1_000.0}
+NATIVE = {"native_tokens_per_s": 110.0, "tpot_ms": 14.5, "ttft_2048_ms": 1_000.0, "tpot_2048_ms": 20.0}
 
 
 class _Measured:
@@ -231,6 +236,7 @@ def test_the_summary_gives_the_fastest_types_and_the_ratios_to_native():
     assert summary["llamacpp_throughput_ratio"] == pytest.approx(5.0)  # 110 / 22
     assert summary["llamacpp_tpot_ratio"] == pytest.approx(0.5)  # 14.5 / 29
     assert summary["llamacpp_ttft_speedup"] == pytest.approx(8.0)  # 8,000 / 1,000
+    assert summary["llamacpp_tpot_2048_ratio"] == pytest.approx(0.5)  # 20 / 40
 
 
 def test_the_printed_block_sets_each_type_beside_native_and_the_target():
@@ -246,6 +252,7 @@ def test_the_printed_block_sets_each_type_beside_native_and_the_target():
         "throughput (tok/s)          20.0      18.0      22.0     110.0   5.00x    >= 4x  yes (best q8_0)",
         "TPOT batch 1 (ms)           30.0      38.0      29.0      20.3   0.70x  <= 0.6x  no (best q8_0)",
         "TTFT 2048 (ms)          17,000.0   8,000.0   9,000.0   1,000.0   8.00x    >= 5x  yes (best f16)",
+        "TPOT after 2048 (ms)        45.0      50.0      40.0      20.0   0.50x        -  - (best q8_0)",
         "ratio: native/llama.cpp's fastest type for throughput and TPOT; llama.cpp/native for TTFT",
     ]
 
