@@ -417,10 +417,21 @@ static inline void prefetch_ahead(Ahead *a) {
     if ((size_t)++a->line * 64 >= a->row_bytes) a->line = 0, a->row++;
 }
 
-/* Chunk c of a context of `n` keys in blocks `table`: its rows' slots, none prefetched yet. */
-static void chunk_rows(Ahead *a, const int64_t *table, int64_t n, int c, int block_size) {
+/* Rows [first, end) of a step over one context: `keys` keys in the blocks of `table` (its last
+ * and longest row's). */
+typedef struct {
+    int first, end;
+    const int64_t *table;
+    int64_t keys;
+} Run;
+
+static inline int run_chunks(const Run *run) { return (int)((run->keys + CHUNK - 1) / CHUNK); }
+
+/* Chunk c of a run: its rows' slots, none prefetched yet. */
+static void chunk_rows(Ahead *a, const Run *run, int c, int block_size) {
     int64_t first = (int64_t)c * CHUNK;
-    a->count = n - first < CHUNK ? (int)(n - first) : CHUNK;
+    const int64_t *table = run->table;
+    a->count = run->keys - first < CHUNK ? (int)(run->keys - first) : CHUNK;
     a->row = a->line = 0;
     for (int t = 0; t < a->count; t++) {
         int64_t p = first + t;
@@ -505,47 +516,47 @@ static void paged_decode_attention_team(const float *q, const float *k_cache, co
     /* Runs of rows over one context (a verification's rows: each row's context the previous
      * row's and more, over the same blocks): a chunk's keys and values are read from memory once
      * for all of them, and each row computes what it computes alone. */
-    int *run_first = malloc(sizeof(int) * (num_seqs + 1)), runs = 0, total = 0;
+    Run *runs = malloc(sizeof(Run) * num_seqs);
+    int num_runs = 0, total = 0;
     for (int r = 0; r < num_seqs; r++) {
         const int64_t *table = block_tables + (size_t)r * max_blocks;
-        if (r == 0 || context_lens[r] < context_lens[r - 1] ||
-            memcmp(table - max_blocks, table, sizeof(int64_t) * ((context_lens[r - 1] + block_size - 1) / block_size)))
-            run_first[runs++] = r;
+        int joins = r > 0 && context_lens[r] >= context_lens[r - 1] &&
+                    !memcmp(table - max_blocks, table, sizeof(int64_t) * ((context_lens[r - 1] + block_size - 1) / block_size));
+        if (!joins) runs[num_runs++].first = r;
+        Run *run = runs + num_runs - 1;  /* its context: its last row's, the longest */
+        run->end = r + 1, run->table = table, run->keys = context_lens[r];
     }
-    run_first[runs] = num_seqs;
-    for (int u = 0; u < runs; u++) total += (int)((context_lens[run_first[u + 1] - 1] + CHUNK - 1) / CHUNK);
+    for (int u = 0; u < num_runs; u++) total += run_chunks(runs + u);
     /* The runs' chunks, in order, in one contiguous stretch per thread: while it computes a
      * chunk, a thread prefetches its next. */
     int threads = omp_get_num_threads(), per = (total + threads - 1) / threads;
     int begin = omp_get_thread_num() * per, end = begin + per < total ? begin + per : total;
     int u = 0, c = begin;  /* chunk `begin`: run u's chunk c */
-    while (u < runs && (int64_t)c * CHUNK >= context_lens[run_first[u + 1] - 1])
-        c -= (int)((context_lens[run_first[u + 1] - 1] + CHUNK - 1) / CHUNK), u++;
+    while (u < num_runs && c >= run_chunks(runs + u)) c -= run_chunks(runs + u++);
     Ahead ahead[2];  /* chunk i's rows: ahead[i % 2]; none until chunk_rows fills one */
     for (int j = 0; j < 2; j++) {
         memset(ahead + j, 0, sizeof ahead[j]);
         ahead[j].k_cache = (const char *)k_cache, ahead[j].v_cache = (const char *)v_cache;
         ahead[j].row_bytes = sizeof(float) * num_kv_heads * head_dim;
     }
-#define RUN_ROWS(u) block_tables + (size_t)(run_first[(u) + 1] - 1) * max_blocks, context_lens[run_first[(u) + 1] - 1]
-    if (begin < end) chunk_rows(ahead + begin % 2, RUN_ROWS(u), c, block_size);
+    if (begin < end) chunk_rows(ahead + begin % 2, runs + u, c, block_size);
     for (int i = begin; i < end; i++) {
         Ahead *current = ahead + i % 2, *next = ahead + (i + 1) % 2;
-        int cu = u, cc = c;
-        for (c++; u < runs && (int64_t)c * CHUNK >= context_lens[run_first[u + 1] - 1]; c = 0) u++;
+        const Run *run = runs + u;
+        int chunk = c;
+        for (c++; u < num_runs && c >= run_chunks(runs + u); c = 0) u++;  /* the next chunk */
         next->count = next->row = next->line = 0;  /* the stretch's last chunk: nothing to prefetch */
-        if (i + 1 < end) chunk_rows(next, RUN_ROWS(u), c, block_size);
-        for (int r = run_first[cu]; r < run_first[cu + 1]; r++) {
-            int64_t left = context_lens[r] - (int64_t)cc * CHUNK;  /* this row's keys in the chunk */
+        if (i + 1 < end) chunk_rows(next, runs + u, c, block_size);
+        for (int r = run->first; r < run->end; r++) {
+            int64_t left = context_lens[r] - (int64_t)chunk * CHUNK;  /* this row's keys in the chunk */
             if (left <= 0) continue;
             for (int h = 0; h < num_kv_heads; h++)
                 attention_chunk(q + ((size_t)r * num_heads + (size_t)h * group) * head_dim, k_cache, v_cache,
                                 current->slots, left < CHUNK ? (int)left : CHUNK, h, group, num_kv_heads,
-                                head_dim, scale, partials + ((size_t)(r * num_kv_heads + h) * chunks + cc) * task_floats, next);
+                                head_dim, scale, partials + ((size_t)(r * num_kv_heads + h) * chunks + chunk) * task_floats, next);
         }
     }
-#undef RUN_ROWS
-    free(run_first);
+    free(runs);
     _Pragma("omp barrier")
     _Pragma("omp for schedule(static)")
     for (int row = 0; row < num_seqs * num_heads; row++) {  /* merge each query head's chunks */
