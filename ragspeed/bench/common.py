@@ -6,7 +6,8 @@ import json
 import math
 import os
 import platform
-from collections.abc import Iterable, Mapping
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,27 @@ def percentile(values: Iterable[float], q: float) -> float:
         raise ValueError("percentile of no values")
     rank = max(0, min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1))
     return ordered[rank]
+
+
+def median_gap(arrivals: Sequence[float]) -> float:
+    """The median time between consecutive token arrivals: a time per output token."""
+    if len(arrivals) < 2:
+        raise ValueError(f"a time per output token needs 2 or more tokens, got {len(arrivals)}")
+    return statistics.median(b - a for a, b in zip(arrivals, arrivals[1:]))
+
+
+class TokenTimes:
+    """A bench contender's TPOT and TTFT of one request alone, from `arrivals(prompt, n)`: the
+    times (from its start) at which its n tokens arrived."""
+
+    def arrivals(self, prompt: tuple[int, ...], max_tokens: int) -> list[float]:
+        raise NotImplementedError
+
+    def tpot(self, prompt: tuple[int, ...], max_tokens: int) -> float:
+        return median_gap(self.arrivals(prompt, max_tokens))
+
+    def ttft(self, prompt: tuple[int, ...]) -> float:
+        return self.arrivals(prompt, 1)[0]
 
 
 def print_rows(rows: Iterable[tuple[str, Any]], echo=print) -> None:

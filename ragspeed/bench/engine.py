@@ -44,7 +44,14 @@ import click
 import torch
 
 from ragspeed.bench import llamacpp
-from ragspeed.bench.common import json_option, machine_line, require_positive, write_json
+from ragspeed.bench.common import (
+    TokenTimes,
+    json_option,
+    machine_line,
+    median_gap,
+    require_positive,
+    write_json,
+)
 from ragspeed.engine.attention import PREFILL_ATTENTION_EVENT
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.cpu_features import read_cpu_features
@@ -123,7 +130,7 @@ def _greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-class _NativeContender:
+class _NativeContender(TokenTimes):
     def __init__(self, engine):
         self.engine = engine
         self._ids = 0
@@ -150,14 +157,7 @@ class _NativeContender:
         return sum(len(a) for a in arrivals) / (time.perf_counter() - start)
 
     def arrivals(self, prompt, max_tokens) -> list[float]:
-        """One request alone: the times its tokens arrived."""
         return self._run([prompt], max_tokens)[0]
-
-    def tpot(self, prompt, max_tokens) -> float:
-        return llamacpp.median_gap(self.arrivals(prompt, max_tokens))
-
-    def ttft(self, prompt) -> float:
-        return self.arrivals(prompt, 1)[0]
 
     def attention_share(self, prompt) -> tuple[float, float]:
         """One prefill under torch's profiler: (share of its time in prefill attention, its
@@ -186,7 +186,7 @@ def fit_lengths(lengths: tuple[int, ...], context: int) -> tuple[int, ...]:
     return tuple(sorted({min(n, context - 1) for n in lengths}))
 
 
-class _TransformersContender:
+class _TransformersContender(TokenTimes):
     """Plain `generate()`, one request at a time, token times from a streamer."""
 
     def __init__(self, path: Path):
@@ -226,12 +226,6 @@ class _TransformersContender:
 
     def arrivals(self, prompt, max_tokens) -> list[float]:
         return self._generate(prompt, max_tokens)
-
-    def tpot(self, prompt, max_tokens) -> float:
-        return llamacpp.median_gap(self._generate(prompt, max_tokens))
-
-    def ttft(self, prompt) -> float:
-        return self._generate(prompt, 1)[0]
 
 
 def bench_engine(
@@ -334,7 +328,7 @@ def bench_engine(
             long_prompts = prompts(repeats, ttft_prompt_len)
             runs = [contender.arrivals(prompt, long_output_len) for prompt in long_prompts]
             results[f"{name}_ttft_{ttft_prompt_len}_ms"] = statistics.median(r[0] for r in runs) * 1e3
-            long_tpots = [llamacpp.median_gap(r) for r in runs]
+            long_tpots = [median_gap(r) for r in runs]
             results[f"{name}_tpot_{ttft_prompt_len}_ms"] = statistics.median(long_tpots) * 1e3
             print(  # progress: a slow baseline on a busy machine can take many minutes
                 f"{name}: {results[f'{name}_tokens_per_s']:.1f} tok/s, TPOT "

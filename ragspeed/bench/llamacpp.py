@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import statistics
 import tempfile
 import time
 from collections import Counter
@@ -30,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ragspeed.bench.common import TokenTimes, median_gap  # noqa: F401 (median_gap: kept as llamacpp.median_gap)
 from ragspeed.engine.cpu_features import CpuFeatures
 
 INSTALL_COMMAND = "pip install 'ragspeed[llamacpp]'  (llama-cpp-python; compiles llama.cpp, about 10 minutes)"
@@ -155,7 +155,7 @@ def llama_settings(threads: int, n_ctx: int, cpu: CpuFeatures) -> LlamaCppSettin
     return LlamaCppSettings(threads=threads, n_ctx=n_ctx, use_extra_bufts=not has_amx)
 
 
-class LlamaCppContender:
+class LlamaCppContender(TokenTimes):
     """One GGUF file in llama-cpp-python's `Llama`, greedy, one request at a time."""
 
     def __init__(self, llama_cpp, path: Path, settings: LlamaCppSettings):
@@ -194,18 +194,6 @@ class LlamaCppContender:
 
     def arrivals(self, prompt, max_tokens) -> list[float]:
         return self._generate(prompt, max_tokens)
-
-    def tpot(self, prompt, max_tokens) -> float:
-        return median_gap(self._generate(prompt, max_tokens))
-
-    def ttft(self, prompt) -> float:
-        return self._generate(prompt, 1)[0]
-
-
-def median_gap(arrivals: Sequence[float]) -> float:
-    if len(arrivals) < 2:
-        raise ValueError(f"a time per output token needs 2 or more tokens, got {len(arrivals)}")
-    return statistics.median(b - a for a, b in zip(arrivals, arrivals[1:]))
 
 
 @contextlib.contextmanager
