@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -30,16 +32,19 @@ def hf_models(tiny_checkpoints) -> dict:
     }
 
 
-_HF_CACHE: dict[tuple, list[int]] = {}
+# Per model while it lives: a model built inside one test must not find the entries of an earlier
+# one that happened to have the same id().
+_HF_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """transformers `generate()`, greedy, EOS ignored: the reference token ids (memoized: the
     same prompts serve several scheduling modes)."""
-    key = (id(model), tuple(prompt), max_new_tokens)
-    if key not in _HF_CACHE:
-        _HF_CACHE[key] = _hf_greedy(model, prompt, max_new_tokens)
-    return _HF_CACHE[key]
+    cache = _HF_CACHE.setdefault(model, {})
+    key = (tuple(prompt), max_new_tokens)
+    if key not in cache:
+        cache[key] = _hf_greedy(model, prompt, max_new_tokens)
+    return cache[key]
 
 
 def _hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
