@@ -2,9 +2,9 @@
 requests over ASGI, and chat completions streamed chunk by chunk with their arrival times.
 
 `httpx.ASGITransport` returns a response only once the app has sent all of it, so it cannot
-time a first token; `stream_chat` speaks ASGI itself for the streamed requests and timestamps
-every body chunk as the app sends it. Everything else (readiness, collections) goes through
-httpx.
+time a first token; `stream_chat` drives the streamed requests over raw ASGI
+(ragspeed.gateway.asgi_post), every body chunk timed as the app sends it. Everything else
+(readiness, collections) goes through httpx.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 
 from ragspeed.gateway.app import create_app
+from ragspeed.gateway.asgi_post import post
 from ragspeed.gateway.settings import Settings
 
 BASE_URL = "http://ragspeed.eval"
@@ -131,55 +132,8 @@ def parse_stream(status: int, chunks: Sequence[tuple[float, bytes]]) -> Streamed
 
 async def stream_chat(app: Any, body: dict[str, Any]) -> StreamedReply:
     """POST `body` (with `stream: true`) to /v1/chat/completions and read the whole stream."""
-    payload = json.dumps(body).encode()
-    path = "/v1/chat/completions"
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [
-            (b"host", b"ragspeed.eval"),
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(payload)).encode()),
-        ],
-        "server": ("ragspeed.eval", 80),
-        "client": ("127.0.0.1", 50000),
-    }
-    done = asyncio.Event()
-    sent_body = False
-    status = 0
-    chunks: list[tuple[float, bytes]] = []
-
-    async def receive() -> dict[str, Any]:
-        nonlocal sent_body
-        if not sent_body:
-            sent_body = True
-            return {"type": "http.request", "body": payload, "more_body": False}
-        await done.wait()  # the client stays until the response has ended
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        nonlocal status
-        if message["type"] == "http.response.start":
-            status = message["status"]
-        elif message["type"] == "http.response.body":
-            if message.get("body"):
-                chunks.append((time.perf_counter() - start, message["body"]))
-            if not message.get("more_body", False):
-                done.set()
-
-    start = time.perf_counter()
-    try:
-        await app(scope, receive, send)
-    finally:
-        done.set()
-    return parse_stream(status, chunks)
+    response = await post(app, "/v1/chat/completions", body)
+    return parse_stream(response.status or 0, response.chunks)
 
 
 class CompressorErrors(logging.Handler):

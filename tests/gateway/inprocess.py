@@ -1,5 +1,5 @@
 """Running the gateway app inside the test's event loop: its lifespan, an httpx client over
-`httpx.ASGITransport`, and a raw ASGI stream whose client hangs up.
+`httpx.ASGITransport`, and a raw ASGI stream whose client hangs up (ragspeed.gateway.asgi_post).
 
 Everything here speaks ASGI and HTTP only (the lifespan protocol, requests, responses), never
 the app's internals, so the tests hold whatever the app keeps in its state.
@@ -8,7 +8,6 @@ the app's internals, so the tests hold whatever the app keeps in its state.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -17,6 +16,7 @@ from typing import Any
 import httpx
 
 from ragspeed.gateway.app import create_app
+from ragspeed.gateway.asgi_post import post
 from ragspeed.gateway.settings import Settings
 
 READY_TIMEOUT_S = 30.0
@@ -117,70 +117,13 @@ async def hang_up(
 ) -> tuple[int | None, list[bytes]]:
     """POST `body` to the app and disconnect, as a client closing its socket does, once
     `after_chunks` body chunks have arrived and `when` (if given) is set; returns the status
-    (None: no response had started) and the chunks received. Returns once the app has returned.
-
-    `httpx.ASGITransport` reads a response whole, so this drives the app over ASGI itself.
-    """
-    payload = json.dumps(body).encode()
-    raw_headers = [
-        (b"host", b"gateway.test"),
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(payload)).encode()),
-    ]
-    raw_headers += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    # spec_version 2.3: the server reports a disconnect through `receive` (Starlette then
-    # cancels the response), not by failing `send`.
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": raw_headers,
-        "server": ("gateway.test", 80),
-        "client": ("127.0.0.1", 50000),
-    }
-    enough_chunks = asyncio.Event()
-    if after_chunks == 0:
-        enough_chunks.set()
-    closed = asyncio.Event()  # the response ended before the client hung up
-    gone = False
-    sent_body = False
-    status = None
-    chunks: list[bytes] = []
-
-    async def receive() -> dict[str, Any]:
-        nonlocal sent_body, gone
-        if not sent_body:
-            sent_body = True
-            return {"type": "http.request", "body": payload, "more_body": False}
-        await enough_chunks.wait()
-        if when is not None:
-            await when.wait()
-        gone = True
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        nonlocal status
-        if gone:
-            return  # a closed socket takes nothing more
-        if message["type"] == "http.response.start":
-            status = message["status"]
-        elif message["type"] == "http.response.body":
-            if message.get("body"):
-                chunks.append(message["body"])
-            if len(chunks) >= after_chunks:
-                enough_chunks.set()
-            if not message.get("more_body", False):
-                closed.set()
-
-    await client.app(scope, receive, send)
-    assert not closed.is_set(), f"the response ended before the client hung up: {b''.join(chunks)!r}"
-    return status, chunks
+    (None: no response had started) and the chunks received. Returns once the app has returned."""
+    response = await post(
+        client.app, path, body, headers=headers, hang_up_after=after_chunks, hang_up_when=when
+    )
+    chunks = [chunk for _, chunk in response.chunks]
+    assert not response.ended, f"the response ended before the client hung up: {b''.join(chunks)!r}"
+    return response.status, chunks
 
 
 def sse_events(text: str) -> list[str]:
