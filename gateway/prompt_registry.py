@@ -104,6 +104,9 @@ class PromptService:
 
     async def register(self, name: str, text: str, cache_salt: str | None) -> RegisteredPrompt:
         validate_prompt_name(name)
+        text = text.strip()  # as a system message is (gateway.prompt): inline and by name agree
+        if not text:
+            raise APIError(400, "text is only white space", param="text")
         async with self._lock:
             if name in self.registry:
                 raise APIError(

@@ -10,8 +10,6 @@ from tests.gateway.inprocess import fake_settings, serve
 
 pytestmark = pytest.mark.anyio
 
-# No trailing space: a system message is stripped, a registered text is not (so one with a
-# trailing space would render differently inline and by name).
 SYSTEM = " ".join(
     [
         "You are the support assistant of the Example Company. Answer briefly, cite the "
@@ -58,6 +56,7 @@ async def _chat(client, question: str, *, prompt: str | None = None, system: str
             "invalid value for 'colour': Extra inputs are not permitted",
         ),
         ({"name": "../x", "text": "t"}, "name", None),
+        ({"name": "a", "text": " \n "}, "text", "text is only white space"),
     ],
 )
 async def test_bad_register_bodies_are_400(fake, body, param, message):
@@ -74,7 +73,10 @@ async def test_bad_register_bodies_are_400(fake, body, param, message):
 
 async def test_engines_without_prefix_cache_substitute_text_and_pin_nothing(fake):
     async with serve(fake_settings()) as client:
-        created = await client.post("/v1/prompts", json={"name": "plain", "text": SYSTEM, "tenant": "acme"})
+        # Stripped like a system message: registered with white space around it, it renders
+        # as the same text sent inline.
+        text = f"  {SYSTEM}\n"
+        created = await client.post("/v1/prompts", json={"name": "plain", "text": text, "tenant": "acme"})
         again = await client.post("/v1/prompts", json={"name": "plain", "text": "other"})
         used = await _chat(client, "Where is my parcel?", prompt="plain")
         inline = await _chat(client, "Where is my parcel?", system=SYSTEM)
