@@ -130,8 +130,10 @@ def run_train_draft(
 @click.option(
     "--minutes",
     type=click.FloatRange(min=0.1),
-    default=12.0,
-    help="Time budget in minutes for the target's continuations and the distillation.",
+    default=55.0,
+    show_default=True,
+    help="Time budget in minutes for the target's continuations and the distillation (the"
+    " default is the shipped draft's recipe, within an hour).",
 )
 @click.option("--seed", type=int, default=0, help="Seed of the prompts, sampling, data order and weights.")
 @click.option(

@@ -459,7 +459,7 @@ def distill_draft(
     out_dir: Path,
     *,
     data_dir: Path,
-    minutes: float = 12.0,
+    minutes: float = 55.0,
     max_steps: int | None = None,
     seed: int = 0,
     num_threads: int | None = None,
