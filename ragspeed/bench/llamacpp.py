@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ragspeed.bench.common import TokenTimes, median_gap  # noqa: F401 (median_gap: kept as llamacpp.median_gap)
+from ragspeed.bench.common import TokenTimes
 from ragspeed.engine.cpu_features import CpuFeatures
 
 INSTALL_COMMAND = "pip install 'ragspeed[llamacpp]'  (llama-cpp-python; compiles llama.cpp, about 10 minutes)"

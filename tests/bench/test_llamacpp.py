@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from ragspeed.bench import llamacpp
+from ragspeed.bench.common import median_gap
 from ragspeed.engine.cpu_features import CpuFeatures
 from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME, ZOO
 from tests.engine.tiny_gguf import write_tiny_gguf
@@ -178,9 +179,9 @@ def test_a_llama_cpp_without_the_field_is_left_alone():
 
 
 def test_tpot_is_the_median_gap_between_tokens():
-    assert llamacpp.median_gap([0.5, 0.7, 0.8, 1.0]) == pytest.approx(0.2)
+    assert median_gap([0.5, 0.7, 0.8, 1.0]) == pytest.approx(0.2)
     with pytest.raises(ValueError, match="needs 2 or more tokens, got 1"):
-        llamacpp.median_gap([0.5])
+        median_gap([0.5])
 
 
 PER_TYPE = {
