@@ -18,6 +18,11 @@ context blocks out of the pool (whole blocks: few, contiguous copies) and calls 
   (causal, square), merged by their log-sum-exps (`chunk_attention`); so no [n, context] mask
   nor score matrix exists at long contexts. Elsewhere, one SDPA call with a causal mask shifted
   by the chunk's start (`masked_chunk_attention`, also the reference of the CPU path).
+
+A *scattered* step (`scattered_metadata`) computes tokens at arbitrary positions of one request
+whose other positions already hold KV (document KV reuse, engine.document_kv): each query sees
+the keys up to its own position, the fresh ones of this step and the reused ones alike. Its
+queries are rows of the decode kernel on CPU, or one SDPA call with the mask of their positions.
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ class PrefillSpan:
     block_table: torch.Tensor  # [num_blocks] blocks holding the chunk's whole context
     context_len: int  # keys the chunk attends to: cached prefix, earlier chunks, itself
     dtype: torch.dtype  # of the additive mask
+    # A scattered step's query positions [num_queries] int64; None: the chunk's queries are the
+    # last positions of its context, in order.
+    query_positions: torch.Tensor | None = None
 
     @property
     def num_cached(self) -> int:
@@ -50,6 +58,9 @@ class PrefillSpan:
         """[num_queries, context_len] 0 / -inf for `masked_chunk_attention`, built on its first
         use (once a step, not per layer); None when plainly causal (no keys before the chunk:
         SDPA's is_causal aligns the diagonal top-left)."""
+        if self.query_positions is not None:
+            cols = torch.arange(self.context_len, device=self.query_positions.device)
+            return additive(cols.unsqueeze(0) <= self.query_positions.unsqueeze(1), self.dtype)
         if not self.num_cached:
             return None
         num_queries = self.query_end - self.query_start
@@ -79,6 +90,8 @@ class AttentionMetadata:
     # Threads of the decode-attention kernel: the engine's count, like the linear products
     # (its tasks, one per sequence and KV head, read the KV pool from memory in parallel).
     num_threads: int = 1
+    # A scattered step (one chunk): its query positions, [num_tokens] int64; else None.
+    query_positions: torch.Tensor | None = None
 
     @functools.cached_property
     def decode_mask(self) -> torch.Tensor | None:
@@ -99,7 +112,10 @@ class AttentionMetadata:
         start = self.num_decodes
         for table, context_len, num_queries in self.prefill_chunks:
             table_t = padded_tables([table], -(-context_len // self.block_size), device)[0]
-            spans.append(PrefillSpan(start, start + num_queries, table_t, context_len, self.dtype))
+            span = PrefillSpan(
+                start, start + num_queries, table_t, context_len, self.dtype, self.query_positions
+            )
+            spans.append(span)
             start += num_queries
         return tuple(spans)
 
@@ -181,6 +197,42 @@ def build_metadata(
     )
 
 
+def scattered_metadata(
+    block_table: list[int],
+    positions: list[int],
+    block_size: int,
+    device: torch.device | str,
+    dtype: torch.dtype = torch.float32,
+    num_threads: int = 1,
+) -> AttentionMetadata:
+    """One request's tokens at `positions` (ascending), computed over the KV its other
+    positions hold: query i sees the keys of positions 0 .. positions[i]."""
+    context_len = positions[-1] + 1
+    table_t = padded_tables([block_table], -(-context_len // block_size), device)
+    row_tables = row_lens = None
+    if torch.device(device).type == "cpu":  # every query a row of the decode kernel
+        row_tables = table_t.expand(len(positions), -1).contiguous()
+        row_lens = torch.tensor(positions, dtype=torch.long, device=device) + 1
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(
+            [block_table[p // block_size] * block_size + p % block_size for p in positions],
+            dtype=torch.long,
+            device=device,
+        ),
+        num_decodes=0,
+        decode_block_tables=None,
+        decode_context_len=0,
+        decode_context_lens=None,
+        prefill_chunks=((block_table, context_len, len(positions)),),
+        block_size=block_size,
+        dtype=dtype,
+        row_block_tables=row_tables,
+        row_context_lens=row_lens,
+        num_threads=num_threads,
+        query_positions=torch.tensor(positions, dtype=torch.long, device=device),
+    )
+
+
 def gather_context(
     cache: torch.Tensor, block_tables: torch.Tensor, block_size: int, context_len: int
 ) -> torch.Tensor:
@@ -253,9 +305,10 @@ def paged_attention(
         if out is None:
             return od.reshape(num_tokens, num_heads * head_dim)
         out[:nd] = od.reshape(nd, num_heads, head_dim)
-    attend = chunk_attention if q.device.type == "cpu" else masked_chunk_attention
+    cpu = q.device.type == "cpu"
     with record_function(PREFILL_ATTENTION_EVENT):
         for span in meta.prefills:
+            attend = chunk_attention if cpu and span.query_positions is None else masked_chunk_attention
             table = span.block_table.unsqueeze(0)
             # [1, kv_heads, context_len, D]
             kp = gather_context(k_cache, table, block_size, span.context_len).transpose(1, 2)

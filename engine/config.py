@@ -33,6 +33,11 @@ class EngineConfig:
     # The draft's weights: "auto" is int8 on a CPU where int8 runs, else `quantization`.
     draft_quantization: str | None = "auto"
     num_speculative_tokens: int = 4
+    # Document KV reuse (engine.document_kv): the store's RAM budget, its disk folder (None: RAM
+    # only) and the dtype its KV is kept in.
+    document_cache_bytes: int = 256 * 2**20
+    document_cache_dir: str | None = None
+    document_cache_dtype: str = "float16"
 
     # Remote (openai) backend.
     upstreams: tuple[str, ...] = ()

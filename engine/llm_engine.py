@@ -18,14 +18,17 @@ import torch
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.cpu_features import CpuFeatures
 from ragspeed.engine.detokenizer import IncrementalDetokenizer
+from ragspeed.engine.document_kv import DocumentKVCache, document_fingerprint
 from ragspeed.engine.kv_cache import KVCachePool, plan_num_blocks
 from ragspeed.engine.loader import LoadedModel, load_for_engine, resolve_model_path
 from ragspeed.engine.logprobs import token_logprobs
 from ragspeed.engine.model_runner import ModelRunner
 from ragspeed.engine.precision import PrefillChoice, calibration_windows, choose_prefill
+from ragspeed.engine.prefix_store import engine_fingerprint
 from ragspeed.engine.protocol import (
     EngineError,
     GenerationRequest,
+    SamplingParams,
     TokenDelta,
     TokenLogprob,
     check_context_length,
@@ -37,6 +40,7 @@ from ragspeed.engine.sampling import SamplingState, validate_sampling
 from ragspeed.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from ragspeed.engine.spec_decode import build_speculator
 from ragspeed.engine.threads import cpu_threads
+from ragspeed.prompt_cache.document_store import DocumentStore
 from ragspeed.prompt_cache.manager import KVCacheManager
 
 logger = logging.getLogger(__name__)
@@ -120,6 +124,7 @@ class LLMEngine:
         self.speculator = build_speculator(config, self)  # None unless config.speculative
         if self.speculator is not None:
             self.scheduler.release_hooks.append(self.speculator.release)
+        self.documents = self._document_cache(config)
         self.num_steps = 0
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
@@ -131,6 +136,38 @@ class LLMEngine:
             config.block_size,
             self.kv_pool.num_bytes / 2**20,
         )
+
+    def _document_cache(self, config: EngineConfig) -> DocumentKVCache | None:
+        """Document KV reuse, where this model's keys can be moved (its rope shifts)."""
+        if not self.runner.rotary.shiftable:
+            logger.info(
+                "document KV reuse is off: rope type %r cannot be shifted; documents are prefilled in full",
+                self.runner.rotary.rope_type,
+            )
+            return None
+        fingerprint = document_fingerprint(engine_fingerprint(self), config.document_cache_dtype)
+        store = DocumentStore(
+            capacity_bytes=config.document_cache_bytes,
+            directory=config.document_cache_dir,
+            fingerprint=fingerprint,
+        )
+        documents = DocumentKVCache(
+            store,
+            fingerprint=fingerprint,
+            runner=self.runner,
+            make_prefill=self._document_prefill,
+            storage_dtype=config.document_cache_dtype,
+        )
+        self.scheduler.assemble = documents.assemble
+        self.scheduler.release_hooks.append(documents.release)
+        return documents
+
+    def _document_prefill(self, request_id: str, token_ids: list[int], cache_salt: str | None) -> Request:
+        request = GenerationRequest(
+            request_id, tuple(token_ids), SamplingParams(max_tokens=1), cache_salt=cache_salt
+        )
+        state = SamplingState.create(request.sampling, self.eos_token_ids, self.device)
+        return Request(request, state, detokenizer=None, prefill_only=True)
 
     # ------------------------------------------------------------------ requests
 
@@ -146,6 +183,14 @@ class LLMEngine:
         if not prefill_only:
             validate_sampling(request.sampling, vocab)
         check_context_length(num_prompt, max_tokens, self.max_model_len)
+        end = 0
+        for start, stop in request.document_spans:
+            if not end <= start < stop <= num_prompt:
+                raise EngineError(
+                    f"document spans must be ascending, non-empty and within the prompt's {num_prompt} tokens",
+                    param="document_spans",
+                )
+            end = stop
 
     def add_request(self, request: GenerationRequest, *, prefill_only: bool = False) -> None:
         self.validate(request, prefill_only=prefill_only)
@@ -155,7 +200,13 @@ class LLMEngine:
         detokenizer = None
         if not prefill_only:
             detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
-        self.scheduler.add(Request(request, state, detokenizer=detokenizer, prefill_only=prefill_only))
+        engine_request = Request(request, state, detokenizer=detokenizer, prefill_only=prefill_only)
+        if self.documents is not None and request.document_cache is not None and request.document_spans:
+            for prefill in self.documents.plan(
+                engine_request, request.document_cache, request.document_spans
+            ):
+                self.scheduler.add(prefill)  # ahead of the request, which waits on them
+        self.scheduler.add(engine_request)
 
     def abort(self, request_id: str) -> StepOutput | None:
         """Stop a request and free its blocks now; unknown ids are ignored (None)."""
@@ -206,6 +257,10 @@ class LLMEngine:
         for chunk in output.prefills:
             request = chunk.request
             if request.prefill_only and request.num_computed_tokens == request.num_tokens:
+                if request.document_key is not None:  # a document prefill: nobody streams it
+                    self.documents.capture(request, self.manager.block_table(request.request_id))
+                    self.scheduler.finish(request, "stop")
+                    continue
                 self.scheduler.finish(request, "stop")
                 # warm(): report how much of the prefix is now cached (its blocks stay cached).
                 num_cached = self.num_cached_prefix_tokens(request.prompt_token_ids, request.cache_salt)
@@ -281,6 +336,7 @@ class LLMEngine:
             num_prompt_tokens=request.num_prompt_tokens if first else 0,
             num_cached_tokens=max(request.num_cached_tokens, 0) if first else 0,
             logprobs=logprobs,
+            documents=request.document_plan.report() if first and request.document_plan else None,
         )
 
     def _append_token(self, request: Request, token: int, logprob: TokenLogprob | None = None) -> StepOutput:
@@ -342,6 +398,7 @@ class LLMEngine:
             "weight_bytes": float(resident_weight_bytes(self.loaded.model)),
             "weight_bytes_unquantized": float(unquantized_weight_bytes(self.loaded.model)),
             **(self.speculator.metrics() if self.speculator is not None else {}),
+            **(self.documents.stats() if self.documents is not None else {}),
         }
 
     def generate(self, requests: list[GenerationRequest]) -> dict[str, dict[str, Any]]:

@@ -296,7 +296,8 @@ def load_model(
     if max_model_len is not None and max_model_len > limit:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {limit} tokens")
     max_model_len = max_model_len or limit
-    rotary = RotaryEmbedding(inv_freq, max_model_len, attention_scaling, device)
+    rope_type = dict(getattr(hf_config, "rope_parameters", None) or {}).get("rope_type", "default")
+    rotary = RotaryEmbedding(inv_freq, max_model_len, attention_scaling, device, rope_type)
     eos: Any = None
     try:
         eos = GenerationConfig.from_pretrained(path).eos_token_id

@@ -10,6 +10,10 @@ Terms used across the engine:
   to (never a split UTF-8 character).
 - *pinned prefix*: a static prefix whose full cached blocks carry an extra reference, so they
   are never evicted while it is pinned (a registered prompt, `PrefixCacheControl`).
+- *document spans*: `[start, end)` ranges of prompt tokens, one per retrieved document, each
+  tokenized on its own, so that a document's KV can be computed once and reused at any position
+  (engine.document_kv). Tokens outside every span (the static prefix, the glue between
+  documents, history and question) are always computed in context.
 - *logprobs*: the natural log of a token's probability under the model's raw next-token
   distribution, log_softmax of the unprocessed logits (vLLM's default `raw_logprobs`): before
   temperature, top-k, top-p or min-p, so they do not depend on the sampling parameters.
@@ -42,6 +46,38 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+# Repair policies of document KV reuse (engine.document_kv says what each recomputes).
+DOCUMENT_CACHE_POLICIES = ("reuse", "sink", "blend")
+
+
+@dataclass(frozen=True)
+class DocumentCacheOptions:
+    """How a request's documents reuse stored KV: `policy` is one of DOCUMENT_CACHE_POLICIES;
+    `num_tokens` is sink's count of each document's first tokens recomputed in context, `ratio`
+    blend's share of document tokens recomputed through the later layers."""
+
+    policy: str = "sink"
+    num_tokens: int = 16
+    ratio: float = 0.15
+
+    def __post_init__(self) -> None:
+        if self.policy not in DOCUMENT_CACHE_POLICIES:
+            raise ValueError(f"document cache policy must be one of {', '.join(DOCUMENT_CACHE_POLICIES)}")
+        if self.num_tokens < 0:
+            raise ValueError(f"document cache tokens must be >= 0, got {self.num_tokens}")
+        if not 0.0 <= self.ratio <= 1.0:
+            raise ValueError(f"document cache ratio must be in [0, 1], got {self.ratio}")
+
+
+@dataclass(frozen=True)
+class DocumentReuse:
+    """What document KV reuse did for one request (reported on its first delta)."""
+
+    num_hit: int = 0  # documents whose KV came from the store (or a computation in flight)
+    num_computed: int = 0  # documents prefilled on their own for the store, at first sight
+    num_recomputed_tokens: int = 0  # tokens computed in context: glue, question, repair
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     request_id: str
@@ -51,6 +87,10 @@ class GenerationRequest:
     prompt: str = ""
     num_static_tokens: int = 0
     cache_salt: str | None = None
+    # Each document's [start, end) in prompt_token_ids, in order (see the module docstring).
+    document_spans: tuple[tuple[int, int], ...] = ()
+    # None: the prompt is prefilled as a whole; else its documents reuse stored KV.
+    document_cache: DocumentCacheOptions | None = None
 
 
 # The most alternatives per token a request may ask for (OpenAI's `top_logprobs` limit).
@@ -81,6 +121,8 @@ class TokenDelta:
     num_completion_tokens: int | None = None
     # One entry per `token_ids` entry when the request asked for logprobs; None otherwise.
     logprobs: tuple[TokenLogprob, ...] | None = None
+    # On the first delta of a request whose documents went through the document KV cache.
+    documents: DocumentReuse | None = None
 
 
 class EngineError(Exception):

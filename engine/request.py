@@ -5,16 +5,25 @@ tokens whose KV is in the request's blocks. A request *needs a prefill* while
 `num_computed_tokens < num_tokens - 1` (more than the one new token of a decode is missing);
 the step that computes its last missing token samples the next token. After preemption by
 recompute, the output so far becomes part of what is prefilled again.
+
+Document KV reuse (engine.document_kv) adds: `document_plan` (the request's documents and their
+stored KV), `blockers` (keys of the document prefills it waits on: the scheduler admits it only
+once none is left), `cache_limit` (tokens past it never enter the prefix cache) and, on a
+document prefill, `document_key` and `document_start` (where its document begins).
 """
 
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 from ragspeed.engine.detokenizer import IncrementalDetokenizer
 from ragspeed.engine.protocol import GenerationRequest
 from ragspeed.engine.sampling import SamplingState
 from ragspeed.engine.stop import StopStringMatcher
+
+if TYPE_CHECKING:
+    from ragspeed.engine.document_kv import DocumentPlan
 
 
 class RequestStatus(enum.Enum):
@@ -49,6 +58,18 @@ class Request:
         self.first_delta_sent = False
         # Draft tokens proposed for this step (engine.spec_decode); never part of all_token_ids.
         self.spec_token_ids: list[int] = []
+        self.document_plan: DocumentPlan | None = None
+        self.blockers: set[str] = set()
+        self.cache_limit: int | None = None
+        self.document_key: str | None = None
+        self.document_start = 0
+
+    @property
+    def num_cacheable_tokens(self) -> int:
+        """Computed tokens whose full blocks may enter the prefix cache."""
+        if self.cache_limit is None:
+            return self.num_computed_tokens
+        return min(self.num_computed_tokens, self.cache_limit)
 
     @property
     def num_tokens(self) -> int:

@@ -11,7 +11,10 @@ Each step:
    trimmed to the budget and never cause a preemption.
 2. If nothing was preempted, waiting requests are admitted strictly first-come first-served
    (the head of the queue blocks those behind it, so nobody starves) while the budget, the
-   pool and `max_num_seqs` allow, starting from their prefix-cache hit.
+   pool and `max_num_seqs` allow, starting from their prefix-cache hit. A request still waiting
+   on its documents' prefills (`request.blockers`) holds the queue; one with a document plan
+   gets blocks for its whole prompt and is handed to the `assemble` hook (engine.document_kv),
+   which fills all but its last token, so its first chunk is that one token.
 3. After the forward pass, `update_computed` commits each chunk's real tokens (their full blocks
    enter the prefix cache, before a request that finishes this step frees them); after the
    engine appended the sampled tokens, `update_from_output` commits the accepted drafts and
@@ -99,6 +102,8 @@ class Scheduler:
         # Called with a request whose blocks were just freed (finished, aborted, preempted):
         # a draft-model proposer frees its own KV blocks too (engine.spec_decode).
         self.release_hooks: list[Callable[[Request], None]] = []
+        # Called with an admitted request that has a document plan and its block table.
+        self.assemble: Callable[[Request, list[int]], None] | None = None
 
     # ------------------------------------------------------------------ queue
 
@@ -188,12 +193,17 @@ class Scheduler:
 
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if request.blockers:
+                break  # its documents are being prefilled ahead of it
             computed_blocks, num_cached = self.manager.get_computed_blocks(
                 request.all_token_ids,
                 request.cache_salt,
                 record_stats=request.num_preemptions == 0 and not request.prefill_only,
             )
-            num_new = min(request.num_tokens - num_cached, budget)
+            assemble = self.assemble if request.document_plan is not None else None
+            num_new = (
+                request.num_tokens - num_cached if assemble else min(request.num_tokens - num_cached, budget)
+            )
             if self.manager.allocate_slots(request.request_id, num_cached + num_new, computed_blocks) is None:
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
@@ -202,6 +212,9 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
             self.running.append(request)
+            if assemble is not None:
+                assemble(request, self.manager.block_table(request.request_id))
+                num_new = request.num_tokens - request.num_computed_tokens
             scheduled[request.request_id] = self._chunk(request, num_new)
             budget -= num_new
 
@@ -234,7 +247,7 @@ class Scheduler:
             self.manager.cache_blocks(
                 request.request_id,
                 request.all_token_ids,
-                request.num_computed_tokens,
+                request.num_cacheable_tokens,
                 request.cache_salt,
             )
 
@@ -259,6 +272,6 @@ class Scheduler:
             self.manager.commit_speculative(
                 request.request_id,
                 request.all_token_ids,
-                request.num_computed_tokens,
+                request.num_cacheable_tokens,
                 request.cache_salt,
             )

@@ -13,6 +13,8 @@ the layer loop.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -164,10 +166,25 @@ class DecoderLM(nn.Module):
         rows = fused and FusedDecoder.rows(meta, hidden.shape[0])
         if rows:
             return fused.forward(hidden, freqs_cis, k_caches, v_caches, meta, rows)
-        residual = None
-        for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
-            hidden, residual = layer(hidden, residual, freqs_cis, k_cache, v_cache, meta)
+        hidden, residual = self.run_layers(hidden, None, freqs_cis, k_caches, v_caches, meta, 0)
         return self.norm.add_norm(hidden, residual)[0]
+
+    def run_layers(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]: the last sublayer's output not yet added
+        residual: torch.Tensor | None,  # the residual stream so far; None before layer 0
+        freqs_cis: torch.Tensor,
+        k_caches: list[torch.Tensor],  # of the layers run, from layer `first` on
+        v_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        first: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layers `first ..` (as many as `k_caches`), layer by layer: (hidden, residual), whose
+        sum is the residual stream after the last one (a partial forward: engine.document_kv)."""
+        for layer, k_cache, v_cache in zip(itertools.islice(self.layers, first, None), k_caches, v_caches):
+            hidden, residual = layer(hidden, residual, freqs_cis, k_cache, v_cache, meta)
+        assert residual is not None
+        return hidden, residual
 
     def _fused_decoder(self) -> FusedDecoder | None:
         if not self.fused_decode:

@@ -6,11 +6,20 @@ that these two dimensions become neighbours (`2j`, `2j + 1`); the rotation is th
 product with `polar(attention_scaling, position * inv_freq[j])`: one op instead of six. The
 permutation is applied to Q and K alike, so their dot products (and the cached K) are unchanged
 in meaning; V is never permuted.
+
+Because every rotation is `position * inv_freq`, a key cached at position p moves to position
+p + delta by one more product with `polar(1, delta * inv_freq)` (llama.cpp's K-shift): a
+document's KV computed once is placed anywhere (engine.document_kv). That holds for every rope
+type whose frequencies do not depend on the sequence length (`SHIFTABLE_ROPE_TYPES`).
 """
 
 from __future__ import annotations
 
 import torch
+
+# Rope types of transformers' ROPE_INIT_FUNCTIONS whose rotation is position * a fixed inv_freq
+# (scaled or not); "dynamic" and "longrope" change their frequencies with the sequence length.
+SHIFTABLE_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 
 
 def rotate_half_permutation(head_dim: int) -> torch.Tensor:
@@ -35,7 +44,10 @@ class RotaryEmbedding:
         max_positions: int,
         attention_scaling: float = 1.0,
         device: torch.device | str = "cpu",
+        rope_type: str = "default",
     ):
+        self.rope_type = rope_type
+        self.inv_freq = inv_freq.float().to(device)  # [head_dim/2]
         # fp32 angles exactly as transformers computes them, so greedy outputs match it.
         positions = torch.arange(max_positions, dtype=torch.float32)
         angles = torch.outer(positions, inv_freq.float())  # [max_positions, head_dim/2]
@@ -45,6 +57,20 @@ class RotaryEmbedding:
     def lookup(self, positions: torch.Tensor) -> torch.Tensor:
         """Rotations of a step's tokens, shared by all layers: [num_tokens, 1, head_dim/2]."""
         return self.freqs_cis[positions].unsqueeze(1)
+
+    @property
+    def shiftable(self) -> bool:
+        """Whether cached keys can be moved to another position by `shift_keys`."""
+        return self.rope_type in SHIFTABLE_ROPE_TYPES
+
+    def shift_keys(self, keys: torch.Tensor, delta: int) -> torch.Tensor:
+        """Keys rotated at positions p (`[..., num_kv_heads, head_dim]`, pairs adjacent) as if
+        rotated at p + delta: one product with the unit rotation of `delta`; fp32 out."""
+        pairs = keys.float().reshape(*keys.shape[:-1], keys.shape[-1] // 2, 2)
+        # The angle in fp64, so the shift adds no rounding of its own to the cached one's.
+        angles = delta * self.inv_freq.double()  # [head_dim/2]
+        rotation = torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
+        return torch.view_as_real(torch.view_as_complex(pairs) * rotation).reshape(keys.shape)
 
 
 def apply_rotary(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,364 @@
+"""Documents prefilled once: stored KV placed at any position of a later prompt.
+
+docs/architecture.md, contract 8. Terms:
+
+- *prefix*: a request's prompt tokens before its first document span (the static system prompt
+  and the documents' header). A document's KV is computed after it, so the *start position*
+  of the document's first token is len(prefix).
+- *document KV*: the K and V of a document's tokens at every layer, `[2, num_layers,
+  num_tokens, num_kv_heads, head_dim]`, keys rotated at their start position, kept in a
+  `DocumentStore` (prompt_cache.document_store) under (model fingerprint, tenant salt, prefix,
+  token ids).
+- *placing* a document at position s: its keys rotated by s - start position
+  (`RotaryEmbedding.shift_keys`, exact), its values copied as they are, into the request's slots.
+- *fresh tokens*: what is computed in context once the documents are placed, in one scattered
+  step (engine.attention): the tokens outside every span (glue between documents, history,
+  question) but the last, and the *repair*. The last prompt token is left to the scheduler's
+  next step, which samples after it as after any prefill.
+- *repair policies*: `reuse` repairs nothing; `sink` recomputes each document's first k tokens,
+  the ones that, computed alone, served as its attention sink (EPIC); `blend` recomputes the
+  document tokens whose keys deviate most from their in-context keys at layer 1, a ratio r of
+  them, through the later layers (CacheBlend: layers 0-1 are recomputed for every token to
+  measure the deviation).
+
+A document the store does not have is computed on first sight by a *document prefill*: a
+prefill-only sub-request of prefix + document, queued ahead of the request, whose KV is captured
+before its blocks are freed. Concurrent requests wait on the same document prefill. A request is
+admitted only when none of its documents is in flight (`Request.blockers`).
+
+Placed KV is not a full prefill's, so an assembled request's blocks past its prefix never enter
+the prefix cache (`Request.cache_limit`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ragspeed.engine.attention import scattered_metadata
+from ragspeed.engine.model_runner import ModelRunner
+from ragspeed.engine.protocol import DocumentCacheOptions, DocumentReuse
+from ragspeed.engine.request import Request
+from ragspeed.engine.threads import forward_pass
+from ragspeed.prompt_cache.document_store import DocumentKV, DocumentStore, document_key
+
+logger = logging.getLogger(__name__)
+
+STORAGE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# The layer whose key deviation ranks tokens for `blend` (CacheBlend's choice: layer 1).
+BLEND_LAYER = 1
+
+_sub_ids = itertools.count()
+
+
+@dataclass
+class DocumentPlan:
+    """One request's documents: their keys, and their KV once known (None: still in flight,
+    or lost, then computed in context)."""
+
+    options: DocumentCacheOptions
+    spans: tuple[tuple[int, int], ...]
+    keys: tuple[str, ...]
+    kv: list[torch.Tensor | None]  # per document, [2, L, n, H, D] in the storage dtype
+    start_positions: list[int]
+    num_hit: int = 0
+    num_computed: int = 0
+    num_recomputed_tokens: int = 0
+
+    def report(self) -> DocumentReuse:
+        return DocumentReuse(self.num_hit, self.num_computed, self.num_recomputed_tokens)
+
+
+@dataclass
+class _InFlight:
+    """A document prefill and the requests waiting on it."""
+
+    request_id: str
+    waiters: list[tuple[Request, int]] = field(default_factory=list)  # (request, document index)
+
+
+def document_fingerprint(engine_fingerprint: dict[str, Any], storage_dtype: str) -> str:
+    """What must be equal for document KV to be valid: the model, tokenizer, weights' kind and
+    KV layout per token (not the block size: documents are stored by token)."""
+    fields = {k: v for k, v in engine_fingerprint.items() if k != "kv_shape"}
+    shape = engine_fingerprint.get("kv_shape") or []
+    fields["kv_token_shape"] = [shape[1], shape[3], shape[4]] if len(shape) == 5 else shape
+    fields["storage_dtype"] = storage_dtype
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
+
+
+class DocumentKVCache:
+    """The engine's half of document KV reuse: plans, document prefills, assembly. Everything
+    runs on the engine thread; `stats` may be read from any."""
+
+    def __init__(
+        self,
+        store: DocumentStore,
+        *,
+        fingerprint: str,
+        runner: ModelRunner,
+        make_prefill: Callable[[str, list[int], str | None], Request],
+        storage_dtype: str = "float16",
+    ):
+        if storage_dtype not in STORAGE_DTYPES:
+            raise ValueError(f"document cache dtype must be one of {', '.join(STORAGE_DTYPES)}")
+        self.store = store
+        self.fingerprint = fingerprint
+        self.runner = runner
+        self.make_prefill = make_prefill  # (request id, prompt token ids, salt) -> prefill-only Request
+        self.storage_dtype = storage_dtype
+        self._in_flight: dict[str, _InFlight] = {}
+        pool = runner.kv_pool.kv  # [2, L, num_blocks, block_size, H, D]
+        self._flat = pool.view(pool.shape[0], pool.shape[1], -1, pool.shape[4], pool.shape[5])
+        self.num_assembled = 0
+        self.num_documents_placed = 0
+        self.num_documents_computed = 0
+        self.num_recomputed_tokens = 0
+        self.assemble_seconds = 0.0
+
+    # ------------------------------------------------------------------ planning
+
+    def plan(
+        self, request: Request, options: DocumentCacheOptions, spans: tuple[tuple[int, int], ...]
+    ) -> list[Request]:
+        """Attach a plan to `request`; returns the document prefills to queue before it
+        (prefill-only requests built by `make_prefill`)."""
+        tokens = request.prompt_token_ids
+        prefix = tokens[: spans[0][0]]
+        keys = tuple(
+            document_key(self.fingerprint, request.cache_salt, prefix, tokens[s:e]) for s, e in spans
+        )
+        plan = DocumentPlan(options, spans, keys, [None] * len(spans), [len(prefix)] * len(spans))
+        request.document_plan = plan
+        request.cache_limit = len(prefix)
+        prefills: list[Request] = []
+        for index, ((start, end), key) in enumerate(zip(spans, keys)):
+            entry = self.store.get(key, tokens[start:end])
+            if entry is not None:
+                plan.kv[index] = _tensor(entry)
+                plan.start_positions[index] = entry.start_position
+                plan.num_hit += 1
+                continue
+            in_flight = self._in_flight.get(key)
+            if in_flight is None:
+                in_flight = _InFlight(f"{request.request_id}#doc{next(_sub_ids)}")
+                self._in_flight[key] = in_flight
+                sub = self.make_prefill(in_flight.request_id, prefix + tokens[start:end], request.cache_salt)
+                sub.document_key, sub.document_start = key, len(prefix)
+                prefills.append(sub)
+                plan.num_computed += 1
+            else:
+                plan.num_hit += 1  # computed once, for another request in flight
+            in_flight.waiters.append((request, index))
+            request.blockers.add(key)
+        # Documents prefilled side by side would each compute the prefix: the first prefill
+        # computes it into the prefix cache, and the others wait for it.
+        if len(prefills) > 1:
+            first = prefills[0].document_key
+            for sub in prefills[1:]:
+                sub.blockers.add(first)
+                self._in_flight[first].waiters.append((sub, -1))
+        return prefills
+
+    def capture(self, sub: Request, block_table: list[int]) -> None:
+        """A document prefill computed its last token: store its KV, hand it to its waiters."""
+        key, start = sub.document_key, sub.document_start
+        assert key is not None
+        token_ids = tuple(sub.prompt_token_ids[start:])
+        slots = _slots(block_table, start, len(sub.prompt_token_ids), self.runner.block_size)
+        kv = self._flat.index_select(2, slots.to(self._flat.device))
+        kv = kv.to(STORAGE_DTYPES[self.storage_dtype]).cpu().contiguous()  # [2, L, n, H, D]
+        entry = DocumentKV(
+            key=key,
+            token_ids=token_ids,
+            start_position=start,
+            dtype=self.storage_dtype,
+            shape=tuple(kv.shape),
+            data=memoryview(kv.view(-1).view(torch.uint8).numpy()),
+        )
+        self.store.put(entry)
+        self.num_documents_computed += 1
+        self._resolve(key, kv, start)
+
+    def release(self, request: Request) -> None:
+        """A request left the engine (finished, aborted) or was preempted. A document prefill
+        that ends without its KV leaves its waiters to compute that document in context."""
+        key = request.document_key
+        if key is not None and request.is_finished and self._in_flight.get(key) is not None:
+            if self._in_flight[key].request_id == request.request_id:
+                logger.info("document prefill %s ended without KV: computed in context", request.request_id)
+                self._resolve(key, None, 0)
+
+    def _resolve(self, key: str, kv: torch.Tensor | None, start_position: int) -> None:
+        in_flight = self._in_flight.pop(key, None)
+        if in_flight is None:
+            return
+        for waiter, index in in_flight.waiters:
+            waiter.blockers.discard(key)
+            plan = waiter.document_plan
+            if index >= 0 and plan is not None:
+                plan.kv[index] = kv
+                plan.start_positions[index] = start_position
+
+    # ------------------------------------------------------------------ assembly
+
+    @torch.inference_mode()
+    def assemble(self, request: Request, block_table: list[int]) -> None:
+        """Fill the KV of every prompt token but the last, from `request.num_computed_tokens`
+        (its prefix-cache hit) on: place the documents, compute the fresh tokens."""
+        plan = request.document_plan
+        assert plan is not None and not request.blockers
+        t0 = time.perf_counter()
+        first = request.num_computed_tokens
+        last = request.num_prompt_tokens - 1  # left to the next step, which samples
+        placed = self._place(plan, block_table, first, last)
+        fresh = [p for p in range(first, last) if not placed[p]]
+        if plan.options.policy == "blend":
+            recomputed = self._blend(request, block_table, first, last, placed)
+        else:
+            fresh = sorted(set(fresh) | set(self._sink(plan, first, last, placed)))
+            if fresh:
+                self._forward([request.all_token_ids[p] for p in fresh], fresh, block_table)
+            recomputed = len(fresh)
+        plan.num_recomputed_tokens = recomputed
+        request.num_computed_tokens = max(first, last)
+        self.num_assembled += 1
+        self.num_recomputed_tokens += recomputed
+        self.assemble_seconds += time.perf_counter() - t0
+
+    def _place(self, plan: DocumentPlan, block_table: list[int], first: int, last: int) -> list[bool]:
+        """Copy each known document's KV into its span (from `first`, before `last`), its keys
+        rotated to their new place; which positions [0, last) now hold placed KV."""
+        placed = [False] * last
+        device, dtype = self._flat.device, self._flat.dtype
+        for (start, end), kv, stored_start in zip(plan.spans, plan.kv, plan.start_positions):
+            begin, stop = max(start, first), min(end, last)
+            if kv is None or begin >= stop:
+                continue
+            kv = kv[:, :, begin - start : stop - start].to(device)  # [2, L, n, H, D]
+            slots = _slots(block_table, begin, stop, self.runner.block_size).to(device)
+            self._flat[0].index_copy_(
+                1, slots, self.runner.rotary.shift_keys(kv[0], start - stored_start).to(dtype)
+            )
+            self._flat[1].index_copy_(1, slots, kv[1].to(dtype))
+            placed[begin:stop] = [True] * (stop - begin)
+            self.num_documents_placed += 1
+        return placed
+
+    @staticmethod
+    def _sink(plan: DocumentPlan, first: int, last: int, placed: list[bool]) -> list[int]:
+        """sink's repair: each placed document's first `num_tokens` positions."""
+        k = plan.options.num_tokens if plan.options.policy == "sink" else 0
+        return [
+            p
+            for start, end in plan.spans
+            for p in range(max(start, first), min(start + k, end, last))
+            if placed[p]
+        ]
+
+    def _blend(
+        self, request: Request, block_table: list[int], first: int, last: int, placed: list[bool]
+    ) -> int:
+        """blend's repair: every position through layers 0 .. BLEND_LAYER; then the fresh tokens
+        and the placed ones whose layer-BLEND_LAYER keys moved most (a ratio of them) through
+        the rest. Returns the tokens computed through every layer."""
+        positions = list(range(first, last))
+        runner, num_layers = self.runner, len(self.runner.kv_pool.k_caches)
+        split = min(BLEND_LAYER + 1, num_layers)
+        slots = _slots(block_table, first, last, runner.block_size).to(self._flat.device)
+        reused_keys = self._flat[0, BLEND_LAYER].index_select(0, slots).float()  # [n, H, D]
+        hidden, residual = self._forward(
+            [request.all_token_ids[p] for p in positions], positions, block_table, layers=(0, split)
+        )
+        deviation = (self._flat[0, BLEND_LAYER].index_select(0, slots).float() - reused_keys).norm(dim=(1, 2))
+        is_placed = torch.tensor([placed[p] for p in positions], dtype=torch.bool)
+        num_placed = int(is_placed.sum())
+        num_pick = round(request.document_plan.options.ratio * num_placed) if request.document_plan else 0
+        keep = ~is_placed  # fresh tokens always go on
+        if num_pick:
+            ranked = (
+                deviation.masked_fill(~is_placed.to(deviation.device), float("-inf")).topk(num_pick).indices
+            )
+            keep[ranked.cpu()] = True
+        rows = keep.nonzero().view(-1)
+        if len(rows) and split < num_layers:
+            self._forward(
+                None,
+                [positions[i] for i in rows.tolist()],
+                block_table,
+                layers=(split, num_layers),
+                stream=(hidden[rows.to(hidden.device)], residual[rows.to(hidden.device)]),
+            )
+        return len(rows)
+
+    def _forward(
+        self,
+        token_ids: list[int] | None,
+        positions: list[int],
+        block_table: list[int],
+        layers: tuple[int, int] | None = None,
+        stream: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A scattered step over `positions` through `layers` (first, end; default all), from the
+        tokens' embeddings or from a residual `stream` (hidden, residual) of earlier layers."""
+        runner = self.runner
+        model, pool = runner.model, runner.kv_pool
+        first, end = layers or (0, len(pool.k_caches))
+        meta = scattered_metadata(
+            block_table, positions, runner.block_size, runner.device, pool.kv.dtype, runner.num_threads
+        )
+        freqs = runner.rotary.lookup(torch.tensor(positions, dtype=torch.long, device=runner.device))
+        with forward_pass([len(positions)], runner.num_threads, runner.device):
+            if stream is None:
+                ids = torch.tensor(token_ids, dtype=torch.long, device=runner.device)
+                hidden, residual = F.embedding(ids, model.embed_tokens), None
+            else:
+                hidden, residual = stream
+            return model.run_layers(
+                hidden, residual, freqs, pool.k_caches[first:end], pool.v_caches[first:end], meta, first
+            )
+
+    # ------------------------------------------------------------------ figures
+
+    def stats(self) -> dict[str, float]:
+        store = self.store.stats
+        return {
+            "document_cache_hits": float(store.hits),
+            "document_cache_misses": float(store.misses),
+            "document_cache_stored_bytes": float(store.stored_bytes),
+            "document_cache_disk_bytes": float(store.disk_bytes),
+            "document_cache_entries": float(store.num_entries),
+            "document_cache_evictions": float(store.evictions),
+            "document_cache_load_seconds": float(store.load_seconds_total),
+            "document_cache_rejected_files": float(store.rejected_files),
+            "document_cache_requests_assembled": float(self.num_assembled),
+            "document_cache_documents_placed": float(self.num_documents_placed),
+            "document_cache_documents_computed": float(self.num_documents_computed),
+            "document_cache_recomputed_tokens": float(self.num_recomputed_tokens),
+            "document_cache_assemble_seconds": float(self.assemble_seconds),
+        }
+
+
+def _slots(block_table: list[int], start: int, end: int, block_size: int) -> torch.Tensor:
+    return torch.tensor(
+        [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)],
+        dtype=torch.long,
+    )
+
+
+def _tensor(entry: DocumentKV) -> torch.Tensor:
+    """A stored entry as a tensor over its payload (zero copy; a disk entry is read-only)."""
+    with warnings.catch_warnings():  # torch warns of read-only buffers; nothing writes to it
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(entry.data, dtype=STORAGE_DTYPES[entry.dtype])
+    return flat.view(entry.shape)

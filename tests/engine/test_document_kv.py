@@ -1,0 +1,189 @@
+"""Document KV reuse in the native engine: keys moved exactly, degenerate repairs lossless,
+documents computed once (across orders, concurrent requests and restarts), tenants apart, bad
+store files never used, every block given back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ragspeed.engine.models.rotary import apply_rotary
+from ragspeed.engine.protocol import DocumentCacheOptions, EngineError, GenerationRequest, SamplingParams
+from tests.engine.conftest import FAMILIES, assert_all_blocks_free, make_engine
+from tests.engine.tiny_models import build_tiny_checkpoint
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+PREFIX = list(range(10, 30))  # 20 tokens: 2 full blocks of 8 and a partial one
+DOCUMENTS = [list(range(100 + 12 * i, 100 + 12 * i + 7 + i)) for i in range(4)]  # 7..10 tokens
+GLUE = [5, 6]  # the numbering between documents, computed in context
+QUESTION = [7, 8, 9, 11]
+LOSSLESS = {
+    "sink": DocumentCacheOptions("sink", num_tokens=1000),
+    "blend": DocumentCacheOptions("blend", ratio=1.0),
+}
+
+
+def prompt(order: list[int]) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
+    token_ids, spans = list(PREFIX), []
+    for i in order:
+        token_ids += GLUE
+        spans.append((len(token_ids), len(token_ids) + len(DOCUMENTS[i])))
+        token_ids += DOCUMENTS[i]
+    return tuple(token_ids + QUESTION), tuple(spans)
+
+
+def request(request_id, order, options=DocumentCacheOptions("reuse"), salt=None) -> GenerationRequest:
+    token_ids, spans = prompt(order)
+    return GenerationRequest(
+        request_id, token_ids, GREEDY, cache_salt=salt, document_spans=spans, document_cache=options
+    )
+
+
+def run(engine, *requests: GenerationRequest) -> dict:
+    return engine.generate(list(requests))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoints):
+    """Full prefill of every prompt, on an engine of its own."""
+    engine = make_engine(tiny_checkpoints["llama"])
+    memo: dict = {}
+
+    def greedy(order: list[int]) -> list[int]:
+        key = tuple(order)
+        if key not in memo:
+            token_ids, _ = prompt(order)
+            memo[key] = run(engine, GenerationRequest(f"ref-{len(memo)}", token_ids, GREEDY))[
+                f"ref-{len(memo)}"
+            ]
+        return memo[key]["token_ids"]
+
+    return greedy
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_shifted_keys_match_keys_rotated_at_their_new_place(tiny_checkpoints, family):
+    rotary = make_engine(tiny_checkpoints[family], max_model_len=512).runner.rotary
+    torch.manual_seed(0)
+    keys = torch.randn(20, 2, 16)  # layer 0's keys before rotation do not depend on position
+    at_5 = apply_rotary(keys, rotary.lookup(torch.arange(5, 25)))
+    at_300 = apply_rotary(keys, rotary.lookup(torch.arange(300, 320)))
+    assert torch.allclose(rotary.shift_keys(at_5, 295), at_300, atol=1e-5, rtol=0)
+    assert rotary.shiftable
+
+
+@pytest.mark.parametrize("policy", sorted(LOSSLESS))
+def test_recomputing_everything_gives_the_full_prefill_output(tiny_checkpoints, reference, policy):
+    engine = make_engine(tiny_checkpoints["llama"])
+    first = run(engine, request("a", [0, 1, 2, 3], LOSSLESS[policy]))["a"]
+    warm = run(engine, request("b", [3, 1, 0, 2], LOSSLESS[policy]))["b"]
+    assert first["token_ids"] == reference([0, 1, 2, 3])
+    assert warm["token_ids"] == reference([3, 1, 0, 2])
+    assert engine.stats()["document_cache_documents_computed"] == 4
+    assert_all_blocks_free(engine)
+
+
+def test_documents_in_another_order_come_from_the_store(tiny_checkpoints):
+    engine = make_engine(tiny_checkpoints["llama"])
+    engine.add_request(request("a", [0, 1, 2, 3]))
+    reports = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.delta.documents is not None:
+                reports[out.request_id] = out.delta.documents
+    engine.add_request(request("b", [3, 1, 0, 2], DocumentCacheOptions("sink", num_tokens=2)))
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.delta.documents is not None:
+                reports[out.request_id] = out.delta.documents
+    assert (reports["a"].num_hit, reports["a"].num_computed) == (0, 4)
+    assert (reports["b"].num_hit, reports["b"].num_computed) == (4, 0)
+    # b's first 32 tokens (prefix, glue, document 3: 4 full blocks) are in the prefix cache,
+    # from document 3's own prefill; b recomputes the 3 other glues (3 x 2), 2 tokens of each
+    # other document and its question but the last token (3).
+    assert reports["b"].num_recomputed_tokens == 3 * 2 + 3 * 2 + 3
+    assert_all_blocks_free(engine)
+
+
+def test_concurrent_requests_compute_a_new_document_once(tiny_checkpoints):
+    engine = make_engine(tiny_checkpoints["llama"])
+    outputs = run(engine, request("a", [0, 1, 2]), request("b", [2, 1, 0]), request("c", [1, 3]))
+    assert engine.stats()["document_cache_documents_computed"] == 4
+    assert all(o["finish_reason"] == "length" for o in outputs.values())
+    assert_all_blocks_free(engine)
+
+
+def test_a_tenants_documents_are_never_served_to_another(tiny_checkpoints):
+    engine = make_engine(tiny_checkpoints["llama"])
+    run(engine, request("a", [0, 1], salt="tenant-a"))
+    run(engine, request("b", [1, 0], salt="tenant-b"))
+    run(engine, request("c", [1, 0], salt="tenant-a"))
+    assert engine.stats()["document_cache_documents_computed"] == 4  # 2 for each tenant
+    assert engine.stats()["document_cache_hits"] == 2
+
+
+def test_assembled_blocks_never_enter_the_prefix_cache(tiny_checkpoints, reference):
+    engine = make_engine(tiny_checkpoints["llama"])
+    run(engine, request("a", [0, 1, 2, 3]))
+    run(engine, request("b", [3, 1, 0, 2]))
+    # A plain request for b's prompt finds only what full prefills computed: from document 3's
+    # own prefill its 32 first tokens (4 full blocks), none of b's assembled blocks after them.
+    token_ids, _ = prompt([3, 1, 0, 2])
+    plain = run(engine, GenerationRequest("plain", token_ids, GREEDY))["plain"]
+    assert plain["num_cached_tokens"] == 32
+    assert plain["token_ids"] == reference([3, 1, 0, 2])
+
+
+def test_an_abort_while_documents_are_in_flight_frees_everything(tiny_checkpoints):
+    engine = make_engine(tiny_checkpoints["llama"])
+    engine.add_request(request("a", [0, 1, 2, 3]))
+    engine.step()  # the first document prefill runs; "a" waits on all four
+    assert engine.abort("a") is not None
+    while engine.has_unfinished():
+        engine.step()  # the document prefills still fill the store
+    assert engine.stats()["document_cache_documents_computed"] == 4
+    assert_all_blocks_free(engine)
+
+
+def test_bad_document_spans_are_refused(tiny_checkpoints):
+    engine = make_engine(tiny_checkpoints["llama"])
+    token_ids, _ = prompt([0, 1])
+    for spans in (((30, 25),), ((22, 29), (25, 31)), ((40, 60),)):
+        bad = GenerationRequest(
+            "bad", token_ids, GREEDY, document_spans=spans, document_cache=DocumentCacheOptions()
+        )
+        with pytest.raises(EngineError, match="document spans"):
+            engine.add_request(bad)
+    assert not engine.has_unfinished()
+
+
+def test_the_disk_tier_serves_a_restarted_engine_and_never_a_corrupt_file(
+    tiny_checkpoints, tmp_path, reference
+):
+    options = DocumentCacheOptions("sink", num_tokens=1000)  # lossless: any wrong KV would show
+    first = make_engine(tiny_checkpoints["llama"], document_cache_dir=str(tmp_path))
+    run(first, request("a", [0, 1, 2, 3], options))
+    files = sorted(tmp_path.glob("*.kv"))
+    assert len(files) == 4
+    # Flip one payload byte of one file: that document is refused, recomputed and stored again.
+    data = bytearray(files[0].read_bytes())
+    data[-3] ^= 0xFF
+    files[0].write_bytes(bytes(data))
+    restarted = make_engine(tiny_checkpoints["llama"], document_cache_dir=str(tmp_path))
+    out = run(restarted, request("b", [3, 1, 0, 2], options))["b"]
+    stats = restarted.stats()
+    assert (stats["document_cache_documents_computed"], stats["document_cache_rejected_files"]) == (1, 1)
+    assert out["token_ids"] == reference([3, 1, 0, 2])
+    assert_all_blocks_free(restarted)
+
+
+def test_a_rope_that_cannot_be_shifted_prefills_in_full(tmp_path, caplog):
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    path = build_tiny_checkpoint("llama", tmp_path / "dynamic", seed=1, rope_parameters=rope)
+    with caplog.at_level("INFO"):
+        engine = make_engine(path)
+    assert engine.documents is None
+    assert "rope type 'dynamic' cannot be shifted" in caplog.text
+    out = run(engine, request("a", [0, 1]))["a"]  # served, its documents prefilled in context
+    token_ids, _ = prompt([0, 1])
+    assert out["token_ids"] == run(engine, GenerationRequest("b", token_ids, GREEDY))["b"]["token_ids"]
