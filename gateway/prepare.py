@@ -17,13 +17,25 @@ from typing import Any, cast
 
 from jinja2 import TemplateError
 
-from ragspeed.engine.protocol import EngineClient, GenerationRequest, SamplingParams, check_context_length
+from ragspeed.engine.protocol import (
+    DocumentCacheOptions,
+    EngineClient,
+    GenerationRequest,
+    SamplingParams,
+    check_context_length,
+)
 from ragspeed.gateway.errors import APIError
 from ragspeed.gateway.experiments import LiveExperiment, current_hints
 from ragspeed.gateway.metrics import GatewayMetrics
 from ragspeed.gateway.prompt import Document, Prompt, Segments, assemble_prompt, split_segments
 from ragspeed.gateway.prompt_registry import PromptService
-from ragspeed.gateway.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from ragspeed.gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DocumentCacheIn,
+    RagspeedOptions,
+    _SamplingFields,
+)
 from ragspeed.gateway.security import Principal, current_principal
 from ragspeed.gateway.settings import Settings
 
@@ -175,9 +187,12 @@ class Preparer:
                 )
             if report is not None:
                 self._count_compression(report, arm.name if arm is not None else DEFAULT_ARM)
+        document_cache = self.document_cache(options)
         with timer.stage("prompt"):
             try:
-                prompt = assemble_prompt(engine.tokenizer, segments, documents)
+                prompt = assemble_prompt(
+                    engine.tokenizer, segments, documents, document_spans=document_cache is not None
+                )
             except TemplateError as exc:  # e.g. a role the model's chat template does not know
                 raise APIError(
                     400,
@@ -186,11 +201,25 @@ class Preparer:
                     code="invalid_messages",
                 ) from None
         max_tokens = req.max_completion_tokens or req.max_tokens
-        prepared = self._prepared(req, prompt, timer, max_tokens, report, engine)
+        prepared = self._prepared(req, prompt, timer, max_tokens, report, engine, document_cache)
         if arm is not None:
             prepared.arm = arm.name
         prepared.return_prompt = bool(options and options.return_prompt)
         return prepared
+
+    def document_cache(self, options: RagspeedOptions | None) -> DocumentCacheOptions | None:
+        """The request's document KV reuse: its `ragspeed.document_cache` over the server's
+        policy; absent, the server's `document_cache` (on or off) decides."""
+        asked = options.document_cache if options is not None else None
+        if asked is False or (asked is None and self.settings.document_cache == "off"):
+            return None
+        given = asked if isinstance(asked, DocumentCacheIn) else DocumentCacheIn()
+        settings = self.settings
+        return DocumentCacheOptions(
+            policy=given.policy or settings.document_cache_policy,
+            num_tokens=settings.document_cache_tokens if given.tokens is None else given.tokens,
+            ratio=settings.document_cache_ratio if given.ratio is None else given.ratio,
+        )
 
     def _count_compression(self, report: CompressionReport, arm: str) -> None:
         labels = {"model": self.settings.model_id, "arm": arm}
@@ -235,6 +264,7 @@ class Preparer:
         max_tokens: int | None,
         report: CompressionReport | None,
         engine: EngineClient,
+        document_cache: DocumentCacheOptions | None = None,
     ) -> PreparedRequest:
         sampling = sampling_params(req, max_tokens, self.settings.default_max_tokens)
         # The one context check (the engines run the same one on their own inputs): here, before
@@ -263,5 +293,7 @@ class Preparer:
             num_static_tokens=prompt.num_static_tokens,
             # A tenant's salt always wins over the client's: tenants never share or time a cache.
             cache_salt=principal.cache_salt if principal is not None else req.cache_salt,
+            document_spans=prompt.document_spans,
+            document_cache=document_cache if prompt.document_spans else None,
         )
         return PreparedRequest(request_id, generation, timer, engine, report, principal=principal)

@@ -11,6 +11,9 @@ A request is split into four segments:
 
 The prompt is `[static system prompt][documents][history][question]`, rendered through the
 model's chat template; documents are appended to the system turn so that any template works.
+Each document is rendered as its number `[i]`, then its *body* (title and text); for document
+KV reuse the bodies are tokenized on their own and their token spans go to the engine, while
+the text stays the same.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ class Prompt:
     text: str
     token_ids: tuple[int, ...]
     num_static_tokens: int  # leading tokens shared with the static system prompt alone
+    # With `document_spans=True`: each document's [start, end) in token_ids, tokenized on its own.
+    document_spans: tuple[tuple[int, int], ...] = ()
 
 
 def _document(text: str, title: str = "", doc_id: str | None = None) -> Document:
@@ -101,11 +106,18 @@ def split_segments(
     )
 
 
+def _numbered(index: int) -> str:
+    return f"[{index}]"
+
+
+def _document_body(doc: Document) -> str:
+    """What follows a document's number: the same text wherever the document stands, so that
+    its tokens (and its stored KV) do not depend on its place."""
+    return f" {doc.title}\n{doc.text}" if doc.title else f"\n{doc.text}"
+
+
 def render_documents(documents: Sequence[Document]) -> str:
-    blocks = []
-    for i, doc in enumerate(documents, start=1):
-        header = f"[{i}] {doc.title}".rstrip()
-        blocks.append(f"{header}\n{doc.text}")
+    blocks = [_numbered(i) + _document_body(doc) for i, doc in enumerate(documents, start=1)]
     return "Documents:\n\n" + "\n\n".join(blocks)
 
 
@@ -126,7 +138,9 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def assemble_prompt(tokenizer: Any, segments: Segments, documents: Sequence[Document]) -> Prompt:
+def assemble_prompt(
+    tokenizer: Any, segments: Segments, documents: Sequence[Document], *, document_spans: bool = False
+) -> Prompt:
     system = segments.static_system_prompt
     if documents:
         system = f"{system}\n\n{render_documents(documents)}" if system else render_documents(documents)
@@ -135,14 +149,51 @@ def assemble_prompt(tokenizer: Any, segments: Segments, documents: Sequence[Docu
     if segments.question or not segments.history:
         turns.append({"role": "user", "content": segments.question})
     text = _render(tokenizer, turns, add_generation_prompt=True)
-    token_ids = _encode(tokenizer, text)
+    spans: tuple[tuple[int, int], ...] = ()
+    pieces = _document_pieces(text, documents) if document_spans and documents else None
+    if pieces is None:
+        token_ids = _encode(tokenizer, text)
+    else:
+        token_ids, spans = _encode_pieces(tokenizer, text, pieces)
     num_static = 0
     if segments.static_system_prompt:
         static_text = _render(
             tokenizer, [{"role": "system", "content": segments.static_system_prompt}], False
         )
         num_static = _common_prefix_length(_encode(tokenizer, static_text), token_ids)
-    return Prompt(text=text, token_ids=tuple(token_ids), num_static_tokens=num_static)
+    return Prompt(text=text, token_ids=tuple(token_ids), num_static_tokens=num_static, document_spans=spans)
+
+
+def _document_pieces(text: str, documents: Sequence[Document]) -> list[tuple[int, int]] | None:
+    """Each document body's [start, end) in the rendered text, in order; None when the chat
+    template changed a body (then the prompt is tokenized whole)."""
+    pieces, pos = [], 0
+    for i, doc in enumerate(documents, start=1):
+        body = _document_body(doc)
+        found = text.find(_numbered(i) + body, pos)
+        if found < 0:
+            return None
+        start = found + len(_numbered(i))
+        pieces.append((start, start + len(body)))
+        pos = start + len(body)
+    return pieces
+
+
+def _encode_pieces(
+    tokenizer: Any, text: str, pieces: list[tuple[int, int]]
+) -> tuple[list[int], tuple[tuple[int, int], ...]]:
+    """Token ids of `text` with each piece tokenized on its own, and the pieces' token spans."""
+    token_ids: list[int] = []
+    spans = []
+    pos = 0
+    for start, end in pieces:
+        token_ids += _encode(tokenizer, text[pos:start])
+        body = _encode(tokenizer, text[start:end])
+        spans.append((len(token_ids), len(token_ids) + len(body)))
+        token_ids += body
+        pos = end
+    token_ids += _encode(tokenizer, text[pos:])
+    return token_ids, tuple(spans)
 
 
 def _common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:

@@ -65,9 +65,21 @@ class RetrievalOptions(_Strict):
     mode: Literal["dense", "bm25", "hybrid"] = "hybrid"
 
 
+class DocumentCacheIn(_Strict):
+    policy: Literal["reuse", "sink", "blend"] | None = Field(
+        None, description="Repair policy; default: the server's."
+    )
+    tokens: int | None = Field(
+        None, ge=0, le=4096, description="sink: each document's first tokens recomputed."
+    )
+    ratio: float | None = Field(None, ge=0, le=1, description="blend: share of document tokens recomputed.")
+
+
 class RagspeedOptions(_Strict):
     system_prompt: str | None = Field(None, description="Name of a registered static system prompt.")
     compression: CompressionOptions | Literal[False] | None = None
+    # true: the server's policy; false: prefill the documents in full; default: the server's choice.
+    document_cache: DocumentCacheIn | bool | None = None
     retrieval: RetrievalOptions | None = None
     return_prompt: bool = Field(
         False,

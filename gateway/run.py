@@ -12,7 +12,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ragspeed.engine.protocol import PromptTooLongError, TokenDelta, TokenLogprob
+from ragspeed.engine.protocol import DocumentReuse, PromptTooLongError, TokenDelta, TokenLogprob
 from ragspeed.gateway.experiments import LiveExperiment
 from ragspeed.gateway.limits import DeadlineExceeded, next_before
 from ragspeed.gateway.metrics import GatewayMetrics
@@ -34,6 +34,7 @@ class Generation:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_completion_tokens: int = 0
+    documents: DocumentReuse | None = None  # what document KV reuse did (the engine's report)
     ttft_s: float | None = None
     e2e_s: float | None = None
     _engine_start: float = 0.0
@@ -89,6 +90,8 @@ class Generation:
                     self._first_token_at = now
                 self.num_prompt_tokens = max(self.num_prompt_tokens, delta.num_prompt_tokens)
                 self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+                if delta.documents is not None:
+                    self.documents = delta.documents
                 counted_ids += len(delta.token_ids)
                 if delta.num_completion_tokens is not None:
                     self.num_completion_tokens = delta.num_completion_tokens
@@ -155,6 +158,15 @@ class Generation:
         }
         if self.prepared.return_prompt:
             out["prompt"] = self.prepared.generation.prompt
+        if self.documents is not None:
+            out["document_cache"] = {
+                "policy": self.prepared.generation.document_cache.policy
+                if self.prepared.generation.document_cache
+                else None,
+                "documents_hit": self.documents.num_hit,
+                "documents_computed": self.documents.num_computed,
+                "recomputed_tokens": self.documents.num_recomputed_tokens,
+            }
         report = self.prepared.compression
         if report is not None:
             out["compression"] = {

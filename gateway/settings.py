@@ -21,6 +21,9 @@ from ragspeed.gateway.security import ApiKeyEntry, KeyHash
 
 # The keys of engine.precision.DTYPES (kept here as a type: settings import no torch).
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+# engine.protocol.DOCUMENT_CACHE_POLICIES and engine.document_kv.STORAGE_DTYPES, as types.
+DocumentCachePolicy = Literal["reuse", "sink", "blend"]
+DocumentCacheDtype = Literal["float16", "bfloat16", "float32"]
 
 
 class ConfigError(ValueError):
@@ -88,6 +91,30 @@ class Settings(BaseSettings):
         description="Draft model weights: auto (int8 on a CPU, else as --quantization), none or int8. The target verifies every draft, so this moves acceptance, never the output.",
     )
     num_speculative_tokens: int = Field(4, ge=1, description="Draft tokens proposed per step.")
+
+    # Document KV reuse (native; per request: `ragspeed.document_cache`)
+    document_cache: Literal["off", "on"] = Field(
+        "off",
+        description="Reuse each document's stored KV at any position instead of prefilling it again: on applies document_cache_policy to every request with documents; off only to requests that ask (`ragspeed.document_cache`). Token-level compression makes new documents; document selection keeps them whole and reusable.",
+    )
+    document_cache_policy: DocumentCachePolicy = Field(
+        "sink",
+        description="Repair after placing stored documents: reuse (none), sink (each document's first document_cache_tokens tokens recomputed in context) or blend (the document_cache_ratio of document tokens whose keys deviate most, recomputed).",
+    )
+    document_cache_tokens: int = Field(16, ge=0, description="sink: each document's first tokens recomputed.")
+    document_cache_ratio: float = Field(
+        0.15, ge=0, le=1, description="blend: share of document tokens recomputed."
+    )
+    document_cache_bytes: int = Field(
+        256 * 2**20, ge=0, description="RAM budget of the document KV store, bytes (LRU beyond it)."
+    )
+    document_cache_dir: str | None = Field(
+        None,
+        description="Folder of the document KV store's disk tier (one checksummed file per document); none: RAM only.",
+    )
+    document_cache_dtype: DocumentCacheDtype = Field(
+        "float16", description="Precision of stored document KV: float16, bfloat16 or float32."
+    )
 
     # Remote upstreams (engine=openai)
     upstreams: list[str] = Field(
@@ -239,6 +266,9 @@ class Settings(BaseSettings):
             draft_model=self.draft_model,
             draft_quantization=self.draft_quantization,
             num_speculative_tokens=self.num_speculative_tokens,
+            document_cache_bytes=self.document_cache_bytes,
+            document_cache_dir=self.document_cache_dir,
+            document_cache_dtype=self.document_cache_dtype,
             upstreams=tuple(self.upstreams),
             upstream_api_key=self.upstream_api_key,
             upstream_model=self.upstream_model,

@@ -14,7 +14,7 @@ import sys
 import types
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any, get_args, get_origin
+from typing import Any, Literal, get_args, get_origin
 
 import click
 
@@ -44,7 +44,12 @@ def settings_options(command):
         base = _base_type(info.annotation)
         default = info.default_factory() if info.default_factory else info.default
         help_text = f"{info.description} [env RAGSPEED_{name.upper()}; default {default!r}]"
-        if base is bool:
+        if get_origin(base) is Literal:
+            choices = [str(choice) for choice in get_args(base)]
+            option = click.Option(
+                [f"--{flag}", name], type=click.Choice(choices), default=None, help=help_text
+            )
+        elif base is bool:
             option = click.Option([f"--{flag}/--no-{flag}", name], default=None, help=help_text)
         elif get_origin(base) is list:
             option = click.Option(
