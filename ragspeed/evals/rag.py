@@ -8,7 +8,16 @@ over ASGI (its middleware, routes, pipeline, engine and SSE), once per *configur
   (rate 1/N), e.g. `coarse-to-fine@4x`, `first-docs@2x`;
 - `retrieval`: no documents sent; the gateway retrieves the question's top-k passages from a
   collection of every passage of the file (all its valid lines, not only the first `limit`;
-  deduplicated), built before the first question.
+  deduplicated), built before the first question;
+- `kv-reuse`, `kv-sink@<k>`, `kv-blend@<percent>`: the documents uncompressed, their KV reused
+  from the gateway's document store with that repair policy (`ragspeed.document_cache`); and
+  `<method>@<N>x+kv-...`: compressed, then reused (only whole documents, as a selecting method
+  keeps them, are found again).
+
+A document-cache configuration answers each question twice: first with the documents in reverse
+order (*cold*: its TTFT is the first-sight figure; the documents are prefilled one by one into
+the store), then in their own order (*warm*: every document is in the store, but no prefix of
+the prompt beyond the first document is in the prefix cache), which is scored and timed as TTFT.
 
 Requests are greedy chat completions, streamed. *TTFT* is the time from sending the request to
 the first chunk with content, *e2e* to the end of the stream; prompt tokens come from the usage.
@@ -68,6 +77,7 @@ FULL, RETRIEVAL = "full", "retrieval"
 COLLECTION = "eval-rag"
 DEFAULT_TOP_K = 5
 _COMPRESSED = re.compile(r"^(?P<method>[a-z0-9-]+)@(?P<factor>\d+)x$")
+_DOCUMENT_CACHE = re.compile(r"^kv-(?P<policy>reuse|sink|blend)(@(?P<value>\d+))?$")
 
 
 # ---------------------------------------------------------------------------------- the data
@@ -165,6 +175,10 @@ class RagConfig:
     def needs_collection(self) -> bool:
         return "retrieval" in self.ragspeed
 
+    @property
+    def reuses_documents(self) -> bool:
+        return isinstance(self.ragspeed.get("document_cache"), dict)
+
 
 def full_config(top_k: int) -> RagConfig:
     return RagConfig(FULL, {"compression": False})
@@ -180,6 +194,22 @@ def retrieval_config(top_k: int) -> RagConfig:
 
 def compressed_config(method: str, factor: int) -> RagConfig:
     return RagConfig(f"{method}@{factor}x", {"compression": {"method": method, "rate": 1.0 / factor}})
+
+
+def document_cache_config(name: str) -> RagConfig | None:
+    """`kv-reuse`, `kv-sink@<k>` (k tokens, default 16), `kv-blend@<percent>` (default 15)."""
+    match = _DOCUMENT_CACHE.match(name)
+    if match is None:
+        return None
+    policy, value = match["policy"], match["value"]
+    options: dict[str, Any] = {"policy": policy}
+    if policy == "sink":
+        options["tokens"] = int(value or 16)
+    elif policy == "blend":
+        options["ratio"] = int(value or 15) / 100
+    elif value is not None:
+        return None
+    return RagConfig(name, {"compression": False, "document_cache": options})
 
 
 # The configurations without a parameter in their name.
@@ -202,12 +232,8 @@ def parse_configs(spec: str, *, top_k: int = DEFAULT_TOP_K) -> list[RagConfig]:
         raise ValueError("no configuration named; " + _valid_names(COMPRESSORS))
     configs: list[RagConfig] = []
     for name in names:
-        match = _COMPRESSED.match(name)
-        if name in FIXED_CONFIGS:
-            config = FIXED_CONFIGS[name](top_k)
-        elif match and match["method"] in COMPRESSORS and int(match["factor"]) >= 2:
-            config = compressed_config(match["method"], int(match["factor"]))
-        else:
+        config = _one_config(name, top_k)
+        if config is None:
             raise ValueError(f"unknown configuration {name!r}; " + _valid_names(COMPRESSORS))
         if any(c.name == config.name for c in configs):
             raise ValueError(f"configuration {name!r} is named twice")
@@ -215,15 +241,38 @@ def parse_configs(spec: str, *, top_k: int = DEFAULT_TOP_K) -> list[RagConfig]:
     return configs
 
 
+def _one_config(name: str, top_k: int) -> RagConfig | None:
+    head, _, reuse = name.partition("+")
+    match = _COMPRESSED.match(head)
+    if name in FIXED_CONFIGS:
+        return FIXED_CONFIGS[name](top_k)
+    if match and match["method"] in COMPRESSORS and int(match["factor"]) >= 2:
+        config = compressed_config(match["method"], int(match["factor"]))
+        if not reuse:
+            return config
+        cached = document_cache_config(reuse)
+        if cached is None:
+            return None
+        return RagConfig(name, {**config.ragspeed, "document_cache": cached.ragspeed["document_cache"]})
+    return None if reuse else document_cache_config(name)
+
+
 def _valid_names(methods: Mapping[str, Any]) -> str:
     return (
-        f"valid: all, {', '.join(default_config_names())}; or <method>@<N>x with N >= 2 and a method "
-        f"among {', '.join(sorted(methods))}"
+        f"valid: all, {', '.join(default_config_names())}; <method>@<N>x with N >= 2 and a method "
+        f"among {', '.join(sorted(methods))}; kv-reuse, kv-sink@<k>, kv-blend@<percent>; or "
+        "<method>@<N>x+kv-..."
     )
 
 
 def request_body(
-    config: RagConfig, example: RagExample, *, system_prompt: str, max_tokens: int, cache_salt: str
+    config: RagConfig,
+    example: RagExample,
+    *,
+    system_prompt: str,
+    max_tokens: int,
+    cache_salt: str,
+    reverse: bool = False,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
         "messages": [
@@ -238,7 +287,8 @@ def request_body(
         "ragspeed": json.loads(json.dumps(config.ragspeed)),  # a plain copy
     }
     if config.send_documents:
-        body["documents"] = [{"title": d.title, "text": d.text} for d in example.documents]
+        documents = reversed(example.documents) if reverse else example.documents
+        body["documents"] = [{"title": d.title, "text": d.text} for d in documents]
     return body
 
 
@@ -256,6 +306,9 @@ class RagObservation:
     text: str = ""
     ttft_ms: float | None = None
     e2e_ms: float | None = None
+    cold_ttft_ms: float | None = None  # a document-cache configuration's first sight
+    documents_hit: int | None = None  # of the document store, in the warm request
+    recomputed_tokens: int | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
@@ -275,20 +328,36 @@ class RagRun:
     setup: Mapping[str, Any] = field(default_factory=dict)
 
 
-def observe(config: RagConfig, index: int, example: RagExample, reply: StreamedReply) -> RagObservation:
-    """A `StreamedReply` scored against the example's answers."""
-    if reply.error is not None:
-        return RagObservation(config.name, index, ok=False, error=reply.error)
+def _ttft_ms(reply: StreamedReply) -> float:
+    end = reply.end_s if reply.end_s is not None else 0.0
+    return 1000 * (reply.first_content_s if reply.first_content_s is not None else end)
+
+
+def observe(
+    config: RagConfig,
+    index: int,
+    example: RagExample,
+    reply: StreamedReply,
+    cold: StreamedReply | None = None,
+) -> RagObservation:
+    """A `StreamedReply` scored against the example's answers (`cold`: the first-sight reply of
+    a document-cache configuration)."""
+    if reply.error is not None or (cold is not None and cold.error is not None):
+        return RagObservation(config.name, index, ok=False, error=reply.error or (cold and cold.error))
     usage, ragspeed = reply.usage, reply.ragspeed
     compression = ragspeed.get("compression")
+    documents = ragspeed.get("document_cache") or {}
     end = reply.end_s if reply.end_s is not None else 0.0
     return RagObservation(
         config=config.name,
         example=index,
         ok=True,
         text=reply.text,
-        ttft_ms=1000 * (reply.first_content_s if reply.first_content_s is not None else end),
+        ttft_ms=_ttft_ms(reply),
         e2e_ms=1000 * end,
+        cold_ttft_ms=_ttft_ms(cold) if cold is not None else None,
+        documents_hit=documents.get("documents_hit"),
+        recomputed_tokens=documents.get("recomputed_tokens"),
         prompt_tokens=int(usage.get("prompt_tokens") or 0),
         cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
         completion_tokens=int(usage.get("completion_tokens") or 0),
@@ -348,9 +417,16 @@ async def run_configs(
                 setup["collection_documents"] = await create_collection(app, COLLECTION, documents)
                 setup["collection_build_s"] = round(time.perf_counter() - t1, 2)
 
-            def body(config: RagConfig, example: RagExample, salt: str, tokens: int) -> dict[str, Any]:
+            def body(
+                config: RagConfig, example: RagExample, salt: str, tokens: int, reverse: bool = False
+            ) -> dict[str, Any]:
                 return request_body(
-                    config, example, system_prompt=system_prompt, max_tokens=tokens, cache_salt=salt
+                    config,
+                    example,
+                    system_prompt=system_prompt,
+                    max_tokens=tokens,
+                    cache_salt=salt,
+                    reverse=reverse,
                 )
 
             for config in configs:
@@ -365,12 +441,16 @@ async def run_configs(
                     if config.name in failures:
                         on_done(config.name)
                         continue
-                    reply = await stream_chat(app, body(config, example, f"eval-{config.name}", max_tokens))
+                    salt = f"eval-{config.name}"
+                    cold = None
+                    if config.reuses_documents:  # first sight, in another order
+                        cold = await stream_chat(app, body(config, example, salt, max_tokens, reverse=True))
+                    reply = await stream_chat(app, body(config, example, salt, max_tokens))
                     failure = compressor_failure(reply, logged.errors)
                     if failure:
                         failures[config.name] = failure
                     else:
-                        observations.append(observe(config, index, example, reply))
+                        observations.append(observe(config, index, example, reply, cold))
                     on_done(config.name)
     setup["run_s"] = round(time.perf_counter() - t0, 2)
     # A configuration that failed part way reports no figures: they would mix two kinds of answer.
@@ -479,11 +559,13 @@ def summarize(run: RagRun, *, num_resamples: int = 2000, seed: int = 0) -> dict[
             "exact_match": _mean([o.exact_match for o in ok if o.exact_match is not None]),
             "f1": _mean([o.f1 for o in ok if o.f1 is not None]),
         }
-        for metric in ("ttft_ms", "e2e_ms"):
+        for metric in ("ttft_ms", "e2e_ms", "cold_ttft_ms"):
             values = [getattr(o, metric) for o in ok if getattr(o, metric) is not None]
             summary[f"{metric}_p50"] = percentile(values, 0.5) if values else None
             summary[f"{metric}_p95"] = percentile(values, 0.95) if values else None
         summary["prompt_tokens_p50"] = percentile([o.prompt_tokens for o in ok], 0.5) if ok else None
+        recomputed = [o.recomputed_tokens for o in ok if o.recomputed_tokens is not None]
+        summary["recomputed_tokens_p50"] = percentile(recomputed, 0.5) if recomputed else None
         summary["cached_tokens_mean"] = _mean([o.cached_tokens for o in ok])
         summary["completion_tokens_mean"] = _mean([o.completion_tokens for o in ok])
         compression = [o.compression_ms for o in ok if o.compression_ms is not None]
@@ -535,7 +617,7 @@ def _ci(estimate: Mapping[str, float] | None) -> str:
 
 SUMMARY_HEADER = (
     "config", "n", "accuracy", "EM", "F1", "acc - full [95% CI]",
-    "TTFT p50", "TTFT p95", "e2e p50", "e2e p95", "prompt tok p50",
+    "TTFT p50", "TTFT p95", "cold TTFT p50", "e2e p50", "e2e p95", "prompt tok p50",
 )  # fmt: skip
 
 
@@ -555,6 +637,7 @@ def summary_rows(report: Mapping[str, Any]) -> list[tuple[str, ...]]:
                 _ci(s["accuracy_minus_full"]),
                 f"{_fmt(s['ttft_ms_p50'], 0)} ms",
                 f"{_fmt(s['ttft_ms_p95'], 0)} ms",
+                f"{_fmt(s['cold_ttft_ms_p50'], 0)} ms" if s["cold_ttft_ms_p50"] is not None else "-",
                 f"{_fmt(s['e2e_ms_p50'], 0)} ms",
                 f"{_fmt(s['e2e_ms_p95'], 0)} ms",
                 _fmt(s["prompt_tokens_p50"], 0),
