@@ -254,7 +254,7 @@ class LLMEngine:
                 new_token_ids[request.request_id] = [token]
                 results.append(self._append_token(request, token, logprob))
         self.scheduler.update_from_output(output, new_token_ids)
-        for chunk in output.prefills:
+        for chunk in output.chunks:  # a prefill-only request's last chunk may be one token
             request = chunk.request
             if request.prefill_only and request.num_computed_tokens == request.num_tokens:
                 if request.document_key is not None:  # a document prefill: nobody streams it

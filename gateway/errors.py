@@ -68,8 +68,10 @@ def error_response(
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     err = exc.errors()[0]
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-    # Drop pydantic's union-branch names ("str", "list[...]") from the parameter path.
+    # Drop pydantic's union-branch names ("str", "list[...]", a model's class name such as
+    # "DocumentCacheIn") from the parameter path: every wire field is snake_case.
     loc = [p for p in loc if not (p[:1].islower() and ("[" in p or p in {"str", "int", "float"}))]
+    loc = [p for p in loc if not p[:1].isupper()]
     param = ".".join(loc) or None
     if err.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}", None

@@ -98,7 +98,7 @@ class Settings(BaseSettings):
         description="Reuse each document's stored KV at any position instead of prefilling it again: on applies document_cache_policy to every request with documents; off only to requests that ask (`ragspeed.document_cache`). Token-level compression makes new documents; document selection keeps them whole and reusable.",
     )
     document_cache_policy: DocumentCachePolicy = Field(
-        "sink",
+        "reuse",
         description="Repair after placing stored documents: reuse (none), sink (each document's first document_cache_tokens tokens recomputed in context) or blend (the document_cache_ratio of document tokens whose keys deviate most, recomputed).",
     )
     document_cache_tokens: int = Field(16, ge=0, description="sink: each document's first tokens recomputed.")

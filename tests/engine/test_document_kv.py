@@ -187,3 +187,21 @@ def test_a_rope_that_cannot_be_shifted_prefills_in_full(tmp_path, caplog):
     out = run(engine, request("a", [0, 1]))["a"]  # served, its documents prefilled in context
     token_ids, _ = prompt([0, 1])
     assert out["token_ids"] == run(engine, GenerationRequest("b", token_ids, GREEDY))["b"]["token_ids"]
+
+
+def test_a_document_prefill_left_one_token_by_the_prefix_cache_finishes(tiny_checkpoints):
+    engine = make_engine(tiny_checkpoints["llama"])
+    document = list(range(300, 311))  # prefix (20) + glue (2) + 11 = 33 tokens: 4 full blocks + 1
+    plain = PREFIX + GLUE + document + QUESTION
+    run(engine, GenerationRequest("plain", tuple(plain), GREEDY))  # caches those 4 blocks
+    token_ids = tuple(PREFIX + GLUE + document + QUESTION)
+    spans = ((22, 33),)
+    out = run(
+        engine,
+        GenerationRequest(
+            "a", token_ids, GREEDY, document_spans=spans, document_cache=DocumentCacheOptions()
+        ),
+    )
+    assert out["a"]["finish_reason"] == "length"
+    assert engine.stats()["document_cache_documents_computed"] == 1
+    assert_all_blocks_free(engine)
