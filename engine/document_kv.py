@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from ragspeed.engine.attention import scattered_metadata
+from ragspeed.engine.attention import slots as slot_ids
 from ragspeed.engine.model_runner import ModelRunner
 from ragspeed.engine.protocol import DocumentCacheOptions, DocumentReuse
 from ragspeed.engine.request import Request
@@ -283,7 +284,8 @@ class DocumentKVCache:
         deviation = (self._flat[0, BLEND_LAYER].index_select(0, slots).float() - reused_keys).norm(dim=(1, 2))
         is_placed = torch.tensor([placed[p] for p in positions], dtype=torch.bool)
         num_placed = int(is_placed.sum())
-        num_pick = round(request.document_plan.options.ratio * num_placed) if request.document_plan else 0
+        assert request.document_plan is not None
+        num_pick = round(request.document_plan.options.ratio * num_placed)
         keep = ~is_placed  # fresh tokens always go on
         if num_pick:
             ranked = (
@@ -350,10 +352,7 @@ class DocumentKVCache:
 
 
 def _slots(block_table: list[int], start: int, end: int, block_size: int) -> torch.Tensor:
-    return torch.tensor(
-        [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)],
-        dtype=torch.long,
-    )
+    return torch.tensor(slot_ids(block_table, start, end, block_size), dtype=torch.long)
 
 
 def _tensor(entry: DocumentKV) -> torch.Tensor:
