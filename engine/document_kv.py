@@ -11,9 +11,12 @@ docs/architecture.md, contract 8. Terms:
   token ids).
 - *placing* a document at position s: its keys rotated by s - start position
   (`RotaryEmbedding.shift_keys`, exact), its values copied as they are, into the request's slots.
+- *glue*: the tokens between two documents (their separator and number). With the option's
+  `glue="reuse"` each piece of glue is stored and placed as a document is (it recurs in every
+  request: "[2]" after the prefix is always the same); else it is fresh.
 - *fresh tokens*: what is computed in context once the documents are placed, in one scattered
-  step (engine.attention): the tokens outside every span (glue between documents, history,
-  question) but the last, and the *repair*. The last prompt token is left to the scheduler's
+  step (engine.attention): the tokens outside every placed span (glue, history, question) but
+  the last, and the *repair*. The last prompt token is left to the scheduler's
   next step, which samples after it as after any prefill.
 - *repair policies*: `reuse` repairs nothing; `sink` recomputes each document's first k tokens,
   the ones that, computed alone, served as its attention sink (EPIC); `blend` recomputes the
@@ -68,9 +71,10 @@ class DocumentPlan:
     or lost, then computed in context)."""
 
     options: DocumentCacheOptions
-    spans: tuple[tuple[int, int], ...]
+    spans: tuple[tuple[int, int], ...]  # the placed spans: documents, and glue when stored
+    is_document: tuple[bool, ...]  # per span: a document (not glue)
     keys: tuple[str, ...]
-    kv: list[torch.Tensor | None]  # per document, [2, L, n, H, D] in the storage dtype
+    kv: list[torch.Tensor | None]  # per span, [2, L, n, H, D] in the storage dtype
     start_positions: list[int]
     num_hit: int = 0
     num_computed: int = 0
@@ -85,7 +89,8 @@ class _InFlight:
     """A document prefill and the requests waiting on it."""
 
     request_id: str
-    waiters: list[tuple[Request, int]] = field(default_factory=list)  # (request, document index)
+    is_document: bool  # not glue
+    waiters: list[tuple[Request, int]] = field(default_factory=list)  # (request, span index)
 
 
 def document_fingerprint(engine_fingerprint: dict[str, Any], storage_dtype: str) -> str:
@@ -136,30 +141,41 @@ class DocumentKVCache:
         (prefill-only requests built by `make_prefill`)."""
         tokens = request.prompt_token_ids
         prefix = tokens[: spans[0][0]]
+        glue = [(end, start) for (_, end), (start, _) in zip(spans, spans[1:]) if start > end]
+        placed = sorted([*spans, *glue]) if options.glue == "reuse" else list(spans)
         keys = tuple(
-            document_key(self.fingerprint, request.cache_salt, prefix, tokens[s:e]) for s, e in spans
+            document_key(self.fingerprint, request.cache_salt, prefix, tokens[s:e]) for s, e in placed
         )
-        plan = DocumentPlan(options, spans, keys, [None] * len(spans), [len(prefix)] * len(spans))
+        documents = set(spans)
+        plan = DocumentPlan(
+            options,
+            tuple(placed),
+            tuple(span in documents for span in placed),
+            keys,
+            [None] * len(placed),
+            [len(prefix)] * len(placed),
+        )
         request.document_plan = plan
         request.cache_limit = len(prefix)
         prefills: list[Request] = []
-        for index, ((start, end), key) in enumerate(zip(spans, keys)):
+        for index, ((start, end), key) in enumerate(zip(placed, keys)):
+            counted = plan.is_document[index]
             entry = self.store.get(key, tokens[start:end])
             if entry is not None:
                 plan.kv[index] = _tensor(entry)
                 plan.start_positions[index] = entry.start_position
-                plan.num_hit += 1
+                plan.num_hit += counted
                 continue
             in_flight = self._in_flight.get(key)
             if in_flight is None:
-                in_flight = _InFlight(f"{request.request_id}#doc{next(_sub_ids)}")
+                in_flight = _InFlight(f"{request.request_id}#doc{next(_sub_ids)}", counted)
                 self._in_flight[key] = in_flight
                 sub = self.make_prefill(in_flight.request_id, prefix + tokens[start:end], request.cache_salt)
                 sub.document_key, sub.document_start = key, len(prefix)
                 prefills.append(sub)
-                plan.num_computed += 1
+                plan.num_computed += counted
             else:
-                plan.num_hit += 1  # computed once, for another request in flight
+                plan.num_hit += counted  # computed once, for another request in flight
             in_flight.waiters.append((request, index))
             request.blockers.add(key)
         # Documents prefilled side by side would each compute the prefix: the first prefill
@@ -188,7 +204,8 @@ class DocumentKVCache:
             data=memoryview(kv.view(-1).view(torch.uint8).numpy()),
         )
         self.store.put(entry)
-        self.num_documents_computed += 1
+        in_flight = self._in_flight.get(key)
+        self.num_documents_computed += in_flight is not None and in_flight.is_document
         self._resolve(key, kv, start)
 
     def release(self, request: Request) -> None:
@@ -242,7 +259,9 @@ class DocumentKVCache:
         rotated to their new place; which positions [0, last) now hold placed KV."""
         placed = [False] * last
         device, dtype = self._flat.device, self._flat.dtype
-        for (start, end), kv, stored_start in zip(plan.spans, plan.kv, plan.start_positions):
+        for (start, end), kv, stored_start, is_document in zip(
+            plan.spans, plan.kv, plan.start_positions, plan.is_document
+        ):
             begin, stop = max(start, first), min(end, last)
             if kv is None or begin >= stop:
                 continue
@@ -253,16 +272,17 @@ class DocumentKVCache:
             )
             self._flat[1].index_copy_(1, slots, kv[1].to(dtype))
             placed[begin:stop] = [True] * (stop - begin)
-            self.num_documents_placed += 1
+            self.num_documents_placed += is_document
         return placed
 
     @staticmethod
     def _sink(plan: DocumentPlan, first: int, last: int, placed: list[bool]) -> list[int]:
-        """sink's repair: each placed document's first `num_tokens` positions."""
+        """sink's repair: each placed document's first `num_tokens` positions (not glue's)."""
         k = plan.options.num_tokens if plan.options.policy == "sink" else 0
         return [
             p
-            for start, end in plan.spans
+            for (start, end), is_document in zip(plan.spans, plan.is_document)
+            if is_document
             for p in range(max(start, first), min(start + k, end, last))
             if placed[p]
         ]

@@ -48,17 +48,21 @@ class SamplingParams:
 
 # Repair policies of document KV reuse (engine.document_kv says what each recomputes).
 DOCUMENT_CACHE_POLICIES = ("reuse", "sink", "blend")
+# What becomes of the glue, the tokens between two documents (their separator and number).
+DOCUMENT_GLUE_MODES = ("recompute", "reuse")
 
 
 @dataclass(frozen=True)
 class DocumentCacheOptions:
     """How a request's documents reuse stored KV: `policy` is one of DOCUMENT_CACHE_POLICIES;
     `num_tokens` is sink's count of each document's first tokens recomputed in context, `ratio`
-    blend's share of document tokens recomputed through the later layers."""
+    blend's share of document tokens recomputed through the later layers. `glue` is one of
+    DOCUMENT_GLUE_MODES: recomputed in context, or stored and placed like a document."""
 
     policy: str = "sink"
     num_tokens: int = 16
     ratio: float = 0.15
+    glue: str = "recompute"
 
     def __post_init__(self) -> None:
         if self.policy not in DOCUMENT_CACHE_POLICIES:
@@ -67,6 +71,8 @@ class DocumentCacheOptions:
             raise ValueError(f"document cache tokens must be >= 0, got {self.num_tokens}")
         if not 0.0 <= self.ratio <= 1.0:
             raise ValueError(f"document cache ratio must be in [0, 1], got {self.ratio}")
+        if self.glue not in DOCUMENT_GLUE_MODES:
+            raise ValueError(f"document cache glue must be one of {', '.join(DOCUMENT_GLUE_MODES)}")
 
 
 @dataclass(frozen=True)

@@ -219,6 +219,7 @@ class Preparer:
             policy=given.policy or settings.document_cache_policy,
             num_tokens=settings.document_cache_tokens if given.tokens is None else given.tokens,
             ratio=settings.document_cache_ratio if given.ratio is None else given.ratio,
+            glue=given.glue or settings.document_cache_glue,
         )
 
     def _count_compression(self, report: CompressionReport, arm: str) -> None:

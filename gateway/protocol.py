@@ -73,6 +73,9 @@ class DocumentCacheIn(_Strict):
         None, ge=0, le=4096, description="sink: each document's first tokens recomputed."
     )
     ratio: float | None = Field(None, ge=0, le=1, description="blend: share of document tokens recomputed.")
+    glue: Literal["recompute", "reuse"] | None = Field(
+        None, description="The text between documents: recomputed in context, or reused from the store."
+    )
 
 
 class RagspeedOptions(_Strict):

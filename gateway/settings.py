@@ -21,8 +21,10 @@ from ragspeed.gateway.security import ApiKeyEntry, KeyHash
 
 # The keys of engine.precision.DTYPES (kept here as a type: settings import no torch).
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
-# engine.protocol.DOCUMENT_CACHE_POLICIES and engine.document_kv.STORAGE_DTYPES, as types.
+# engine.protocol.DOCUMENT_CACHE_POLICIES, DOCUMENT_GLUE_MODES and engine.document_kv.STORAGE_DTYPES,
+# as types.
 DocumentCachePolicy = Literal["reuse", "sink", "blend"]
+DocumentGlue = Literal["recompute", "reuse"]
 DocumentCacheDtype = Literal["float16", "bfloat16", "float32"]
 
 
@@ -104,6 +106,10 @@ class Settings(BaseSettings):
     document_cache_tokens: int = Field(16, ge=0, description="sink: each document's first tokens recomputed.")
     document_cache_ratio: float = Field(
         0.15, ge=0, le=1, description="blend: share of document tokens recomputed."
+    )
+    document_cache_glue: DocumentGlue = Field(
+        "recompute",
+        description="The text between two documents (separator and number): recompute (in context) or reuse (stored and placed as a document is; fewer fresh tokens).",
     )
     document_cache_bytes: int = Field(
         256 * 2**20, ge=0, description="RAM budget of the document KV store, bytes (LRU beyond it)."

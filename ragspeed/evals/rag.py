@@ -10,7 +10,8 @@ over ASGI (its middleware, routes, pipeline, engine and SSE), once per *configur
   collection of every passage of the file (all its valid lines, not only the first `limit`;
   deduplicated), built before the first question;
 - `kv-reuse`, `kv-sink@<k>`, `kv-blend@<percent>`: the documents uncompressed, their KV reused
-  from the gateway's document store with that repair policy (`ragspeed.document_cache`); and
+  from the gateway's document store with that repair policy (`ragspeed.document_cache`), the
+  glue between documents recomputed, or with `:glue` after the name (`kv-reuse:glue`) reused; and
   `<method>@<N>x+kv-...`: compressed, then reused (only whole documents, as a selecting method
   keeps them, are found again).
 
@@ -77,7 +78,7 @@ FULL, RETRIEVAL = "full", "retrieval"
 COLLECTION = "eval-rag"
 DEFAULT_TOP_K = 5
 _COMPRESSED = re.compile(r"^(?P<method>[a-z0-9-]+)@(?P<factor>\d+)x$")
-_DOCUMENT_CACHE = re.compile(r"^kv-(?P<policy>reuse|sink|blend)(@(?P<value>\d+))?$")
+_DOCUMENT_CACHE = re.compile(r"^kv-(?P<policy>reuse|sink|blend)(@(?P<value>\d+))?(?P<glue>:glue)?$")
 
 
 # ---------------------------------------------------------------------------------- the data
@@ -197,12 +198,13 @@ def compressed_config(method: str, factor: int) -> RagConfig:
 
 
 def document_cache_config(name: str) -> RagConfig | None:
-    """`kv-reuse`, `kv-sink@<k>` (k tokens, default 16), `kv-blend@<percent>` (default 15)."""
+    """`kv-reuse`, `kv-sink@<k>` (k tokens, default 16), `kv-blend@<percent>` (default 15);
+    `:glue` after any: the glue between documents reused too (else recomputed)."""
     match = _DOCUMENT_CACHE.match(name)
     if match is None:
         return None
     policy, value = match["policy"], match["value"]
-    options: dict[str, Any] = {"policy": policy}
+    options: dict[str, Any] = {"policy": policy, "glue": "reuse" if match["glue"] else "recompute"}
     if policy == "sink":
         options["tokens"] = int(value or 16)
     elif policy == "blend":
@@ -260,8 +262,8 @@ def _one_config(name: str, top_k: int) -> RagConfig | None:
 def _valid_names(methods: Mapping[str, Any]) -> str:
     return (
         f"valid: all, {', '.join(default_config_names())}; <method>@<N>x with N >= 2 and a method "
-        f"among {', '.join(sorted(methods))}; kv-reuse, kv-sink@<k>, kv-blend@<percent>; or "
-        "<method>@<N>x+kv-..."
+        f"among {', '.join(sorted(methods))}; kv-reuse, kv-sink@<k>, kv-blend@<percent>, each "
+        "with an optional :glue; or <method>@<N>x+kv-..."
     )
 
 

@@ -20,6 +20,7 @@ QUESTION = [7, 8, 9, 11]
 LOSSLESS = {
     "sink": DocumentCacheOptions("sink", num_tokens=1000),
     "blend": DocumentCacheOptions("blend", ratio=1.0),
+    "blend, glue reused": DocumentCacheOptions("blend", ratio=1.0, glue="reuse"),
 }
 
 
@@ -102,6 +103,25 @@ def test_documents_in_another_order_come_from_the_store(tiny_checkpoints):
     # from document 3's own prefill; b recomputes the 3 other glues (3 x 2), 2 tokens of each
     # other document and its question but the last token (3).
     assert reports["b"].num_recomputed_tokens == 3 * 2 + 3 * 2 + 3
+    assert_all_blocks_free(engine)
+
+
+def test_reused_glue_is_stored_once_and_leaves_only_the_question_fresh(tiny_checkpoints):
+    engine = make_engine(tiny_checkpoints["llama"])
+    glue = DocumentCacheOptions("reuse", glue="reuse")
+    run(engine, request("a", [0, 1, 2, 3], glue))
+    stats = engine.stats()
+    assert stats["document_cache_entries"] == 5  # 4 documents, and the glue (the same each time)
+    engine.add_request(request("b", [3, 1, 0, 2], glue))
+    reports = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.delta.documents is not None:
+                reports[out.request_id] = out.delta.documents
+    # Documents are counted, glue is not; only the question but its last token is computed.
+    assert (reports["b"].num_hit, reports["b"].num_computed) == (4, 0)
+    assert reports["b"].num_recomputed_tokens == len(QUESTION) - 1
+    assert engine.stats()["document_cache_documents_placed"] - stats["document_cache_documents_placed"] == 3
     assert_all_blocks_free(engine)
 
 

@@ -121,6 +121,20 @@ def test_configuration_names():
             parse_configs(bad)
 
 
+def test_document_cache_configurations_name_their_policy_and_glue():
+    reuse, sink, glued = parse_configs("kv-reuse,kv-sink@8,first-docs@4x+kv-blend@20:glue")
+    assert reuse.ragspeed == {"compression": False, "document_cache": {"policy": "reuse", "glue": "recompute"}}
+    assert sink.ragspeed["document_cache"] == {"policy": "sink", "glue": "recompute", "tokens": 8}
+    assert glued.ragspeed == {
+        "compression": {"method": "first-docs", "rate": 0.25},
+        "document_cache": {"policy": "blend", "glue": "reuse", "ratio": 0.2},
+    }
+    assert reuse.reuses_documents and glued.reuses_documents
+    for bad in ("kv-reuse@3", "kv-sink:gum", "kv-everything"):
+        with pytest.raises(ValueError, match="unknown configuration"):
+            parse_configs(bad)
+
+
 def test_configurations_rotate_question_by_question():
     assert [rotated("abc", i) for i in range(4)] == [list("abc"), list("bca"), list("cab"), list("abc")]
 

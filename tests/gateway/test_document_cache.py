@@ -1,6 +1,6 @@
 """Document KV reuse end to end: the real server on the default model, the official openai
 client. Documents seen in one order are found in the store in another, also after a restart on
-the same folder; a bad option is a 400 naming it."""
+the same folder, and with their glue reused; a bad option is a 400 naming it."""
 
 from __future__ import annotations
 
@@ -49,7 +49,10 @@ def test_documents_reused_in_another_order_and_after_a_restart(tmp_path_factory,
     with ServerProcess(args, env=env) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
         answer, restarted = ask(client, DOCUMENTS[1:] + DOCUMENTS[:1])
+        ask(client, DOCUMENTS, {"glue": "reuse"})  # stores the glue between documents
+        _, glued = ask(client, DOCUMENTS[2:] + DOCUMENTS[:2], {"glue": "reuse"})
     assert (restarted["documents_hit"], restarted["documents_computed"]) == (3, 0)
+    assert glued["documents_hit"] == 3 and glued["recomputed_tokens"] < restarted["recomputed_tokens"]
     assert answer
     assert restarted["policy"] == "reuse"  # the server's default policy
 
