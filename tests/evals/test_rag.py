@@ -123,7 +123,10 @@ def test_configuration_names():
 
 def test_document_cache_configurations_name_their_policy_and_glue():
     reuse, sink, glued = parse_configs("kv-reuse,kv-sink@8,first-docs@4x+kv-blend@20:glue")
-    assert reuse.ragspeed == {"compression": False, "document_cache": {"policy": "reuse", "glue": "recompute"}}
+    assert reuse.ragspeed == {
+        "compression": False,
+        "document_cache": {"policy": "reuse", "glue": "recompute"},
+    }
     assert sink.ragspeed["document_cache"] == {"policy": "sink", "glue": "recompute", "tokens": 8}
     assert glued.ragspeed == {
         "compression": {"method": "first-docs", "rate": 0.25},
