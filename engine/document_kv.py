@@ -126,6 +126,11 @@ class DocumentKVCache:
         self._in_flight: dict[str, _InFlight] = {}
         pool = runner.kv_pool.kv  # [2, L, num_blocks, block_size, H, D]
         self._flat = pool.view(pool.shape[0], pool.shape[1], -1, pool.shape[4], pool.shape[5])
+        num_slots = self._flat.shape[2]
+        # The pool as rows of one token's K (or V) at one layer, and the first row of each
+        # (K or V, layer): a document is placed by one index_copy_ of all its rows.
+        self._rows = pool.view(-1, pool.shape[4] * pool.shape[5])
+        self._first_rows = (torch.arange(2 * pool.shape[1], device=pool.device) * num_slots).view(-1, 1)
         self.num_assembled = 0
         self.num_documents_placed = 0
         self.num_documents_computed = 0
@@ -267,10 +272,9 @@ class DocumentKVCache:
                 continue
             kv = kv[:, :, begin - start : stop - start].to(device)  # [2, L, n, H, D]
             slots = _slots(block_table, begin, stop, self.runner.block_size).to(device)
-            self._flat[0].index_copy_(
-                1, slots, self.runner.rotary.shift_keys(kv[0], start - stored_start).to(dtype)
-            )
-            self._flat[1].index_copy_(1, slots, kv[1].to(dtype))
+            keys = self.runner.rotary.shift_keys(kv[0], start - stored_start)
+            rows = torch.cat((keys.to(dtype), kv[1].to(dtype)))  # [2 L, n, H, D]
+            self._rows.index_copy_(0, (self._first_rows + slots).view(-1), rows.view(-1, self._rows.shape[1]))
             placed[begin:stop] = [True] * (stop - begin)
             self.num_documents_placed += is_document
         return placed
