@@ -6,6 +6,7 @@
 | fast | static embeddings + BM25 only | latency-critical |
 | llmlingua2 | LLMLingua-2 token classifier (needs `model_path`) | token-level contender |
 | bm25 | BM25 over sentences | baseline |
+| top-docs | coarse-to-fine's scores, whole documents kept | reusable KV (document cache) |
 | first-docs | the first documents that fit | baseline |
 | identity | nothing | control arm |
 
@@ -56,7 +57,7 @@ def _build_fast(options: dict[str, Any]) -> Compressor:
     return SentenceCompressor("fast", scorer, order=options.pop("order", "original"))
 
 
-def _build_coarse_to_fine(options: dict[str, Any]) -> Compressor:
+def _cascade_scorer(options: dict[str, Any]):
     from ragspeed.compression.scoring.cascade import CascadeScorer
     from ragspeed.compression.scoring.minilm_encoder import MiniLMEncoder
 
@@ -65,7 +66,7 @@ def _build_coarse_to_fine(options: dict[str, Any]) -> Compressor:
     fine = options.pop("minilm_encoder", None) or MiniLMEncoder(
         options.pop("minilm_path", None), quantize=options.pop("quantize", True), cache=cache
     )
-    scorer = CascadeScorer(
+    return CascadeScorer(
         cheap,
         fine,
         num_candidate_docs=options.pop("num_candidate_docs", 4),
@@ -73,7 +74,18 @@ def _build_coarse_to_fine(options: dict[str, Any]) -> Compressor:
         doc_weight=options.pop("doc_weight", 1.5),
         fine_bm25_weight=options.pop("fine_bm25_weight", 0.3),
     )
+
+
+def _build_coarse_to_fine(options: dict[str, Any]) -> Compressor:
+    scorer = _cascade_scorer(options)
     return SentenceCompressor("coarse-to-fine", scorer, order=options.pop("order", "original"))
+
+
+def _build_top_docs(options: dict[str, Any]) -> Compressor:
+    from ragspeed.compression.document_selector import DocumentSelector
+
+    scorer = _cascade_scorer(options)
+    return DocumentSelector("top-docs", scorer, order=options.pop("order", "original"))
 
 
 def _build_llmlingua2(options: dict[str, Any]) -> Compressor:
@@ -99,13 +111,14 @@ COMPRESSORS: dict[str, Callable[[dict[str, Any]], Compressor]] = {
     "fast": _build_fast,
     "llmlingua2": _build_llmlingua2,
     "bm25": _build_bm25,
+    "top-docs": _build_top_docs,
     "first-docs": _build_first_docs,
     "identity": _build_identity,
 }
 
 # What a server offers unless told otherwise: every method that needs no model of the caller's
 # (llmlingua2 needs a local model folder).
-OFFERED_METHODS: tuple[str, ...] = ("coarse-to-fine", "fast", "bm25", "first-docs", "identity")
+OFFERED_METHODS: tuple[str, ...] = ("coarse-to-fine", "fast", "bm25", "top-docs", "first-docs", "identity")
 
 
 # Options a caller may offer to any method (a shared embedding cache, the output order); a

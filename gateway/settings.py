@@ -149,7 +149,7 @@ class Settings(BaseSettings):
     # Compression of the documents (per request: `ragspeed.compression`)
     compression_method: str | None = Field(
         None,
-        description="Default compressor for every request: coarse-to-fine, fast, bm25, first-docs, llmlingua2, identity; none: only when a request asks.",
+        description="Default compressor for every request: coarse-to-fine, fast, bm25, top-docs, first-docs, llmlingua2, identity; none: only when a request asks.",
     )
     compression_default_method: str = Field(
         DEFAULT_METHOD,

@@ -75,12 +75,12 @@ def run_compression_eval(
         "tokenizer": tokenizer or model,
         "torch_threads": torch.get_num_threads(),
     }
-    if {"fast", "coarse-to-fine"} & set(names):
+    if {"fast", "coarse-to-fine", "top-docs"} & set(names):
         _, setup["static_distill_s"] = ensure_static_model()
     compressors = {}
     for name in names:
         start = time.perf_counter()
-        if name in ("fast", "coarse-to-fine"):
+        if name in ("fast", "coarse-to-fine", "top-docs"):
             compressors[name] = build_compressor(name, cache=EmbeddingCache(100_000), order=order)
         elif name == "llmlingua2":
             compressors[name] = build_compressor(name, model_path=llmlingua2_model)

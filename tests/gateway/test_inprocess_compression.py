@@ -123,7 +123,14 @@ def shipped_settings(**overrides):
 def test_the_shipped_default_compressor_is_coarse_to_fine():
     settings = Settings()
     assert settings.compression_default_method == "coarse-to-fine" and settings.compression_method is None
-    assert settings.compression_methods == ["coarse-to-fine", "fast", "bm25", "first-docs", "identity"]
+    assert settings.compression_methods == [
+        "coarse-to-fine",
+        "fast",
+        "bm25",
+        "top-docs",
+        "first-docs",
+        "identity",
+    ]
     assert settings.enable_retrieval
 
 
@@ -184,11 +191,11 @@ async def test_every_model_is_loaded_before_ready_and_no_request_loads_one(fake,
         )
         loads_after_request = state.compression.num_loads
     assert (health["compressors"], health["retrieval"]) == (
-        ["coarse-to-fine", "fast", "bm25", "first-docs", "identity"],
+        ["coarse-to-fine", "fast", "bm25", "top-docs", "first-docs", "identity"],
         True,
     )
     assert state.retrieval.loaded
-    assert (loads_when_ready, loads_after_request) == (5, 5)  # one per offered method, at start-up
+    assert (loads_when_ready, loads_after_request) == (6, 6)  # one per offered method, at start-up
     assert response.json()["ragspeed"]["compression"]["method"] == "coarse-to-fine"
 
 

@@ -52,7 +52,7 @@ def test_missing_config_file(tmp_path):
         (
             {"compression_methods": ["bm25", "zip"]},
             "invalid settings: compression_methods: Value error, unknown compressor(s) zip; known: "
-            "bm25, coarse-to-fine, fast, first-docs, identity, llmlingua2",
+            "bm25, coarse-to-fine, fast, first-docs, identity, llmlingua2, top-docs",
         ),
         (
             {"compression_methods": ["bm25"]},
