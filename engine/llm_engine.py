@@ -262,13 +262,15 @@ class LLMEngine:
                     self.scheduler.finish(request, "stop")
                     continue
                 self.scheduler.finish(request, "stop")
-                # warm(): report how much of the prefix is now cached (its blocks stay cached).
+                # warm(): report how much of the prefix is now cached (its blocks stay cached);
+                # store_documents(): what became of the documents.
                 num_cached = self.num_cached_prefix_tokens(request.prompt_token_ids, request.cache_salt)
                 delta = TokenDelta(
                     text="",
                     finish_reason="stop",
                     num_prompt_tokens=request.num_prompt_tokens,
                     num_cached_tokens=num_cached,
+                    documents=request.document_plan.report() if request.document_plan else None,
                 )
                 results.append(StepOutput(request.request_id, delta))
         return results

@@ -228,6 +228,10 @@ class EngineClient(Protocol):
     async def warm(self, prefix_token_ids: tuple[int, ...], cache_salt: str | None = None) -> int:
         """Prefill a static prefix into the cache; returns the number of tokens now cached."""
 
+    async def store_documents(self, request: GenerationRequest) -> DocumentReuse | None:
+        """Prefill `request`'s documents (its document_spans) into the document store, sampling
+        nothing; None where this engine keeps no document KV."""
+
     def stats(self) -> dict[str, float]:
         """Numbers for /metrics: blocks in use, cache hits, and so on."""
 

@@ -20,6 +20,7 @@ from ragspeed.engine.backends import build_engine
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.protocol import EngineClient
 from ragspeed.gateway.compress import CompressionStage
+from ragspeed.gateway.document_precompute import DocumentPrecompute
 from ragspeed.gateway.errors import install_error_handlers
 from ragspeed.gateway.experiments import ArmError, ArmHintsMiddleware, build_live_experiment
 from ragspeed.gateway.limits import AdmissionMiddleware, AdmissionQueue, BodyLimitMiddleware, Rejections
@@ -82,6 +83,7 @@ def create_app(
                 for arm_engine in arm_engines.values():
                     await arm_engine.start()
                 await state.prompts.start()  # restore the pinned prompts saved before a restart
+                state.precompute = DocumentPrecompute(engine, engine.tokenizer, metrics)
                 state.compression = CompressionStage(settings, engine.tokenizer)
                 await asyncio.to_thread(state.compression.warm)
                 await asyncio.to_thread(state.retrieval.warm)
@@ -110,6 +112,8 @@ def create_app(
         finally:
             loading.cancel()
             await asyncio.gather(loading, return_exceptions=True)
+            if state.precompute is not None:
+                await state.precompute.close()
             await engine.shutdown()
             for arm_engine in arm_engines.values():
                 await arm_engine.shutdown()

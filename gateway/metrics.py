@@ -134,6 +134,19 @@ class GatewayMetrics:
             registry=r,
         )
 
+        self.precomputed_documents = Counter(
+            "ragspeed_collection_precomputed_documents",
+            "Collection documents sent to the document KV store, by outcome (computed, found, failed).",
+            ("collection", "outcome"),
+            registry=r,
+        )
+        self.precompute_queued = Gauge(
+            "ragspeed_collection_precompute_queued",
+            "Collection documents waiting for their KV to be precomputed.",
+            ("collection",),
+            registry=r,
+        )
+
     def watch_engine(self, stats: Callable[[], dict[str, float]], model: str) -> None:
         self.registry.register(_EngineStatsCollector(stats, model))
         self.registry.register(_PrefixCacheCollector(stats, model))

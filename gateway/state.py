@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from ragspeed.engine.protocol import EngineClient
 from ragspeed.gateway.compress import CompressionStage
+from ragspeed.gateway.document_precompute import DocumentPrecompute
 from ragspeed.gateway.experiments import LiveExperiment
 from ragspeed.gateway.metrics import GatewayMetrics
 from ragspeed.gateway.pipeline import Pipeline
@@ -27,6 +28,7 @@ class AppState:
     arm_engines: dict[str, EngineClient] = field(default_factory=dict)  # A/B arms with an engine
     # Built once the engines have started (the stage counts tokens with the engine's tokenizer).
     compression: CompressionStage | None = None
+    precompute: DocumentPrecompute | None = None  # collections' document KV, at ingestion
     # Built once every service above is loaded; None while loading (and after a failed load).
     pipeline: Pipeline | None = None
     engine_error: str | None = None  # why loading failed: "ExceptionType: message"

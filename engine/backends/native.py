@@ -31,6 +31,7 @@ from ragspeed.engine.prefix_store import (
     unpin_prefix,
 )
 from ragspeed.engine.protocol import (
+    DocumentReuse,
     EngineError,
     GenerationRequest,
     PrefixCacheControl,
@@ -221,7 +222,18 @@ class NativeEngine:
             sampling=SamplingParams(max_tokens=1, temperature=0.0),
             cache_salt=cache_salt,
         )
-        engine.validate(request, prefill_only=True)
+        return (await self._prefill_only(request)).num_cached_tokens  # counted on the engine thread
+
+    async def store_documents(self, request: GenerationRequest) -> DocumentReuse | None:
+        """Prefill the documents of `request` (its spans) into the document store, sampling
+        nothing; what was found and computed. None: this engine has no document store."""
+        if self.engine.documents is None or request.document_cache is None or not request.document_spans:
+            return None
+        return (await self._prefill_only(request)).documents
+
+    async def _prefill_only(self, request: GenerationRequest) -> TokenDelta:
+        """Run `request` as a prefill-only request; its final delta."""
+        self.engine.validate(request, prefill_only=True)
         sink: asyncio.Queue = asyncio.Queue()
         self._commands.put(_Add(request, sink, prefill_only=True))
         while True:
@@ -229,7 +241,7 @@ class NativeEngine:
             if isinstance(item, BaseException):
                 raise item
             if item.finish_reason is not None:
-                return item.num_cached_tokens  # counted on the engine thread
+                return item
 
     async def call(self, fn: Any) -> Any:
         """`fn(llm_engine)` run on the engine thread between steps; its result or exception."""

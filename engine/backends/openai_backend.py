@@ -173,6 +173,9 @@ class OpenAIEngine:
     async def warm(self, prefix_token_ids: tuple[int, ...], cache_salt: str | None = None) -> int:
         return 0
 
+    async def store_documents(self, request: GenerationRequest) -> None:
+        return None  # no document store
+
     def stats(self) -> dict[str, float]:
         open_circuits = sum(b.state != "closed" for b in self._breakers.values())
         return {**self._counters, "upstream_circuits_open": float(open_circuits)}

@@ -124,6 +124,9 @@ class TransformersEngine:
     async def warm(self, prefix_token_ids: tuple[int, ...], cache_salt: str | None = None) -> int:
         return 0  # no prefix cache in the baseline
 
+    async def store_documents(self, request: GenerationRequest) -> None:
+        return None  # no document store
+
     def stats(self) -> dict[str, float]:
         return {"requests_total": float(self._num_requests)}
 

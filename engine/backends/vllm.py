@@ -223,6 +223,9 @@ class VLLMEngine:
             pass
         return len(prefix_token_ids) // self.config.block_size * self.config.block_size
 
+    async def store_documents(self, request: GenerationRequest) -> None:
+        return None  # vLLM keeps no document KV (its prefix cache serves leading prefixes only)
+
     def stats(self) -> dict[str, float]:
         return {"requests_total": float(self._num_requests)}
 

@@ -7,9 +7,11 @@ import dataclasses
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ragspeed.gateway.dependencies import retrieval_service
+from ragspeed.gateway.dependencies import app_state, ready_state, retrieval_service
+from ragspeed.gateway.prompt import Document as PromptDocument
+from ragspeed.gateway.security import tenant_cache_salt
 
 router = APIRouter(prefix="/v1/collections")
 
@@ -29,9 +31,33 @@ class DocumentBody(_Body):
     metadata: dict[str, Any] = Field(default_factory=dict)
 
 
+class PrecomputeKV(_Body):
+    """Store each added document's KV (the document cache) for requests with this system prompt."""
+
+    system_prompt: str = Field(
+        ..., min_length=1, description="The static system prompt of the requests that will retrieve them."
+    )
+    tenant: str | None = Field(None, min_length=1, description="For this tenant's API keys.")
+    cache_salt: str | None = Field(None, min_length=1, description="For requests with this salt.")
+
+    @model_validator(mode="after")
+    def _one_salt(self) -> PrecomputeKV:
+        if self.tenant is not None and self.cache_salt is not None:
+            raise ValueError("give either tenant or cache_salt, not both")
+        return self
+
+    @property
+    def salt(self) -> str | None:
+        return tenant_cache_salt(self.tenant) if self.tenant is not None else self.cache_salt
+
+
 class AddDocuments(_Body):
     documents: list[DocumentBody] = Field(..., min_length=1)
     chunk: bool = True
+    precompute: PrecomputeKV | None = Field(
+        None,
+        description="Prefill the added documents' KV in the background (see the collection's document_kv).",
+    )
 
 
 class DeleteDocuments(_Body):
@@ -49,28 +75,36 @@ async def _run(request: Request, name: str, *args: Any, **kwargs: Any) -> Any:
     return await asyncio.to_thread(lambda: service.call(getattr(service.store, name), *args, **kwargs))
 
 
-def _stats(stats: Any) -> dict[str, Any]:
-    return {"object": "collection", **dataclasses.asdict(stats)}
+def _stats(request: Request, stats: Any) -> dict[str, Any]:
+    out = {"object": "collection", **dataclasses.asdict(stats)}
+    precompute = app_state(request).precompute
+    progress = precompute.progress.get(stats.name) if precompute is not None else None
+    if progress is not None:
+        out["document_kv"] = progress.as_dict()
+    return out
 
 
 @router.get("")
 async def list_collections(request: Request):
-    return {"object": "list", "data": [_stats(s) for s in await _run(request, "list")]}
+    return {"object": "list", "data": [_stats(request, s) for s in await _run(request, "list")]}
 
 
 @router.post("", status_code=201)
 async def create_collection(body: CreateCollection, request: Request):
-    return _stats(await _run(request, "create", body.name))
+    return _stats(request, await _run(request, "create", body.name))
 
 
 @router.get("/{name}")
 async def get_collection(name: str, request: Request):
-    return _stats(await _run(request, "stats", name))
+    return _stats(request, await _run(request, "stats", name))
 
 
 @router.delete("/{name}")
 async def delete_collection(name: str, request: Request):
     await _run(request, "delete", name)
+    precompute = app_state(request).precompute
+    if precompute is not None:
+        precompute.forget(name)
     return {"object": "collection.deleted", "name": name, "deleted": True}
 
 
@@ -78,16 +112,26 @@ async def delete_collection(name: str, request: Request):
 async def add_documents(name: str, body: AddDocuments, request: Request):
     from ragspeed.retrieval import Document
 
+    # Checked before anything is added: a refused request changes nothing.
+    precompute = ready_state(request).precompute if body.precompute is not None else None
     documents = [
         Document(id=d.id or "", text=d.text, title=d.title, metadata=d.metadata) for d in body.documents
     ]
     result = await _run(request, "add_documents", name, documents, chunk=body.chunk)
-    return {
+    out = {
         "object": "collection.add",
         "num_added": result.num_added,
         "num_duplicates": result.num_duplicates,
         "ids": list(result.ids),
     }
+    if precompute is not None and body.precompute is not None:
+        added = set(result.ids)
+        collection = await _run(request, "get", name)
+        chunks = [PromptDocument(d.id, d.text, d.title) for d in collection.documents() if d.id in added]
+        out["document_kv"] = precompute.submit(
+            name, chunks, body.precompute.system_prompt, body.precompute.salt
+        ).as_dict()
+    return out
 
 
 @router.post("/{name}/delete")

@@ -158,6 +158,9 @@ class FakeEngine:
     async def warm(self, prefix_token_ids: tuple[int, ...], cache_salt: str | None = None) -> int:
         return 0
 
+    async def store_documents(self, request: GenerationRequest) -> None:
+        return None
+
     def prefix_cache(self) -> None:
         return None  # no KV to pin: prompts fall back to text substitution, as on a remote engine
 

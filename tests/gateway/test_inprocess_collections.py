@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.gateway.inprocess import fake_settings, serve
+from tests.gateway.inprocess import fake_settings, serve, wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -92,3 +92,79 @@ async def test_collection_errors(fake, tmp_path):
             assert response.status_code == status, (path, response.text)
             assert response.json()["error"]["param"] == param, path
     assert fake.engine.requests == []
+
+
+async def _precomputed(client, name: str) -> dict:
+    status: dict = {}
+
+    async def done() -> bool:
+        status.update((await client.get(f"/v1/collections/{name}")).json()["document_kv"])
+        return status["queued"] == 0
+
+    await wait_for(done, "precomputed")
+    return status
+
+
+async def test_added_documents_are_precomputed_and_a_retrieval_request_finds_their_kv(tiny_model, tmp_path):
+    settings = fake_settings(
+        engine="native",
+        model=str(tiny_model),
+        max_model_len=2048,
+        num_threads=1,
+        collections_dir=str(tmp_path / "collections"),
+        enable_retrieval=True,
+        document_cache="on",
+    )
+    precompute = {"system_prompt": "Answer briefly.", "cache_salt": "acme"}
+    async with serve(settings) as client:
+        await client.post("/v1/collections", json={"name": "wiki"})
+        added = await client.post(
+            "/v1/collections/wiki/documents",
+            json={"documents": PASSAGES, "chunk": False, "precompute": precompute},
+        )
+        assert added.status_code == 200 and added.json()["document_kv"]["queued"] == 3
+        status = await _precomputed(client, "wiki")
+        assert (status["computed"], status["found"], status["failed"]) == (3, 0, 0)
+        chat = await client.post(
+            "/v1/chat/completions",
+            json={
+                "messages": [
+                    {"role": "system", "content": "Answer briefly."},
+                    {"role": "user", "content": "When was the Eiffel Tower built?"},
+                ],
+                "max_tokens": 2,
+                "cache_salt": "acme",
+                "ragspeed": {"retrieval": {"collection": "wiki", "top_k": 2}},
+            },
+        )
+        assert chat.status_code == 200, chat.text
+        reuse = chat.json()["ragspeed"]["document_cache"]
+        assert (reuse["documents_hit"], reuse["documents_computed"]) == (2, 0)
+        metrics = (await client.get("/metrics")).text
+        assert (
+            'ragspeed_collection_precomputed_documents_total{collection="wiki",outcome="computed"} 3.0'
+            in metrics
+        )
+
+
+async def test_a_precompute_the_engine_cannot_serve_is_reported_and_a_bad_one_adds_nothing(fake, tmp_path):
+    async with serve(
+        fake_settings(collections_dir=str(tmp_path / "collections"), enable_retrieval=True)
+    ) as client:
+        await client.post("/v1/collections", json={"name": "wiki"})
+        both = {"system_prompt": "Be brief.", "tenant": "acme", "cache_salt": "x"}
+        refused = await client.post(
+            "/v1/collections/wiki/documents", json={"documents": PASSAGES, "precompute": both}
+        )
+        assert refused.status_code == 400 and "either tenant or cache_salt" in refused.text
+        assert (await client.get("/v1/collections/wiki")).json()["num_documents"] == 0
+        added = await client.post(
+            "/v1/collections/wiki/documents",
+            json={"documents": PASSAGES, "chunk": False, "precompute": {"system_prompt": "Be brief."}},
+        )
+        assert added.status_code == 200
+        status = await _precomputed(client, "wiki")
+        assert status["failed"] == 3 and "keeps no document KV" in status["error"]
+        await client.delete("/v1/collections/wiki")
+        await client.post("/v1/collections", json={"name": "wiki"})
+        assert "document_kv" not in (await client.get("/v1/collections/wiki")).json()
