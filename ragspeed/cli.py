@@ -209,6 +209,7 @@ def chat(
     lazy={
         "cache": "ragspeed.bench.cache:bench_cache",
         "cache-manager": "ragspeed.bench.cache_manager:bench_cache_manager",
+        "documents": "ragspeed.bench.documents:bench_documents",
         "engine": "ragspeed.bench.engine:bench_engine_command",
         "gateway": "ragspeed.bench.gateway:bench_gateway",
         "load": "ragspeed.bench.load:bench_load",

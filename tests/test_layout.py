@@ -48,6 +48,7 @@ def test_cli_commands_load_when_asked_for():
     assert sorted(bench.list_commands(None)) == [
         "cache",
         "cache-manager",
+        "documents",
         "engine",
         "gateway",
         "load",

@@ -1,0 +1,287 @@
+"""`ragspeed bench documents`: time to first token of a 20-document request whose documents'
+KV is stored (the document cache), against full prefill and against its own bound.
+
+One process, one `LLMEngine` with prefix caching and the document store on; TTFT measured
+in-process, from `add_request` to the step that samples the first token. Prompts are laid out
+as the gateway lays them out (gateway.prompt: system prompt, numbered documents, question),
+with the documents' token spans. Each trial has a question and 20 documents (passages cut from
+the shipped system_prompt.txt, or a QA file's documents with `--data`) and a tenant salt of its
+own, and runs three requests:
+
+- *full*: the documents prefilled in context (no document cache); only the system prompt comes
+  from the prefix cache [ttft_full_ms];
+- *cold*: the documents reversed and seen for the first time: each is prefilled on its own
+  after the system prompt and stored [ttft_cold_ms];
+- *warm*: the documents in their own order, every one in the store, and no prefix beyond the
+  first document in the prefix cache [ttft_warm_ms].
+
+The bound of a warm request: its fresh tokens (`recomputed_tokens`, and the last prompt token)
+at the full prefill's rate per token, plus the bytes that placing the documents moves (the
+stored KV read, the pool's KV written) at the copy bandwidth measured in the same run
+[ttft_warm_bound_ms]. `warm_over_bound` = warm / bound. Store figures: bytes per token (K and V
+at every layer, in the storage dtype) and documents per GB at the trials' mean document length.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+
+from ragspeed.bench.common import json_option, machine_line, prefill_line, require_positive, write_json
+from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
+from ragspeed.engine.protocol import (
+    DOCUMENT_GLUE_MODES,
+    DocumentCacheOptions,
+    GenerationRequest,
+    SamplingParams,
+)
+from ragspeed.gateway.prompt import Document, Segments, assemble_prompt
+
+NUM_DOCUMENTS = 20
+SYSTEM_PROMPT = "Answer the question using only the provided search results."
+QUESTIONS = (
+    "Which step comes first?",
+    "What does the policy say about refunds?",
+    "Who may change the settings?",
+    "How long is data kept?",
+    "What happens after an outage?",
+)
+_GREEDY = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+
+def shipped_trials(num_trials: int) -> list[tuple[str, list[Document]]]:
+    """Trials of 20 passages (about 100 words each) cut from the shipped system prompt, a
+    different rotation for each trial."""
+    text = resources.files("ragspeed.bench").joinpath("system_prompt.txt").read_text(encoding="utf-8")
+    words = text.split()
+    size = max(len(words) // NUM_DOCUMENTS, 1)
+    passages = [" ".join(words[i * size : (i + 1) * size]) for i in range(NUM_DOCUMENTS)]
+    trials = []
+    for t in range(num_trials):
+        rotated = passages[t:] + passages[:t]
+        trials.append(
+            (QUESTIONS[t % len(QUESTIONS)], [Document(f"p{t}-{i}", p) for i, p in enumerate(rotated)])
+        )
+    return trials
+
+
+def file_trials(path: Path, num_trials: int) -> list[tuple[str, list[Document]]]:
+    """The first `num_trials` questions of a QA file (one JSON object a line, `question` and
+    `documents` as strings or {title, text})."""
+    trials = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if len(trials) == num_trials:
+            break
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            docs = [d if isinstance(d, dict) else {"text": d} for d in record["documents"]]
+            documents = [
+                Document(f"{number}-{i}", d["text"], d.get("title") or "") for i, d in enumerate(docs)
+            ]
+            trials.append((str(record["question"]), documents))
+        except (ValueError, KeyError, TypeError) as error:
+            raise ValueError(f"{path}:{number}: not a question with documents ({error})") from None
+    if len(trials) < num_trials:
+        raise ValueError(f"{path}: {len(trials)} question(s) with documents, {num_trials} asked")
+    return trials
+
+
+def copy_bandwidth(num_bytes: int = 256 * 2**20, repeats: int = 5) -> float:
+    """Bytes moved (read + written) per second by a large tensor copy: the best of `repeats`."""
+    source = torch.ones(num_bytes // 4)
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - start)
+    return 2 * num_bytes / best
+
+
+def _ttft(engine: Any, request: GenerationRequest) -> tuple[float, Any]:
+    """Seconds from admission to the first sampled token; and the request's document report."""
+    start = time.perf_counter()
+    engine.add_request(request)
+    elapsed, report = None, None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id != request.request_id:
+                continue
+            report = out.delta.documents if out.delta.documents is not None else report
+            if elapsed is None and out.delta.token_ids:
+                elapsed = time.perf_counter() - start
+    assert elapsed is not None
+    return elapsed, report
+
+
+def run_bench_documents(
+    model: str = DEFAULT_MODEL_NAME,
+    json_path: str | None = None,
+    *,
+    data: Path | None = None,
+    num_trials: int = 5,
+    policy: str = "reuse",
+    glue: str = "reuse",
+    threads: int | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Full, cold and warm TTFT per trial; print a table, return (and write) flat JSON."""
+    from ragspeed.engine.document_kv import STORAGE_DTYPES
+    from ragspeed.engine.llm_engine import LLMEngine
+    from ragspeed.engine.loader import resolve_model_path
+
+    require_positive(num_trials=num_trials)
+    options = DocumentCacheOptions(policy, glue=glue)  # ValueError names a bad policy or glue
+    if threads is not None:
+        require_positive(threads=threads)
+        torch.set_num_threads(threads)
+    trials = file_trials(data, num_trials) if data is not None else shipped_trials(num_trials)
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(resolve_model_path(model)),
+            num_kv_cache_tokens=32768,
+            enable_prefix_caching=True,
+            seed=seed,
+        )
+    )
+    if engine.documents is None:
+        raise ValueError(f"{model}: its rope cannot be shifted, so document KV cannot be reused")
+    tokenizer = engine.tokenizer
+
+    def request(name: str, question: str, documents: list[Document], cached: bool, salt: str):
+        segments = Segments(SYSTEM_PROMPT, tuple(documents), (), question)
+        prompt = assemble_prompt(tokenizer, segments, documents, document_spans=cached)
+        return GenerationRequest(
+            name,
+            prompt.token_ids,
+            _GREEDY,
+            cache_salt=salt,
+            document_spans=prompt.document_spans,
+            document_cache=options if cached else None,
+        )
+
+    full, cold, warm, fresh, prompt_tokens, placed, document_tokens = [], [], [], [], [], [], []
+    with torch.inference_mode():
+        # Warm-up (not timed): kernels, allocators, and the system prompt in the prefix cache
+        # of the full requests (salt "full"; the documents reversed, so no trial's prompt is).
+        question, documents = trials[0]
+        _ttft(engine, request("warmup-full", question, documents[::-1], False, "full"))
+        _ttft(engine, request("warmup-cached", question, documents, True, "warmup"))
+        for t, (question, documents) in enumerate(trials):
+            salt = f"trial-{t}"  # every trial's documents are new to the store
+            full_request = request(f"full-{t}", question, documents, False, "full")
+            full.append(_ttft(engine, full_request)[0])
+            cold.append(_ttft(engine, request(f"cold-{t}", question, documents[::-1], True, salt))[0])
+            warm_request = request(f"warm-{t}", question, documents, True, salt)
+            seconds, report = _ttft(engine, warm_request)
+            warm.append(seconds)
+            fresh.append(report.num_recomputed_tokens + 1)  # and the last prompt token
+            prompt_tokens.append(len(full_request.prompt_token_ids))
+            spans = warm_request.document_spans
+            placed.append(sum(e - s for s, e in spans))
+            document_tokens.append(placed[-1] / len(spans))
+    bandwidth = copy_bandwidth()
+    shape = engine.runner.kv_pool.kv.shape  # [2, L, blocks, block_size, H, D]
+    per_token = shape[0] * shape[1] * shape[4] * shape[5]  # K and V elements of one token
+    stored = STORAGE_DTYPES[engine.documents.storage_dtype].itemsize
+    pool = engine.runner.kv_pool.kv.element_size()
+    placed_bytes = statistics.median(placed) * per_token * (stored + pool)  # stored read, pool written
+    per_prompt_token_s = statistics.median(f / p for f, p in zip(full, prompt_tokens))
+    bound = statistics.median(fresh) * per_prompt_token_s + placed_bytes / bandwidth
+    results: dict[str, Any] = {
+        "model": model,
+        "data": str(data) if data else "shipped passages",
+        "num_trials": num_trials,
+        "policy": policy,
+        "glue": glue,
+        "prompt_tokens": statistics.median(prompt_tokens),
+        "tokens_per_document": statistics.mean(document_tokens),
+        "ttft_full_ms": statistics.median(full) * 1000,
+        "ttft_cold_ms": statistics.median(cold) * 1000,
+        "ttft_warm_ms": statistics.median(warm) * 1000,
+        "warm_over_full": statistics.median(warm) / statistics.median(full),
+        "cold_over_full": statistics.median(cold) / statistics.median(full),
+        "fresh_tokens": statistics.median(fresh),
+        "ttft_warm_bound_ms": bound * 1000,
+        "warm_over_bound": statistics.median(warm) / bound,
+        "copy_gb_per_s": bandwidth / 1e9,
+        "store_bytes_per_token": per_token * stored,
+        "store_documents_per_gb": 1e9 / (per_token * stored * statistics.mean(document_tokens)),
+        "threads": torch.get_num_threads(),
+        "prefill": prefill_line(engine),
+    }
+    print_table(results)
+    write_json(json_path, results)
+    return results
+
+
+def print_table(r: dict[str, Any]) -> None:
+    print(machine_line(r["threads"]))
+    print(r["prefill"])
+    print(
+        f"document cache, {r['model']}: {r['num_trials']} trials ({r['data']}), "
+        f"{r['prompt_tokens']:.0f}-token prompts, policy {r['policy']}, glue {r['glue']}"
+    )
+    print(f"  {'TTFT full prefill':28s} {r['ttft_full_ms']:10.1f} ms")
+    print(
+        f"  {'TTFT cold (first sight)':28s} {r['ttft_cold_ms']:10.1f} ms   ({r['cold_over_full']:.2f}x full)"
+    )
+    print(
+        f"  {'TTFT warm (documents stored)':28s} {r['ttft_warm_ms']:10.1f} ms   ({r['warm_over_full']:.3f}x full,"
+        f" {r['fresh_tokens']:.0f} fresh tokens)"
+    )
+    print(
+        f"  {'warm bound':28s} {r['ttft_warm_bound_ms']:10.1f} ms   (warm {r['warm_over_bound']:.2f}x its bound;"
+        f" copy {r['copy_gb_per_s']:.1f} GB/s)"
+    )
+    print(
+        f"  store: {r['store_bytes_per_token'] / 1024:.1f} KiB a token,"
+        f" {r['store_documents_per_gb']:,.0f} documents per GB"
+    )
+
+
+@click.command("documents")
+@click.option("--model", default=DEFAULT_MODEL_NAME, help="model-zoo name, local folder or hub id")
+@json_option
+@click.option(
+    "--data",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="QA jsonl whose questions' documents are used  [default: passages of the shipped system_prompt.txt]",
+)
+@click.option("--num-trials", default=5, type=click.IntRange(min=1), help="questions, each with 20 documents")
+@click.option(
+    "--policy", default="reuse", type=click.Choice(["reuse", "sink", "blend"]), help="repair policy"
+)
+@click.option(
+    "--glue", default="reuse", type=click.Choice(DOCUMENT_GLUE_MODES), help="the glue between documents"
+)
+@click.option(
+    "--threads", default=None, type=click.IntRange(min=1), help="torch CPU threads (default: torch's)"
+)
+def bench_documents(
+    model: str,
+    json_path: str | None,
+    data: Path | None,
+    num_trials: int,
+    policy: str,
+    glue: str,
+    threads: int | None,
+) -> None:
+    """Warm TTFT of a 20-document request from the document store, against full prefill and its bound."""
+    try:
+        run_bench_documents(
+            model, json_path, data=data, num_trials=num_trials, policy=policy, glue=glue, threads=threads
+        )
+    except ValueError as error:
+        raise click.UsageError(str(error)) from error
