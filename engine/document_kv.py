@@ -124,6 +124,9 @@ class DocumentKVCache:
         self.make_prefill = make_prefill  # (request id, prompt token ids, salt) -> prefill-only Request
         self.storage_dtype = storage_dtype
         self._in_flight: dict[str, _InFlight] = {}
+        # Document prefills no request waits for any more (theirs was aborted): the engine
+        # aborts them before its next step.
+        self.orphans: list[str] = []
         pool = runner.kv_pool.kv  # [2, L, num_blocks, block_size, H, D]
         self._flat = pool.view(pool.shape[0], pool.shape[1], -1, pool.shape[4], pool.shape[5])
         num_slots = self._flat.shape[2]
@@ -215,12 +218,24 @@ class DocumentKVCache:
 
     def release(self, request: Request) -> None:
         """A request left the engine (finished, aborted) or was preempted. A document prefill
-        that ends without its KV leaves its waiters to compute that document in context."""
+        that ends without its KV leaves its waiters to compute that document in context; a
+        request that leaves while its documents are in flight makes orphans of the document
+        prefills no other request waits for."""
+        if not request.is_finished:
+            return
         key = request.document_key
-        if key is not None and request.is_finished and self._in_flight.get(key) is not None:
-            if self._in_flight[key].request_id == request.request_id:
+        if key is not None:
+            if self._in_flight.get(key) is not None and self._in_flight[key].request_id == request.request_id:
                 logger.info("document prefill %s ended without KV: computed in context", request.request_id)
                 self._resolve(key, None, 0)
+            return
+        for key in request.blockers:
+            in_flight = self._in_flight.get(key)
+            if in_flight is None:
+                continue
+            in_flight.waiters = [(w, i) for w, i in in_flight.waiters if w is not request]
+            if not any(i >= 0 for _, i in in_flight.waiters):  # only other prefills wait on it
+                self.orphans.append(in_flight.request_id)
 
     def _resolve(self, key: str, kv: torch.Tensor | None, start_position: int) -> None:
         in_flight = self._in_flight.pop(key, None)

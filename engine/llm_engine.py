@@ -223,6 +223,10 @@ class LLMEngine:
 
     def step(self) -> list[StepOutput]:
         start = time.perf_counter()
+        if self.documents is not None and self.documents.orphans:
+            orphans, self.documents.orphans = self.documents.orphans, []
+            for request_id in orphans:
+                self.abort(request_id)
         if self.speculator is not None:
             self.speculator.propose(
                 self.scheduler.running,

@@ -159,9 +159,22 @@ def test_an_abort_while_documents_are_in_flight_frees_everything(tiny_checkpoint
     engine.add_request(request("a", [0, 1, 2, 3]))
     engine.step()  # the first document prefill runs; "a" waits on all four
     assert engine.abort("a") is not None
+    assert engine.step() == [] and not engine.has_unfinished()  # its 3 other prefills aborted
+    assert engine.stats()["document_cache_documents_computed"] == 1
+    assert_all_blocks_free(engine)
+
+
+def test_a_document_prefill_another_request_waits_for_outlives_an_abort(tiny_checkpoints):
+    engine = make_engine(tiny_checkpoints["llama"])
+    engine.add_request(request("a", [0, 1]))
+    engine.add_request(request("b", [1, 2]))  # waits on a's prefill of document 1
+    engine.abort("a")
+    outputs = {}
     while engine.has_unfinished():
-        engine.step()  # the document prefills still fill the store
-    assert engine.stats()["document_cache_documents_computed"] == 4
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    assert set(outputs) == {"b"} and outputs["b"][-1].delta.finish_reason == "length"
+    assert engine.stats()["document_cache_documents_computed"] == 2  # documents 1 and 2, not 0
     assert_all_blocks_free(engine)
 
 
