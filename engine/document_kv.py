@@ -50,6 +50,7 @@ import torch.nn.functional as F
 
 from ragspeed.engine.attention import scattered_metadata
 from ragspeed.engine.attention import slots as slot_ids
+from ragspeed.engine.cpu_kernels.placement import place_kernel_applies, place_kv
 from ragspeed.engine.model_runner import ModelRunner
 from ragspeed.engine.protocol import DocumentCacheOptions, DocumentReuse
 from ragspeed.engine.request import Request
@@ -285,11 +286,19 @@ class DocumentKVCache:
             begin, stop = max(start, first), min(end, last)
             if kv is None or begin >= stop:
                 continue
-            kv = kv[:, :, begin - start : stop - start].to(device)  # [2, L, n, H, D]
-            slots = _slots(block_table, begin, stop, self.runner.block_size).to(device)
-            keys = self.runner.rotary.shift_keys(kv[0], start - stored_start)
-            rows = torch.cat((keys.to(dtype), kv[1].to(dtype)))  # [2 L, n, H, D]
-            self._rows.index_copy_(0, (self._first_rows + slots).view(-1), rows.view(-1, self._rows.shape[1]))
+            kv = kv[:, :, begin - start : stop - start]  # [2, L, n, H, D]
+            slots = _slots(block_table, begin, stop, self.runner.block_size)
+            delta = start - stored_start
+            if place_kernel_applies(kv, self._flat):
+                rotation = self.runner.rotary.shift_rotation(delta)
+                place_kv(kv, rotation, slots, self._flat, self.runner.num_threads)
+            else:
+                kv, slots = kv.to(device), slots.to(device)
+                keys = self.runner.rotary.shift_keys(kv[0], delta)
+                rows = torch.cat((keys.to(dtype), kv[1].to(dtype)))  # [2 L, n, H, D]
+                self._rows.index_copy_(
+                    0, (self._first_rows + slots).view(-1), rows.view(-1, self._rows.shape[1])
+                )
             placed[begin:stop] = [True] * (stop - begin)
             self.num_documents_placed += is_document
         return placed

@@ -70,6 +70,7 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     )
     library.ragspeed_add_rms_norm.argtypes = [pointer] * 4 + [integer] * 2 + [ctypes.c_float, integer]
     library.ragspeed_decode_forward.argtypes = [pointer] * 9 + [integer] * 4
+    library.ragspeed_place_kv.argtypes = [pointer] * 4 + [integer] * 4 + [ctypes.c_int64, integer]
     library.ragspeed_int8_group.argtypes = []
     library.ragspeed_int8_group.restype = integer
     library.ragspeed_greedy_steps.argtypes = (
@@ -87,6 +88,7 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
         library.ragspeed_paged_decode_attention,
         library.ragspeed_add_rms_norm,
         library.ragspeed_decode_forward,
+        library.ragspeed_place_kv,
         library.ragspeed_greedy_steps,
     ):
         kernel.restype = None

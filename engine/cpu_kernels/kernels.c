@@ -624,6 +624,37 @@ void ragspeed_add_rms_norm(float *x, const float *residual, const float *weight,
     for (int r = 0; r < rows; r++) add_rms_norm_row(x, residual, weight, out, r, dim, eps);
 }
 
+/* ------------------------------------------------------------------ stored document KV, placed
+ *
+ * A document's stored KV, fp16 kv [2][layers][n][row] (row = kv_heads * head_dim, pairs
+ * adjacent, keys rotated at their stored position), into the pool's fp32 rows
+ * pool [2 * layers][num_slots][row] at `slots`, each key rotated on the way by the position
+ * delta whose (cos, sin) per pair is rotation [head_dim / 2][2]: the store read once and the pool
+ * written once (torch takes five passes: widen, rotate, widen the values, join, scatter). */
+void ragspeed_place_kv(const f16 *kv, const float *rotation, const int64_t *slots, float *pool,
+                       int num_layers, int n, int num_kv_heads, int head_dim, int64_t num_slots,
+                       int num_threads) {
+    int row = num_kv_heads * head_dim;
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static) collapse(2)")
+    for (int plane = 0; plane < 2 * num_layers; plane++)
+        for (int t = 0; t < n; t++) {
+            const f16 *src = kv + ((size_t)plane * n + t) * row;
+            float *dst = pool + ((size_t)plane * num_slots + (size_t)slots[t]) * row;
+            int d = 0;
+            for (; d + LANES <= row; d += LANES) storev_f32(dst + d, loadv_f16(src + d));
+            for (; d < row; d++) dst[d] = f16_to_f32(src[d]);
+            if (plane >= num_layers) continue;  /* values go as they are */
+            for (int h = 0; h < num_kv_heads; h++) {
+                float *pairs = dst + (size_t)h * head_dim;
+                for (int j = 0; j < head_dim / 2; j++) {
+                    float x = pairs[2 * j], y = pairs[2 * j + 1], c = rotation[2 * j], s = rotation[2 * j + 1];
+                    pairs[2 * j] = x * c - y * s;
+                    pairs[2 * j + 1] = x * s + y * c;
+                }
+            }
+        }
+}
+
 /* ------------------------------------------------------------------ the whole decode forward
  *
  * A decode-type step of a small model spends more time between kernels than in them: each

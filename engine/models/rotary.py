@@ -63,13 +63,17 @@ class RotaryEmbedding:
         """Whether cached keys can be moved to another position by `shift_keys`."""
         return self.rope_type in SHIFTABLE_ROPE_TYPES
 
+    def shift_rotation(self, delta: int) -> torch.Tensor:
+        """The unit rotation of a shift by `delta` positions, per pair: [head_dim/2] complex64.
+        The angle is taken in fp64, so the shift adds no rounding of its own to the cached one's."""
+        angles = delta * self.inv_freq.double()
+        return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
+
     def shift_keys(self, keys: torch.Tensor, delta: int) -> torch.Tensor:
         """Keys rotated at positions p (`[..., num_kv_heads, head_dim]`, pairs adjacent) as if
         rotated at p + delta: one product with the unit rotation of `delta`; fp32 out."""
         pairs = keys.float().reshape(*keys.shape[:-1], keys.shape[-1] // 2, 2)
-        # The angle in fp64, so the shift adds no rounding of its own to the cached one's.
-        angles = delta * self.inv_freq.double()  # [head_dim/2]
-        rotation = torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
+        rotation = self.shift_rotation(delta).to(keys.device)
         return torch.view_as_real(torch.view_as_complex(pairs) * rotation).reshape(keys.shape)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ragspeed.engine.cpu_kernels.placement import place_kernel_applies, place_kv
 from ragspeed.engine.models.rotary import apply_rotary
 from ragspeed.engine.protocol import DocumentCacheOptions, EngineError, GenerationRequest, SamplingParams
 from tests.engine.conftest import FAMILIES, assert_all_blocks_free, make_engine
@@ -73,9 +74,24 @@ def test_shifted_keys_match_keys_rotated_at_their_new_place(tiny_checkpoints, fa
     assert rotary.shiftable
 
 
+def test_the_placement_kernel_writes_what_torch_writes(tiny_checkpoints):
+    rotary = make_engine(tiny_checkpoints["llama"]).runner.rotary
+    torch.manual_seed(0)
+    kv = torch.randn(2, 3, 7, 2, 16).half()  # [2, layers, tokens, kv heads, head dim]
+    slots = torch.tensor([9, 3, 30, 31, 4, 17, 0])
+    pools = torch.zeros(2, 2, 3, 40, 2, 16)
+    if not place_kernel_applies(kv, pools[0]):
+        pytest.skip("no CPU kernels on this machine")
+    place_kv(kv, rotary.shift_rotation(57), slots, pools[0], num_threads=2)
+    pools[1][0][:, slots] = rotary.shift_keys(kv[0], 57)
+    pools[1][1][:, slots] = kv[1].float()
+    assert torch.allclose(pools[0], pools[1], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("storage", ["float16", "float32"])  # the kernel's placement, and torch's
 @pytest.mark.parametrize("policy", sorted(LOSSLESS))
-def test_recomputing_everything_gives_the_full_prefill_output(tiny_checkpoints, reference, policy):
-    engine = make_engine(tiny_checkpoints["llama"])
+def test_recomputing_everything_gives_the_full_prefill_output(tiny_checkpoints, reference, policy, storage):
+    engine = make_engine(tiny_checkpoints["llama"], document_cache_dtype=storage)
     first = run(engine, request("a", [0, 1, 2, 3], LOSSLESS[policy]))["a"]
     warm = run(engine, request("b", [3, 1, 0, 2], LOSSLESS[policy]))["b"]
     assert first["token_ids"] == reference([0, 1, 2, 3])
