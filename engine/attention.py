@@ -44,8 +44,8 @@ class PrefillSpan:
     block_table: torch.Tensor  # [num_blocks] blocks holding the chunk's whole context
     context_len: int  # keys the chunk attends to: cached prefix, earlier chunks, itself
     dtype: torch.dtype  # of the additive mask
-    # A scattered step's query positions [num_queries] int64; None: the chunk's queries are the
-    # last positions of its context, in order.
+    # A scattered chunk's query positions [num_queries] int64; None: the chunk's queries are
+    # the last positions of its context, in order.
     query_positions: torch.Tensor | None = None
 
     @property
@@ -79,8 +79,8 @@ class AttentionMetadata:
     decode_context_len: int  # the longest decode context (gathered keys are cut there)
     decode_context_lens: torch.Tensor | None  # [num_decodes] int64
     # Each prefill chunk, in batch order after the decodes: (block table, context length,
-    # number of queries).
-    prefill_chunks: tuple[tuple[list[int], int, int], ...]
+    # number of queries, its query positions when scattered, else None).
+    prefill_chunks: tuple[tuple[list[int], int, int, tuple[int, ...] | None], ...]
     block_size: int
     dtype: torch.dtype = torch.float32  # of the additive masks
     # When every chunk has at most SMALL_CHUNK_QUERIES queries: each query of the flat batch as
@@ -90,8 +90,6 @@ class AttentionMetadata:
     # Threads of the decode-attention kernel: the engine's count, like the linear products
     # (its tasks, one per sequence and KV head, read the KV pool from memory in parallel).
     num_threads: int = 1
-    # A scattered step (one chunk): its query positions, [num_tokens] int64; else None.
-    query_positions: torch.Tensor | None = None
 
     @functools.cached_property
     def decode_mask(self) -> torch.Tensor | None:
@@ -110,11 +108,12 @@ class AttentionMetadata:
         device = self.slot_mapping.device
         spans = []
         start = self.num_decodes
-        for table, context_len, num_queries in self.prefill_chunks:
+        for table, context_len, num_queries, positions in self.prefill_chunks:
             table_t = padded_tables([table], -(-context_len // self.block_size), device)[0]
-            span = PrefillSpan(
-                start, start + num_queries, table_t, context_len, self.dtype, self.query_positions
-            )
+            query_positions = None
+            if positions is not None:
+                query_positions = torch.tensor(positions, dtype=torch.long, device=device)
+            span = PrefillSpan(start, start + num_queries, table_t, context_len, self.dtype, query_positions)
             spans.append(span)
             start += num_queries
         return tuple(spans)
@@ -134,7 +133,12 @@ def padded_tables(tables: list[list[int]], num_blocks: int, device="cpu") -> tor
 
 def slots(block_table, start: int, end: int, block_size: int) -> list[int]:
     """The pool slots of positions `start .. end` of a request with `block_table`."""
-    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+    return slots_at(block_table, range(start, end), block_size)
+
+
+def slots_at(block_table, positions, block_size: int) -> list[int]:
+    """The pool slots of `positions` of a request with `block_table`."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in positions]
 
 
 def causal_mask(num_queries: int, context_len: int, device: torch.device | str) -> torch.Tensor:
@@ -163,8 +167,13 @@ def build_metadata(
     device: torch.device | str,
     dtype: torch.dtype = torch.float32,
     num_threads: int = 1,
+    prefill_query_positions: list[tuple[int, ...] | None] | None = None,
 ) -> AttentionMetadata:
+    """A step's metadata. `prefill_query_positions`: per prefill chunk, its query positions
+    (ascending) when it is *scattered* (query i sees the keys of positions 0 .. positions[i],
+    as in a document assembly), else None (its queries are the last of its context)."""
     num_decodes = len(decode_tables)
+    scattered = prefill_query_positions or [None] * len(prefill_tables)
     decode_tables_t = decode_lens_t = None
     max_len = 0
     if num_decodes:
@@ -172,13 +181,20 @@ def build_metadata(
         decode_tables_t = padded_tables(decode_tables, -(-max_len // block_size), device)
         decode_lens_t = torch.tensor(decode_context_lens, dtype=torch.long, device=device)
     row_tables = row_lens = None
-    small = prefill_num_queries and max(prefill_num_queries) <= SMALL_CHUNK_QUERIES
+    # Rows of the decode kernel, on a CPU, when every contiguous chunk is small (a scattered
+    # one, of any size, reads its context once per chunk of keys there, and SDPA would need a
+    # mask as large as its queries times its context).
+    contiguous = [n for n, p in zip(prefill_num_queries, scattered) if p is None]
+    small = prefill_num_queries and (not contiguous or max(contiguous) <= SMALL_CHUNK_QUERIES)
     if small and torch.device(device).type == "cpu":
         rows = [(t, n) for t, n in zip(decode_tables, decode_context_lens)]
-        for table, context_len, num_queries in zip(
-            prefill_tables, prefill_context_lens, prefill_num_queries
+        for table, context_len, num_queries, positions in zip(
+            prefill_tables, prefill_context_lens, prefill_num_queries, scattered
         ):  # query i of the chunk sees the keys up to its own position
-            rows += [(table, context_len - num_queries + i + 1) for i in range(num_queries)]
+            if positions is not None:
+                rows += [(table, p + 1) for p in positions]
+            else:
+                rows += [(table, context_len - num_queries + i + 1) for i in range(num_queries)]
         longest = max(n for _, n in rows)
         row_tables = padded_tables([t for t, _ in rows], -(-longest // block_size), device)
         row_lens = torch.tensor([n for _, n in rows], dtype=torch.long, device=device)
@@ -188,7 +204,7 @@ def build_metadata(
         decode_block_tables=decode_tables_t,
         decode_context_len=max_len,
         decode_context_lens=decode_lens_t,
-        prefill_chunks=tuple(zip(prefill_tables, prefill_context_lens, prefill_num_queries)),
+        prefill_chunks=tuple(zip(prefill_tables, prefill_context_lens, prefill_num_queries, scattered)),
         block_size=block_size,
         dtype=dtype,
         row_block_tables=row_tables,
@@ -207,29 +223,18 @@ def scattered_metadata(
 ) -> AttentionMetadata:
     """One request's tokens at `positions` (ascending), computed over the KV its other
     positions hold: query i sees the keys of positions 0 .. positions[i]."""
-    context_len = positions[-1] + 1
-    table_t = padded_tables([block_table], -(-context_len // block_size), device)
-    row_tables = row_lens = None
-    if torch.device(device).type == "cpu":  # every query a row of the decode kernel
-        row_tables = table_t.expand(len(positions), -1).contiguous()
-        row_lens = torch.tensor(positions, dtype=torch.long, device=device) + 1
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(
-            [block_table[p // block_size] * block_size + p % block_size for p in positions],
-            dtype=torch.long,
-            device=device,
-        ),
-        num_decodes=0,
-        decode_block_tables=None,
-        decode_context_len=0,
-        decode_context_lens=None,
-        prefill_chunks=((block_table, context_len, len(positions)),),
-        block_size=block_size,
-        dtype=dtype,
-        row_block_tables=row_tables,
-        row_context_lens=row_lens,
-        num_threads=num_threads,
-        query_positions=torch.tensor(positions, dtype=torch.long, device=device),
+    return build_metadata(
+        [],
+        [],
+        [block_table],
+        [positions[-1] + 1],
+        [len(positions)],
+        slots_at(block_table, positions, block_size),
+        block_size,
+        device,
+        dtype,
+        num_threads,
+        prefill_query_positions=[tuple(positions)],
     )
 
 

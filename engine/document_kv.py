@@ -14,10 +14,11 @@ docs/architecture.md, contract 8. Terms:
 - *glue*: the tokens between two documents (their separator and number). With the option's
   `glue="reuse"` each piece of glue is stored and placed as a document is (it recurs in every
   request: "[2]" after the prefix is always the same); else it is fresh.
-- *fresh tokens*: what is computed in context once the documents are placed, in one scattered
-  step (engine.attention): the tokens outside every placed span (glue, history, question) but
-  the last, and the *repair*. The last prompt token is left to the scheduler's
-  next step, which samples after it as after any prefill.
+- *fresh tokens*: what is computed in context once the documents are placed: the tokens
+  outside every placed span (glue, history, question) but the last, and the *repair*. They
+  and the last prompt token are the request's first chunk in the scheduler's step, one
+  *scattered* chunk (engine.attention: each query sees the keys up to its own position),
+  batched with the step's other requests and sampled after its last token.
 - *repair policies*: `reuse` repairs nothing; `sink` recomputes each document's first k tokens,
   the ones that, computed alone, served as its attention sink (EPIC); `blend` recomputes the
   document tokens whose keys deviate most from their in-context keys at layer 1, a ratio r of
@@ -252,28 +253,29 @@ class DocumentKVCache:
     # ------------------------------------------------------------------ assembly
 
     @torch.inference_mode()
-    def assemble(self, request: Request, block_table: list[int]) -> None:
-        """Fill the KV of every prompt token but the last, from `request.num_computed_tokens`
-        (its prefix-cache hit) on: place the documents, compute the fresh tokens."""
+    def assemble(self, request: Request, block_table: list[int]) -> list[int]:
+        """Place the documents from `request.num_computed_tokens` (its prefix-cache hit) on;
+        returns the positions left to compute, in the scheduler's step: the fresh tokens and
+        the last prompt token (after which the step samples). blend computes its fresh tokens
+        here (its two passes), and leaves only the last."""
         plan = request.document_plan
         assert plan is not None and not request.blockers
         t0 = time.perf_counter()
         first = request.num_computed_tokens
-        last = request.num_prompt_tokens - 1  # left to the next step, which samples
+        last = request.num_prompt_tokens - 1
         placed = self._place(plan, block_table, first, last)
-        fresh = [p for p in range(first, last) if not placed[p]]
         if plan.options.policy == "blend":
             recomputed = self._blend(request, block_table, first, last, placed)
+            fresh = []
         else:
+            fresh = [p for p in range(first, last) if not placed[p]]
             fresh = sorted(set(fresh) | set(self._sink(plan, first, last, placed)))
-            if fresh:
-                self._forward([request.all_token_ids[p] for p in fresh], fresh, block_table)
             recomputed = len(fresh)
         plan.num_recomputed_tokens = recomputed
-        request.num_computed_tokens = max(first, last)
         self.num_assembled += 1
         self.num_recomputed_tokens += recomputed
         self.assemble_seconds += time.perf_counter() - t0
+        return [*fresh, last]
 
     def _place(self, plan: DocumentPlan, block_table: list[int], first: int, last: int) -> list[bool]:
         """Copy each known document's KV into its span (from `first`, before `last`), its keys

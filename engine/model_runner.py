@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ragspeed.engine.attention import build_metadata, slots
+from ragspeed.engine.attention import build_metadata, slots, slots_at
 from ragspeed.engine.kv_cache import KVCachePool
 from ragspeed.engine.models.decoder import DecoderLM
 from ragspeed.engine.models.rotary import RotaryEmbedding
@@ -53,10 +53,16 @@ class ModelRunner:
             start, end = chunk.start, chunk.context_len
             table = chunk.block_table
             drafts = chunk.draft_token_ids
-            input_ids.extend(chunk.request.all_token_ids[start : end - len(drafts)])
-            input_ids.extend(drafts)
-            positions.extend(range(start, end))
-            slot_mapping.extend(slots(table, start, end, bs))
+            if chunk.positions:  # scattered: an assembled request's fresh tokens
+                token_ids = chunk.request.all_token_ids
+                input_ids.extend(token_ids[p] for p in chunk.positions)
+                positions.extend(chunk.positions)
+                slot_mapping.extend(slots_at(table, chunk.positions, bs))
+            else:
+                input_ids.extend(chunk.request.all_token_ids[start : end - len(drafts)])
+                input_ids.extend(drafts)
+                positions.extend(range(start, end))
+                slot_mapping.extend(slots(table, start, end, bs))
             if chunk.samples:
                 last = len(input_ids) - 1
                 sample_index.extend(range(last - len(drafts), last + 1))
@@ -66,6 +72,7 @@ class ModelRunner:
             prefill_tables=[list(c.block_table) for c in output.prefills],
             prefill_context_lens=[c.context_len for c in output.prefills],
             prefill_num_queries=[c.num_tokens for c in output.prefills],
+            prefill_query_positions=[c.positions or None for c in output.prefills],
             slot_mapping=slot_mapping,
             block_size=bs,
             device=self.device,

@@ -14,7 +14,9 @@ Each step:
    pool and `max_num_seqs` allow, starting from their prefix-cache hit. A request still waiting
    on its documents' prefills (`request.blockers`) holds the queue; one with a document plan
    gets blocks for its whole prompt and is handed to the `assemble` hook (engine.document_kv),
-   which fills all but its last token, so its first chunk is that one token.
+   which places its stored documents and returns the positions left to compute, its last
+   among them: its first chunk is those positions, *scattered* (each query sees the keys up
+   to its own position).
 3. After the forward pass, `update_computed` commits each chunk's real tokens (their full blocks
    enter the prefix cache, before a request that finishes this step frees them); after the
    engine appended the sampled tokens, `update_from_output` commits the accepted drafts and
@@ -35,7 +37,9 @@ from ragspeed.prompt_cache.manager import KVCacheManager
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """Tokens `start .. start + num_tokens` of a request's `all_token_ids`, computed this step."""
+    """Tokens `start .. start + num_tokens` of a request's `all_token_ids`, computed this step;
+    or, for a scattered chunk, the tokens at `positions` (ascending, the last prompt token last:
+    an assembled request's fresh tokens)."""
 
     request: Request
     start: int
@@ -44,10 +48,11 @@ class ScheduledChunk:
     # Speculative decoding: draft tokens queried after the request's last token (a decode of
     # 1 + k queries, verified by engine.spec_decode); their KV is written but not committed.
     draft_token_ids: tuple[int, ...] = ()
+    positions: tuple[int, ...] = ()  # a scattered chunk's query positions
 
     @property
     def context_len(self) -> int:
-        return self.start + self.num_tokens
+        return self.positions[-1] + 1 if self.positions else self.start + self.num_tokens
 
     @property
     def num_real_tokens(self) -> int:
@@ -57,7 +62,10 @@ class ScheduledChunk:
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the request's last token, so the step samples after it."""
-        return self.start + self.num_real_tokens == self.request.num_tokens and not self.request.prefill_only
+        return (
+            self.context_len - len(self.draft_token_ids) == self.request.num_tokens
+            and not self.request.prefill_only
+        )
 
 
 @dataclass(frozen=True)
@@ -103,7 +111,8 @@ class Scheduler:
         # a draft-model proposer frees its own KV blocks too (engine.spec_decode).
         self.release_hooks: list[Callable[[Request], None]] = []
         # Called with an admitted request that has a document plan and its block table.
-        self.assemble: Callable[[Request, list[int]], None] | None = None
+        # It returns the positions left to compute (ascending, the last prompt token last).
+        self.assemble: Callable[[Request, list[int]], list[int]] | None = None
 
     # ------------------------------------------------------------------ queue
 
@@ -213,9 +222,15 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
             self.running.append(request)
             if assemble is not None:
-                assemble(request, self.manager.block_table(request.request_id))
-                num_new = request.num_tokens - request.num_computed_tokens
-            scheduled[request.request_id] = self._chunk(request, num_new)
+                table = self.manager.block_table(request.request_id)
+                positions = assemble(request, table)
+                num_new = len(positions)
+                scattered = tuple(positions) if num_new > 1 else ()
+                scheduled[request.request_id] = ScheduledChunk(
+                    request, positions[0], num_new, tuple(table), positions=scattered
+                )
+            else:
+                scheduled[request.request_id] = self._chunk(request, num_new)
             budget -= num_new
 
         chunks = sorted(scheduled.values(), key=lambda c: arrival[c.request.request_id])
@@ -243,7 +258,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue
             # Drafts' KV is written but uncommitted until `update_from_output` has the verdict.
-            request.num_computed_tokens = chunk.start + chunk.num_real_tokens
+            request.num_computed_tokens = chunk.context_len - len(chunk.draft_token_ids)
             self.manager.cache_blocks(
                 request.request_id,
                 request.all_token_ids,

@@ -199,3 +199,47 @@ def test_several_long_chunks_and_decodes_match_the_masked_path(
     out = attend()
     monkeypatch.setattr(attention_module, "chunk_attention", masked_chunk_attention)
     torch.testing.assert_close(out, attend(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("with_large_chunk", [False, True])  # rows of the decode kernel; SDPA
+def test_a_scattered_chunk_sees_the_keys_up_to_each_of_its_positions(decode_path, with_large_chunk):
+    torch.manual_seed(0)
+    num_heads, num_kv_heads, head_dim, block_size = 9, 3, 64, 4
+    k_cache = torch.randn(64 * block_size, num_kv_heads, head_dim)
+    v_cache = torch.randn_like(k_cache)
+    table = [13, 2, 40, 7, 8, 9, 30, 31, 32, 50, 51, 52]  # 48 positions
+    positions = sorted(set(range(1, 47, 2)) - {9, 11}) + [47]  # 22 queries, more than a small chunk's
+    assert len(positions) > SMALL_CHUNK_QUERIES
+    chunks = [(table, 48, len(positions), tuple(positions))]
+    if with_large_chunk:  # a plain prefill of 20 tokens beside it
+        chunks.append(([60, 61, 62, 63, 20], 20, 20, None))
+    num_tokens = sum(n for _, _, n, _ in chunks)
+    q = torch.randn(num_tokens, num_heads, head_dim)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim)
+    slot_of = lambda t, p: t[p // block_size] * block_size + p % block_size  # noqa: E731
+    slot_mapping = [slot_of(table, p) for p in positions]
+    if with_large_chunk:
+        slot_mapping += [slot_of(chunks[1][0], p) for p in range(20)]
+    meta = build_metadata(
+        decode_tables=[],
+        decode_context_lens=[],
+        prefill_tables=[t for t, _, _, _ in chunks],
+        prefill_context_lens=[c for _, c, _, _ in chunks],
+        prefill_num_queries=[n for _, _, n, _ in chunks],
+        slot_mapping=slot_mapping,
+        block_size=block_size,
+        device="cpu",
+        prefill_query_positions=[p for _, _, _, p in chunks],
+    )
+    assert (meta.row_block_tables is None) == with_large_chunk
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, head_dim**-0.5).view(
+        num_tokens, num_heads, head_dim
+    )
+    group = num_heads // num_kv_heads
+    for i, p in enumerate(positions):  # the pool holds the chunk's new keys where it wrote them
+        seen = [slot_of(table, j) for j in range(p + 1)]
+        keys = k_cache[seen].repeat_interleave(group, dim=1)  # [p + 1, H, D]
+        values = v_cache[seen].repeat_interleave(group, dim=1)
+        weights = (torch.einsum("hd,khd->hk", q[i], keys) * head_dim**-0.5).softmax(-1)
+        torch.testing.assert_close(out[i], torch.einsum("hk,khd->hd", weights, values), atol=1e-5, rtol=1e-5)
