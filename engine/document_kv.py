@@ -30,8 +30,10 @@ prefill-only sub-request of prefix + document, queued ahead of the request, whos
 before its blocks are freed. Concurrent requests wait on the same document prefill. A request is
 admitted only when none of its documents is in flight (`Request.blockers`).
 
-Placed KV is not a full prefill's, so an assembled request's blocks past its prefix never enter
-the prefix cache (`Request.cache_limit`).
+Placed KV is not a full prefill's: an assembled request's blocks from the first one it computes
+on enter the prefix cache under a variant of its options (`Request.cache_variant`, set at
+admission), found only by requests assembled with the same options (a repeat, a chat's next
+turn) and never by a plain prefill.
 """
 
 from __future__ import annotations
@@ -78,9 +80,16 @@ class DocumentPlan:
     keys: tuple[str, ...]
     kv: list[torch.Tensor | None]  # per span, [2, L, n, H, D] in the storage dtype
     start_positions: list[int]
+    kv_dtype: str  # the storage dtype
     num_hit: int = 0
     num_computed: int = 0
     num_recomputed_tokens: int = 0
+
+    @property
+    def variant_tag(self) -> str:
+        """What the request's assembled KV depends on beyond its tokens (prompt_cache.hashing)."""
+        o = self.options
+        return f"documents:{o.policy}:{o.num_tokens}:{o.ratio}:{o.glue}:{self.kv_dtype}"
 
     def report(self) -> DocumentReuse:
         return DocumentReuse(self.num_hit, self.num_computed, self.num_recomputed_tokens)
@@ -164,9 +173,9 @@ class DocumentKVCache:
             keys,
             [None] * len(placed),
             [len(prefix)] * len(placed),
+            self.storage_dtype,
         )
         request.document_plan = plan
-        request.cache_limit = len(prefix)
         prefills: list[Request] = []
         for index, ((start, end), key) in enumerate(zip(placed, keys)):
             counted = plan.is_document[index]

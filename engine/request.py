@@ -8,8 +8,10 @@ recompute, the output so far becomes part of what is prefilled again.
 
 Document KV reuse (engine.document_kv) adds: `document_plan` (the request's documents and their
 stored KV), `blockers` (keys of the document prefills it waits on: the scheduler admits it only
-once none is left), `cache_limit` (tokens past it never enter the prefix cache) and, on a
-document prefill, `document_key` and `document_start` (where its document begins).
+once none is left), `cache_variant` (set at admission: its blocks from the first one it computes
+on hold assembled KV, and enter the prefix cache tagged, found only by requests assembled
+alike: prompt_cache.hashing) and, on a document prefill, `document_key` and `document_start` (where its
+document begins).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from ragspeed.engine.detokenizer import IncrementalDetokenizer
 from ragspeed.engine.protocol import GenerationRequest
 from ragspeed.engine.sampling import SamplingState
 from ragspeed.engine.stop import StopStringMatcher
+from ragspeed.prompt_cache.hashing import Variant
 
 if TYPE_CHECKING:
     from ragspeed.engine.document_kv import DocumentPlan
@@ -60,16 +63,9 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.document_plan: DocumentPlan | None = None
         self.blockers: set[str] = set()
-        self.cache_limit: int | None = None
+        self.cache_variant: Variant | None = None
         self.document_key: str | None = None
         self.document_start = 0
-
-    @property
-    def num_cacheable_tokens(self) -> int:
-        """Computed tokens whose full blocks may enter the prefix cache."""
-        if self.cache_limit is None:
-            return self.num_computed_tokens
-        return min(self.num_computed_tokens, self.cache_limit)
 
     @property
     def num_tokens(self) -> int:

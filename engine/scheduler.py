@@ -204,11 +204,21 @@ class Scheduler:
             request = self.waiting[0]
             if request.blockers:
                 break  # its documents are being prefilled ahead of it
+            record = request.num_preemptions == 0 and not request.prefill_only
             computed_blocks, num_cached = self.manager.get_computed_blocks(
-                request.all_token_ids,
-                request.cache_salt,
-                record_stats=request.num_preemptions == 0 and not request.prefill_only,
+                request.all_token_ids, request.cache_salt, record_stats=record
             )
+            if request.document_plan is not None:
+                # Assembled KV, tagged from the first block past the plain hit; a request
+                # assembled alike before left its blocks there.
+                tag = request.document_plan.variant_tag
+                request.cache_variant = (num_cached // self.manager.block_size, tag)
+                computed_blocks, num_cached = self.manager.get_computed_blocks(
+                    request.all_token_ids,
+                    request.cache_salt,
+                    record_stats=record,
+                    variant=request.cache_variant,
+                )
             assemble = self.assemble if request.document_plan is not None else None
             num_new = (
                 request.num_tokens - num_cached if assemble else min(request.num_tokens - num_cached, budget)
@@ -262,8 +272,9 @@ class Scheduler:
             self.manager.cache_blocks(
                 request.request_id,
                 request.all_token_ids,
-                request.num_cacheable_tokens,
+                request.num_computed_tokens,
                 request.cache_salt,
+                request.cache_variant,
             )
 
     def update_from_output(self, output: SchedulerOutput, new_token_ids: Mapping[str, Sequence[int]]) -> None:
@@ -287,6 +298,7 @@ class Scheduler:
             self.manager.commit_speculative(
                 request.request_id,
                 request.all_token_ids,
-                request.num_cacheable_tokens,
+                request.num_computed_tokens,
                 request.cache_salt,
+                request.cache_variant,
             )

@@ -6,7 +6,10 @@ so a block hash identifies the whole prefix up to and including that block, not 
 
 *Extras* are what the tokens alone do not say: the model fingerprint (`extra_key`) and the
 tenant's `cache_salt`. Both go into block 0 only; the chain carries them into every later block,
-so two tenants with the same system prompt never produce a common block hash.
+so two tenants with the same system prompt never produce a common block hash. A *variant*
+(first block, tag) marks KV that is not a plain prefill's, a document assembly's: its tag goes
+into that block, so the blocks before it stay shared with plain prompts and the blocks from it
+on are found only by requests of the same variant.
 
 The hash function is chosen by name from `HASH_FUNCTIONS` (sha256 by default: collision
 resistant, safe for several tenants) or passed as a callable `bytes -> bytes` (tests use a weak
@@ -46,18 +49,26 @@ def resolve_hash_function(algo: str | HashFunction) -> HashFunction:
     return function
 
 
-def block_extras(block_index: int, *, cache_salt: str | None = None, extra_key: str = "") -> tuple:
-    """The extras mixed into block `block_index`: tagged (name, value) pairs, in block 0 only.
+# (index of the first block whose KV differs from a plain prefill's, tag)
+Variant = tuple[int, str]
+
+
+def block_extras(
+    block_index: int, *, cache_salt: str | None = None, extra_key: str = "", variant: Variant | None = None
+) -> tuple:
+    """The extras mixed into block `block_index`: tagged (name, value) pairs; the key and the
+    salt in block 0 only, a variant's tag in its first block only.
 
     An empty `cache_salt` counts as no salt. Tags keep a salt from ever equalling an extra key.
     """
-    if block_index != 0:
-        return ()
     extras: tuple = ()
-    if extra_key:
-        extras += (("key", extra_key),)
-    if cache_salt:
-        extras += (("salt", cache_salt),)
+    if block_index == 0:
+        if extra_key:
+            extras += (("key", extra_key),)
+        if cache_salt:
+            extras += (("salt", cache_salt),)
+    if variant is not None and block_index == variant[0]:
+        extras += (("variant", variant[1]),)
     return extras
 
 

@@ -41,6 +41,7 @@ from ragspeed.prompt_cache.block_pool import Block, BlockPool
 from ragspeed.prompt_cache.hashing import (
     BlockHash,
     HashFunction,
+    Variant,
     block_extras,
     encode_block,
     resolve_hash_function,
@@ -130,15 +131,24 @@ class KVCacheManager:
     # ----------------------------------------------------------------- lookups
 
     def _block_key(
-        self, token_ids: Sequence[int], index: int, parent: BlockHash | None, cache_salt: str | None
+        self,
+        token_ids: Sequence[int],
+        index: int,
+        parent: BlockHash | None,
+        cache_salt: str | None,
+        variant: Variant | None = None,
     ) -> tuple[BlockHash, tuple[int, ...], tuple]:
         """(hash, token ids, extras) of full block `index` of `token_ids`."""
         tokens = tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
-        extras = block_extras(index, cache_salt=cache_salt, extra_key=self.extra_key)
+        extras = block_extras(index, cache_salt=cache_salt, extra_key=self.extra_key, variant=variant)
         return self._hash(encode_block(parent, tokens, extras)), tokens, extras
 
     def _find_cached_prefix(
-        self, token_ids: Sequence[int], cache_salt: str | None, max_blocks: int
+        self,
+        token_ids: Sequence[int],
+        cache_salt: str | None,
+        max_blocks: int,
+        variant: Variant | None = None,
     ) -> list[Block]:
         """The cached blocks of the longest verified prefix of at most `max_blocks` full blocks.
 
@@ -148,7 +158,7 @@ class KVCacheManager:
         parent: BlockHash | None = None
         parent_cache_id: int | None = None
         for index in range(max_blocks):
-            block_hash, tokens, extras = self._block_key(token_ids, index, parent, cache_salt)
+            block_hash, tokens, extras = self._block_key(token_ids, index, parent, cache_salt, variant)
             block, collided = self.block_pool.get_cached_block(block_hash, tokens, parent_cache_id, extras)
             if collided:
                 self._hash_collisions += 1
@@ -159,7 +169,12 @@ class KVCacheManager:
         return hits
 
     def get_computed_blocks(
-        self, token_ids: Sequence[int], cache_salt: str | None = None, *, record_stats: bool = True
+        self,
+        token_ids: Sequence[int],
+        cache_salt: str | None = None,
+        *,
+        record_stats: bool = True,
+        variant: Variant | None = None,
     ) -> tuple[list[int], int]:
         """Longest prefix of FULL blocks already cached (each hit verified against the stored
         token ids, extras and parent block, so against the whole prefix), capped so that at
@@ -174,7 +189,7 @@ class KVCacheManager:
             block_ids, num_computed_tokens = [], 0
         else:
             max_blocks = (len(token_ids) - 1) // self.block_size
-            hits = self._find_cached_prefix(token_ids, cache_salt, max_blocks)
+            hits = self._find_cached_prefix(token_ids, cache_salt, max_blocks, variant)
             block_ids = [block.block_id for block in hits]
             num_computed_tokens = len(hits) * self.block_size
         # Replaces any earlier uncounted lookup: only the one right before an admission counts.
@@ -266,6 +281,7 @@ class KVCacheManager:
         token_ids: Sequence[int],
         num_computed_tokens: int,
         cache_salt: str | None = None,
+        variant: Variant | None = None,
     ) -> None:
         """The engine has written KV for token_ids[:num_computed_tokens]; every FULL block among
         them not yet cached gets its hash and enters the cache (if an identical block is already
@@ -292,7 +308,7 @@ class KVCacheManager:
         for index in range(state.num_cached_blocks, num_full_blocks):
             parent = hashes[index - 1] if index else None
             tokens = tuple(token_ids[index * block_size : (index + 1) * block_size])
-            extras = block_extras(index, cache_salt=cache_salt, extra_key=self.extra_key)
+            extras = block_extras(index, cache_salt=cache_salt, extra_key=self.extra_key, variant=variant)
             block_hash = hash_function(encode_block(parent, tokens, extras))
             hashes.append(block_hash)
             if state.chain_broken:
@@ -331,13 +347,14 @@ class KVCacheManager:
         token_ids: Sequence[int],
         num_computed_tokens: int,
         cache_salt: str | None = None,
+        variant: Variant | None = None,
     ) -> list[int]:
         """A step verified draft tokens: `token_ids` are the request's tokens after it (accepted
         drafts and the recovered or bonus token appended), the first `num_computed_tokens` of
         them with KV written (the last one's KV is computed by the next step). Their full blocks
         enter the cache; the blocks beyond `len(token_ids)` tokens, which held only rejected
         drafts, are dropped. Returns the freed block ids, as `trim`."""
-        self.cache_blocks(request_id, token_ids, num_computed_tokens, cache_salt)
+        self.cache_blocks(request_id, token_ids, num_computed_tokens, cache_salt, variant)
         return self.trim(request_id, len(token_ids))
 
     def free(self, request_id: str) -> None:

@@ -65,9 +65,7 @@ def make_engine(path, features=None, **overrides) -> LLMEngine:
     with AVX512-BF16 or AMX, whose rounding depends on the batch's rows, and these tests
     compare runs token for token and against fp32 references (engine.precision's own tests
     choose paths with injected CPU features)."""
-    kwargs = dict(
-        model=str(path), max_model_len=256, num_kv_cache_tokens=4096, block_size=8, dtype="float32"
-    )
+    kwargs = dict(model=str(path), max_model_len=256, num_kv_cache_tokens=4096, block_size=8, dtype="float32")
     kwargs.update(overrides)
     return LLMEngine(EngineConfig(**kwargs), features=features)
 

@@ -44,6 +44,8 @@ def test_salt_and_model_key_go_into_block_0_and_change_the_whole_chain():
         ("salt", "tenant-a"),
     )
     assert block_extras(1, cache_salt="tenant-a", extra_key="model-x") == ()
+    assert block_extras(2, variant=(2, "documents")) == (("variant", "documents"),)
+    assert block_extras(3, variant=(2, "documents")) == ()
     # Only block 0 carries the salt; the chain carries it on.
     assert salted[1] == hash_block_tokens(salted[0], [4, 5, 6, 7])
 

@@ -78,6 +78,21 @@ def test_tenants_with_the_same_prompt_never_share_a_block():
     manager.check_invariants()
 
 
+def test_a_variants_blocks_are_shared_before_its_first_block_and_its_own_from_it_on():
+    manager = KVCacheManager(num_blocks=16, block_size=4)
+    prompt = COMMON + list(range(50, 59))  # 4 full blocks and a token
+    variant = (2, "documents:reuse")
+    computed, _ = manager.get_computed_blocks(prompt)
+    manager.allocate_slots("assembled", len(prompt), computed)
+    manager.cache_blocks("assembled", prompt, len(prompt), variant=variant)
+    manager.free("assembled")
+    assert manager.get_computed_blocks(prompt) == ([0, 1], 8)  # a plain prompt: blocks 0-1 only
+    assert manager.get_computed_blocks(prompt, variant=variant) == ([0, 1, 2, 3], 16)
+    assert manager.get_computed_blocks(prompt, variant=(2, "documents:sink")) == ([0, 1], 8)
+    assert manager.get_computed_blocks(prompt, variant=(3, "documents:reuse")) == ([0, 1], 8)
+    manager.check_invariants()
+
+
 def test_a_model_key_separates_managers_like_a_salt():
     prompt = COMMON + [1]
     hashes = []
