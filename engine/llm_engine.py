@@ -23,6 +23,7 @@ from ragspeed.engine.kv_cache import KVCachePool, plan_num_blocks
 from ragspeed.engine.loader import LoadedModel, load_for_engine, resolve_model_path
 from ragspeed.engine.logprobs import token_logprobs
 from ragspeed.engine.model_runner import ModelRunner
+from ragspeed.engine.model_zoo import resolve_tokenizer
 from ragspeed.engine.precision import PrefillChoice, calibration_windows, choose_prefill
 from ragspeed.engine.prefix_store import engine_fingerprint
 from ragspeed.engine.protocol import (
@@ -81,7 +82,7 @@ class LLMEngine:
         if tokenizer is None:
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(str(config.tokenizer or loaded.path))
+            tokenizer = AutoTokenizer.from_pretrained(resolve_tokenizer(config.tokenizer, loaded.path))
         # The prefill path (CPU): the fastest the plan offers that passes the quality gate.
         self.prefill_choice: PrefillChoice | None = None
         if loaded.prefill_plan is not None:

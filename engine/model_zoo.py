@@ -288,6 +288,12 @@ ZOO: dict[str, ZooModel] = {
 ZOO_NAMES: tuple[str, ...] = tuple(ZOO)
 
 
+def resolve_tokenizer(name_or_path: str | None, model_path: str | Path) -> str:
+    """`--tokenizer`, resolved as `--model` is (a zoo name, a folder, a GGUF file, a hub id of
+    which only the tokenizer is fetched); none: the model's own."""
+    return resolve_model(name_or_path, tokenizer_only=True) if name_or_path else str(model_path)
+
+
 def resolve_model(name_or_path: str, *, cache_dir: Path | None = None, tokenizer_only: bool = False) -> str:
     """A local folder for a zoo name, a folder, a `.gguf` file or a hub id (module docstring).
     `tokenizer_only`: of a hub repository, fetch only its tokenizer and config files (a

@@ -37,10 +37,14 @@ logger = logging.getLogger("ragspeed.gateway")
 
 
 def create_app(
-    settings: Settings, *, engine_factory: Callable[[EngineConfig], EngineClient] = build_engine
+    settings: Settings,
+    *,
+    engine_factory: Callable[[EngineConfig], EngineClient] = build_engine,
+    on_start_failure: Callable[[str], None] | None = None,
 ) -> FastAPI:
     """The app; `engine_factory` builds the main engine and each A/B arm's own (tests pass a
-    fake)."""
+    fake). `on_start_failure(error)` is called when loading fails (`ragspeed serve` exits);
+    without it the app stays up, its /healthz answering 503 with the error."""
     check_settings(settings)
     keyring = KeyRing(settings.api_keys, settings.admin_key_hashes)
     rejections = Rejections()
@@ -51,11 +55,7 @@ def create_app(
         except ArmError as exc:
             raise ConfigError(f"experiment: {exc}") from exc
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        warn_if_exposed(settings.host, keyring, logger)
-        metrics = GatewayMetrics()
-        metrics.registry.register(rejections.counter)
+    try:  # built here (nothing loads before `start`), so that a refused option fails at once
         engine = engine_factory(settings.engine_config())
         # A/B arms with `engine` overrides get an engine of their own, started with the main one.
         arm_engines = {
@@ -63,6 +63,14 @@ def create_app(
             for arm in (experiment.spec.arms if experiment else ())
             if arm.engine
         }
+    except ValueError as exc:
+        raise ConfigError(f"engine {settings.engine}: {exc}") from exc
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        warn_if_exposed(settings.host, keyring, logger)
+        metrics = GatewayMetrics()
+        metrics.registry.register(rejections.counter)
         metrics.watch_engine(engine.stats, settings.model_id)
         state = AppState(
             settings=settings,
@@ -89,7 +97,10 @@ def create_app(
                 await asyncio.to_thread(state.retrieval.warm)
             except Exception as exc:
                 state.engine_error = f"{type(exc).__name__}: {exc}"
-                logger.exception("engine %s failed to start", settings.engine)
+                logger.error("engine %s failed to start: %s", settings.engine, state.engine_error)
+                logger.debug("the failure's traceback", exc_info=True)
+                if on_start_failure is not None:
+                    on_start_failure(state.engine_error)
                 return
             # Every service is loaded: the pipeline is complete from its first request on.
             state.pipeline = Pipeline(

@@ -121,17 +121,28 @@ def serve(config_file: str | None, **flags: Any) -> None:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    failures: list[str] = []
+
+    def failed(error: str) -> None:  # the engine could not start: stop serving
+        failures.append(error)
+        server.should_exit = True
+
     try:
-        app = create_app(settings)
+        app = create_app(settings, on_start_failure=failed)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
-    uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        timeout_graceful_shutdown=settings.shutdown_drain_s,
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_level=settings.log_level,
+            timeout_graceful_shutdown=settings.shutdown_drain_s,
+        )
     )
+    server.run()
+    if failures:  # the engine could not start: exit non-zero, the error on one line
+        raise click.ClickException(f"the engine failed to start: {failures[0]}")
 
 
 @cli.command()

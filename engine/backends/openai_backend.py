@@ -147,7 +147,7 @@ class OpenAIEngine:
         return self._tokenizer
 
     async def start(self) -> None:
-        source = self.config.tokenizer or resolve_model(self.config.model, tokenizer_only=True)
+        source = resolve_model(self.config.tokenizer or self.config.model, tokenizer_only=True)
         self._tokenizer = AutoTokenizer.from_pretrained(source)
         if not self.config.max_model_len and Path(source, "config.json").is_file():
             model_config = AutoConfig.from_pretrained(source)

@@ -19,7 +19,7 @@ from transformers.generation.streamers import BaseStreamer
 from ragspeed.engine import cpu_features
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.detokenizer import IncrementalDetokenizer
-from ragspeed.engine.model_zoo import resolve_model
+from ragspeed.engine.model_zoo import resolve_model, resolve_tokenizer
 from ragspeed.engine.precision import model_dtype
 from ragspeed.engine.protocol import (
     EngineError,
@@ -102,7 +102,7 @@ class TransformersEngine:
         path = resolve_model(self.config.model)
         # The whole model in one dtype; "auto": bf16 on a CPU that multiplies it at speed.
         dtype = model_dtype(self.config.dtype, self.config.device, cpu_features.read_cpu_features())
-        self._tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer or path)
+        self._tokenizer = AutoTokenizer.from_pretrained(resolve_tokenizer(self.config.tokenizer, path))
         self._model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
         self._model.to(self.config.device)
         model_len = getattr(self._model.config, "max_position_embeddings", None) or 2048

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.model_zoo import resolve_tokenizer
 from ragspeed.engine.protocol import (
     EngineError,
     GenerationRequest,
@@ -74,7 +75,7 @@ def vllm_engine_args(config: EngineConfig, model_path: str) -> dict[str, Any]:
         raise ValueError(f"unknown quantization {config.quantization!r}; known: {known}")
     args: dict[str, Any] = {
         "model": model_path,
-        "tokenizer": config.tokenizer or model_path,
+        "tokenizer": resolve_tokenizer(config.tokenizer, model_path),
         "dtype": config.dtype,
         "seed": config.seed,
         "block_size": config.block_size,

@@ -8,7 +8,10 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import subprocess
+import sys
 import threading
+import time
 
 import httpx
 import openai
@@ -315,3 +318,29 @@ def test_upstream_failing_mid_stream_ends_with_an_error_event(tiny_model):
             assert lines[-1] == "data: [DONE]"
     finally:
         dying.close()
+
+
+def test_a_start_that_fails_exits_non_zero_with_the_error_on_one_line(tiny_model):
+    def serve(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "ragspeed", "serve", "--port", "0", *args]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+    # A model that is nowhere: the engine's start fails after the server is up.
+    started = time.monotonic()
+    nowhere = serve("--engine", "openai", "--model", "no-such-model", "--upstream", "http://127.0.0.1:9")
+    assert nowhere.returncode == 1 and time.monotonic() - started < 60
+    assert "Error: the engine failed to start: ModelUnavailableError: model 'no-such-model'" in nowhere.stderr
+    assert "Traceback" not in nowhere.stderr
+    # An option the backend refuses: before anything starts.
+    refused = serve("--engine", "openai", "--model", str(tiny_model))
+    assert refused.returncode == 2
+    assert "engine openai: the openai engine needs at least one upstream URL" in refused.stderr
+
+
+def test_the_tokenizer_takes_the_names_the_model_takes(tiny_model, tmp_path):
+    from ragspeed.engine.model_zoo import ModelUnavailableError, resolve_tokenizer
+
+    assert resolve_tokenizer(None, tiny_model) == str(tiny_model)
+    assert resolve_tokenizer(str(tiny_model), "elsewhere") == str(tiny_model)
+    with pytest.raises(ModelUnavailableError, match="not a zoo name"):
+        resolve_tokenizer("no-such-tokenizer", tiny_model)
