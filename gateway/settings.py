@@ -96,8 +96,8 @@ class Settings(BaseSettings):
 
     # Document KV reuse (native; per request: `ragspeed.document_cache`)
     document_cache: Literal["off", "on"] = Field(
-        "off",
-        description="Reuse each document's stored KV at any position instead of prefilling it again: on applies document_cache_policy to every request with documents; off only to requests that ask (`ragspeed.document_cache`). Token-level compression makes new documents; document selection keeps them whole and reusable.",
+        "on",
+        description="Reuse each document's stored KV at any position instead of prefilling it again: on applies document_cache_policy to every request whose documents go uncompressed (compressed ones only when they ask: after document selection, reuse costs answers); off only to requests that ask (`ragspeed.document_cache`). Token-level compression makes new documents; document selection keeps them whole and reusable.",
     )
     document_cache_policy: DocumentCachePolicy = Field(
         "reuse",
@@ -108,7 +108,7 @@ class Settings(BaseSettings):
         0.15, ge=0, le=1, description="blend: share of document tokens recomputed."
     )
     document_cache_glue: DocumentGlue = Field(
-        "recompute",
+        "reuse",
         description="The text between two documents (separator and number): recompute (in context) or reuse (stored and placed as a document is; fewer fresh tokens).",
     )
     document_cache_bytes: int = Field(
