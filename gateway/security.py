@@ -64,6 +64,26 @@ def tenant_cache_salt(tenant: str) -> str:
     return "tenant-" + hashlib.sha256(f"ragspeed-tenant\0{tenant}".encode()).hexdigest()[:32]
 
 
+class TenantSalt(BaseModel):
+    """Whose requests an admin body stores KV for (a pinned prompt, a collection's documents):
+    a tenant's API keys, or requests sending a `cache_salt`, not both; neither: unsalted."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tenant: str | None = Field(None, min_length=1, description="For this tenant's API keys.")
+    cache_salt: str | None = Field(None, min_length=1, description="For requests with this salt.")
+
+    @model_validator(mode="after")
+    def _one_salt(self) -> TenantSalt:
+        if self.tenant is not None and self.cache_salt is not None:
+            raise ValueError("give either tenant or cache_salt, not both")
+        return self
+
+    @property
+    def salt(self) -> str | None:
+        return tenant_cache_salt(self.tenant) if self.tenant is not None else self.cache_salt
+
+
 class ApiKeyEntry(BaseModel):
     """One API key in settings. On the command line or in an environment variable it may be given
     as JSON or as `sha256:<hex>,tenant=NAME,requests_per_minute=N,tokens_per_minute=N`."""

@@ -7,11 +7,11 @@ import dataclasses
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from ragspeed.gateway.dependencies import app_state, ready_state, retrieval_service
 from ragspeed.gateway.prompt import Document as PromptDocument
-from ragspeed.gateway.security import tenant_cache_salt
+from ragspeed.gateway.security import TenantSalt
 
 router = APIRouter(prefix="/v1/collections")
 
@@ -31,24 +31,12 @@ class DocumentBody(_Body):
     metadata: dict[str, Any] = Field(default_factory=dict)
 
 
-class PrecomputeKV(_Body):
+class PrecomputeKV(TenantSalt):
     """Store each added document's KV (the document cache) for requests with this system prompt."""
 
     system_prompt: str = Field(
         ..., min_length=1, description="The static system prompt of the requests that will retrieve them."
     )
-    tenant: str | None = Field(None, min_length=1, description="For this tenant's API keys.")
-    cache_salt: str | None = Field(None, min_length=1, description="For requests with this salt.")
-
-    @model_validator(mode="after")
-    def _one_salt(self) -> PrecomputeKV:
-        if self.tenant is not None and self.cache_salt is not None:
-            raise ValueError("give either tenant or cache_salt, not both")
-        return self
-
-    @property
-    def salt(self) -> str | None:
-        return tenant_cache_salt(self.tenant) if self.tenant is not None else self.cache_salt
 
 
 class AddDocuments(_Body):

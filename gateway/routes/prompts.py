@@ -4,33 +4,19 @@ is gateway.prompt_registry)."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field
 
 from ragspeed.gateway.dependencies import prompt_service
 from ragspeed.gateway.errors import APIError
 from ragspeed.gateway.prompt_registry import PromptService
-from ragspeed.gateway.security import tenant_cache_salt
+from ragspeed.gateway.security import TenantSalt
 
 router = APIRouter(prefix="/v1/prompts")
 
 
-class RegisterPrompt(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class RegisterPrompt(TenantSalt):
     name: str = Field(..., min_length=1, max_length=64)
     text: str = Field(..., min_length=1)
-    tenant: str | None = Field(None, min_length=1, description="Pin for this tenant's API keys.")
-    cache_salt: str | None = Field(None, min_length=1, description="Pin for requests with this salt.")
-
-    @model_validator(mode="after")
-    def _one_salt(self) -> RegisterPrompt:
-        if self.tenant is not None and self.cache_salt is not None:
-            raise ValueError("give either tenant or cache_salt, not both")
-        return self
-
-    @property
-    def salt(self) -> str | None:
-        return tenant_cache_salt(self.tenant) if self.tenant is not None else self.cache_salt
 
 
 def _not_found(name: str) -> APIError:

@@ -7,14 +7,7 @@ from ragspeed.compression import COMPRESSORS, CompressionError, Document, build_
 from ragspeed.compression.document_selector import DocumentSelector
 from ragspeed.compression.scoring.embedding_cache import EmbeddingCache
 from ragspeed.compression.scoring.minilm_encoder import MiniLMEncoder
-
-DOCS = [  # 13, 14, 13 and 12 words
-    Document("d0", "Paris is the capital of France. It is known for the Eiffel Tower.", "Paris"),
-    Document("d1", "The Nile is a river in Africa. It flows north into the Mediterranean Sea.", "Nile"),
-    Document("d2", "Mount Everest is the highest mountain on Earth. It lies in the Himalayas.", "Everest"),
-    Document("d3", "Python is a programming language. It was created by Guido van Rossum.", "Python"),
-]
-QUESTION = "who created the python programming language"
+from tests.compression.test_compressors import DOCS, QUESTION  # 13, 14, 13 and 12 words
 
 
 @pytest.fixture(scope="module")
