@@ -104,6 +104,17 @@ class _InFlight:
     waiters: list[tuple[Request, int]] = field(default_factory=list)  # (request, span index)
 
 
+def placed_spans(
+    spans: tuple[tuple[int, int], ...], glue: str
+) -> tuple[tuple[tuple[int, int], ...], tuple[bool, ...]]:
+    """The spans placed from the store, in order, and which of them are documents: the
+    documents' spans, and with `glue="reuse"` the glue between each two of them."""
+    between = [(end, start) for (_, end), (start, _) in zip(spans, spans[1:]) if start > end]
+    placed = tuple(sorted([*spans, *between])) if glue == "reuse" else tuple(spans)
+    documents = set(spans)
+    return placed, tuple(span in documents for span in placed)
+
+
 def document_fingerprint(engine_fingerprint: dict[str, Any], storage_dtype: str) -> str:
     """What must be equal for document KV to be valid: the model, tokenizer, weights' kind and
     KV layout per token (not the block size: documents are stored by token)."""
@@ -160,16 +171,14 @@ class DocumentKVCache:
         (prefill-only requests built by `make_prefill`)."""
         tokens = request.prompt_token_ids
         prefix = tokens[: spans[0][0]]
-        glue = [(end, start) for (_, end), (start, _) in zip(spans, spans[1:]) if start > end]
-        placed = sorted([*spans, *glue]) if options.glue == "reuse" else list(spans)
+        placed, is_document = placed_spans(spans, options.glue)
         keys = tuple(
             document_key(self.fingerprint, request.cache_salt, prefix, tokens[s:e]) for s, e in placed
         )
-        documents = set(spans)
         plan = DocumentPlan(
             options,
-            tuple(placed),
-            tuple(span in documents for span in placed),
+            placed,
+            is_document,
             keys,
             [None] * len(placed),
             [len(prefix)] * len(placed),

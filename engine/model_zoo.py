@@ -44,6 +44,7 @@ DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 DEMO_MODEL_NAME = "ragspeed-demo"
 DEMO_DRAFT_MODEL_NAME = "ragspeed-demo-draft"
 DEFAULT_DRAFT_MODEL_NAME = "smollm2-135m-instruct-draft"
+RAG_MODEL_NAME = "smollm2-135m-instruct-rag"
 # The draft each zoo model speculates with when none is given (`--speculative draft`).
 ZOO_DRAFTS = {DEMO_MODEL_NAME: DEMO_DRAFT_MODEL_NAME, DEFAULT_MODEL_NAME: DEFAULT_DRAFT_MODEL_NAME}
 CACHE_DIR_ENV = "RAGSPEED_CACHE_DIR"
@@ -170,6 +171,34 @@ class TrainedDraftModel:
 
 
 @dataclass(frozen=True)
+class AdaptedModel:
+    """A zoo model with a LoRA adapter shipped in the package (engine.adapter), merged into
+    the base model's weights in the cache on first use, and again when either changes."""
+
+    name: str
+    base: str  # the zoo name of the base model
+    adapter: Path
+    description: str
+
+    def local_dir(self, cache_dir: Path) -> Path:
+        return cache_dir / self.name
+
+    def materialize(self, cache_dir: Path) -> Path:
+        from ragspeed.engine.adapter import merge_adapter, merged_is_current
+
+        base_dir = ZOO[self.base].materialize(cache_dir)
+        out_dir = self.local_dir(cache_dir)
+        if not self.adapter.is_file():
+            raise ModelUnavailableError(f"model {self.name!r}: its adapter {self.adapter} is missing")
+        if not merged_is_current(out_dir, base_dir, self.adapter):
+            merge_adapter(base_dir, self.adapter, out_dir)
+        return out_dir
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": "adapted", "description": self.description}
+
+
+@dataclass(frozen=True)
 class BenchModelSpec:
     """A benchmark model: one HF config family, its shape, and how to draw its weights."""
 
@@ -282,6 +311,13 @@ ZOO: dict[str, ZooModel] = {
         target=DEFAULT_MODEL_NAME,
         description="2-layer draft of smollm2-135m-instruct with a 4,096-token head, built by"
         " `ragspeed train-draft` into the cache",
+    ),
+    RAG_MODEL_NAME: AdaptedModel(
+        name=RAG_MODEL_NAME,
+        base=DEFAULT_MODEL_NAME,
+        adapter=ASSETS_DIR / RAG_MODEL_NAME / "adapter.safetensors",
+        description="smollm2-135m-instruct with a LoRA adapter for documents prefilled on their own"
+        " (the document cache), trained by `ragspeed train-rag`; its card is beside the adapter",
     ),
     **BENCH_MODELS,
 }

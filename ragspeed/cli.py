@@ -90,6 +90,7 @@ class LazyGroup(click.Group):
         "models": "ragspeed.engine.cli:models_group",
         "train-demo": "ragspeed.training.cli:train_demo",
         "train-draft": "ragspeed.training.cli:train_draft",
+        "train-rag": "ragspeed.training.cli:train_rag",
     },
 )
 @click.version_option(_version(), prog_name="ragspeed")

@@ -44,6 +44,7 @@ def test_cli_commands_load_when_asked_for():
         "serve",
         "train-demo",
         "train-draft",
+        "train-rag",
     ]
     assert sorted(bench.list_commands(None)) == [
         "cache",

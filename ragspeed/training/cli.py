@@ -208,3 +208,63 @@ def train_draft(
     )
     figures.pop("losses", None)
     click.echo(json.dumps(figures, indent=2))
+
+
+@click.command("train-rag")
+@click.option(
+    "--base",
+    default=DEFAULT_MODEL_NAME,
+    show_default=True,
+    help="Base model: a model-zoo name or a local folder.",
+)
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    required=True,
+    help="Output folder: adapter.safetensors, README.md (the card) and figures.json.",
+)
+@click.option(
+    "--data-dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    required=True,
+    help="Folder with nq_dev.jsonl and hotpot_dev100.jsonl (e.g. ../shared/data).",
+)
+@click.option(
+    "--minutes",
+    type=click.FloatRange(min=0.1),
+    default=65.0,
+    show_default=True,
+    help="Training time budget (the learning-rate schedule spans it; the shipped adapter's recipe).",
+)
+@click.option("--seed", type=int, default=0, help="Seed of the prompts, data order and adapter weights.")
+@click.option(
+    "--max-steps",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Stop after this many steps, if sooner than the budget.",
+)
+@click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True, help="torch threads.")
+def train_rag(
+    base: str, out: Path, data_dir: Path, minutes: float, seed: int, max_steps: int | None, threads: int
+) -> None:
+    """Train a LoRA adapter that fits the base model to documents prefilled on their own."""
+    from ragspeed.training.block_attention import HOTPOT_FILE, NQ_FILE, Recipe, train_rag_adapter
+
+    missing = [name for name in (NQ_FILE, HOTPOT_FILE) if not (data_dir / name).is_file()]
+    if missing:
+        raise click.BadParameter(f"{data_dir} has no {' and no '.join(missing)}", param_hint="--data-dir")
+    try:
+        figures = train_rag_adapter(
+            out,
+            data_dir,
+            base=base,
+            minutes=minutes,
+            max_steps=max_steps,
+            threads=threads,
+            recipe=Recipe(seed=seed),
+            log=lambda line: click.echo(line, err=True),
+        )
+    except (ValueError, FileNotFoundError) as error:
+        raise click.BadParameter(str(error), param_hint="--base") from error
+    figures.pop("losses", None)
+    click.echo(json.dumps(figures, indent=2))

@@ -100,7 +100,7 @@ def masked_lm_loss(logits: torch.Tensor, token_ids: torch.Tensor, loss_mask: tor
     )
 
 
-def _learning_rate(config: TrainingConfig, step: int, progress: float) -> float:
+def scheduled_learning_rate(config: TrainingConfig, step: int, progress: float) -> float:
     if step < config.warmup_steps:
         return config.learning_rate * (step + 1) / config.warmup_steps
     cosine = 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
@@ -165,7 +165,7 @@ def train_loop(
                     break
                 batch = order[first : first + phase.batch_size]
                 token_ids, loss_mask = row_ids[batch], row_mask[batch]  # [batch, seq_len]
-                lr = _learning_rate(config, training_log.steps, progress())
+                lr = scheduled_learning_rate(config, training_log.steps, progress())
                 for group in optimizer.param_groups:
                     group["lr"] = lr
                 loss, num_tokens = step_loss(token_ids, loss_mask)

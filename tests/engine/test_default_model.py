@@ -109,3 +109,28 @@ def test_the_copy_equals_transformers_gguf_loading_of_the_wheel(default_model):
     weights = load_file(str(default_model / "model.safetensors"))
     assert sorted(weights) == sorted(k for k in state if k != "lm_head.weight")
     assert all(torch.equal(w, state[n]) for n, w in weights.items())
+
+
+def test_the_shipped_rag_adapter_merges_into_the_default_model(default_model):
+    """The RAG model: the default model's weights plus the shipped adapter, nothing else changed."""
+    from safetensors import safe_open
+
+    from ragspeed.engine.adapter import read_adapter
+    from ragspeed.engine.model_zoo import RAG_MODEL_NAME, resolve_model
+
+    merged = resolve_model(RAG_MODEL_NAME, cache_dir=default_model.parent)
+    pairs, scale = read_adapter(ZOO[RAG_MODEL_NAME].adapter)
+    assert len(pairs) == 30 * 7
+    with (
+        safe_open(str(default_model / "model.safetensors"), framework="pt") as base,
+        safe_open(f"{merged}/model.safetensors", framework="pt") as adapted,
+    ):
+        assert set(base.keys()) == set(adapted.keys())
+        name = "model.layers.3.self_attn.q_proj.weight"
+        a, b = pairs[name]
+        expected = base.get_tensor(name) + scale * (b.float() @ a.float())
+        assert torch.allclose(adapted.get_tensor(name), expected, atol=1e-6)
+        assert torch.equal(adapted.get_tensor("model.norm.weight"), base.get_tensor("model.norm.weight"))
+    assert json.loads(open(f"{merged}/config.json").read()) == json.loads(
+        (default_model / "config.json").read_text()
+    )

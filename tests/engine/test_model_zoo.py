@@ -44,6 +44,7 @@ def test_zoo_names():
         "ragspeed-demo",
         "ragspeed-demo-draft",
         "smollm2-135m-instruct-draft",
+        "smollm2-135m-instruct-rag",
         "bench-135m",
         "bench-0.5b",
     )
@@ -54,6 +55,7 @@ def test_zoo_names():
         "ragspeed-demo": "fixture",
         "ragspeed-demo-draft": "fixture",
         "smollm2-135m-instruct-draft": "trained-draft",
+        "smollm2-135m-instruct-rag": "adapted",
         "bench-135m": "bench",
         "bench-0.5b": "bench",
     }
@@ -104,7 +106,7 @@ def test_neither_path_nor_hub_id_is_named(name, tmp_path):
         resolve_model(name, cache_dir=tmp_path)
     assert str(error.value) == (
         f"model {name!r} is not a zoo name (smollm2-135m-instruct, ragspeed-demo, ragspeed-demo-draft, "
-        "smollm2-135m-instruct-draft, bench-135m, bench-0.5b), an existing folder or .gguf file, or a hub id (org/name)"
+        "smollm2-135m-instruct-draft, smollm2-135m-instruct-rag, bench-135m, bench-0.5b), an existing folder or .gguf file, or a hub id (org/name)"
     )
 
 
