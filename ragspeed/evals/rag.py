@@ -181,20 +181,27 @@ class RagConfig:
         return isinstance(self.ragspeed.get("document_cache"), dict)
 
 
+# Configurations other than the document-cache ones prefill every token: the server's default
+# document cache would otherwise reuse uncompressed (and retrieved) documents in them too.
+NO_REUSE = {"document_cache": False}
+
+
 def full_config(top_k: int) -> RagConfig:
-    return RagConfig(FULL, {"compression": False})
+    return RagConfig(FULL, {"compression": False, **NO_REUSE})
 
 
 def retrieval_config(top_k: int) -> RagConfig:
     options = {
         "retrieval": {"collection": COLLECTION, "top_k": top_k, "mode": "hybrid"},
         "compression": False,
+        **NO_REUSE,
     }
     return RagConfig(RETRIEVAL, options, send_documents=False)
 
 
 def compressed_config(method: str, factor: int) -> RagConfig:
-    return RagConfig(f"{method}@{factor}x", {"compression": {"method": method, "rate": 1.0 / factor}})
+    compression = {"method": method, "rate": 1.0 / factor}
+    return RagConfig(f"{method}@{factor}x", {"compression": compression, **NO_REUSE})
 
 
 def document_cache_config(name: str) -> RagConfig | None:

@@ -105,8 +105,14 @@ def test_distinct_passages_drop_white_space_repeats():
 def test_configuration_names():
     configs = parse_configs("full, coarse-to-fine@4x,first-docs@16x,retrieval", top_k=3)
     assert [c.name for c in configs] == ["full", "coarse-to-fine@4x", "first-docs@16x", "retrieval"]
-    assert configs[0].ragspeed == {"compression": False}
-    assert configs[1].ragspeed == {"compression": {"method": "coarse-to-fine", "rate": 0.25}}
+    # Only the kv-* configurations reuse documents: the server's default document cache is off
+    # in the others, so that `full` is a full prefill.
+    assert configs[0].ragspeed == {"compression": False, "document_cache": False}
+    assert configs[1].ragspeed == {
+        "compression": {"method": "coarse-to-fine", "rate": 0.25},
+        "document_cache": False,
+    }
+    assert configs[3].ragspeed["document_cache"] is False
     assert configs[2].ragspeed["compression"]["rate"] == 0.0625
     assert configs[3].ragspeed["retrieval"] == {"collection": "eval-rag", "top_k": 3, "mode": "hybrid"}
     assert not configs[3].send_documents and configs[3].needs_collection
@@ -378,6 +384,8 @@ def test_eval_rag_command_end_to_end(tiny_model, tmp_path):
     assert 0 < full["ttft_ms_p50"] <= full["e2e_ms_p50"]
     assert set(full["accuracy_by_gold_index"]) == {"0", "3"}
     assert len(report["observations"]) == 6 and report["machine"].startswith("machine: ")
+    # The server's document cache is on by default; full context is a full prefill all the same.
+    assert all(o["documents_hit"] is None for o in report["observations"])
     assert out_html.read_text().count("<svg") == 2
 
 
