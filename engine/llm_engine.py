@@ -193,7 +193,14 @@ class LLMEngine:
                 )
             end = stop
 
-    def add_request(self, request: GenerationRequest, *, prefill_only: bool = False) -> None:
+    def add_request(
+        self, request: GenerationRequest, *, prefill_only: bool = False, pin: bool = False
+    ) -> None:
+        """Queue a request. `prefill_only` fills the prefix cache and samples nothing; with `pin`
+        its full blocks are pinned as it finishes, in the same step (nothing can evict them
+        between the prefill and the pin)."""
+        if pin and not prefill_only:
+            raise ValueError("pin needs prefill_only")
         self.validate(request, prefill_only=prefill_only)
         if self.scheduler.get(request.request_id) is not None:
             raise EngineError(f"request_id {request.request_id!r} is already running", param="request_id")
@@ -201,7 +208,7 @@ class LLMEngine:
         detokenizer = None
         if not prefill_only:
             detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
-        engine_request = Request(request, state, detokenizer=detokenizer, prefill_only=prefill_only)
+        engine_request = Request(request, state, detokenizer=detokenizer, prefill_only=prefill_only, pin=pin)
         if self.documents is not None and request.document_cache is not None and request.document_spans:
             for prefill in self.documents.plan(
                 engine_request, request.document_cache, request.document_spans
@@ -266,6 +273,9 @@ class LLMEngine:
                     self.documents.capture(request, self.manager.block_table(request.request_id))
                     self.scheduler.finish(request, "stop")
                     continue
+                pinned = ()
+                if request.pin:  # before finish: the request still holds its blocks
+                    pinned = tuple(self.manager.pin(request.prompt_token_ids, request.cache_salt))
                 self.scheduler.finish(request, "stop")
                 # warm(): report how much of the prefix is now cached (its blocks stay cached);
                 # store_documents(): what became of the documents.
@@ -276,6 +286,7 @@ class LLMEngine:
                     num_prompt_tokens=request.num_prompt_tokens,
                     num_cached_tokens=num_cached,
                     documents=request.document_plan.report() if request.document_plan else None,
+                    pinned_block_ids=pinned,
                 )
                 results.append(StepOutput(request.request_id, delta))
         return results

@@ -129,6 +129,8 @@ class TokenDelta:
     logprobs: tuple[TokenLogprob, ...] | None = None
     # On the first delta of a request whose documents went through the document KV cache.
     documents: DocumentReuse | None = None
+    # On the final delta of a pinning prefill (`NativeEngine.pin`): the blocks it pinned.
+    pinned_block_ids: tuple[int, ...] = ()
 
 
 class EngineError(Exception):

@@ -43,6 +43,7 @@ class Request:
         *,
         detokenizer: IncrementalDetokenizer | None,
         prefill_only: bool = False,
+        pin: bool = False,
     ):
         self.request_id = request.request_id
         self.prompt_token_ids = list(request.prompt_token_ids)
@@ -51,6 +52,7 @@ class Request:
         self.cache_salt = request.cache_salt
         self.sampling = sampling
         self.prefill_only = prefill_only  # warm(): fill the prefix cache, sample nothing
+        self.pin = pin  # a prefill-only request that pins its full blocks as it finishes
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until then

@@ -11,6 +11,7 @@ responsive while a step runs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -26,7 +27,6 @@ from ragspeed.engine.llm_engine import LLMEngine, StepOutput
 from ragspeed.engine.prefix_store import (
     engine_fingerprint,
     export_kv,
-    pin_prefix,
     restore_prefix,
     unpin_prefix,
 )
@@ -47,6 +47,7 @@ class _Add:
     request: GenerationRequest
     sink: asyncio.Queue
     prefill_only: bool = False
+    pin: bool = False  # with prefill_only: pin the full blocks as the prefill finishes
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,16 @@ def _settle(future: asyncio.Future, result: Any, error: BaseException | None) ->
 
 
 _STOP = object()
+
+
+async def _final_delta(sink: asyncio.Queue) -> TokenDelta:
+    """The final delta a prefill-only request's sink receives (an error put there raises)."""
+    while True:
+        item = await sink.get()
+        if isinstance(item, BaseException):
+            raise item
+        if item.finish_reason is not None:
+            return item
 
 
 class NativeEngine:
@@ -131,7 +142,7 @@ class NativeEngine:
             return False
         if isinstance(command, _Add):
             try:
-                engine.add_request(command.request, prefill_only=command.prefill_only)
+                engine.add_request(command.request, prefill_only=command.prefill_only, pin=command.pin)
             except BaseException as exc:  # refused: hand the error to the waiting consumer
                 self._loop.call_soon_threadsafe(command.sink.put_nowait, exc)
                 return True
@@ -213,16 +224,26 @@ class NativeEngine:
     async def warm(self, prefix_token_ids: tuple[int, ...], cache_salt: str | None = None) -> int:
         """Prefill the prefix (no sampling) so its full blocks enter the prefix cache; returns the
         number of its tokens now cached (0 with prefix caching off)."""
-        engine = self.engine
-        if not engine.config.enable_prefix_caching or not prefix_token_ids:
+        if not self.engine.config.enable_prefix_caching or not prefix_token_ids:
             return 0
-        request = GenerationRequest(
+        delta = await self._prefill_only(self._warm_request(prefix_token_ids, cache_salt))
+        return delta.num_cached_tokens  # counted on the engine thread
+
+    async def warm_and_pin(self, token_ids: tuple[int, ...], cache_salt: str | None) -> tuple[int, ...]:
+        """Prefill `token_ids` and pin its full blocks as they are computed, in one command;
+        the pinned block ids (() with prefix caching off or no full block)."""
+        if not self.engine.config.enable_prefix_caching or not token_ids:
+            return ()
+        delta = await self._prefill_only(self._warm_request(token_ids, cache_salt), pin=True)
+        return delta.pinned_block_ids
+
+    def _warm_request(self, token_ids: tuple[int, ...], cache_salt: str | None) -> GenerationRequest:
+        return GenerationRequest(
             request_id=f"warm-{next(self._warm_ids)}",
-            prompt_token_ids=tuple(prefix_token_ids),
+            prompt_token_ids=tuple(token_ids),
             sampling=SamplingParams(max_tokens=1, temperature=0.0),
             cache_salt=cache_salt,
         )
-        return (await self._prefill_only(request)).num_cached_tokens  # counted on the engine thread
 
     async def store_documents(self, request: GenerationRequest) -> DocumentReuse | None:
         """Prefill the documents of `request` (its spans) into the document store, sampling
@@ -231,17 +252,22 @@ class NativeEngine:
             return None
         return (await self._prefill_only(request)).documents
 
-    async def _prefill_only(self, request: GenerationRequest) -> TokenDelta:
-        """Run `request` as a prefill-only request; its final delta."""
+    async def _prefill_only(self, request: GenerationRequest, *, pin: bool = False) -> TokenDelta:
+        """Run `request` as a prefill-only request (`pin`: pinning its blocks); its final delta.
+        Cancelled, it aborts the request and drops a pin taken before the abort landed."""
         self.engine.validate(request, prefill_only=True)
         sink: asyncio.Queue = asyncio.Queue()
-        self._commands.put(_Add(request, sink, prefill_only=True))
-        while True:
-            item = await sink.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item.finish_reason is not None:
-                return item
+        self._commands.put(_Add(request, sink, prefill_only=True, pin=pin))
+        try:
+            return await _final_delta(sink)
+        except asyncio.CancelledError:
+            self._commands.put(_Abort(request.request_id))
+            if pin:
+                with contextlib.suppress(Exception):  # a refused request pinned nothing
+                    delta = await _final_delta(sink)  # the abort's, or the pinning finish's
+                    if delta.pinned_block_ids:
+                        await self.call(lambda e: unpin_prefix(e, delta.pinned_block_ids))
+            raise
 
     async def call(self, fn: Any) -> Any:
         """`fn(llm_engine)` run on the engine thread between steps; its result or exception."""
@@ -274,8 +300,7 @@ class NativePrefixCache:
         return await self._engine.call(engine_fingerprint)
 
     async def pin(self, token_ids: tuple[int, ...], cache_salt: str | None) -> tuple[int, ...]:
-        await self._engine.warm(token_ids, cache_salt)
-        return await self._engine.call(lambda e: pin_prefix(e, token_ids, cache_salt))
+        return await self._engine.warm_and_pin(token_ids, cache_salt)
 
     async def unpin(self, block_ids: tuple[int, ...]) -> None:
         await self._engine.call(lambda e: unpin_prefix(e, block_ids))

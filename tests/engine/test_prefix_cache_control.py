@@ -108,12 +108,45 @@ def test_restore_while_the_pool_is_short_answers_none(tiny_checkpoints):
         cache = engine.prefix_cache()
         try:
             other = await cache.pin(tuple(range(100, 117)), None)  # 2 full blocks held
-            kv = torch.zeros(2, 1, 4, 8, 1, 1)  # 4 blocks: more than the 3 left
+            shape = list(engine.engine.kv_pool.kv.shape)
+            kv = torch.zeros(*shape[:2], 4, *shape[3:])  # 4 blocks: more than the 3 left
             return other, await cache.restore(PREFIX, kv, None), engine.stats()["num_blocks_used"]
         finally:
             await engine.shutdown()
 
     assert asyncio.run(main()) == ((0, 1), None, 2)
+
+
+def test_pin_is_one_command_and_a_cancelled_pin_holds_nothing(tiny_checkpoints):
+    async def main():
+        engine = NativeEngine(_config(tiny_checkpoints["llama"]))
+        await engine.start()
+        cache = engine.prefix_cache()
+        try:
+            calls = []  # engine-thread calls besides the pinning prefill: none
+            call = engine.call
+            engine.call = lambda fn: (calls.append(fn), call(fn))[1]
+            pinned = await cache.pin(PREFIX, None)
+            engine.call = call
+            await cache.unpin(pinned)
+            # Cancelled at any point of its prefill, a pin leaves no block held.
+            held = []
+            for delay in (0.0, 0.001, 0.005, 0.02):
+                task = asyncio.create_task(cache.pin(tuple(range(200, 300)), None))
+                await asyncio.sleep(delay)
+                task.cancel()
+                result = await asyncio.gather(task, return_exceptions=True)
+                if not isinstance(result[0], asyncio.CancelledError):
+                    await cache.unpin(result[0])  # it finished before the cancel
+                await asyncio.sleep(0.05)
+                held.append(engine.stats()["num_blocks_used"])
+            return calls, pinned, held
+        finally:
+            await engine.shutdown()
+
+    calls, pinned, held = asyncio.run(main())
+    assert calls == [] and pinned == (0, 1, 2, 3)
+    assert held == [0, 0, 0, 0]
 
 
 def test_backends_without_a_pinnable_cache_have_no_control(tiny_checkpoints):
