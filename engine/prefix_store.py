@@ -1,14 +1,15 @@
 """Pinned prefixes of one `LLMEngine`: pin after a prefill, save to disk, restore at start-up.
 
 The torch/safetensors half of `prompt_cache.store` (which owns the atomic, checksummed files and
-never imports torch). A saved prefix holds:
+the prompt records, and never imports torch). A saved prefix holds:
 
 - `kv`: the KV of its pinned blocks, `[2 (K, V), num_layers, num_blocks, block_size,
   num_kv_heads, head_dim]` (the pool's layout with only those blocks);
 - the token ids (sidecar) and the registered text and cache salt (safetensors metadata);
 - a fingerprint of the model (config, weight-file headers, sizes and edge bytes), the
   tokenizer (its serialized vocabulary and merges), the KV dtype and the block size: a prefix
-  saved by any other model, tokenizer or layout is refused with a log line, never loaded.
+  saved by any other model, tokenizer or layout, or whose KV has another shape than the
+  fingerprint says, is refused with a log line, never loaded (its prompt is prefilled again).
 
 Every function here touches the engine's block manager or KV pool, so it must run on the
 engine's own thread (`NativeEngine.call`).
@@ -32,11 +33,16 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ragspeed.prompt_cache.store import (
+    PromptRecord,
     delete_prefix,
+    delete_record,
     list_saved_prefixes,
     load_prefix,
+    load_records,
     prefix_path,
+    remove_temporaries,
     save_prefix,
+    save_record,
 )
 
 logger = logging.getLogger(__name__)
@@ -54,6 +60,16 @@ class PinnedPrefix:
     block_ids: tuple[int, ...]  # as returned by KVCacheManager.pin (pass back to unpin)
     text: str = ""
     cache_salt: str | None = None
+
+
+@dataclass(frozen=True)
+class SavedPrompt:
+    """A registered prompt found on disk: its record, and its KV where that is usable (else
+    None: the prompt must be prefilled again)."""
+
+    record: PromptRecord
+    token_ids: tuple[int, ...] | None = None
+    kv: torch.Tensor | None = None
 
 
 def _write_tensors(path: Path, tensors: dict[str, Any]) -> None:
@@ -106,20 +122,32 @@ def engine_fingerprint(engine: Any) -> dict[str, Any]:
     for weight_file in weights:
         model.update(weight_file.name.encode())
         model.update(_file_fingerprint(weight_file).encode())
-    kv = engine.kv_pool.kv
     return {
         "model": model.hexdigest(),
         "tokenizer": _tokenizer_fingerprint(engine.tokenizer),
-        "kv_shape": [
-            int(kv.shape[0]),
-            int(kv.shape[1]),
-            int(kv.shape[3]),
-            int(kv.shape[4]),
-            int(kv.shape[5]),
-        ],
-        "kv_dtype": str(kv.dtype),
+        "kv_shape": engine_fingerprint_shape(engine),
+        "kv_dtype": str(engine.kv_pool.kv.dtype),
         "quantization": engine.config.quantization,
     }
+
+
+def engine_fingerprint_shape(engine: Any) -> list[int]:
+    """The pool's KV shape without its block count: (2, layers, block size, heads, head dim)."""
+    shape = engine.kv_pool.kv.shape
+    return [int(shape[i]) for i in (0, 1, 3, 4, 5)]
+
+
+def kv_problem(kv: Any, shape: list[int], dtype: str, num_tokens: int) -> str:
+    """Why saved `kv` cannot be the KV of `num_tokens` tokens in a pool of `shape` and `dtype`
+    (`engine_fingerprint_shape`); "" if it can."""
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 6:
+        return "no KV tensor of 6 dimensions"
+    got = [int(kv.shape[i]) for i in (0, 1, 3, 4, 5)]
+    if got != list(shape) or str(kv.dtype) != dtype:
+        return f"KV of shape {list(kv.shape)} and {kv.dtype}, expected {shape} (blocks at 2) and {dtype}"
+    if kv.shape[2] * kv.shape[3] > num_tokens:
+        return f"KV of {kv.shape[2] * kv.shape[3]} tokens for {num_tokens} token ids"
+    return ""
 
 
 # ---------------------------------------------------------------------- engine-thread operations
@@ -140,9 +168,12 @@ def restore_prefix(
     """Put saved KV (`[2, L, n, block_size, H, D]`) back into the pool as cached, pinned blocks
     of `token_ids`' first n full blocks. None when the pool has no room now."""
     manager, block_size = engine.manager, engine.manager.block_size
+    problem = kv_problem(kv, engine_fingerprint_shape(engine), str(engine.kv_pool.kv.dtype), len(token_ids))
+    if problem:
+        raise ValueError(f"saved KV does not fit this engine: {problem}")
     num_blocks = int(kv.shape[2])
     num_tokens = num_blocks * block_size
-    if num_blocks == 0 or num_tokens > len(token_ids):
+    if num_blocks == 0:
         return ()
     request_id = f"restore-{next(_restore_ids)}"
     block_ids = manager.allocate_slots(request_id, num_tokens)
@@ -169,11 +200,15 @@ def export_kv(engine: Any, block_ids: tuple[int, ...]) -> torch.Tensor:
 
 
 class PrefixStore:
-    """Pinned prefixes of one engine in one folder (`prompt_cache_dir`)."""
+    """Registered prompts of one engine in one folder (`prompt_cache_dir`): their records, and
+    the KV of their pinned blocks."""
 
     def __init__(self, directory: str | Path, fingerprint: dict[str, Any]):
         self.directory = Path(directory)
         self.fingerprint = fingerprint
+
+    def save_record(self, record: PromptRecord) -> None:
+        save_record(self.directory, record)
 
     def save(self, prefix: PinnedPrefix, kv: torch.Tensor) -> Path:
         metadata = {"text": prefix.text, "cache_salt": json.dumps(prefix.cache_salt)}
@@ -186,31 +221,58 @@ class PrefixStore:
             write_tensors=_write_tensors,
         )
 
-    def load_all(self) -> list[tuple[PinnedPrefix, torch.Tensor]]:
-        """Every intact prefix of this model and tokenizer (others refused with a log line)."""
-        out = []
+    def load_all(self) -> list[SavedPrompt]:
+        """Every registered prompt in the folder, with its KV where that is intact and made by
+        this model, tokenizer and layout (else refused with a log line, `kv` None). Removes the
+        temporary files of interrupted writes first."""
+        removed = remove_temporaries(self.directory)
+        if removed:
+            logger.info("removed %d temporary file(s) of interrupted writes in %s", removed, self.directory)
+        records = {record.name: record for record in load_records(self.directory)}
+        prefixes = {}
         for path in list_saved_prefixes(self.directory):
             loaded = load_prefix(path, self.fingerprint, read_tensors=_read_tensors)
             if loaded is None:
                 continue
-            metadata = loaded.tensors.get("__metadata__", {})
             kv = loaded.tensors.get("kv")
-            try:
-                salt = json.loads(metadata.get("cache_salt", "null"))
-            except ValueError:
-                salt = None
-            if not isinstance(kv, torch.Tensor) or kv.dim() != 6:
-                logger.warning("refusing saved prefix %s: no KV tensor of 6 dimensions", path)
+            shape, dtype = self.fingerprint["kv_shape"], self.fingerprint["kv_dtype"]
+            problem = kv_problem(kv, shape, dtype, len(loaded.token_ids))
+            if problem:
+                logger.warning("refusing saved prefix %s: %s", path, problem)
                 continue
-            prefix = PinnedPrefix(
-                name=loaded.name,
-                token_ids=loaded.token_ids,
-                block_ids=(),
-                text=metadata.get("text", ""),
-                cache_salt=salt,
-            )
-            out.append((prefix, kv))
+            if loaded.name not in records:
+                adopted = self._adopt(loaded.name, loaded.tensors.get("__metadata__", {}))
+                if adopted is None:
+                    continue
+                records[loaded.name] = adopted
+            prefixes[loaded.name] = loaded
+        out = []
+        for name in sorted(records):
+            loaded = prefixes.get(name)
+            if loaded is None:
+                out.append(SavedPrompt(records[name]))
+            else:
+                out.append(SavedPrompt(records[name], loaded.token_ids, loaded.tensors["kv"]))
         return out
 
+    def _adopt(self, name: str, metadata: dict[str, str]) -> PromptRecord | None:
+        """A record for a prefix saved before records existed, from the text in its tensor
+        file; None (and the prefix deleted) when it has none."""
+        text = metadata.get("text", "")
+        if not text:
+            logger.warning("deleting saved prefix %s: no prompt record and no text", name)
+            delete_prefix(prefix_path(self.directory, name))
+            return None
+        try:
+            salt = json.loads(metadata.get("cache_salt", "null"))
+        except ValueError:
+            salt = None
+        record = PromptRecord(name, text, salt if isinstance(salt, str) else None)
+        save_record(self.directory, record)
+        logger.info("saved prompt %s: record written from its KV file", name)
+        return record
+
     def delete(self, name: str) -> None:
+        """The KV first, the record last: a kill in between leaves the prompt registered."""
         delete_prefix(prefix_path(self.directory, name))
+        delete_record(self.directory, name)

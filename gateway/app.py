@@ -125,6 +125,7 @@ def create_app(
             await asyncio.gather(loading, return_exceptions=True)
             if state.precompute is not None:
                 await state.precompute.close()
+            await state.prompts.close()
             await engine.shutdown()
             for arm_engine in arm_engines.values():
                 await arm_engine.shutdown()

@@ -80,7 +80,7 @@ class Settings(BaseSettings):
     enable_prefix_caching: bool = Field(True, description="Reuse the KV of shared prompt prefixes (native).")
     prompt_cache_dir: str | None = Field(
         ".ragspeed/prompts",
-        description="Folder where registered prompts' pinned KV is saved and restored from at start-up (native); none: not persisted.",
+        description="Folder where registered prompts (their text, and their pinned KV) are saved and restored from at start-up (native; a prompt whose KV cannot be used is prefilled again); none: not persisted.",
     )
     quantization: str | None = Field(None, description="Weight quantization: none or int8 (native).")
     speculative: str | None = Field(None, description="Speculative decoding: ngram or draft (native).")

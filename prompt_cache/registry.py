@@ -86,6 +86,13 @@ class PromptRegistry:
         """Forget a prompt and return it (the caller unpins `block_ids`); None if unknown."""
         return self._prompts.pop(name, None)
 
+    def set_block_ids(self, name: str, block_ids: Sequence[int]) -> RegisteredPrompt:
+        """Record the blocks pinned for a registered prompt (e.g. once it is prefilled again
+        after a restart); KeyError if it is not registered."""
+        prompt = replace(self._prompts[name], block_ids=tuple(block_ids))
+        self._prompts[name] = prompt
+        return prompt
+
     def record_hit(self, name: str) -> RegisteredPrompt:
         """Count one request that used the prompt; KeyError if it is not registered."""
         prompt = replace(self._prompts[name], hit_count=self._prompts[name].hit_count + 1)

@@ -1,6 +1,8 @@
-"""Pinned prefixes persisted to disk, so a restart does not pay their prefill again.
+"""Registered prompts persisted to disk: what is registered, and the KV that spares its prefill.
 
-A saved prefix is two files side by side:
+A registered prompt is a *record*, `<name>.prompt.json` (format, name, text, cache salt and a
+sha256 of those fields): the truth of what is registered. Its KV, a cache that a restart may
+use or recompute, is a *saved prefix* of two files side by side:
 
 - the *tensor file* at `path` (the KV tensors, e.g. safetensors), written by the caller's
   `write_tensors(path, tensors)` and read back by `read_tensors(path)`; this module never
@@ -12,7 +14,13 @@ Each file is written atomically (a temporary file in the same folder, fsync, `os
 of the folder), tensor file first. A crash between the two leaves a sidecar whose checksum does
 not match the tensor file, which is refused. `load_prefix` never raises on bad files: a missing,
 corrupt or mismatched (other model or tokenizer) prefix returns None with a log line, and the
-engine simply prefills it again.
+engine simply prefills it again from the record's text.
+
+Registering writes the record first and the prefix after it; deleting removes the prefix first
+and the record last. So a process killed at any moment leaves a record (the prompt is there,
+and prefilled again if its KV was not complete), or nothing of it. Each atomic write goes
+through a temporary `.<file>.<hex>.tmp`; `remove_temporaries` clears those a kill left behind.
+A prefix without a record comes from a version that kept the text in the tensor file only.
 """
 
 from __future__ import annotations
@@ -33,6 +41,9 @@ logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 SIDECAR_SUFFIX = ".json"
+RECORD_SUFFIX = ".prompt.json"
+RECORD_FORMAT = 1
+_TEMPORARY_GLOB = ".*.tmp"
 
 WriteTensors = Callable[[Path, dict[str, Any]], None]
 ReadTensors = Callable[[Path], dict[str, Any]]
@@ -44,6 +55,15 @@ class LoadedPrefix:
     token_ids: tuple[int, ...]
     fingerprint: dict[str, Any]
     tensors: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """A registered prompt as its record file holds it."""
+
+    name: str
+    text: str
+    cache_salt: str | None = None
 
 
 def prefix_path(directory: str | os.PathLike, name: str, suffix: str = ".safetensors") -> Path:
@@ -203,7 +223,7 @@ def list_saved_prefixes(directory: str | os.PathLike) -> list[Path]:
     return sorted(
         sidecar.with_name(sidecar.name[: -len(SIDECAR_SUFFIX)])
         for sidecar in directory.glob(f"*{SIDECAR_SUFFIX}")
-        if not sidecar.name.startswith(".")
+        if not sidecar.name.startswith(".") and not sidecar.name.endswith(RECORD_SUFFIX)
     )
 
 
@@ -213,3 +233,78 @@ def delete_prefix(path: str | os.PathLike) -> None:
     sidecar_path(path).unlink(missing_ok=True)
     path.unlink(missing_ok=True)
     _fsync_directory(path.parent)
+
+
+# ---------------------------------------------------------------------- prompt records
+
+
+def record_path(directory: str | os.PathLike, name: str) -> Path:
+    return prefix_path(directory, name, RECORD_SUFFIX)
+
+
+def save_record(directory: str | os.PathLike, record: PromptRecord) -> Path:
+    """Write `record` atomically; returns its path."""
+    path = record_path(directory, record.name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fields = {
+        "format": RECORD_FORMAT,
+        "name": record.name,
+        "text": record.text,
+        "cache_salt": record.cache_salt,
+    }
+    body = json.dumps({**fields, "checksum": _fields_checksum(fields)})
+    _atomic_write(path, lambda temporary: temporary.write_text(body))
+    return path
+
+
+def load_records(directory: str | os.PathLike) -> list[PromptRecord]:
+    """Every intact record in `directory`, by name; a bad one is refused with a log line."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    records = []
+    for path in sorted(directory.glob(f"*{RECORD_SUFFIX}")):
+        if path.name.startswith("."):
+            continue
+        try:
+            record = _record(json.loads(path.read_text()), path)
+        except (OSError, ValueError) as error:
+            logger.warning("refusing prompt record %s: %s", path, error)
+            continue
+        records.append(record)
+    return records
+
+
+def _record(body: Any, path: Path) -> PromptRecord:
+    """The record in a parsed file; ValueError saying what is wrong with it."""
+    if not isinstance(body, dict) or "checksum" not in body:
+        raise ValueError("not a prompt record")
+    fields = {key: value for key, value in body.items() if key != "checksum"}
+    if _fields_checksum(fields) != body["checksum"]:
+        raise ValueError("checksum mismatch (corrupt)")
+    if fields.get("format") != RECORD_FORMAT:
+        raise ValueError(f"format {fields.get('format')!r}, expected {RECORD_FORMAT}")
+    name, text, salt = fields.get("name"), fields.get("text"), fields.get("cache_salt")
+    if not isinstance(name, str) or path.name != f"{name}{RECORD_SUFFIX}":
+        raise ValueError(f"the record names {name!r}")
+    if not isinstance(text, str) or not text or not (salt is None or isinstance(salt, str)):
+        raise ValueError("text or cache_salt malformed")
+    return PromptRecord(validate_prompt_name(name), text, salt)
+
+
+def delete_record(directory: str | os.PathLike, name: str) -> None:
+    path = record_path(directory, name)
+    path.unlink(missing_ok=True)
+    _fsync_directory(path.parent)
+
+
+def remove_temporaries(directory: str | os.PathLike) -> int:
+    """Delete the temporary files that writes interrupted by a kill left; how many."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return 0
+    count = 0
+    for temporary in directory.glob(_TEMPORARY_GLOB):
+        temporary.unlink(missing_ok=True)
+        count += 1
+    return count

@@ -1,10 +1,12 @@
 """Pinned prefixes saved to safetensors and restored into a fresh engine: no prefill paid, same
-greedy tokens; a changed model or tokenizer, or a corrupt file, is refused with a log line."""
+greedy tokens; a changed model or tokenizer, a corrupt file or a KV of another shape is refused
+with a log line, and the prompt's record stays; temporaries of interrupted writes are removed."""
 
 from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 
 from ragspeed.engine.prefix_store import (
@@ -16,18 +18,26 @@ from ragspeed.engine.prefix_store import (
     restore_prefix,
 )
 from ragspeed.engine.protocol import GenerationRequest, SamplingParams
+from ragspeed.prompt_cache.store import PromptRecord, load_records
 from tests.engine.conftest import make_engine
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PREFIX = tuple(range(20, 62))  # 42 tokens: 5 full blocks of 8
 
 
-def _save(engine, directory, name="support", salt=None):
+def _save(engine, directory, name="support", salt=None, *, record=True):
     engine.generate([GenerationRequest("warm", PREFIX + (5,), GREEDY, cache_salt=salt)])
     block_ids = pin_prefix(engine, PREFIX, salt)
     store = PrefixStore(directory, engine_fingerprint(engine))
+    if record:
+        store.save_record(PromptRecord(name, "the text", salt))
     store.save(PinnedPrefix(name, PREFIX, block_ids, "the text", salt), export_kv(engine, block_ids))
     return store, block_ids
+
+
+def _records_only(store):
+    """load_all() as (record, has usable KV) pairs."""
+    return [(saved.record, saved.kv is not None) for saved in store.load_all()]
 
 
 def test_restored_prefix_is_a_hit_with_the_same_tokens(tiny_checkpoints, tmp_path):
@@ -38,15 +48,11 @@ def test_restored_prefix_is_a_hit_with_the_same_tokens(tiny_checkpoints, tmp_pat
 
     fresh = make_engine(tiny_checkpoints["llama"])
     store = PrefixStore(tmp_path, engine_fingerprint(fresh))
-    [(saved, kv)] = store.load_all()
-    assert (saved.name, saved.token_ids, saved.text, saved.cache_salt) == (
-        "support",
-        PREFIX,
-        "the text",
-        "tenant-a",
-    )
+    [saved] = store.load_all()
+    assert saved.record == PromptRecord("support", "the text", "tenant-a") and saved.token_ids == PREFIX
+    kv = saved.kv
     assert tuple(kv.shape) == (2, 2, 5, 8, 2, 16)
-    pinned = restore_prefix(fresh, saved.token_ids, kv, saved.cache_salt)
+    pinned = restore_prefix(fresh, saved.token_ids, kv, "tenant-a")
     assert len(pinned) == 5 and fresh.manager.num_pinned_blocks == 5
     fresh.manager.check_invariants()
 
@@ -66,13 +72,14 @@ def test_restored_prefix_is_a_hit_with_the_same_tokens(tiny_checkpoints, tmp_pat
 def test_changed_model_or_corrupt_file_is_refused_with_a_log_line(tiny_checkpoints, tmp_path, caplog):
     source = make_engine(tiny_checkpoints["llama"])
     _save(source, tmp_path)
+    record = PromptRecord("support", "the text")
     other_model = make_engine(tiny_checkpoints["mistral"], block_size=8)
     with caplog.at_level(logging.WARNING, logger="ragspeed.prompt_cache.store"):
-        assert PrefixStore(tmp_path, engine_fingerprint(other_model)).load_all() == []
+        assert _records_only(PrefixStore(tmp_path, engine_fingerprint(other_model))) == [(record, False)]
     assert "fingerprint mismatch" in caplog.text
 
     fingerprint = engine_fingerprint(source)
-    assert PrefixStore(tmp_path, {**fingerprint, "tokenizer": "0" * 64}).load_all() == []
+    assert _records_only(PrefixStore(tmp_path, {**fingerprint, "tokenizer": "0" * 64})) == [(record, False)]
 
     tensor_file = tmp_path / "support.safetensors"
     data = bytearray(tensor_file.read_bytes())
@@ -80,8 +87,42 @@ def test_changed_model_or_corrupt_file_is_refused_with_a_log_line(tiny_checkpoin
     tensor_file.write_bytes(bytes(data))
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="ragspeed.prompt_cache.store"):
-        assert PrefixStore(tmp_path, fingerprint).load_all() == []
+        assert _records_only(PrefixStore(tmp_path, fingerprint)) == [(record, False)]
     assert "checksum mismatch" in caplog.text
+
+
+def test_a_kv_of_another_shape_is_refused_not_a_crash(tiny_checkpoints, tmp_path, caplog):
+    engine = make_engine(tiny_checkpoints["llama"])
+    store, block_ids = _save(engine, tmp_path)
+    # Checksums and fingerprint intact, the tensor of another layout: refused at load...
+    wrong = export_kv(engine, block_ids)[:, :, :, :4]
+    store.save(PinnedPrefix("support", PREFIX, block_ids, "the text"), wrong)
+    with caplog.at_level(logging.WARNING, logger="ragspeed.engine.prefix_store"):
+        assert _records_only(store) == [(PromptRecord("support", "the text"), False)]
+    assert "KV of shape [2, 2, 5, 4, 2, 16]" in caplog.text
+    # ...and at restore, a ValueError that leaves the pool as it was.
+    fresh = make_engine(tiny_checkpoints["llama"])
+    with pytest.raises(ValueError, match="does not fit this engine"):
+        restore_prefix(fresh, PREFIX, wrong, None)
+    with pytest.raises(ValueError, match="KV of 40 tokens for 8 token ids"):
+        restore_prefix(fresh, PREFIX[:8], export_kv(engine, block_ids), None)
+    assert fresh.manager.num_pinned_blocks == 0
+    fresh.manager.check_invariants()
+
+
+def test_temporaries_are_removed_and_prefixes_without_a_record_adopted(tiny_checkpoints, tmp_path, caplog):
+    engine = make_engine(tiny_checkpoints["llama"])
+    store, _ = _save(engine, tmp_path, name="legacy", record=False)  # saved before records existed
+    (tmp_path / ".legacy.safetensors.0a1b.tmp").write_bytes(b"half a tensor file")
+    (tmp_path / ".other.prompt.json.2c3d.tmp").write_text("{")
+    with caplog.at_level(logging.INFO, logger="ragspeed.engine.prefix_store"):
+        [saved] = store.load_all()
+    assert saved.record == PromptRecord("legacy", "the text") and saved.kv is not None
+    assert "removed 2 temporary file(s)" in caplog.text
+    assert load_records(tmp_path) == [PromptRecord("legacy", "the text")]
+    assert not list(tmp_path.glob(".*"))
+    store.delete("legacy")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_restore_with_no_room_returns_none_and_changes_nothing(tiny_checkpoints, tmp_path):

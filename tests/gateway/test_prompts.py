@@ -1,9 +1,12 @@
 """The static prompt registry against real servers: register, pin, use, list, delete; restart
-restores the pinned prefix (first request is a hit); a corrupt file is refused with a log line;
-tenants never share blocks. The routes' validation and engines without a prefix cache (text
+restores the pinned prefix (first request is a hit); a corrupt KV file is refused with a log
+line and the prompt prefilled again from its record; tenants never share blocks; a server killed
+while it saves keeps every prompt. The routes' validation and engines without a prefix cache (text
 substituted, nothing pinned) are tested in-process: test_inprocess_prompts.py."""
 
 from __future__ import annotations
+
+import time
 
 import httpx
 
@@ -57,6 +60,13 @@ def cached_tokens(body) -> int:
     return body["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
+def wait_until_pinned(url, name, tokens, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while (pinned := httpx.get(f"{url}/v1/prompts/{name}").json()["pinned_tokens"]) != tokens:
+        assert time.monotonic() < deadline, f"{name}: {pinned} tokens pinned, expected {tokens}"
+        time.sleep(0.05)
+
+
 def metric(url, name) -> float:
     for line in httpx.get(f"{url}/metrics").text.splitlines():
         if line.startswith(name + "{"):
@@ -99,7 +109,8 @@ def test_register_use_restart_and_corrupt_file(tiny_model, tmp_path):
             url, "ragspeed_prefix_cache_hits_total"
         )
         assert 0 < metric(url, "ragspeed_prefix_cache_usage") < 1
-    assert sorted(p.name for p in prompt_dir.iterdir()) == ["support.safetensors", "support.safetensors.json"]
+    files = ["support.prompt.json", "support.safetensors", "support.safetensors.json"]
+    assert sorted(p.name for p in prompt_dir.iterdir()) == files
 
     with native_server(tiny_model, prompt_dir) as server:
         url = server.url
@@ -114,14 +125,22 @@ def test_register_use_restart_and_corrupt_file(tiny_model, tmp_path):
     data = bytearray(tensor_file.read_bytes())
     data[-3] ^= 0xFF
     tensor_file.write_bytes(bytes(data))
+    (prompt_dir / ".support.safetensors.0123.tmp").write_bytes(b"a write a kill interrupted")
     with native_server(tiny_model, prompt_dir) as server:
-        assert httpx.get(f"{server.url}/v1/prompts").json()["data"] == []
-        assert "refusing saved prefix" in server.log_tail(20000)
-        assert cached_tokens(chat(server.url, "Where is my parcel?", system=SYSTEM)) == 0
-        # Registering again replaces the corrupt file; deleting removes it.
-        assert (
-            httpx.post(f"{server.url}/v1/prompts", json={"name": "support", "text": SYSTEM}).status_code
-            == 201
-        )
+        url = server.url
+        # Never dropped: listed at once, prefilled again from its record in the background.
+        assert [p["name"] for p in httpx.get(f"{url}/v1/prompts").json()["data"]] == ["support"]
+        wait_until_pinned(url, "support", pinned)
+        log = server.log_tail(20000)
+        assert "refusing saved prefix" in log and "prefilled saved prompt support again" in log
+        assert "removed 1 temporary file(s)" in log
+        again = chat(url, "Where is my parcel?", prompt="support")
+        assert cached_tokens(again) == pinned
+        assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+        assert httpx.post(f"{url}/v1/prompts", json={"name": "support", "text": SYSTEM}).status_code == 400
+    assert sorted(p.name for p in prompt_dir.iterdir()) == files  # the KV saved anew, intact
+    with native_server(tiny_model, prompt_dir) as server:
+        assert "refusing" not in server.log_tail(20000)
+        assert httpx.get(f"{server.url}/v1/prompts/support").json()["pinned_tokens"] == pinned
         assert httpx.delete(f"{server.url}/v1/prompts/support").json()["deleted"] is True
     assert list(prompt_dir.iterdir()) == []

@@ -7,11 +7,17 @@ import logging
 import pytest
 
 from ragspeed.prompt_cache.store import (
+    PromptRecord,
     delete_prefix,
+    delete_record,
     list_saved_prefixes,
     load_prefix,
+    load_records,
     prefix_path,
+    record_path,
+    remove_temporaries,
     save_prefix,
+    save_record,
     sidecar_path,
 )
 
@@ -121,3 +127,37 @@ def test_delete_and_name_validation(saved, tmp_path):
     delete_prefix(saved)  # idempotent
     with pytest.raises(ValueError, match="name"):
         prefix_path(tmp_path, "../escape")
+
+
+def test_records_round_trip_and_bad_ones_are_refused(saved, caplog):
+    directory = saved.parent
+    save_record(directory, PromptRecord("support", "Be brief.", "tenant-a"))
+    save_record(directory, PromptRecord("plain", "Cite documents."))
+    assert list_saved_prefixes(directory) == [saved]  # records are not prefixes
+    assert load_records(directory) == [
+        PromptRecord("plain", "Cite documents."),
+        PromptRecord("support", "Be brief.", "tenant-a"),
+    ]
+    edited = json.loads(record_path(directory, "plain").read_text())
+    edited["text"] = "Cite nothing."
+    record_path(directory, "plain").write_text(json.dumps(edited))
+    record_path(directory, "moved").write_text(record_path(directory, "support").read_text())
+    with caplog.at_level(logging.WARNING, logger="ragspeed.prompt_cache.store"):
+        assert load_records(directory) == [PromptRecord("support", "Be brief.", "tenant-a")]
+    assert "plain.prompt.json: checksum mismatch" in caplog.text
+    assert "moved.prompt.json: the record names 'support'" in caplog.text
+    delete_record(directory, "support")
+    delete_record(directory, "support")  # idempotent
+    assert not record_path(directory, "support").exists()
+
+
+def test_remove_temporaries(saved):
+    (saved.parent / ".support.safetensors.ab12.tmp").write_text("half")
+    (saved.parent / "keep.tmp").write_text("not ours")
+    assert remove_temporaries(saved.parent) == 1
+    assert remove_temporaries(saved.parent / "absent") == 0
+    assert sorted(p.name for p in saved.parent.iterdir()) == [
+        "keep.tmp",
+        "support.safetensors",
+        "support.safetensors.json",
+    ]
