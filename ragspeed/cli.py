@@ -226,6 +226,7 @@ def chat(
         "gateway": "ragspeed.bench.gateway:bench_gateway",
         "load": "ragspeed.bench.load:bench_load",
         "quant": "ragspeed.bench.quant:bench_quant",
+        "restarts": "ragspeed.bench.restarts:bench_restarts",
         "spec": "ragspeed.bench.spec:bench_spec",
     },
 )

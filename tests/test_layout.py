@@ -54,6 +54,7 @@ def test_cli_commands_load_when_asked_for():
         "gateway",
         "load",
         "quant",
+        "restarts",
         "spec",
     ]
     assert cli.get_command(None, "nope") is None
