@@ -21,7 +21,7 @@ The kills come in four kinds, in turn:
 
 What a kill left on disk is classified before the next start: `before-record` (nothing of the
 prompt), `record` (its record, its KV not complete), `mid-write` (a temporary file),
-`complete`, or for `prefill-again` `before-write`.
+`complete`, or for `prefill-again` `outside-write` (no temporary file left).
 """
 
 from __future__ import annotations
@@ -229,7 +229,7 @@ def run_restarts_bench(model: str, kills: int, *, seed: int, max_tokens: int, se
             if checker is not None:
                 checker.close()
             _killed(server)
-            left = "mid-write" if _temporaries(directory) else "before-write"
+            left = "mid-write" if _temporaries(directory) else "outside-write"
             rounds.append({"kind": kind, "prompt": BASE, "left": left})
         else:
             t0 = time.perf_counter()

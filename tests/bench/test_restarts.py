@@ -24,7 +24,7 @@ def test_every_prompt_survives_a_kill_of_each_kind(tiny_model, tmp_path):
     # to be seen (the tiny model's KV is 130 KB).
     record_write, kv_write, again = (r["left"] for r in report["rounds"][1:])
     assert {record_write, kv_write} <= {"mid-write", "record", "complete"}
-    assert again in ("mid-write", "before-write")
+    assert again in ("mid-write", "outside-write")
     assert report["restarts_checked"] == len(KINDS)  # after the 3 registration kills, and at the end
     # At the end at least the first prompt and the one killed while its KV was written (its
     # record was complete): prefilled again, pinned, answering as when it was registered.
