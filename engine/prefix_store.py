@@ -131,10 +131,14 @@ def engine_fingerprint(engine: Any) -> dict[str, Any]:
     }
 
 
-def engine_fingerprint_shape(engine: Any) -> list[int]:
-    """The pool's KV shape without its block count: (2, layers, block size, heads, head dim)."""
-    shape = engine.kv_pool.kv.shape
+def _layout(shape: Any) -> list[int]:
+    """A KV shape without its block count: (2, layers, block size, heads, head dim)."""
     return [int(shape[i]) for i in (0, 1, 3, 4, 5)]
+
+
+def engine_fingerprint_shape(engine: Any) -> list[int]:
+    """The pool's KV layout (`_layout`)."""
+    return _layout(engine.kv_pool.kv.shape)
 
 
 def kv_problem(kv: Any, shape: list[int], dtype: str, num_tokens: int) -> str:
@@ -142,8 +146,7 @@ def kv_problem(kv: Any, shape: list[int], dtype: str, num_tokens: int) -> str:
     (`engine_fingerprint_shape`); "" if it can."""
     if not isinstance(kv, torch.Tensor) or kv.dim() != 6:
         return "no KV tensor of 6 dimensions"
-    got = [int(kv.shape[i]) for i in (0, 1, 3, 4, 5)]
-    if got != list(shape) or str(kv.dtype) != dtype:
+    if _layout(kv.shape) != list(shape) or str(kv.dtype) != dtype:
         return f"KV of shape {list(kv.shape)} and {kv.dtype}, expected {shape} (blocks at 2) and {dtype}"
     if kv.shape[2] * kv.shape[3] > num_tokens:
         return f"KV of {kv.shape[2] * kv.shape[3]} tokens for {num_tokens} token ids"

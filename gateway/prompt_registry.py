@@ -94,7 +94,7 @@ class PromptService:
         for saved in await asyncio.to_thread(self._store.load_all):
             record = saved.record
             token_ids = static_prefix_ids(self._engine.tokenizer, record.text)
-            if record.name in self.registry or not token_ids:
+            if not token_ids:
                 continue
             block_ids = await self._restore(saved, token_ids)
             self.registry.register(

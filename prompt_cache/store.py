@@ -43,7 +43,7 @@ FORMAT_VERSION = 1
 SIDECAR_SUFFIX = ".json"
 RECORD_SUFFIX = ".prompt.json"
 RECORD_FORMAT = 1
-_TEMPORARY_GLOB = ".*.tmp"
+TEMPORARY_GLOB = ".*.tmp"  # what `_atomic_write` names its temporary files
 
 WriteTensors = Callable[[Path, dict[str, Any]], None]
 ReadTensors = Callable[[Path], dict[str, Any]]
@@ -304,7 +304,7 @@ def remove_temporaries(directory: str | os.PathLike) -> int:
     if not directory.is_dir():
         return 0
     count = 0
-    for temporary in directory.glob(_TEMPORARY_GLOB):
+    for temporary in directory.glob(TEMPORARY_GLOB):
         temporary.unlink(missing_ok=True)
         count += 1
     return count

@@ -43,6 +43,7 @@ import httpx
 from ragspeed.bench.common import machine_line, write_json
 from ragspeed.bench.launcher import ServerProcess
 from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
+from ragspeed.prompt_cache.store import TEMPORARY_GLOB
 
 KINDS = ("register", "record-write", "kv-write", "prefill-again")
 # The temporary files a kind waits for (prompt_cache.store's atomic writes).
@@ -114,7 +115,7 @@ class Checker:
 
 
 def _temporaries(directory: Path) -> list[Path]:
-    return list(directory.glob(".*.tmp"))
+    return list(directory.glob(TEMPORARY_GLOB))
 
 
 def _left_on_disk(directory: Path, name: str) -> str:
