@@ -26,6 +26,9 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.1  # of free host/device memory, when tokens unset
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
+    # A step that carries decodes gets this time budget; its prefill chunks are sized to fit it
+    # from the measured prefill rate (None: the token budget alone).
+    tpot_target_ms: float | None = 50.0
     enable_prefix_caching: bool = True
     quantization: str | None = None  # None | "int8"
     speculative: str | None = None  # None | "ngram" | "draft"

@@ -55,7 +55,7 @@ from ragspeed.engine.attention import scattered_metadata
 from ragspeed.engine.attention import slots as slot_ids
 from ragspeed.engine.cpu_kernels.placement import place_kernel_applies, place_kv
 from ragspeed.engine.model_runner import ModelRunner
-from ragspeed.engine.protocol import DocumentCacheOptions, DocumentReuse
+from ragspeed.engine.protocol import DocumentCacheOptions, DocumentReuse, GenerationRequest
 from ragspeed.engine.request import Request
 from ragspeed.engine.threads import forward_pass
 from ragspeed.prompt_cache.document_store import DocumentKV, DocumentStore, document_key
@@ -214,6 +214,24 @@ class DocumentKVCache:
                 sub.blockers.add(first)
                 self._in_flight[first].waiters.append((sub, -1))
         return prefills
+
+    def num_stored_tokens(self, request: GenerationRequest, after: int = 0) -> int:
+        """Tokens of `request`'s placed spans from `after` on whose KV is stored or being
+        computed: an estimate another thread may ask for (nothing is touched or counted)."""
+        spans = request.document_spans
+        if request.document_cache is None or not spans:
+            return 0
+        tokens = request.prompt_token_ids
+        prefix = tokens[: spans[0][0]]
+        placed, _ = placed_spans(spans, request.document_cache.glue)
+        stored = 0
+        for start, end in placed:
+            if start < after:
+                continue
+            key = document_key(self.fingerprint, request.cache_salt, prefix, tokens[start:end])
+            if key in self.store or key in self._in_flight:
+                stored += end - start
+        return stored
 
     def capture(self, sub: Request, block_table: list[int]) -> None:
         """A document prefill computed its last token: store its KV, hand it to its waiters."""

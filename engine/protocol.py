@@ -97,7 +97,11 @@ class GenerationRequest:
     document_spans: tuple[tuple[int, int], ...] = ()
     # None: the prompt is prefilled as a whole; else its documents reuse stored KV.
     document_cache: DocumentCacheOptions | None = None
+    # Lower runs first among waiting requests: PRIORITY_INTERACTIVE, PRIORITY_BATCH.
+    priority: int = 0
 
+
+PRIORITY_INTERACTIVE, PRIORITY_BATCH = 0, 1
 
 # The most alternatives per token a request may ask for (OpenAI's `top_logprobs` limit).
 MAX_LOGPROBS = 20

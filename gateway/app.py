@@ -19,6 +19,7 @@ from fastapi import FastAPI
 from ragspeed.engine.backends import build_engine
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.protocol import EngineClient
+from ragspeed.gateway.admission import TTFTAdmission
 from ragspeed.gateway.compress import CompressionStage
 from ragspeed.gateway.document_precompute import DocumentPrecompute
 from ragspeed.gateway.errors import install_error_handlers
@@ -72,6 +73,10 @@ def create_app(
         metrics = GatewayMetrics()
         metrics.registry.register(rejections.counter)
         metrics.watch_engine(engine.stats, settings.model_id)
+        admission = TTFTAdmission(
+            settings.ttft_deadline_ms / 1000 if settings.ttft_deadline_ms is not None else None
+        )
+        metrics.watch_admission(admission.snapshot, settings.model_id)
         state = AppState(
             settings=settings,
             metrics=metrics,
@@ -91,6 +96,8 @@ def create_app(
                 for arm_engine in arm_engines.values():
                     await arm_engine.start()
                 await state.prompts.start()  # restore the pinned prompts saved before a restart
+                if hasattr(engine, "estimate_new_tokens"):  # an engine on this machine: time it
+                    await admission.calibrate(engine)
                 state.precompute = DocumentPrecompute(engine, engine.tokenizer, metrics)
                 state.compression = CompressionStage(settings, engine.tokenizer)
                 await asyncio.to_thread(state.compression.warm)
@@ -112,6 +119,7 @@ def create_app(
                 prompts=state.prompts,
                 experiment=experiment,
                 arm_engines=arm_engines,
+                admission=admission,
             )
             logger.info(
                 "engine %s ready with %s in %.1f s", settings.engine, settings.model, time.perf_counter() - t0

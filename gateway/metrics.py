@@ -71,6 +71,19 @@ class _PrefixCacheCollector:
             yield family
 
 
+class _AdmissionCollector:
+    def __init__(self, fit: Callable[[], dict[str, float]], model: str):
+        self._fit, self._model = fit, model
+
+    def collect(self):
+        for key, value in sorted(self._fit().items()):
+            family = GaugeMetricFamily(
+                f"ragspeed_admission_{key}", f"admission's fitted service time: {key}", labels=["model"]
+            )
+            family.add_metric([self._model], value)
+            yield family
+
+
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -80,6 +93,19 @@ class GatewayMetrics:
             "Time to first token.",
             _LABELS,
             buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft_predicted = Histogram(
+            "ragspeed_time_to_first_token_predicted_seconds",
+            "Time to first token predicted at admission (gateway.admission), beside the actual.",
+            _LABELS,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft_refused = Counter(
+            "ragspeed_ttft_refused_requests",
+            "Requests refused with 429 because their predicted time to first token passed their deadline.",
+            ("model",),
             registry=r,
         )
         self.tpot = Histogram(
@@ -150,6 +176,11 @@ class GatewayMetrics:
     def watch_engine(self, stats: Callable[[], dict[str, float]], model: str) -> None:
         self.registry.register(_EngineStatsCollector(stats, model))
         self.registry.register(_PrefixCacheCollector(stats, model))
+
+    def watch_admission(self, fit: Callable[[], dict[str, float]], model: str) -> None:
+        """The admission's service-time fit: `ragspeed_admission_step_seconds` and
+        `ragspeed_admission_seconds_per_token`."""
+        self.registry.register(_AdmissionCollector(fit, model))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

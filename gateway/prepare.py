@@ -18,6 +18,8 @@ from typing import Any, cast
 from jinja2 import TemplateError
 
 from ragspeed.engine.protocol import (
+    PRIORITY_BATCH,
+    PRIORITY_INTERACTIVE,
     DocumentCacheOptions,
     EngineClient,
     GenerationRequest,
@@ -80,6 +82,7 @@ class PreparedRequest:
     arm: str = DEFAULT_ARM
     principal: Principal | None = None  # the authenticated caller; None with auth off
     return_prompt: bool = False  # echo the prompt as sent in `ragspeed.prompt`
+    deadline_ms: float | None = None  # `ragspeed.deadline_ms`: this request's TTFT deadline
 
 
 # Compression and retrieval plug in as callables the app builds before the pipeline:
@@ -104,6 +107,12 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None, default_max_to
         ignore_eos=req.ignore_eos,
         logprobs=req.num_logprobs,
     )
+
+
+def request_priority(options: RagspeedOptions | None) -> int:
+    """The engine priority of `ragspeed.priority`."""
+    batch = options is not None and options.priority == "batch"
+    return PRIORITY_BATCH if batch else PRIORITY_INTERACTIVE
 
 
 def _reject_lone_surrogates(value: Any, path: str) -> None:
@@ -202,7 +211,7 @@ class Preparer:
                     code="invalid_messages",
                 ) from None
         max_tokens = req.max_completion_tokens or req.max_tokens
-        prepared = self._prepared(req, prompt, timer, max_tokens, report, engine, document_cache)
+        prepared = self._prepared(req, prompt, timer, max_tokens, report, engine, options, document_cache)
         if arm is not None:
             prepared.arm = arm.name
         prepared.return_prompt = bool(options and options.return_prompt)
@@ -260,7 +269,7 @@ class Preparer:
                 token_ids = list(prompt_ids)
                 text = self.engine.tokenizer.decode(token_ids)
         prompt = Prompt(text=text, token_ids=tuple(token_ids), num_static_tokens=0)
-        return self._prepared(req, prompt, timer, req.max_tokens, None, self.engine)
+        return self._prepared(req, prompt, timer, req.max_tokens, None, self.engine, options=None)
 
     def _prepared(
         self,
@@ -270,6 +279,7 @@ class Preparer:
         max_tokens: int | None,
         report: CompressionReport | None,
         engine: EngineClient,
+        options: RagspeedOptions | None,
         document_cache: DocumentCacheOptions | None = None,
     ) -> PreparedRequest:
         sampling = sampling_params(req, max_tokens, self.settings.default_max_tokens)
@@ -301,5 +311,14 @@ class Preparer:
             cache_salt=principal.cache_salt if principal is not None else req.cache_salt,
             document_spans=prompt.document_spans,
             document_cache=document_cache if prompt.document_spans else None,
+            priority=request_priority(options),
         )
-        return PreparedRequest(request_id, generation, timer, engine, report, principal=principal)
+        return PreparedRequest(
+            request_id,
+            generation,
+            timer,
+            engine,
+            report,
+            principal=principal,
+            deadline_ms=options.deadline_ms if options is not None else None,
+        )

@@ -84,6 +84,14 @@ class RagspeedOptions(_Strict):
     # true: the server's policy; false: prefill the documents in full; default: the server's choice.
     document_cache: DocumentCacheIn | bool | None = None
     retrieval: RetrievalOptions | None = None
+    deadline_ms: float | None = Field(
+        None,
+        gt=0,
+        description="Deadline of this request's first token from its arrival, ms: refused at once with 429 when the server predicts it would miss it (default: the server's ttft_deadline_ms; batch requests have none).",
+    )
+    priority: Literal["interactive", "batch"] = Field(
+        "interactive", description="batch requests wait behind interactive ones in the engine's queue."
+    )
     return_prompt: bool = Field(
         False,
         description="Return the prompt as sent to the engine (after "

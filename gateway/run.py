@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ragspeed.engine.protocol import DocumentReuse, PromptTooLongError, TokenDelta, TokenLogprob
+from ragspeed.gateway.admission import Ticket, TTFTAdmission, estimate_new_tokens
+from ragspeed.gateway.errors import APIError
 from ragspeed.gateway.experiments import LiveExperiment
 from ragspeed.gateway.limits import DeadlineExceeded, next_before
 from ragspeed.gateway.metrics import GatewayMetrics
@@ -28,6 +30,7 @@ class Generation:
     metrics: GatewayMetrics
     prepared: PreparedRequest
     experiment: LiveExperiment | None = None  # observes the arm's latencies
+    admission: TTFTAdmission | None = None  # refuses a request predicted to miss its deadline
     text_parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # when the request asked
     finish_reason: str | None = None
@@ -37,6 +40,7 @@ class Generation:
     documents: DocumentReuse | None = None  # what document KV reuse did (the engine's report)
     ttft_s: float | None = None
     e2e_s: float | None = None
+    predicted_ttft_s: float | None = None  # the admission's prediction, from arrival
     _engine_start: float = 0.0
     _first_token_at: float = 0.0
 
@@ -66,9 +70,31 @@ class Generation:
             return None
         return (self.e2e_s - self.ttft_s) / (self.num_completion_tokens - 1)
 
+    def _admit(self) -> Ticket | None:
+        """The admission's ticket (None: no admission), or APIError 429 at once."""
+        if self.admission is None:
+            return None
+        generation = self.prepared.generation
+        deadline_s = self.admission.deadline_s(self.prepared.deadline_ms, generation.priority)
+        try:
+            ticket = self.admission.admit(
+                estimate_new_tokens(self.prepared.engine, generation),
+                generation.priority,
+                self.prepared.timer.start,
+                deadline_s,
+            )
+        except APIError:
+            self.metrics.ttft_refused.labels(model=self.settings.model_id).inc()
+            raise
+        self.predicted_ttft_s = ticket.predicted_s
+        if ticket.predicted_s is not None:
+            self.metrics.ttft_predicted.labels(**self.labels).observe(ticket.predicted_s)
+        return ticket
+
     async def deltas(self) -> AsyncGenerator[TokenDelta, None]:
         metrics, labels = self.metrics, self.labels
         timer = self.prepared.timer
+        ticket = self._admit()
         metrics.in_flight.labels(**labels).inc()
         outcome = "error"
         self._engine_start = time.perf_counter()
@@ -88,6 +114,8 @@ class Generation:
                 if self.ttft_s is None and (delta.token_ids or delta.text or delta.finish_reason):
                     self.ttft_s = now - timer.start
                     self._first_token_at = now
+                    if ticket is not None:
+                        ticket.first_token()
                 self.num_prompt_tokens = max(self.num_prompt_tokens, delta.num_prompt_tokens)
                 self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
                 if delta.documents is not None:
@@ -114,6 +142,8 @@ class Generation:
             outcome = "aborted"  # the client went away; closing the engine stream aborts it
             raise
         finally:
+            if ticket is not None:
+                ticket.release()
             await engine_stream.aclose()
             if self.prepared.principal is not None:
                 self.prepared.principal.charge_tokens(self.num_completion_tokens)
@@ -154,6 +184,9 @@ class Generation:
             "ttft_ms": round(self.ttft_s * 1000, 3) if self.ttft_s is not None else None,
             "e2e_ms": round(self.e2e_s * 1000, 3) if self.e2e_s is not None else None,
             "tpot_ms": round(self.tpot_s * 1000, 3) if self.tpot_s is not None else None,
+            "predicted_ttft_ms": round(self.predicted_ttft_s * 1000, 3)
+            if self.predicted_ttft_s is not None
+            else None,
             "num_static_tokens": self.prepared.generation.num_static_tokens,
         }
         if self.prepared.return_prompt:

@@ -77,6 +77,11 @@ class Settings(BaseSettings):
     max_num_batched_tokens: int = Field(
         512, ge=1, description="Token budget of one engine step: decodes plus prefill chunks (native)."
     )
+    tpot_target_ms: float | None = Field(
+        50.0,
+        gt=0,
+        description="Time budget of an engine step that carries decodes, ms: the prefill chunks beside them are sized to fit it (native; none: the token budget alone).",
+    )
     enable_prefix_caching: bool = Field(True, description="Reuse the KV of shared prompt prefixes (native).")
     prompt_cache_dir: str | None = Field(
         ".ragspeed/prompts",
@@ -233,6 +238,11 @@ class Settings(BaseSettings):
         256, ge=0, description="Requests waiting for a slot; 429 when the queue is full."
     )
     queue_timeout_s: float = Field(30.0, gt=0, description="Longest wait for a slot, seconds (429 after).")
+    ttft_deadline_ms: float | None = Field(
+        10000.0,
+        gt=0,
+        description="Deadline of an interactive request's first token from its arrival, ms: a request whose predicted time to first token passes it is refused at once with 429 and Retry-After (a request's `ragspeed.deadline_ms` overrides it; none: no such check).",
+    )
     request_timeout_s: float | None = Field(
         600.0,
         gt=0,
@@ -266,6 +276,7 @@ class Settings(BaseSettings):
             kv_cache_memory_fraction=self.kv_cache_memory_fraction,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            tpot_target_ms=self.tpot_target_ms,
             enable_prefix_caching=self.enable_prefix_caching,
             quantization=self.quantization,
             speculative=self.speculative,

@@ -197,6 +197,14 @@ class KVCacheManager:
         self._pending_stats = (len(token_ids), num_computed_tokens) if recorded else None
         return block_ids, num_computed_tokens
 
+    def peek_num_cached_tokens(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """`get_computed_blocks`'s token count, recording nothing: an estimate another thread
+        may ask for (each lookup is one dict read; the pool may change meanwhile)."""
+        if not self.enable_caching or not token_ids:
+            return 0
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        return len(self._find_cached_prefix(token_ids, cache_salt, max_blocks)) * self.block_size
+
     def _commit_pending_stats(self) -> None:
         if self._pending_stats is None:
             return

@@ -276,6 +276,16 @@ class NativeEngine:
         self._commands.put(_Call(fn, future))
         return await future
 
+    def estimate_new_tokens(self, request: GenerationRequest) -> int:
+        """The prompt tokens a prefill of `request` would compute now: less its cached prefix
+        and its stored documents. Read from the event loop while the engine runs, so an
+        estimate (gateway.admission)."""
+        engine = self.engine
+        tokens = request.prompt_token_ids
+        cached = engine.manager.peek_num_cached_tokens(tokens, request.cache_salt)
+        stored = engine.documents.num_stored_tokens(request, cached) if engine.documents is not None else 0
+        return max(1, len(tokens) - cached - stored)
+
     def stats(self) -> dict[str, float]:
         if self._engine is None:
             return {}

@@ -2,7 +2,13 @@
 
 Each client loops: pick a prompt (a question with 0 to 4 retrieved documents, so prompt lengths
 mix), stream a chat completion, and with probability `disconnect_fraction` hang up after a
-random number of chunks (the server must abort that request and free its KV blocks).
+random number of chunks (the server must abort that request and free its KV blocks). A client
+refused with 429 waits its `Retry-After`, as the openai SDK does, then goes on.
+
+With `compression_every_s`, one more client sends a request of 20 documents compressed 4x
+(`ragspeed.compression.rate` 0.25) at that interval, first for a few arrivals alone, then
+beside the load: its TTFT both ways, and the inter-token gaps of the streams in flight, show
+what a compressed arrival costs the streams (stall-free batching, one CPU budget).
 
 Terms: *TTFT* here is the client's view, from sending the request to the first SSE chunk (the
 server primes a stream with its first token before it starts the response). The *steady state*
@@ -10,12 +16,16 @@ runs from the end of the warm-up (`warmup_fraction` of the run) to the end of th
 `rss_growth` is (RSS at its end - RSS at its start) / RSS at its start, the server's resident
 memory read from /proc. `blocks_in_use_at_end` is the engine's `num_blocks_used` gauge once every
 client has stopped and the server has gone idle (None for engines without a paged KV cache).
+*Goodput* is the requests whose TTFT met `deadline_ms` a minute of the run; a *refusal* is a
+429, timed from sending to its answer; an *inter-token gap* is the time between two content
+chunks of one stream.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import statistics
 import time
@@ -32,6 +42,9 @@ from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
 
 _DOC_CHARS = 500  # each document is cut to this many characters
 _DOC_COUNTS = (0, 1, 2, 4)  # documents per request: the prompt length mix
+_ARRIVAL_DOCS = 20  # documents of a compressed arrival
+_ARRIVALS_ALONE = 4  # compressed arrivals sent before the load starts, for their TTFT alone
+_MAX_RETRY_AFTER_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -44,6 +57,8 @@ class LoadConfig:
     max_tokens: int = 48
     seed: int = 0
     max_requests: int | None = None  # stop sending once this many have started (None: by time only)
+    deadline_ms: float = 10_000.0  # the TTFT that counts toward goodput
+    compression_every_s: float | None = None  # a compressed 20-document arrival this often
 
 
 @dataclass
@@ -57,6 +72,10 @@ class LoadTally:
     client_errors: int = 0  # 4xx: 429 when the server sheds load, 400 for a prompt too long
     transport_errors: int = 0
     ttft_s: list[float] = field(default_factory=list)
+    refusal_s: list[float] = field(default_factory=list)  # send to 429, per refusal
+    gaps_s: list[float] = field(default_factory=list)  # between content chunks of a stream
+    arrivals_alone_ttft_s: list[float] = field(default_factory=list)
+    arrivals_ttft_s: list[float] = field(default_factory=list)
     status_counts: dict[int, int] = field(default_factory=dict)
 
 
@@ -79,6 +98,26 @@ def load_prompts(path: Path | None = None, limit: int = 64) -> list[tuple[str, l
             docs = [" ".join(rng.choices(words, k=80)) for _ in range(4)]
             prompts.append((f"question {i}: which block holds the answer?", docs))
     return prompts
+
+
+def load_arrival_documents(path: Path | None = None) -> list[tuple[str, list[str]]]:
+    """(question, 20 documents) pairs for the compressed arrivals, or synthetic ones."""
+    rows: list[tuple[str, list[str]]] = []
+    if path is not None:
+        with path.open(encoding="utf-8") as lines:
+            for line in lines:
+                row = json.loads(line)
+                if len(row["documents"]) >= _ARRIVAL_DOCS:
+                    rows.append((row["question"], [d["text"] for d in row["documents"][:_ARRIVAL_DOCS]]))
+                if len(rows) >= 32:
+                    break
+    if not rows:
+        words = "the a model cache token block prefix document answer question engine river city".split()
+        rng = random.Random(1)
+        for i in range(32):
+            docs = [" ".join(rng.choices(words, k=100)) for _ in range(_ARRIVAL_DOCS)]
+            rows.append((f"question {i}: which document names the city?", docs))
+    return rows
 
 
 def rss_bytes(pid: int) -> int:
@@ -108,7 +147,7 @@ async def _one_request(
     tally: LoadTally,
 ) -> None:
     question, documents = rng.choice(prompts)
-    body = {
+    body: dict[str, Any] = {
         "model": model,
         "stream": True,
         "temperature": 0.0,
@@ -121,33 +160,103 @@ async def _one_request(
         "documents": documents[: rng.choice(_DOC_COUNTS)],
     }
     hang_up_after = rng.randint(1, 8) if rng.random() < config.disconnect_fraction else None
+    await _stream(http, body, tally, tally.ttft_s, hang_up_after)
+
+
+async def _stream(
+    http: httpx.AsyncClient,
+    body: dict[str, Any],
+    tally: LoadTally,
+    ttfts: list[float],
+    hang_up_after: int | None = None,
+) -> None:
+    """One streamed request: its TTFT into `ttfts`, its gaps into the tally; a 429 sleeps
+    its Retry-After."""
     tally.started += 1
     sent = time.perf_counter()
+    retry_after_s = 0.0
     try:
         async with http.stream("POST", "/v1/chat/completions", json=body) as response:
             tally.status_counts[response.status_code] = tally.status_counts.get(response.status_code, 0) + 1
             if response.status_code >= 500:
                 tally.server_errors += 1
                 return
+            if response.status_code == 429:
+                tally.refusal_s.append(time.perf_counter() - sent)
+                retry_after_s = min(float(response.headers.get("retry-after", "1")), _MAX_RETRY_AFTER_S)
             if response.status_code != 200:
                 tally.client_errors += 1
-                return
-            chunks = 0
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                if chunks == 0:
-                    tally.ttft_s.append(time.perf_counter() - sent)
-                chunks += 1
-                if line.strip() == "data: [DONE]":
-                    tally.completed += 1
-                    return
-                if hang_up_after is not None and chunks >= hang_up_after:
-                    tally.disconnected += 1
-                    return  # leaving the block closes the connection mid-stream
-            tally.server_errors += 1  # the stream ended without [DONE]
+            else:
+                await _read_stream(response, tally, ttfts, sent, hang_up_after)
     except httpx.HTTPError:
         tally.transport_errors += 1
+    if retry_after_s:
+        await asyncio.sleep(retry_after_s)
+
+
+async def _read_stream(
+    response: httpx.Response, tally: LoadTally, ttfts: list[float], sent: float, hang_up_after: int | None
+) -> None:
+    chunks = 0
+    last: float | None = None  # the previous content chunk's arrival
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        now = time.perf_counter()
+        if chunks == 0:
+            ttfts.append(now - sent)
+        if '"content":' in line and '"content":""' not in line:
+            if last is not None:
+                tally.gaps_s.append(now - last)
+            last = now
+        chunks += 1
+        if line.strip() == "data: [DONE]":
+            tally.completed += 1
+            return
+        if hang_up_after is not None and chunks >= hang_up_after:
+            tally.disconnected += 1
+            return  # leaving the block closes the connection mid-stream
+    tally.server_errors += 1  # the stream ended without [DONE]
+
+
+def _arrival_body(model: str, question: str, documents: list[str]) -> dict[str, Any]:
+    return {
+        "model": model,
+        "stream": True,
+        "temperature": 0.0,
+        "max_tokens": 16,
+        "messages": [
+            {"role": "system", "content": "Answer from the documents."},
+            {"role": "user", "content": question},
+        ],
+        "documents": documents,
+        "ragspeed": {"compression": {"rate": 0.25}},
+    }
+
+
+async def _arrivals(
+    url: str,
+    model: str,
+    every_s: float,
+    stop_at: float,
+    rows: list[tuple[str, list[str]]],
+    tally: LoadTally,
+    ttfts: list[float],
+    count: int | None = None,
+) -> None:
+    """A compressed 20-document request every `every_s` until `stop_at` (or `count` sent);
+    each runs in its own task, so a slow one does not delay the next."""
+    sent: list[asyncio.Task] = []
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(120.0, connect=10.0)) as http:
+        index = 0
+        while time.perf_counter() < stop_at and (count is None or index < count):
+            question, documents = rows[index % len(rows)]
+            sent.append(
+                asyncio.create_task(_stream(http, _arrival_body(model, question, documents), tally, ttfts))
+            )
+            index += 1
+            await asyncio.sleep(every_s)
+        await asyncio.gather(*sent)
 
 
 async def _client(
@@ -185,17 +294,42 @@ async def run_load(
     config: LoadConfig,
     server_pid: int | None = None,
     prompts: list[tuple[str, list[str]]] | None = None,
+    arrival_rows: list[tuple[str, list[str]]] | None = None,
 ) -> dict[str, Any]:
     prompts = prompts or load_prompts()
     tally = LoadTally()
+    every_s = config.compression_every_s
+    rows = arrival_rows or load_arrival_documents()
     async with httpx.AsyncClient(base_url=url, timeout=30.0) as http:
         model = (await http.get("/v1/models")).json()["data"][0]["id"]
+        if every_s is not None:  # alone first: the arrivals' TTFT with no stream in flight
+            alone = asyncio.create_task(
+                _arrivals(
+                    url, model, every_s, math.inf, rows, tally, tally.arrivals_alone_ttft_s, _ARRIVALS_ALONE
+                )
+            )
+            await alone
+            tally.gaps_s.clear()
         t0 = time.perf_counter()
         stop_at = t0 + config.duration_s
         clients = [
             asyncio.create_task(_client(url, model, config.seed * 1_000 + i, config, stop_at, prompts, tally))
             for i in range(config.clients)
         ]
+        if every_s is not None:
+            clients.append(
+                asyncio.create_task(
+                    _arrivals(
+                        url,
+                        model,
+                        every_s,
+                        stop_at,
+                        rows[_ARRIVALS_ALONE:] or rows,
+                        tally,
+                        tally.arrivals_ttft_s,
+                    )
+                )
+            )
         await asyncio.wait(clients, timeout=config.duration_s * config.warmup_fraction)
         rss_start = rss_bytes(server_pid) if server_pid else None
         completed_at_start, steady_from = tally.completed, time.perf_counter()
@@ -206,6 +340,7 @@ async def run_load(
         elapsed = time.perf_counter() - t0
         metrics = await _settle(http)
     ttft_ms = sorted(t * 1000 for t in tally.ttft_s)
+    met = sum(t * 1000 <= config.deadline_ms for t in tally.ttft_s + tally.arrivals_ttft_s)
     blocks_used = read_gauge(metrics, "ragspeed_engine_num_blocks_used")
     return {
         "clients": config.clients,
@@ -222,12 +357,31 @@ async def run_load(
         **{f"status_{code}": n for code, n in sorted(tally.status_counts.items())},
         "ttft_p50_ms": round(statistics.median(ttft_ms), 1) if ttft_ms else None,
         "ttft_p99_ms": round(percentile(ttft_ms, 0.99), 1) if ttft_ms else None,
+        "deadline_ms": config.deadline_ms,
+        "goodput_per_min": round(met / (elapsed / 60), 2),
+        "refused": len(tally.refusal_s),
+        **_spread("refusal", tally.refusal_s, (0.5, 0.99, 1.0)),
+        **_spread("gap", tally.gaps_s, (0.5, 0.9, 0.99)),
+        **(
+            {
+                **_spread("arrival_alone_ttft", tally.arrivals_alone_ttft_s, (0.5,)),
+                **_spread("arrival_ttft", tally.arrivals_ttft_s, (0.5, 0.99)),
+            }
+            if every_s is not None
+            else {}
+        ),
         "rss_start_mb": round(rss_start / 2**20, 1) if rss_start else None,
         "rss_end_mb": round(rss_end / 2**20, 1) if rss_end else None,
         "rss_growth": round((rss_end - rss_start) / rss_start, 4) if rss_start and rss_end else None,
         "blocks_in_use_at_end": int(blocks_used) if blocks_used is not None else None,
         "blocks_total": _int_or_none(read_gauge(metrics, "ragspeed_engine_num_blocks_total")),
     }
+
+
+def _spread(name: str, seconds: list[float], quantiles: tuple[float, ...]) -> dict[str, float | None]:
+    """`{name}_p50_ms`... (`p100` is the largest) over `seconds`; None when there are none."""
+    ms = sorted(s * 1000 for s in seconds)
+    return {f"{name}_p{round(q * 100)}_ms": round(percentile(ms, q), 1) if ms else None for q in quantiles}
 
 
 def _int_or_none(value: float | None) -> int | None:
@@ -246,10 +400,13 @@ def bench_load_run(
     max_tokens: int = 48,
     seed: int = 0,
     data: Path | None = None,
+    deadline_ms: float = 10_000.0,
+    compression_every_s: float | None = None,
 ) -> dict[str, Any]:
     """Start a server (unless `url` is given) and run the load; returns the flat figures.
     `data`: an nq_dev.jsonl-style file of questions and documents (None: synthetic prompts)."""
     prompts = load_prompts(data)
+    rows = load_arrival_documents(data) if compression_every_s is not None else None
     config = LoadConfig(
         clients=clients,
         duration_s=duration_s,
@@ -257,9 +414,12 @@ def bench_load_run(
         max_tokens=max_tokens,
         min_tokens=min(4, max_tokens),
         seed=seed,
+        deadline_ms=deadline_ms,
+        compression_every_s=compression_every_s,
     )
     if url is not None:
-        return {"engine": engine, "model": model, **asyncio.run(run_load(url, config, prompts=prompts))}
+        figures = asyncio.run(run_load(url, config, prompts=prompts, arrival_rows=rows))
+        return {"engine": engine, "model": model, **figures}
     args = [
         "--engine",
         engine,
@@ -272,7 +432,9 @@ def bench_load_run(
         *server_args,
     ]
     with ServerProcess(args) as server:
-        figures = asyncio.run(run_load(server.url, config, server_pid=server.process.pid, prompts=prompts))
+        figures = asyncio.run(
+            run_load(server.url, config, server_pid=server.process.pid, prompts=prompts, arrival_rows=rows)
+        )
     return {"engine": engine, "model": model, **figures}
 
 
@@ -287,6 +449,13 @@ _TABLE_KEYS = (
     "transport_errors",
     "ttft_p50_ms",
     "ttft_p99_ms",
+    "goodput_per_min",
+    "refused",
+    "refusal_p99_ms",
+    "refusal_p100_ms",
+    "gap_p50_ms",
+    "gap_p90_ms",
+    "gap_p99_ms",
     "rss_start_mb",
     "rss_end_mb",
     "rss_growth",
@@ -340,6 +509,26 @@ _TABLE_KEYS = (
     help="nq_dev.jsonl-style questions with documents (default: synthetic prompts).",
 )
 @click.option(
+    "--deadline-ms",
+    type=click.FloatRange(min=0, min_open=True),
+    default=10_000.0,
+    show_default=True,
+    help="TTFT that counts toward goodput (the server's own deadline is its --ttft-deadline-ms).",
+)
+@click.option(
+    "--compression",
+    is_flag=True,
+    help="Also send a 20-document request compressed 4x every --compression-every-s, alone first, "
+    "then beside the load: its TTFT both ways and the streams' inter-token gaps.",
+)
+@click.option(
+    "--compression-every-s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=2.0,
+    show_default=True,
+    help="Interval of the compressed arrivals.",
+)
+@click.option(
     "--json",
     "json_path",
     type=click.Path(dir_okay=False),
@@ -358,6 +547,9 @@ def bench_load(
     max_tokens: int,
     seed: int,
     data: Path | None,
+    deadline_ms: float,
+    compression: bool,
+    compression_every_s: float,
     json_path: str | None,
 ) -> None:
     """Load and soak: concurrent streaming clients, some hanging up; errors, TTFT, RSS, KV blocks."""
@@ -375,10 +567,13 @@ def bench_load(
         max_tokens=max_tokens,
         seed=seed,
         data=data,
+        deadline_ms=deadline_ms,
+        compression_every_s=compression_every_s if compression else None,
     )
     click.echo(machine_line())
     click.echo(f"ragspeed bench load: {figures['engine']} / {figures['model']}")
-    for key in _TABLE_KEYS:
+    arrivals = ("arrival_alone_ttft_p50_ms", "arrival_ttft_p50_ms", "arrival_ttft_p99_ms")
+    for key in _TABLE_KEYS + (arrivals if compression else ()):
         click.echo(f"  {key:<24} {figures[key]}")
     for key in sorted(k for k in figures if k.startswith("status_")):
         click.echo(f"  {key:<24} {figures[key]}")

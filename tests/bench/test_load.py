@@ -152,3 +152,42 @@ def test_thousand_aborted_streams_leave_every_block_free_and_memory_flat(native_
     assert figures["server_errors"] == 0 and figures["transport_errors"] == 0
     assert figures["blocks_in_use_at_end"] == 0
     assert figures["rss_growth"] <= 0.05
+
+
+def test_compressed_arrivals_are_timed_alone_and_beside_the_streams(native_server):
+    config = LoadConfig(
+        clients=2, duration_s=4.0, max_tokens=24, disconnect_fraction=0.0, compression_every_s=1.0
+    )
+    figures = asyncio.run(run_load(native_server.url, config, server_pid=native_server.process.pid))
+    assert figures["server_errors"] == 0 and figures["transport_errors"] == 0
+    assert figures["arrival_alone_ttft_p50_ms"] > 0 and figures["arrival_ttft_p50_ms"] > 0
+    assert 0 < figures["gap_p50_ms"] <= figures["gap_p90_ms"] <= figures["gap_p99_ms"]
+    assert figures["refused"] == 0 and figures["refusal_p99_ms"] is None
+    assert figures["goodput_per_min"] > 0
+
+
+def test_requests_that_cannot_meet_the_deadline_are_refused_at_once(tiny_model):
+    """A 1 ms TTFT deadline: after the start-up's calibration every request is predicted to miss
+    it, so each is answered 429 with Retry-After, quickly, and nothing is left in the engine."""
+    with ServerProcess(
+        [
+            "--engine",
+            "native",
+            "--model",
+            str(tiny_model),
+            "--ttft-deadline-ms",
+            "1",
+            "--log-level",
+            "warning",
+        ]
+    ) as server:
+        config = LoadConfig(clients=2, duration_s=2.5, max_tokens=8)
+        figures = asyncio.run(run_load(server.url, config, server_pid=server.process.pid))
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+    assert figures["server_errors"] == 0 and figures["transport_errors"] == 0
+    assert figures["requests_completed"] == 0 and figures["goodput_per_min"] == 0
+    assert figures["refused"] == figures["status_429"] >= 2
+    assert figures["refusal_p100_ms"] < 1000
+    assert figures["blocks_in_use_at_end"] == 0
+    assert read_gauge(metrics, "ragspeed_ttft_refused_requests_total") == figures["refused"]
+    assert read_gauge(metrics, "ragspeed_admission_seconds_per_token") > 0

@@ -1,0 +1,224 @@
+"""Admission by expected time to first token: refuse at arrival what would miss its deadline.
+
+A request is handed to its engine only when its first token is predicted to come before its
+deadline (`ragspeed.deadline_ms`, else the server's `ttft_deadline_ms`); otherwise it is
+refused at once with 429 and a `Retry-After`, instead of queueing past the point where its
+client gives up (and its prefill is wasted).
+
+The model is one first-come first-served server of prefill work, which is what the native
+engine's scheduler is (batch requests yield to interactive ones):
+
+- a request's *work* is its prompt tokens the engine does not hold yet (the engine's
+  `estimate_new_tokens`, else the whole prompt);
+- its *service time* is `a + b * work`: `a` a step's fixed cost, `b` seconds a token, both
+  fitted by exponentially weighted least squares on the service times observed, where one is
+  the time from the later of a request's admission and the previous first token to its own
+  first token (so concurrent decodes, and everything else that slows prefill, are in the fit);
+- the *backlog* ahead of a request is the service time of every admitted request still
+  waiting for its first token, less the time already spent on the oldest of them.
+
+Predicted TTFT = time since arrival (preparation, compression) + backlog + own service time.
+Before anything was observed the prediction is None, and the request is admitted; the app
+times a few prefills at start-up (`calibrate`) so that the first burst is already judged.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ragspeed.engine.protocol import PRIORITY_BATCH, EngineClient, GenerationRequest, SamplingParams
+from ragspeed.gateway.errors import APIError
+from ragspeed.gateway.limits import retry_after
+
+_DECAY = 0.9  # weight of the fit's past against each new observation
+
+
+@dataclass
+class ServiceFit:
+    """Exponentially weighted least squares of service seconds on work tokens: `a + b * x`."""
+
+    weight: float = 0.0
+    sum_x: float = 0.0
+    sum_y: float = 0.0
+    sum_xx: float = 0.0
+    sum_xy: float = 0.0
+
+    def observe(self, tokens: float, seconds: float) -> None:
+        for name in ("weight", "sum_x", "sum_y", "sum_xx", "sum_xy"):
+            setattr(self, name, getattr(self, name) * _DECAY)
+        self.weight += 1.0
+        self.sum_x += tokens
+        self.sum_y += seconds
+        self.sum_xx += tokens * tokens
+        self.sum_xy += tokens * seconds
+
+    @property
+    def ready(self) -> bool:
+        return self.weight > 0
+
+    def coefficients(self) -> tuple[float, float]:
+        """(a, b): seconds a request, seconds a token; both >= 0."""
+        if not self.ready:
+            raise ValueError("no service time observed yet")
+        spread = self.weight * self.sum_xx - self.sum_x**2
+        if spread > 1e-9 * max(1.0, self.weight * self.sum_xx):
+            b = (self.weight * self.sum_xy - self.sum_x * self.sum_y) / spread
+            a = (self.sum_y - b * self.sum_x) / self.weight
+            if b > 0 and a >= 0:
+                return a, b
+        if self.sum_x > 0:  # one size of work seen, or a fit out of bounds: all of it per token
+            return 0.0, self.sum_y / self.sum_x
+        return self.sum_y / self.weight, 0.0
+
+    def seconds(self, tokens: float) -> float:
+        a, b = self.coefficients()
+        return a + b * tokens
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One admitted request, until its first token (or its end)."""
+
+    admission: TTFTAdmission
+    tokens: int
+    priority: int
+    admitted_at: float
+    predicted_s: float | None  # from arrival; None before the first observation
+    done: bool = False
+
+    def first_token(self) -> None:
+        self.admission._served(self)
+
+    def release(self) -> None:
+        """The request ended: with its first token (already counted) or without one."""
+        self.admission._drop(self)
+
+
+@dataclass
+class TTFTAdmission:
+    """The predictor and the ledger of admitted requests that wait for their first token.
+    Lives on the event loop; `clock` (perf_counter seconds, as StageTimer) is injectable."""
+
+    default_deadline_s: float | None
+    clock: Callable[[], float] = time.perf_counter
+    fit: ServiceFit = field(default_factory=ServiceFit)
+    _waiting: list[Ticket] = field(default_factory=list)  # admission order
+    _last_served: float = float("-inf")
+
+    # ------------------------------------------------------------------ prediction
+
+    def deadline_s(self, deadline_ms: float | None, priority: int) -> float | None:
+        """A request's TTFT deadline: its own, else the server's for interactive requests;
+        batch requests have none unless they ask."""
+        if deadline_ms is not None:
+            return deadline_ms / 1000
+        return None if priority == PRIORITY_BATCH else self.default_deadline_s
+
+    def backlog_s(self, priority: int) -> float:
+        """Predicted seconds until the engine starts on a request of `priority` admitted now."""
+        if not self.fit.ready:
+            return 0.0
+        ahead = [t for t in self._waiting if priority == PRIORITY_BATCH or t.priority != PRIORITY_BATCH]
+        if not ahead:
+            return 0.0
+        total = sum(self.fit.seconds(t.tokens) for t in ahead)
+        head = ahead[0]
+        if head is not self._waiting[0]:
+            return total  # a batch request is the one being served: no progress on these
+        spent = self.clock() - max(head.admitted_at, self._last_served)
+        return max(0.0, total - min(spent, self.fit.seconds(head.tokens)))
+
+    def predict_s(self, tokens: int, priority: int, arrived_at: float) -> float | None:
+        """Predicted TTFT from `arrived_at` of a request of `tokens` work admitted now."""
+        if not self.fit.ready:
+            return None
+        now = self.clock()
+        return (now - arrived_at) + self.backlog_s(priority) + self.fit.seconds(tokens)
+
+    # ------------------------------------------------------------------ admission
+
+    def check_arrival(self, deadline_s: float | None, priority: int) -> None:
+        """At arrival, before any preparation: refuse when the backlog alone passes the deadline."""
+        if deadline_s is None:
+            return
+        backlog = self.backlog_s(priority)
+        if backlog > deadline_s:
+            raise _refusal(backlog, deadline_s)
+
+    def admit(self, tokens: int, priority: int, arrived_at: float, deadline_s: float | None) -> Ticket:
+        """A ticket for a request of `tokens` work, or APIError 429 when it would miss its
+        deadline."""
+        predicted = self.predict_s(tokens, priority, arrived_at)
+        if deadline_s is not None and predicted is not None and predicted > deadline_s:
+            raise _refusal(predicted, deadline_s)
+        ticket = Ticket(self, tokens, priority, self.clock(), predicted)
+        self._waiting.append(ticket)
+        return ticket
+
+    def _served(self, ticket: Ticket) -> None:
+        if ticket.done:
+            return
+        now = self.clock()
+        self.fit.observe(ticket.tokens, now - max(ticket.admitted_at, self._last_served))
+        self._last_served = now
+        self._forget(ticket)
+
+    def _drop(self, ticket: Ticket) -> None:
+        if not ticket.done:
+            self._forget(ticket)
+
+    def _forget(self, ticket: Ticket) -> None:
+        ticket.done = True
+        self._waiting.remove(ticket)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def snapshot(self) -> dict[str, float]:
+        """The fit for /metrics: seconds a request and seconds a token (absent before any)."""
+        if not self.fit.ready:
+            return {}
+        a, b = self.fit.coefficients()
+        return {"step_seconds": a, "seconds_per_token": b}
+
+    # ------------------------------------------------------------------ start-up
+
+    async def calibrate(self, engine: EngineClient, sizes: tuple[int, ...] = (16, 64, 384)) -> None:
+        """Time prefills of `sizes` tokens (never cached: a salt of their own) and feed the fit,
+        so that the first burst after start-up is judged too. The first size warms up."""
+        vocab = len(engine.tokenizer)
+        for index, size in enumerate(sizes):
+            size = min(size, max(1, engine.max_model_len - 2))
+            request = GenerationRequest(
+                request_id=f"calibrate-{index}-{time.monotonic_ns()}",
+                prompt_token_ids=tuple((17 + 7919 * i) % vocab for i in range(size)),
+                sampling=SamplingParams(max_tokens=1, temperature=0.0),
+                cache_salt=f"ragspeed-calibration-{time.monotonic_ns()}",
+            )
+            t0 = self.clock()
+            async for _ in engine.generate(request):
+                pass
+            if index > 0:
+                self.fit.observe(size, self.clock() - t0)
+
+
+def estimate_new_tokens(engine: EngineClient, request: GenerationRequest) -> int:
+    """The prompt tokens `engine` would compute for `request` (its own estimate where it has
+    one: the native engine subtracts its cached prefix and stored documents)."""
+    estimate: Any = getattr(engine, "estimate_new_tokens", None)
+    return len(request.prompt_token_ids) if estimate is None else int(estimate(request))
+
+
+def _refusal(predicted_s: float, deadline_s: float) -> APIError:
+    return APIError(
+        429,
+        f"the server predicts a time to first token of {predicted_s:.1f} s, past this request's "
+        f"deadline of {deadline_s:g} s (ragspeed.deadline_ms or ttft_deadline_ms); retry later",
+        code="ttft_deadline",
+        headers={"Retry-After": retry_after(math.ceil(predicted_s - deadline_s))},
+    )

@@ -1,0 +1,204 @@
+"""Admission by predicted time to first token: the service-time fit, the ledger, the refusal,
+and, in-process over the fake engine, a request refused with 429 while another holds the engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from ragspeed.engine.protocol import PRIORITY_BATCH, PRIORITY_INTERACTIVE
+from ragspeed.gateway.admission import ServiceFit, TTFTAdmission
+from ragspeed.gateway.errors import APIError
+from tests.gateway.fake_engine import Reply, Stall
+from tests.gateway.inprocess import fake_settings, metric, serve
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_fit_recovers_a_step_cost_and_a_cost_per_token():
+    fit = ServiceFit()
+    for tokens in (10, 500, 100, 2000, 50):
+        fit.observe(tokens, 0.04 + 0.002 * tokens)
+    a, b = fit.coefficients()
+    assert a == pytest.approx(0.04, rel=1e-6) and b == pytest.approx(0.002, rel=1e-6)
+    assert fit.seconds(1000) == pytest.approx(2.04)
+
+
+def test_one_size_of_work_is_all_cost_per_token_and_nothing_seen_is_no_fit():
+    fit = ServiceFit()
+    assert not fit.ready
+    with pytest.raises(ValueError):
+        fit.coefficients()
+    fit.observe(100, 0.5)
+    fit.observe(100, 0.7)
+    a, b = fit.coefficients()
+    assert a == 0.0 and b == pytest.approx((0.5 * 0.9 + 0.7) / (100 * 0.9 + 100))  # the newer weighs more
+
+
+def test_the_fit_follows_the_recent_past():
+    fit = ServiceFit()
+    for _ in range(30):
+        fit.observe(100, 0.1)
+        fit.observe(400, 0.4)
+    for _ in range(30):  # the engine got 3x slower (other work on the cores)
+        fit.observe(100, 0.3)
+        fit.observe(400, 1.2)
+    assert fit.coefficients()[1] == pytest.approx(0.003, rel=0.05)
+
+
+def served(admission: TTFTAdmission, clock: Clock, tokens: int, seconds: float) -> None:
+    ticket = admission.admit(tokens, PRIORITY_INTERACTIVE, clock.now, None)
+    clock.now += seconds
+    ticket.first_token()
+    ticket.release()
+
+
+def test_nothing_observed_admits_without_a_prediction():
+    admission = TTFTAdmission(1.0, clock=Clock())
+    ticket = admission.admit(10_000, PRIORITY_INTERACTIVE, 0.0, 1.0)
+    assert ticket.predicted_s is None
+    admission.check_arrival(1.0, PRIORITY_INTERACTIVE)
+
+
+def test_requests_ahead_are_counted_and_one_past_its_deadline_is_refused():
+    clock = Clock()
+    admission = TTFTAdmission(10.0, clock=clock)
+    served(admission, clock, 100, 0.2)
+    served(admission, clock, 1000, 2.0)  # 2 ms a token
+    first = admission.admit(1000, PRIORITY_INTERACTIVE, clock.now, 10.0)
+    assert first.predicted_s == pytest.approx(2.0)
+    for _ in range(3):
+        admission.admit(1000, PRIORITY_INTERACTIVE, clock.now, 10.0)
+    assert admission.backlog_s(PRIORITY_INTERACTIVE) == pytest.approx(8.0)
+    arrived = clock.now - 0.5  # half a second of preparation already spent
+    with pytest.raises(APIError) as refused:
+        admission.admit(1000, PRIORITY_INTERACTIVE, arrived, 10.0)  # 0.5 + 8 + 2 > 10
+    assert refused.value.status_code == 429 and refused.value.code == "ttft_deadline"
+    assert refused.value.headers == {"Retry-After": "1"}
+    assert "predicts a time to first token of 10.5 s" in refused.value.message
+    assert admission.num_waiting == 4  # the refused one holds nothing
+    clock.now += 1.5  # the engine worked on the oldest: 1.5 s of its 2 s are done
+    assert admission.backlog_s(PRIORITY_INTERACTIVE) == pytest.approx(6.5)
+    admission.admit(1000, PRIORITY_INTERACTIVE, clock.now, 10.0)
+
+
+def test_the_backlog_alone_refuses_at_arrival():
+    clock = Clock()
+    admission = TTFTAdmission(10.0, clock=clock)
+    served(admission, clock, 1000, 2.0)
+    for _ in range(6):
+        admission.admit(1000, PRIORITY_INTERACTIVE, clock.now, None)
+    with pytest.raises(APIError) as refused:
+        admission.check_arrival(10.0, PRIORITY_INTERACTIVE)
+    assert refused.value.headers == {"Retry-After": "2"}
+    admission.check_arrival(None, PRIORITY_INTERACTIVE)  # no deadline: nothing to miss
+
+
+def test_batch_requests_wait_behind_interactive_ones_and_have_no_deadline_by_default():
+    clock = Clock()
+    admission = TTFTAdmission(10.0, clock=clock)
+    served(admission, clock, 1000, 2.0)
+    for _ in range(4):
+        admission.admit(1000, PRIORITY_BATCH, clock.now, None)
+    assert admission.deadline_s(None, PRIORITY_BATCH) is None
+    assert admission.deadline_s(None, PRIORITY_INTERACTIVE) == 10.0
+    assert admission.deadline_s(500, PRIORITY_BATCH) == 0.5
+    assert admission.backlog_s(PRIORITY_INTERACTIVE) == 0.0  # batch work yields
+    assert admission.backlog_s(PRIORITY_BATCH) == pytest.approx(8.0)
+    interactive = admission.admit(1000, PRIORITY_INTERACTIVE, clock.now, 10.0)
+    assert interactive.predicted_s == pytest.approx(2.0)
+    clock.now += 1.0  # time spent on the batch request at the head is no progress on this one
+    assert admission.backlog_s(PRIORITY_INTERACTIVE) == pytest.approx(2.0)
+    assert admission.backlog_s(PRIORITY_BATCH) == pytest.approx(9.0)
+
+
+def test_a_ticket_released_without_a_first_token_teaches_nothing():
+    clock = Clock()
+    admission = TTFTAdmission(10.0, clock=clock)
+    served(admission, clock, 1000, 2.0)
+    before = admission.fit.coefficients()
+    ticket = admission.admit(1000, PRIORITY_INTERACTIVE, clock.now, None)
+    clock.now += 60.0
+    ticket.release()
+    ticket.release()  # twice is harmless
+    assert admission.num_waiting == 0 and admission.fit.coefficients() == before
+
+
+def test_service_time_counts_from_the_previous_first_token():
+    """Two requests admitted at once: the second's service time starts at the first's token."""
+    clock = Clock()
+    admission = TTFTAdmission(None, clock=clock)
+    one = admission.admit(500, PRIORITY_INTERACTIVE, clock.now, None)
+    two = admission.admit(500, PRIORITY_INTERACTIVE, clock.now, None)
+    clock.now += 1.0
+    one.first_token()
+    clock.now += 1.0
+    two.first_token()
+    assert admission.fit.coefficients() == (0.0, pytest.approx(0.002))
+
+
+# ---------------------------------------------------------------------- in-process
+
+
+@pytest.mark.anyio
+async def test_a_request_that_would_miss_its_deadline_is_refused_at_once(fake):
+    """One request takes 0.3 s to its first token (so the fit knows the engine), a second is
+    held in the engine; a third, whose predicted TTFT passes the 0.4 s deadline, is refused
+    with 429 and Retry-After without reaching the engine; with a longer deadline of its own it
+    is admitted, and the response and /metrics carry the prediction."""
+    async with serve(fake_settings(ttft_deadline_ms=400)) as client:
+        first = Stall(at=0)
+        held = Stall(at=0)
+        fake.engine.script(Reply(stall=first), Reply(stall=held), Reply())
+        body = {"messages": [{"role": "user", "content": "Why is the sky blue?"}], "max_tokens": 2}
+        teacher = asyncio.create_task(client.post("/v1/chat/completions", json=body))
+        await first.reached.wait()
+        await asyncio.sleep(0.3)
+        first.release.set()
+        taught = await teacher
+        assert taught.status_code == 200 and taught.json()["ragspeed"]["predicted_ttft_ms"] is None
+        holder = asyncio.create_task(client.post("/v1/chat/completions", json=body))
+        await held.reached.wait()
+        refused = await client.post("/v1/chat/completions", json=body)
+        assert refused.status_code == 429
+        assert refused.json()["error"]["code"] == "ttft_deadline"
+        assert int(refused.headers["retry-after"]) >= 1
+        assert len(fake.engine.requests) == 2
+        patient = asyncio.create_task(
+            client.post("/v1/chat/completions", json={**body, "ragspeed": {"deadline_ms": 60_000}})
+        )
+        await asyncio.sleep(0.05)
+        held.release.set()
+        assert (await holder).status_code == 200
+        admitted = await patient
+        assert admitted.status_code == 200
+        assert admitted.json()["ragspeed"]["predicted_ttft_ms"] > 400
+        metrics = (await client.get("/metrics")).text
+    assert metric(metrics, "ragspeed_ttft_refused_requests_total") == 1.0
+    assert metric(metrics, "ragspeed_time_to_first_token_predicted_seconds_count") == 2.0
+    assert metric(metrics, "ragspeed_admission_seconds_per_token") > 0
+
+
+@pytest.mark.anyio
+async def test_deadline_and_priority_are_validated(fake):
+    async with serve(fake_settings()) as client:
+        for options, param in (({"deadline_ms": 0}, "deadline_ms"), ({"priority": "urgent"}, "priority")):
+            response = await client.post(
+                "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "Hi"}], "ragspeed": options},
+            )
+            assert response.status_code == 400, options
+            assert param in response.json()["error"]["message"] + str(response.json()["error"]["param"])
+        batch = await client.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "Hi"}], "ragspeed": {"priority": "batch"}},
+        )
+    assert batch.status_code == 200
+    assert fake.engine.requests[-1].priority == PRIORITY_BATCH
