@@ -155,7 +155,7 @@ class TrainedDraftModel:
         return cache_dir / self.name
 
     def build_command(self) -> str:
-        return f"ragspeed train-draft --target {self.target} --data-dir ../shared/data"
+        return f"ragspeed train-draft --target {self.target}"
 
     def materialize(self, cache_dir: Path) -> Path:
         path = self.local_dir(cache_dir)

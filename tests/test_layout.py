@@ -58,3 +58,40 @@ def test_cli_commands_load_when_asked_for():
         "spec",
     ]
     assert cli.get_command(None, "nope") is None
+
+
+def test_no_command_or_page_names_a_path_outside_the_repository():
+    """A user's clone has no `../shared`: defaults are the shipped data (ragspeed/data)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    pages = [root / "README.md", *(root / "docs").rglob("*.md"), *(root / "examples").rglob("*")]
+    sources = [
+        p
+        for package in ("ragspeed", "engine", "gateway", "compression", "prompt_cache", "retrieval")
+        for p in (root / package).rglob("*.py")
+    ]
+    naming = [
+        str(p.relative_to(root))
+        for p in pages + sources
+        if p.is_file() and "../shared" in p.read_text(errors="ignore")
+    ]
+    assert naming == []
+
+
+def test_the_data_commands_default_to_the_shipped_data():
+    from click.testing import CliRunner
+
+    from ragspeed.cli import cli
+    from ragspeed.shipped_data import NQ_QUESTIONS, PASSAGES, WIKITEXT
+
+    assert NQ_QUESTIONS.is_file() and PASSAGES.is_file() and WIKITEXT.is_file()
+
+    def help_of(*command: str) -> str:
+        return " ".join(CliRunner().invoke(cli, [*command, "--help"]).output.split())
+
+    for command in (["eval", "rag"], ["eval", "compression"], ["eval", "retrieval"], ["bench", "spec"]):
+        assert "default: (the shipped 100 NQ questions" in help_of(*command), command
+    assert "default: (the shipped WikiText-2 test text" in help_of("bench", "quant")
+    for command in ("train-demo", "train-draft"):
+        assert "default: (the shipped data" in help_of(command), command

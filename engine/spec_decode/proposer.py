@@ -79,7 +79,7 @@ def _build_draft(config: EngineConfig, engine) -> Proposer:
     if not draft:
         raise EngineError(
             f"speculative='draft' needs a draft model and none ships for {config.model!r}: train one"
-            f" with `ragspeed train-draft --target {config.model} --data-dir ../shared/data --out DIR`"
+            f" with `ragspeed train-draft --target {config.model} --out DIR`"
             " and pass --draft-model DIR",
             param="draft_model",
         )

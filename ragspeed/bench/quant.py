@@ -43,6 +43,7 @@ from ragspeed.bench.engine import (
 )
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
+from ragspeed.shipped_data import WIKITEXT
 
 
 def run_bench_quant(
@@ -285,9 +286,10 @@ def print_table(r: dict[str, Any], ttft_len: int) -> None:
 )
 @click.option(
     "--text",
-    required=True,
+    default=str(WIKITEXT),
+    show_default="the shipped WikiText-2 test text",
     type=click.Path(exists=True, dir_okay=False),
-    help="text file for perplexity and agreement (e.g. ../shared/data/wikitext2_raw_test.txt)",
+    help="text file for perplexity and agreement",
 )
 def bench_quant(
     model: str,

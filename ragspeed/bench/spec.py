@@ -46,6 +46,7 @@ from ragspeed.bench.common import json_option, machine_line, write_json
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME, zoo_draft
 from ragspeed.engine.protocol import GenerationRequest, SamplingParams
+from ragspeed.shipped_data import NQ_QUESTIONS
 
 SYSTEM = "Answer the question by quoting the documents."
 INSTRUCTION = "Quote the passage that answers the question: {question}"
@@ -355,9 +356,10 @@ def print_table(r: dict[str, Any]) -> None:
 @click.option(
     "--data",
     "data_path",
-    required=True,
+    default=NQ_QUESTIONS,
+    show_default="the shipped 100 NQ questions",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="nq_dev.jsonl; wiki_passages.txt and wikitext2_raw_test.txt beside it (e.g. ../shared/data)",
+    help="nq_dev.jsonl-style questions, with wiki_passages.txt and wikitext2_raw_test.txt beside it",
 )
 @click.option("--num-prompts", default=8, show_default=True, type=click.IntRange(1, 16))
 @click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(2))

@@ -20,6 +20,7 @@ from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
 from ragspeed.evals.compression import FACTORS, evaluate, flatten, format_table, load_examples
 from ragspeed.retrieval.config import IndexConfig, RetrievalConfig
 from ragspeed.retrieval.errors import RetrievalError
+from ragspeed.shipped_data import NQ_QUESTIONS
 
 DEFAULT_METHODS = "first-docs,bm25,fast,coarse-to-fine"
 
@@ -95,7 +96,8 @@ def run_compression_eval(
 @eval_group.command("compression")
 @click.option(
     "--data",
-    required=True,
+    default=NQ_QUESTIONS,
+    show_default="the shipped 100 NQ questions",
     type=click.Path(path_type=Path),
     help="QA jsonl (nq_dev.jsonl, hotpot_dev100.jsonl)",
 )
@@ -211,7 +213,13 @@ def run_retrieval_eval(
 
 
 @eval_group.command("retrieval")
-@click.option("--data", required=True, type=click.Path(path_type=Path), help="NQ-style QA JSONL.")
+@click.option(
+    "--data",
+    default=NQ_QUESTIONS,
+    show_default="the shipped 100 NQ questions",
+    type=click.Path(path_type=Path),
+    help="NQ-style QA JSONL.",
+)
 @json_option
 @click.option(
     "--distractors",
@@ -327,7 +335,13 @@ class Progress:
 
 
 @eval_group.command("rag")
-@click.option("--data", required=True, type=click.Path(path_type=Path), help="QA jsonl (nq_dev.jsonl).")
+@click.option(
+    "--data",
+    default=NQ_QUESTIONS,
+    show_default="the shipped 100 NQ questions",
+    type=click.Path(path_type=Path),
+    help="QA jsonl (nq_dev.jsonl).",
+)
 @click.option(
     "--configs",
     "configs_spec",

@@ -14,8 +14,9 @@ from typing import Any
 import click
 
 from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
+from ragspeed.shipped_data import DATA_DIR
 
-_DATA_DIR_HELP = "Folder with wiki_passages.txt and wikitext2_raw_test.txt (e.g. ../shared/data)."
+_DATA_DIR_HELP = "Folder with wiki_passages.txt and wikitext2_raw_test.txt."
 
 
 def _check_data_dir(data_dir: Path) -> None:
@@ -48,7 +49,8 @@ def run_train_demo(
 @click.option(
     "--data-dir",
     type=click.Path(exists=True, file_okay=False, path_type=Path),
-    required=True,
+    default=DATA_DIR,
+    show_default="the shipped data",
     help=_DATA_DIR_HELP,
 )
 @click.option(
@@ -124,7 +126,8 @@ def run_train_draft(
 @click.option(
     "--data-dir",
     type=click.Path(exists=True, file_okay=False, path_type=Path),
-    required=True,
+    default=DATA_DIR,
+    show_default="the shipped data",
     help=_DATA_DIR_HELP,
 )
 @click.option(
@@ -227,7 +230,7 @@ def train_draft(
     "--data-dir",
     type=click.Path(exists=True, file_okay=False, path_type=Path),
     required=True,
-    help="Folder with nq_dev.jsonl and hotpot_dev100.jsonl (e.g. ../shared/data).",
+    help="Folder with nq_dev.jsonl and hotpot_dev100.jsonl (300 NQ and 100 HotpotQA questions).",
 )
 @click.option(
     "--minutes",

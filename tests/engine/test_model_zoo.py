@@ -281,7 +281,7 @@ def test_the_default_models_draft_is_built_by_one_command_into_the_cache(tmp_pat
     folder = tmp_path / "smollm2-135m-instruct-draft"
     assert str(error.value) == (
         f"draft model 'smollm2-135m-instruct-draft' is not built on this machine (no {folder}/model.safetensors):"
-        " build it once with `ragspeed train-draft --target smollm2-135m-instruct --data-dir ../shared/data`,"
+        " build it once with `ragspeed train-draft --target smollm2-135m-instruct`,"
         " which writes it there"
     )
     folder.mkdir()
