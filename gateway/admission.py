@@ -17,7 +17,12 @@ engine's scheduler is (batch requests yield to interactive ones):
 - the *backlog* ahead of a request is the service time of every admitted request still
   waiting for its first token, less the time already spent on the oldest of them.
 
-Predicted TTFT = time since arrival (preparation, compression) + backlog + own service time.
+Predicted TTFT = (time since arrival (preparation, compression) + backlog + own service time)
+x *correction*, where the correction is a running estimate of the `CORRECTION_QUANTILE`
+quantile of actual over uncorrected TTFT, learnt from every first token: what the model
+misses (slots held by long decodes, steps slowed by other work) is measured, not guessed, and
+an admitted request meets its deadline at that quantile.
+
 Before anything was observed the prediction is None, and the request is admitted; the app
 times a few prefills at start-up (`calibrate`) so that the first burst is already judged.
 """
@@ -35,6 +40,9 @@ from ragspeed.gateway.errors import APIError
 from ragspeed.gateway.limits import retry_after
 
 _DECAY = 0.9  # weight of the fit's past against each new observation
+CORRECTION_QUANTILE = 0.95
+_CORRECTION_STEP = 0.1  # log-step of the quantile estimate
+_CORRECTION_BOUNDS = (0.5, 8.0)
 
 
 @dataclass
@@ -79,6 +87,23 @@ class ServiceFit:
         return a + b * tokens
 
 
+@dataclass
+class QuantileTracker:
+    """A running estimate of the `quantile` of a positive quantity: each observation above it
+    raises it by `step * quantile` in log space, each one at or below lowers it by
+    `step * (1 - quantile)`, so it settles where that share of observations lies below."""
+
+    quantile: float = CORRECTION_QUANTILE
+    value: float = 1.0
+    step: float = _CORRECTION_STEP
+    bounds: tuple[float, float] = _CORRECTION_BOUNDS
+
+    def observe(self, x: float) -> None:
+        up = x > self.value
+        self.value *= math.exp(self.step * (self.quantile if up else self.quantile - 1))
+        self.value = min(max(self.value, self.bounds[0]), self.bounds[1])
+
+
 @dataclass(eq=False)
 class Ticket:
     """One admitted request, until its first token (or its end)."""
@@ -86,8 +111,10 @@ class Ticket:
     admission: TTFTAdmission
     tokens: int
     priority: int
+    arrived_at: float
     admitted_at: float
-    predicted_s: float | None  # from arrival; None before the first observation
+    uncorrected_s: float | None  # the model's prediction from arrival, before the correction
+    predicted_s: float | None  # what was compared with the deadline; None: no fit yet
     done: bool = False
 
     def first_token(self) -> None:
@@ -106,6 +133,7 @@ class TTFTAdmission:
     default_deadline_s: float | None
     clock: Callable[[], float] = time.perf_counter
     fit: ServiceFit = field(default_factory=ServiceFit)
+    correction: QuantileTracker = field(default_factory=QuantileTracker)
     _waiting: list[Ticket] = field(default_factory=list)  # admission order
     _last_served: float = float("-inf")
 
@@ -132,30 +160,34 @@ class TTFTAdmission:
         spent = self.clock() - max(head.admitted_at, self._last_served)
         return max(0.0, total - min(spent, self.fit.seconds(head.tokens)))
 
-    def predict_s(self, tokens: int, priority: int, arrived_at: float) -> float | None:
-        """Predicted TTFT from `arrived_at` of a request of `tokens` work admitted now."""
+    def _uncorrected_s(self, tokens: int, priority: int, arrived_at: float) -> float | None:
         if not self.fit.ready:
             return None
-        now = self.clock()
-        return (now - arrived_at) + self.backlog_s(priority) + self.fit.seconds(tokens)
+        return (self.clock() - arrived_at) + self.backlog_s(priority) + self.fit.seconds(tokens)
+
+    def predict_s(self, tokens: int, priority: int, arrived_at: float) -> float | None:
+        """Predicted TTFT from `arrived_at` of a request of `tokens` work admitted now."""
+        uncorrected = self._uncorrected_s(tokens, priority, arrived_at)
+        return None if uncorrected is None else uncorrected * self.correction.value
 
     # ------------------------------------------------------------------ admission
 
-    def check_arrival(self, deadline_s: float | None, priority: int) -> None:
+    def check_arrival(self, deadline_s: float | None, priority: int, arrived_at: float) -> None:
         """At arrival, before any preparation: refuse when the backlog alone passes the deadline."""
-        if deadline_s is None:
+        if deadline_s is None or not self.fit.ready:
             return
-        backlog = self.backlog_s(priority)
+        backlog = ((self.clock() - arrived_at) + self.backlog_s(priority)) * self.correction.value
         if backlog > deadline_s:
-            raise _refusal(backlog, deadline_s)
+            raise self._refusal(backlog, deadline_s, arrived_at)
 
     def admit(self, tokens: int, priority: int, arrived_at: float, deadline_s: float | None) -> Ticket:
         """A ticket for a request of `tokens` work, or APIError 429 when it would miss its
         deadline."""
-        predicted = self.predict_s(tokens, priority, arrived_at)
+        uncorrected = self._uncorrected_s(tokens, priority, arrived_at)
+        predicted = None if uncorrected is None else uncorrected * self.correction.value
         if deadline_s is not None and predicted is not None and predicted > deadline_s:
-            raise _refusal(predicted, deadline_s)
-        ticket = Ticket(self, tokens, priority, self.clock(), predicted)
+            raise self._refusal(predicted, deadline_s, arrived_at)
+        ticket = Ticket(self, tokens, priority, arrived_at, self.clock(), uncorrected, predicted)
         self._waiting.append(ticket)
         return ticket
 
@@ -164,6 +196,8 @@ class TTFTAdmission:
             return
         now = self.clock()
         self.fit.observe(ticket.tokens, now - max(ticket.admitted_at, self._last_served))
+        if ticket.uncorrected_s:
+            self.correction.observe((now - ticket.arrived_at) / ticket.uncorrected_s)
         self._last_served = now
         self._forget(ticket)
 
@@ -180,11 +214,26 @@ class TTFTAdmission:
         return len(self._waiting)
 
     def snapshot(self) -> dict[str, float]:
-        """The fit for /metrics: seconds a request and seconds a token (absent before any)."""
+        """The model for /metrics: seconds a request, seconds a token (absent before any fit)
+        and the correction."""
         if not self.fit.ready:
-            return {}
+            return {"correction": self.correction.value}
         a, b = self.fit.coefficients()
-        return {"step_seconds": a, "seconds_per_token": b}
+        return {"step_seconds": a, "seconds_per_token": b, "correction": self.correction.value}
+
+    def _refusal(self, predicted_s: float, deadline_s: float, arrived_at: float) -> APIError:
+        return APIError(
+            429,
+            f"the server predicts a time to first token of {predicted_s:.1f} s, past this "
+            f"request's deadline of {deadline_s:g} s (ragspeed.deadline_ms or ttft_deadline_ms); "
+            "retry later",
+            code="ttft_deadline",
+            headers={
+                "Retry-After": retry_after(predicted_s - deadline_s),
+                # The server's own time to this answer, for clients that time refusals.
+                "x-ragspeed-refused-after-ms": f"{(self.clock() - arrived_at) * 1000:.3f}",
+            },
+        )
 
     # ------------------------------------------------------------------ start-up
 
@@ -212,13 +261,3 @@ def estimate_new_tokens(engine: EngineClient, request: GenerationRequest) -> int
     one: the native engine subtracts its cached prefix and stored documents)."""
     estimate: Any = getattr(engine, "estimate_new_tokens", None)
     return len(request.prompt_token_ids) if estimate is None else int(estimate(request))
-
-
-def _refusal(predicted_s: float, deadline_s: float) -> APIError:
-    return APIError(
-        429,
-        f"the server predicts a time to first token of {predicted_s:.1f} s, past this request's "
-        f"deadline of {deadline_s:g} s (ragspeed.deadline_ms or ttft_deadline_ms); retry later",
-        code="ttft_deadline",
-        headers={"Retry-After": retry_after(math.ceil(predicted_s - deadline_s))},
-    )

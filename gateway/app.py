@@ -24,7 +24,13 @@ from ragspeed.gateway.compress import CompressionStage
 from ragspeed.gateway.document_precompute import DocumentPrecompute
 from ragspeed.gateway.errors import install_error_handlers
 from ragspeed.gateway.experiments import ArmError, ArmHintsMiddleware, build_live_experiment
-from ragspeed.gateway.limits import AdmissionMiddleware, AdmissionQueue, BodyLimitMiddleware, Rejections
+from ragspeed.gateway.limits import (
+    AdmissionMiddleware,
+    AdmissionQueue,
+    ArrivalMiddleware,
+    BodyLimitMiddleware,
+    Rejections,
+)
 from ragspeed.gateway.metrics import GatewayMetrics
 from ragspeed.gateway.pipeline import Pipeline
 from ragspeed.gateway.prompt_registry import PromptService
@@ -153,6 +159,7 @@ def create_app(
     app.add_middleware(SecurityMiddleware, keyring=keyring, rejections=rejections)
     if experiment is not None:
         app.add_middleware(ArmHintsMiddleware)
+    app.add_middleware(ArrivalMiddleware)
     app.include_router(openai.router)
     app.include_router(ops.router)
     app.include_router(experiments.router)

@@ -22,6 +22,7 @@ import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from contextvars import ContextVar
 from typing import Any, TypeVar
 
 from prometheus_client import Counter
@@ -212,6 +213,32 @@ class AdmissionMiddleware:
             await self.app(scope, receive, send)
         finally:
             self.queue.leave()
+
+
+# ---------------------------------------------------------------------- arrival
+
+_arrival: ContextVar[float | None] = ContextVar("ragspeed_arrival", default=None)
+
+
+def arrival_time() -> float | None:
+    """When the current request reached the app (perf_counter seconds; None outside one)."""
+    return _arrival.get()
+
+
+class ArrivalMiddleware:
+    """Outermost: stamps each HTTP request's arrival, from which its deadlines and TTFT count."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        token = _arrival.set(time.perf_counter())
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            _arrival.reset(token)
 
 
 # ---------------------------------------------------------------------- body size

@@ -6,6 +6,7 @@ the compression stage and retrieval are ready), so no request pays a load.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -13,6 +14,7 @@ from functools import cached_property
 from ragspeed.engine.protocol import EngineClient
 from ragspeed.gateway.admission import TTFTAdmission
 from ragspeed.gateway.experiments import LiveExperiment
+from ragspeed.gateway.limits import arrival_time
 from ragspeed.gateway.metrics import GatewayMetrics
 from ragspeed.gateway.prepare import Compress, PreparedRequest, Preparer, Retrieve, request_priority
 from ragspeed.gateway.prompt_registry import PromptService
@@ -59,7 +61,8 @@ class Pipeline:
         """429 at once, before any preparation, when the backlog alone passes the deadline."""
         if self.admission is not None:
             try:
-                self.admission.check_arrival(self.admission.deadline_s(deadline_ms, priority), priority)
+                deadline_s = self.admission.deadline_s(deadline_ms, priority)
+                self.admission.check_arrival(deadline_s, priority, arrival_time() or time.perf_counter())
             except Exception:
                 self.metrics.ttft_refused.labels(model=self.settings.model_id).inc()
                 raise

@@ -17,7 +17,8 @@ runs from the end of the warm-up (`warmup_fraction` of the run) to the end of th
 memory read from /proc. `blocks_in_use_at_end` is the engine's `num_blocks_used` gauge once every
 client has stopped and the server has gone idle (None for engines without a paged KV cache).
 *Goodput* is the requests whose TTFT met `deadline_ms` a minute of the run; a *refusal* is a
-429, timed from sending to its answer; an *inter-token gap* is the time between two content
+429, timed from sending to its answer (`refusal_server`: from its arrival in the server to the
+answer, as the server reports it); an *inter-token gap* is the time between two content
 chunks of one stream.
 """
 
@@ -73,9 +74,12 @@ class LoadTally:
     transport_errors: int = 0
     ttft_s: list[float] = field(default_factory=list)
     refusal_s: list[float] = field(default_factory=list)  # send to 429, per refusal
+    refusal_server_s: list[float] = field(default_factory=list)  # arrival to 429, the server's own
     gaps_s: list[float] = field(default_factory=list)  # between content chunks of a stream
     arrivals_alone_ttft_s: list[float] = field(default_factory=list)
     arrivals_ttft_s: list[float] = field(default_factory=list)
+    # The server's actual TTFT over its admission's prediction, per completed stream.
+    prediction_ratios: list[float] = field(default_factory=list)
     status_counts: dict[int, int] = field(default_factory=dict)
 
 
@@ -183,6 +187,10 @@ async def _stream(
                 return
             if response.status_code == 429:
                 tally.refusal_s.append(time.perf_counter() - sent)
+                if "x-ragspeed-refused-after-ms" in response.headers:
+                    tally.refusal_server_s.append(
+                        float(response.headers["x-ragspeed-refused-after-ms"]) / 1000
+                    )
                 retry_after_s = min(float(response.headers.get("retry-after", "1")), _MAX_RETRY_AFTER_S)
             if response.status_code != 200:
                 tally.client_errors += 1
@@ -210,6 +218,10 @@ async def _read_stream(
                 tally.gaps_s.append(now - last)
             last = now
         chunks += 1
+        if '"ragspeed":' in line:
+            figures = json.loads(line[len("data:") :])["ragspeed"]
+            if figures.get("predicted_ttft_ms") and figures.get("ttft_ms"):
+                tally.prediction_ratios.append(figures["ttft_ms"] / figures["predicted_ttft_ms"])
         if line.strip() == "data: [DONE]":
             tally.completed += 1
             return
@@ -333,6 +345,7 @@ async def run_load(
         await asyncio.wait(clients, timeout=config.duration_s * config.warmup_fraction)
         rss_start = rss_bytes(server_pid) if server_pid else None
         completed_at_start, steady_from = tally.completed, time.perf_counter()
+        steady_first_ttft = len(tally.ttft_s)
         await asyncio.wait(clients, timeout=max(0.0, stop_at - time.perf_counter()))
         rss_end = rss_bytes(server_pid) if server_pid else None
         steady_s = time.perf_counter() - steady_from
@@ -357,11 +370,19 @@ async def run_load(
         **{f"status_{code}": n for code, n in sorted(tally.status_counts.items())},
         "ttft_p50_ms": round(statistics.median(ttft_ms), 1) if ttft_ms else None,
         "ttft_p99_ms": round(percentile(ttft_ms, 0.99), 1) if ttft_ms else None,
+        **_spread("ttft_steady", tally.ttft_s[steady_first_ttft:], (0.99,)),
         "deadline_ms": config.deadline_ms,
         "goodput_per_min": round(met / (elapsed / 60), 2),
         "refused": len(tally.refusal_s),
         **_spread("refusal", tally.refusal_s, (0.5, 0.99, 1.0)),
+        **_spread("refusal_server", tally.refusal_server_s, (0.5, 0.99, 1.0)),
         **_spread("gap", tally.gaps_s, (0.5, 0.9, 0.99)),
+        **{
+            f"ttft_over_predicted_p{round(q * 100)}": round(percentile(tally.prediction_ratios, q), 3)
+            if tally.prediction_ratios
+            else None
+            for q in (0.1, 0.5, 0.9, 0.99)
+        },
         **(
             {
                 **_spread("arrival_alone_ttft", tally.arrivals_alone_ttft_s, (0.5,)),
@@ -449,13 +470,20 @@ _TABLE_KEYS = (
     "transport_errors",
     "ttft_p50_ms",
     "ttft_p99_ms",
+    "ttft_steady_p99_ms",
     "goodput_per_min",
     "refused",
     "refusal_p99_ms",
     "refusal_p100_ms",
+    "refusal_server_p99_ms",
+    "refusal_server_p100_ms",
     "gap_p50_ms",
     "gap_p90_ms",
     "gap_p99_ms",
+    "ttft_over_predicted_p10",
+    "ttft_over_predicted_p50",
+    "ttft_over_predicted_p90",
+    "ttft_over_predicted_p99",
     "rss_start_mb",
     "rss_end_mb",
     "rss_growth",

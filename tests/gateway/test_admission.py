@@ -4,14 +4,18 @@ and, in-process over the fake engine, a request refused with 429 while another h
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 
 from ragspeed.engine.protocol import PRIORITY_BATCH, PRIORITY_INTERACTIVE
-from ragspeed.gateway.admission import ServiceFit, TTFTAdmission
+from ragspeed.gateway.admission import QuantileTracker, ServiceFit, TTFTAdmission
 from ragspeed.gateway.errors import APIError
 from tests.gateway.fake_engine import Reply, Stall
 from tests.gateway.inprocess import fake_settings, metric, serve
+
+
+FIXED = QuantileTracker(step=0.0)  # a correction that stays 1.0: the model's figures exactly
 
 
 class Clock:
@@ -64,12 +68,12 @@ def test_nothing_observed_admits_without_a_prediction():
     admission = TTFTAdmission(1.0, clock=Clock())
     ticket = admission.admit(10_000, PRIORITY_INTERACTIVE, 0.0, 1.0)
     assert ticket.predicted_s is None
-    admission.check_arrival(1.0, PRIORITY_INTERACTIVE)
+    admission.check_arrival(1.0, PRIORITY_INTERACTIVE, 0.0)
 
 
 def test_requests_ahead_are_counted_and_one_past_its_deadline_is_refused():
     clock = Clock()
-    admission = TTFTAdmission(10.0, clock=clock)
+    admission = TTFTAdmission(10.0, clock=clock, correction=FIXED)
     served(admission, clock, 100, 0.2)
     served(admission, clock, 1000, 2.0)  # 2 ms a token
     first = admission.admit(1000, PRIORITY_INTERACTIVE, clock.now, 10.0)
@@ -81,7 +85,7 @@ def test_requests_ahead_are_counted_and_one_past_its_deadline_is_refused():
     with pytest.raises(APIError) as refused:
         admission.admit(1000, PRIORITY_INTERACTIVE, arrived, 10.0)  # 0.5 + 8 + 2 > 10
     assert refused.value.status_code == 429 and refused.value.code == "ttft_deadline"
-    assert refused.value.headers == {"Retry-After": "1"}
+    assert refused.value.headers == {"Retry-After": "1", "x-ragspeed-refused-after-ms": "500.000"}
     assert "predicts a time to first token of 10.5 s" in refused.value.message
     assert admission.num_waiting == 4  # the refused one holds nothing
     clock.now += 1.5  # the engine worked on the oldest: 1.5 s of its 2 s are done
@@ -91,19 +95,19 @@ def test_requests_ahead_are_counted_and_one_past_its_deadline_is_refused():
 
 def test_the_backlog_alone_refuses_at_arrival():
     clock = Clock()
-    admission = TTFTAdmission(10.0, clock=clock)
+    admission = TTFTAdmission(10.0, clock=clock, correction=FIXED)
     served(admission, clock, 1000, 2.0)
     for _ in range(6):
         admission.admit(1000, PRIORITY_INTERACTIVE, clock.now, None)
     with pytest.raises(APIError) as refused:
-        admission.check_arrival(10.0, PRIORITY_INTERACTIVE)
-    assert refused.value.headers == {"Retry-After": "2"}
-    admission.check_arrival(None, PRIORITY_INTERACTIVE)  # no deadline: nothing to miss
+        admission.check_arrival(10.0, PRIORITY_INTERACTIVE, clock.now)
+    assert refused.value.headers["Retry-After"] == "2"
+    admission.check_arrival(None, PRIORITY_INTERACTIVE, clock.now)  # no deadline: nothing to miss
 
 
 def test_batch_requests_wait_behind_interactive_ones_and_have_no_deadline_by_default():
     clock = Clock()
-    admission = TTFTAdmission(10.0, clock=clock)
+    admission = TTFTAdmission(10.0, clock=clock, correction=FIXED)
     served(admission, clock, 1000, 2.0)
     for _ in range(4):
         admission.admit(1000, PRIORITY_BATCH, clock.now, None)
@@ -121,7 +125,7 @@ def test_batch_requests_wait_behind_interactive_ones_and_have_no_deadline_by_def
 
 def test_a_ticket_released_without_a_first_token_teaches_nothing():
     clock = Clock()
-    admission = TTFTAdmission(10.0, clock=clock)
+    admission = TTFTAdmission(10.0, clock=clock, correction=FIXED)
     served(admission, clock, 1000, 2.0)
     before = admission.fit.coefficients()
     ticket = admission.admit(1000, PRIORITY_INTERACTIVE, clock.now, None)
@@ -142,6 +146,37 @@ def test_service_time_counts_from_the_previous_first_token():
     clock.now += 1.0
     two.first_token()
     assert admission.fit.coefficients() == (0.0, pytest.approx(0.002))
+
+
+def test_the_correction_settles_at_its_quantile_of_actual_over_predicted():
+    tracker = QuantileTracker(quantile=0.9, step=0.05)
+    ratios = [1.0 + i / 100 for i in range(100)]  # uniform on [1, 2): the 90th percentile is 1.9
+    rng = random.Random(0)
+    for _ in range(4000):
+        tracker.observe(rng.choice(ratios))
+    assert tracker.value == pytest.approx(1.9, abs=0.06)
+
+
+def test_ttfts_longer_than_predicted_raise_later_predictions():
+    """The model says 2 s a request; every request takes 3 s from arrival to first token (a
+    slot held by decodes, say): the correction learns 1.5 and refuses what it admitted."""
+    clock = Clock()
+    admission = TTFTAdmission(10.0, clock=clock)
+    served(admission, clock, 1000, 2.0)
+    assert admission.predict_s(1000, PRIORITY_INTERACTIVE, clock.now) == pytest.approx(2.0)
+    for _ in range(200):
+        arrived = clock.now
+        clock.now += 1.0  # one second of preparation the model knows about
+        ticket = admission.admit(1000, PRIORITY_INTERACTIVE, arrived, None)
+        assert ticket.uncorrected_s == pytest.approx(3.0)
+        clock.now += 3.5
+        admission.fit.observe(1000, 2.0)  # keep the fit where it was
+        ticket.first_token()  # 4.5 s from arrival, predicted 3.0 before correction
+        admission.fit = ServiceFit()
+        admission.fit.observe(1000, 2.0)
+    assert admission.correction.value == pytest.approx(1.5, rel=0.1)
+    assert admission.predict_s(1000, PRIORITY_INTERACTIVE, clock.now) == pytest.approx(3.0, rel=0.1)
+    assert admission.snapshot()["correction"] == admission.correction.value
 
 
 # ---------------------------------------------------------------------- in-process
