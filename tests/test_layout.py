@@ -95,3 +95,17 @@ def test_the_data_commands_default_to_the_shipped_data():
     assert "default: (the shipped WikiText-2 test text" in help_of("bench", "quant")
     for command in ("train-demo", "train-draft"):
         assert "default: (the shipped data" in help_of(command), command
+
+
+def test_no_source_or_page_tells_the_story_of_an_issue():
+    """Issue numbers and run histories belong in commit messages and the tracker."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    files = [root / "README.md", *(root / "docs").rglob("*.md")]
+    for package in ("ragspeed", "engine", "gateway", "compression", "prompt_cache", "retrieval", "examples"):
+        files += [p for p in (root / package).rglob("*") if p.suffix in (".py", ".c", ".md")]
+    pattern = re.compile(r"\bissues? #?\d+|development CPU", re.IGNORECASE)
+    naming = [str(p.relative_to(root)) for p in files if pattern.search(p.read_text(errors="ignore"))]
+    assert naming == []

@@ -5,8 +5,8 @@
  * bandwidth. The weight W [n, k] is stored as blocks of 16 output columns, [n/16][k][16]:
  * one block is a contiguous stream that the kernel reads once, front to back, multiplying
  * each 16-wide row by one broadcast input element. Read this way a product streams at close
- * to the machine's read bandwidth; oneDNN's and MKL's one-row products read at about half of it on
- * the 2-core development CPU (figures in engine/cpu_kernels/blocked.py).
+ * to the machine's read bandwidth; oneDNN's and MKL's one-row products read at about half of it
+ * (`ragspeed bench engine` measures both).
  *
  * Every input row is accumulated the same way whatever the number of rows (two partial sums
  * over each group of inputs, added at its end), so a token's result does not depend on the

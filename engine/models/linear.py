@@ -55,11 +55,8 @@ class DenseLinear(LinearKind):
     emits) and multiplied by `torch.ops.mkldnn._linear_pointwise`. MKL's `mm` repacks the
     weight on every call when a product has a few rows, which makes decode batches and
     speculative verification (1 + k rows) cost several times a one-row product; the packed
-    weight does not. Measured on the 2-core development CPU over bench-135m's 121 matrices
-    (fp32, 538 MB, two threads), per product of all of them: 1 row 31.4 -> 22.5 ms, 5 rows
-    78.4 -> 18.6 ms, 16 rows 97.5 -> 31.2 ms, 256 rows 391 -> 275 ms. The packing's batch-size
-    hint (256) fits all of these; the one-row product also reads with both cores, which MKL's
-    does not.
+    weight does not, from 1 row to 256 (the packing's batch-size hint), and its one-row product
+    reads with every thread, which MKL's does not.
 
     Products of up to `MAX_BLOCKED_ROWS` rows, and every product of a decode-type step
     (engine.cpu_kernels.decode_step), use the column-blocked copy of the weight instead: 1 row 11-18 ms vs 21-27 ms over the same matrices, 8 rows

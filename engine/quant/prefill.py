@@ -17,7 +17,7 @@ are bound by arithmetic instead, and there the choice is between precision and s
 A `PrefillPath` is one row of such a table (the dense kind has its own, engine.models.linear):
 what it does to the activations (`precision`: which `--dtype` admits it, engine.precision), why
 a CPU cannot run it, and its GEMM rate over fp32's on a CPU (`speedup`, from the rates measured
-on these machines, issue 21). `prefill_candidates(features)` keeps those this CPU runs, fastest
+on an Intel Xeon with AMX). `prefill_candidates(features)` keeps those this CPU runs, fastest
 first; the last, the most precise, is what a model loads on. A faster path rounds the
 activations, which only a quality gate on the model itself can clear (engine.quant.gate
 measures the candidates fastest first and moves the model to the first that passes).
@@ -70,7 +70,7 @@ def runs_anywhere(features: CpuFeatures) -> str | None:
     return None
 
 
-# GEMM rates over fp32 on the Intel Xeon of issue 21 (2 threads, 2,048 rows): bf16 `linear`
+# GEMM rates over fp32 on an Intel Xeon with AMX (2 threads, 2,048 rows): bf16 `linear`
 # on AMX 1,113 vs fp32 218 GFLOP/s; fbgemm's int8 536 GOP/s. AVX512-BF16 without AMX doubles
 # the products per instruction of an fp32 FMA: about 2x.
 def bf16_speedup(features: CpuFeatures) -> float:

@@ -351,7 +351,7 @@ class Target:
 
 
 def targets(ttft_len: int) -> tuple[Target, ...]:
-    """Issue 21's targets: throughput >= 4x llama.cpp's, TPOT <= 0.6x, TTFT >= 5x faster; and
+    """The targets: throughput >= 4x llama.cpp's, TPOT <= 0.6x, TTFT >= 5x faster; and
     TPOT after the TTFT prompt (a RAG request's decoding), without a target."""
     return (
         Target("throughput (tok/s)", "native_tokens_per_s", "llamacpp_tokens_per_s",

@@ -17,8 +17,8 @@ Figures (one run, after a warm-up, medians of `repeats` runs; JSON keys in brack
   fp32-dequantized) and, where the CPU has AMX-BF16 or AVX512-BF16, the fp32 model's bf16 prefill
   [quality_<path>_<figure>]; the CPU's capability line [cpu] and each engine's prefill line
   [<engine>_prefill].
-Targets (issue 5, bench-0.5b): int8_tpot_ms <= 2.5 x int8_tpot_bound_ms; fp32/int8 TPOT >= 3;
-int8 TTFT no worse than fp32. Issue 20 (the real default model): ppl increase <= 1%, top-1
+Targets, on bench-0.5b: int8_tpot_ms <= 2.5 x int8_tpot_bound_ms; fp32/int8 TPOT >= 3;
+int8 TTFT no worse than fp32. On the default model: ppl increase <= 1%, top-1
 agreement >= 97% (prefill and decode), fp32/int8 TPOT >= 2.4. A *ratio* divides two contenders' times;
 `*_over_bound` a time by its bound.
 """
@@ -212,7 +212,7 @@ def run_bench_quant(
     results["target_int8_tpot_within_2_5x_bound"] = results["int8_tpot_over_bound"] <= 2.5
     results["target_fp32_over_int8_tpot_ge_3"] = results["fp32_over_int8_tpot"] >= 3
     results["target_int8_ttft_no_worse"] = results["int8_over_fp32_ttft"] <= 1.0
-    # issue 20 (the real default model): the gate's figures and decode >= 2.4x fp32's
+    # the default model's: the gate's figures and decode >= 2.4x fp32's
     results["target_ppl_increase_le_1pct"] = results["ppl_increase"] <= 0.01
     results["target_top1_agreement_ge_97pct"] = results["top1_agreement"] >= 0.97
     results["target_decode_ppl_increase_le_1pct"] = results["decode_ppl_increase"] <= 0.01

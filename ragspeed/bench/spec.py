@@ -26,7 +26,7 @@ Figures (one run; warm-up first; medians of `repeats` runs; JSON keys in bracket
   [ceiling_decode_tokens_per_s, ceiling_speedup = ceiling / plain, ceiling_acceptance (1.0
   unless batched and lone greedy runs disagree)].
 A *ratio* or *speedup* divides the speculative contender's rate by the plain one's.
-The table prints each ratio beside its target (issue 23): ngram_speedup >= 0.97 (prompt lookup
+The table prints each ratio beside its target: ngram_speedup >= 0.97 (prompt lookup
 never slower); draft_speedup and draft_rag_speedup >= 1.6; batch16_ratio >= 0.97.
 """
 
