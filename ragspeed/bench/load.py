@@ -6,9 +6,10 @@ random number of chunks (the server must abort that request and free its KV bloc
 refused with 429 waits its `Retry-After`, as the openai SDK does, then goes on.
 
 With `compression_every_s`, one more client sends a request of 20 documents compressed 4x
-(`ragspeed.compression.rate` 0.25) at that interval, first for a few arrivals alone, then
-beside the load: its TTFT both ways, and the inter-token gaps of the streams in flight, show
-what a compressed arrival costs the streams (stall-free batching, one CPU budget).
+(`ragspeed.compression.rate` 0.25) at that interval: a few arrivals alone before the load,
+then from the end of the warm-up on, beside the streams. The arrivals' TTFT both ways, and the
+streams' inter-token gaps in the warm-up (`gap_alone_*`) against the steady state (`gap_*`),
+show what a compressed arrival costs the streams in flight.
 
 Terms: *TTFT* here is the client's view, from sending the request to the first SSE chunk (the
 server primes a stream with its first token before it starts the response). The *steady state*
@@ -19,7 +20,7 @@ client has stopped and the server has gone idle (None for engines without a page
 *Goodput* is the requests whose TTFT met `deadline_ms` a minute of the run; a *refusal* is a
 429, timed from sending to its answer (`refusal_server`: from its arrival in the server to the
 answer, as the server reports it); an *inter-token gap* is the time between two content
-chunks of one stream.
+chunks of one stream; `gap_*` are the steady state's.
 """
 
 from __future__ import annotations
@@ -328,24 +329,18 @@ async def run_load(
             asyncio.create_task(_client(url, model, config.seed * 1_000 + i, config, stop_at, prompts, tally))
             for i in range(config.clients)
         ]
-        if every_s is not None:
-            clients.append(
-                asyncio.create_task(
-                    _arrivals(
-                        url,
-                        model,
-                        every_s,
-                        stop_at,
-                        rows[_ARRIVALS_ALONE:] or rows,
-                        tally,
-                        tally.arrivals_ttft_s,
-                    )
-                )
-            )
         await asyncio.wait(clients, timeout=config.duration_s * config.warmup_fraction)
         rss_start = rss_bytes(server_pid) if server_pid else None
         completed_at_start, steady_from = tally.completed, time.perf_counter()
         steady_first_ttft = len(tally.ttft_s)
+        gaps_alone, tally.gaps_s = tally.gaps_s, []
+        if every_s is not None:
+            arrivals = rows[_ARRIVALS_ALONE:] or rows
+            clients.append(
+                asyncio.create_task(
+                    _arrivals(url, model, every_s, stop_at, arrivals, tally, tally.arrivals_ttft_s)
+                )
+            )
         await asyncio.wait(clients, timeout=max(0.0, stop_at - time.perf_counter()))
         rss_end = rss_bytes(server_pid) if server_pid else None
         steady_s = time.perf_counter() - steady_from
@@ -376,6 +371,7 @@ async def run_load(
         "refused": len(tally.refusal_s),
         **_spread("refusal", tally.refusal_s, (0.5, 0.99, 1.0)),
         **_spread("refusal_server", tally.refusal_server_s, (0.5, 0.99, 1.0)),
+        **_spread("gap_alone", gaps_alone, (0.5, 0.99)),
         **_spread("gap", tally.gaps_s, (0.5, 0.9, 0.99)),
         **{
             f"ttft_over_predicted_p{round(q * 100)}": round(percentile(tally.prediction_ratios, q), 3)
@@ -600,7 +596,13 @@ def bench_load(
     )
     click.echo(machine_line())
     click.echo(f"ragspeed bench load: {figures['engine']} / {figures['model']}")
-    arrivals = ("arrival_alone_ttft_p50_ms", "arrival_ttft_p50_ms", "arrival_ttft_p99_ms")
+    arrivals = (
+        "arrival_alone_ttft_p50_ms",
+        "arrival_ttft_p50_ms",
+        "arrival_ttft_p99_ms",
+        "gap_alone_p50_ms",
+        "gap_alone_p99_ms",
+    )
     for key in _TABLE_KEYS + (arrivals if compression else ()):
         click.echo(f"  {key:<24} {figures[key]}")
     for key in sorted(k for k in figures if k.startswith("status_")):
