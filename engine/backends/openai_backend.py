@@ -109,6 +109,57 @@ def completion_body(model: str, request: GenerationRequest) -> dict[str, Any]:
     return body
 
 
+class UpstreamStream:
+    """One upstream completion stream (SSE of `text_completion` chunks), read as it arrives:
+    `feed(bytes)` returns the text of the events those bytes completed (a read may end
+    mid-line: the rest waits for the next), `final_delta()` the finish reason and usage."""
+
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url
+        self.finish_reason: str | None = None
+        self.usage: dict[str, Any] | None = None
+        self.done = False  # `data: [DONE]` came; what follows is ignored
+        self._tail = b""
+
+    def feed(self, data: bytes) -> str:
+        lines = (self._tail + data).split(b"\n")
+        self._tail = lines.pop()
+        parts: list[str] = []
+        for line in lines:
+            if self.done or not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                self.done = True
+                continue
+            chunk = json.loads(payload)
+            if "error" in chunk:  # a server that fails after its 200 says so in-stream
+                raise UpstreamError(
+                    f"upstream {self.base_url} failed mid-stream: {_error_message(payload)}",
+                    code="upstream_error",
+                )
+            # With include_usage the last chunk has the counts and no choices.
+            self.usage = chunk.get("usage") or self.usage
+            for choice in chunk.get("choices") or ():
+                # The finish reason is held back for the usage chunk that follows it.
+                self.finish_reason = choice.get("finish_reason") or self.finish_reason
+                if choice.get("text"):
+                    parts.append(choice["text"])
+        return "".join(parts)
+
+    def final_delta(self) -> TokenDelta:
+        if self.usage is None:
+            return TokenDelta(text="", finish_reason=self.finish_reason or "stop")
+        details = self.usage.get("prompt_tokens_details") or {}
+        return TokenDelta(
+            text="",
+            finish_reason=self.finish_reason or "stop",
+            num_prompt_tokens=self.usage.get("prompt_tokens", 0),
+            num_cached_tokens=details.get("cached_tokens") or 0,
+            num_completion_tokens=self.usage.get("completion_tokens", 0),
+        )
+
+
 def _error_message(response_body: bytes) -> str:
     try:
         error = json.loads(response_body)["error"]
@@ -231,7 +282,7 @@ class OpenAIEngine:
                     if response.status_code != 200:
                         raise self._status_error(base_url, response.status_code, await response.aread())
                     self._breakers[base_url].record_success()
-                    async for delta in self._parse_stream(response):
+                    async for delta in self._parse_stream(response, base_url):
                         yield delta
                 return
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
@@ -271,29 +322,17 @@ class OpenAIEngine:
         self._failed(base_url)
         return UpstreamError(message, code="upstream_error")
 
-    async def _parse_stream(self, response: httpx.Response) -> AsyncIterator[TokenDelta]:
-        finish: str | None = None
-        async for line in response.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[len("data:") :].strip()
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
-            usage = chunk.get("usage")
-            if usage:  # the last chunk with include_usage: no choices, only counts
-                details = usage.get("prompt_tokens_details") or {}
-                yield TokenDelta(
-                    text="",
-                    finish_reason=finish or "stop",
-                    num_prompt_tokens=usage.get("prompt_tokens", 0),
-                    num_cached_tokens=details.get("cached_tokens") or 0,
-                    num_completion_tokens=usage.get("completion_tokens", 0),
-                )
-                return
-            for choice in chunk.get("choices", []):
-                # The finish reason is held back for the usage chunk that follows it.
-                finish = choice.get("finish_reason") or finish
-                if choice.get("text"):
-                    yield TokenDelta(text=choice["text"])
-        yield TokenDelta(text="", finish_reason=finish or "stop")
+    async def _parse_stream(self, response: httpx.Response, base_url: str) -> AsyncIterator[TokenDelta]:
+        """The upstream's SSE events as deltas: the text of every event that one network read
+        completed goes out as one delta (a burst of tokens costs one delta, not one each), and
+        the finish reason and usage go on the last delta, once the body has ended. The body is
+        read to its end, past `[DONE]`, so that its connection goes back to the pool."""
+        stream = UpstreamStream(base_url)
+        async for data in response.aiter_bytes():
+            text = stream.feed(data)
+            if text:
+                yield TokenDelta(text=text)
+        text = stream.feed(b"\n")  # a last line the body ended without its newline
+        if text:
+            yield TokenDelta(text=text)
+        yield stream.final_delta()
