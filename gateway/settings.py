@@ -39,6 +39,7 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8000, ge=0, le=65535, description="Port to listen on (0: any free port).")
     log_level: str = Field("info", description="Log level: debug, info, warning, error.")
+    access_log: bool = Field(True, description="Log one line per HTTP request (uvicorn's access log).")
 
     # Model and engine
     model: str = Field(

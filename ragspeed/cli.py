@@ -138,6 +138,7 @@ def serve(config_file: str | None, **flags: Any) -> None:
             host=settings.host,
             port=settings.port,
             log_level=settings.log_level,
+            access_log=settings.access_log,
             timeout_graceful_shutdown=settings.shutdown_drain_s,
         )
     )
