@@ -38,7 +38,7 @@ from ragspeed.engine.quant import resident_weight_bytes, unquantized_weight_byte
 from ragspeed.engine.request import Request
 from ragspeed.engine.sampler import Sampler
 from ragspeed.engine.sampling import SamplingState, validate_sampling
-from ragspeed.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from ragspeed.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, StepTimeModel
 from ragspeed.engine.spec_decode import build_speculator
 from ragspeed.engine.threads import cpu_threads
 from ragspeed.prompt_cache.document_store import DocumentStore
@@ -117,6 +117,9 @@ class LLMEngine:
             self.manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            step_seconds=None if config.tpot_target_ms is None else config.tpot_target_ms / 1000,
+            step_time=StepTimeModel(),
+            min_prefill_tokens=config.block_size,
         )
         self.runner = ModelRunner(
             loaded.model, loaded.rotary, self.kv_pool, config.device, num_threads=num_threads
@@ -213,6 +216,7 @@ class LLMEngine:
             for prefill in self.documents.plan(
                 engine_request, request.document_cache, request.document_spans
             ):
+                prefill.priority = engine_request.priority  # queued as the request they serve
                 self.scheduler.add(prefill)  # ahead of the request, which waits on them
         self.scheduler.add(engine_request)
 
@@ -226,6 +230,21 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    @property
+    def num_threads(self) -> int:
+        """Threads of the next step's forward pass (the kernels' and torch's)."""
+        return self.runner.num_threads
+
+    def use_threads(self, num_threads: int) -> None:
+        """Run the next steps on `num_threads` threads (fewer while a helper job holds the
+        others: engine.backends.native.CpuBudget); the model's and a draft model's passes."""
+        if num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        self.runner.num_threads = num_threads
+        proposer = getattr(self.speculator, "proposer", None)
+        if proposer is not None and hasattr(proposer, "num_threads"):
+            proposer.num_threads = num_threads
 
     # ------------------------------------------------------------------ steps
 
@@ -245,6 +264,11 @@ class LLMEngine:
         if output.is_empty:
             return []
         results = self._run_step(output)
+        # Every step feeds the model that sizes the prefill chunks beside decodes.
+        num_prefill = output.num_prefill_tokens
+        self.scheduler.step_time.observe(
+            output.num_tokens - num_prefill, num_prefill, time.perf_counter() - start
+        )
         if self.speculator is not None and all(c.num_real_tokens == 1 for c in output.chunks):
             # A step of decodes only: its cost tells the controller whether speculating pays.
             self.speculator.observe_step(time.perf_counter() - start)
@@ -399,6 +423,7 @@ class LLMEngine:
 
     def stats(self) -> dict[str, float]:
         cache = self.manager.stats()
+        step_time = self.scheduler.step_time
         return {
             "num_blocks_total": float(self.manager.num_blocks),
             "num_blocks_free": float(self.manager.num_free_blocks),
@@ -411,6 +436,15 @@ class LLMEngine:
             "num_requests_waiting": float(len(self.scheduler.waiting)),
             "num_preemptions": float(self.scheduler.num_preemptions),
             "num_steps": float(self.num_steps),
+            # The measured step-time model (engine.scheduler.StepTimeModel); absent until measured.
+            **{
+                name: value
+                for name, value in (
+                    ("step_decode_seconds", step_time.decode_seconds),
+                    ("step_seconds_per_prefill_token", step_time.seconds_per_prefill_token),
+                )
+                if value is not None
+            },
             "prompt_tokens_total": float(self.num_prompt_tokens_total),
             "generation_tokens_total": float(self.num_generation_tokens_total),
             "weight_bytes": float(resident_weight_bytes(self.loaded.model)),

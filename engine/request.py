@@ -50,6 +50,10 @@ class Request:
         self.all_token_ids = list(request.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.cache_salt = request.cache_salt
+        # Waiting-queue order (engine.scheduler): PRIORITY_INTERACTIVE before PRIORITY_BATCH;
+        # `num_overtaken` counts the interactive entries queued ahead of a waiting batch request.
+        self.priority = request.priority
+        self.num_overtaken = 0
         self.sampling = sampling
         self.prefill_only = prefill_only  # warm(): fill the prefix cache, sample nothing
         self.pin = pin  # a prefill-only request that pins its full blocks as it finishes

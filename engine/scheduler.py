@@ -9,18 +9,38 @@ Each step:
    A decode carrying draft tokens (`request.spec_token_ids`, engine.spec_decode) is scheduled
    as 1 + k queries when the budget and the pool allow, else as a plain decode: drafts are
    trimmed to the budget and never cause a preemption.
-2. If nothing was preempted, waiting requests are admitted strictly first-come first-served
-   (the head of the queue blocks those behind it, so nobody starves) while the budget, the
-   pool and `max_num_seqs` allow, starting from their prefix-cache hit. A request still waiting
-   on its documents' prefills (`request.blockers`) holds the queue; one with a document plan
-   gets blocks for its whole prompt and is handed to the `assemble` hook (engine.document_kv),
-   which places its stored documents and returns the positions left to compute, its last
-   among them: its first chunk is those positions, *scattered* (each query sees the keys up
-   to its own position).
+2. If nothing was preempted, waiting requests are admitted strictly in queue order (the head
+   of the queue blocks those behind it, so nobody starves; the order: Priority, below) while
+   the budget, the pool and `max_num_seqs` allow, starting from their prefix-cache hit. A
+   request still waiting on its documents' prefills (`request.blockers`) holds the queue; one
+   with a document plan gets blocks for its whole prompt and is handed to the `assemble` hook
+   (engine.document_kv), which places its stored documents and returns the positions left to
+   compute, its last among them: its first chunk is those positions, *scattered* (each query
+   sees the keys up to its own position).
 3. After the forward pass, `update_computed` commits each chunk's real tokens (their full blocks
    enter the prefix cache, before a request that finishes this step frees them); after the
    engine appended the sampled tokens, `update_from_output` commits the accepted drafts and
    drops the rejected ones' blocks (vLLM's `Scheduler.update_from_output`).
+
+The step's time budget (stall-free batching, Sarathi-Serve): a step that carries decodes must
+finish within `step_seconds` (EngineConfig.tpot_target_ms), or every stream in flight waits on
+the prefill chunks beside its decode. So once the decodes (drafts included) are scheduled, the
+prefill chunks of the step (running prefills, then admissions) share at most the tokens that
+the `StepTimeModel`, measured on the engine's own steps, says fit in what is left of the budget:
+    step seconds ~= decode_seconds + num_prefill_tokens * seconds_per_prefill_token
+and never fewer than `min_prefill_tokens` (a block), so a prefill always progresses, however
+many decodes share the step. A step with no decodes keeps the whole token budget, and so does
+every step until the model has measured a step with prefill tokens (or with `step_seconds`
+None). Both limits hold: the token budget caps the time budget's chunk.
+
+Priority: the waiting queue is ordered by (priority, arrival): an interactive request
+(PRIORITY_INTERACTIVE, 0) goes ahead of the batch requests (PRIORITY_BATCH, 1) waiting, but
+at most `max_overtakes` interactive entries (a request, or one of the document prefills queued
+ahead of it) overtake one batch request; after that it holds its place, as an interactive one
+would (no starvation: with the default 8, a batch request waits behind at most 8 later
+interactive arrivals). A request preempted (for memory, the
+only reason to preempt) still goes back to the front, whatever its priority; running requests
+are never preempted for priority.
 
 The scheduler talks to the `KVCacheManager` only: block ids, never the pool's tensors.
 """
@@ -31,6 +51,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from ragspeed.engine.protocol import PRIORITY_INTERACTIVE
 from ragspeed.engine.request import Request, RequestStatus
 from ragspeed.prompt_cache.manager import KVCacheManager
 
@@ -83,8 +104,65 @@ class SchedulerOutput:
         return sum(c.num_tokens for c in self.decodes) + sum(c.num_tokens for c in self.prefills)
 
     @property
+    def num_prefill_tokens(self) -> int:
+        """Query tokens of prefill chunks (a decode's drafts are decode tokens)."""
+        return sum(c.num_tokens for c in self.prefills if not c.draft_token_ids)
+
+    @property
     def is_empty(self) -> bool:
         return not self.decodes and not self.prefills
+
+
+class StepTimeModel:
+    """What a step costs, measured on the engine's own steps (exponential moving averages):
+        seconds ~= decode_seconds + num_prefill_tokens * seconds_per_prefill_token
+    `decode_seconds` from steps of decodes alone; the per-token cost from steps with prefill
+    tokens, beside decodes (what the decodes do not explain) or, until such a step was seen,
+    alone. The fit need not separate a prefill pass's fixed cost from its per-token cost: a
+    chunk sized from the last steps' per-token cost moves towards the size whose step takes
+    exactly the budget (a step over budget raises the per-token cost, one under lowers it)."""
+
+    def __init__(self, *, smoothing: float = 0.3):
+        if not 0 < smoothing <= 1:
+            raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
+        self.smoothing = smoothing
+        self.decode_seconds: float | None = None
+        self._per_token_beside_decodes: float | None = None
+        self._per_token_alone: float | None = None
+
+    def _average(self, previous: float | None, value: float) -> float:
+        return value if previous is None else previous + self.smoothing * (value - previous)
+
+    @property
+    def seconds_per_prefill_token(self) -> float | None:
+        beside = self._per_token_beside_decodes
+        return beside if beside is not None else self._per_token_alone
+
+    def observe(self, num_decode_tokens: int, num_prefill_tokens: int, seconds: float) -> None:
+        """One step's wall time, with the tokens it computed."""
+        if num_prefill_tokens == 0:
+            if num_decode_tokens > 0:
+                self.decode_seconds = self._average(self.decode_seconds, seconds)
+            return
+        if num_decode_tokens == 0:
+            self._per_token_alone = self._average(self._per_token_alone, seconds / num_prefill_tokens)
+            return
+        # The decodes' share: what a step of decodes alone costs (nothing until measured).
+        prefill_seconds = max(seconds - (self.decode_seconds or 0.0), 0.0)
+        self._per_token_beside_decodes = self._average(
+            self._per_token_beside_decodes, prefill_seconds / num_prefill_tokens
+        )
+
+    def prefill_tokens_within(self, seconds: float) -> int | None:
+        """Prefill tokens that fit beside a step's decodes in a step of `seconds`; None until
+        a step with prefill tokens was measured."""
+        per_token = self.seconds_per_prefill_token
+        if per_token is None:
+            return None
+        left = seconds - (self.decode_seconds or 0.0)
+        if per_token <= 0.0:
+            return None  # too fast to measure: the token budget decides
+        return max(int(left / per_token), 0)
 
 
 class Scheduler:
@@ -94,17 +172,32 @@ class Scheduler:
         *,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        step_seconds: float | None = None,
+        step_time: StepTimeModel | None = None,
+        min_prefill_tokens: int = 16,
+        max_overtakes: int = 8,
     ):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        if step_seconds is not None and step_seconds <= 0:
+            raise ValueError(f"step_seconds must be > 0, got {step_seconds}")
+        if min_prefill_tokens < 1:
+            raise ValueError(f"min_prefill_tokens must be >= 1, got {min_prefill_tokens}")
+        if max_overtakes < 0:
+            raise ValueError(f"max_overtakes must be >= 0, got {max_overtakes}")
         self.manager = manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # The time budget of a step that carries decodes (None: the token budget alone).
+        self.step_seconds = step_seconds
+        self.step_time = step_time if step_time is not None else StepTimeModel()
+        self.min_prefill_tokens = min_prefill_tokens
+        self.max_overtakes = max_overtakes  # interactive requests that may overtake a batch one
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self._arrival: dict[str, int] = {}  # request id -> admission order, for FCFS
+        self._arrival: dict[str, int] = {}  # request id -> arrival order (running order, preemption)
         self._next_arrival = 0
         self.num_preemptions = 0
         # Called with a request whose blocks were just freed (finished, aborted, preempted):
@@ -121,7 +214,23 @@ class Scheduler:
             raise ValueError(f"request_id {request.request_id!r} is already in the engine")
         self._arrival[request.request_id] = self._next_arrival
         self._next_arrival += 1
-        self.waiting.append(request)
+        if request.priority <= PRIORITY_INTERACTIVE:
+            # Ahead of the batch requests at the queue's tail that may still be overtaken (they
+            # are always a tail: they keep their order, and the oldest of them ages first).
+            position = len(self.waiting)
+            while position > 0 and self._overtakable(self.waiting[position - 1]):
+                position -= 1
+                self.waiting[position].num_overtaken += 1
+            self.waiting.insert(position, request)
+        else:
+            self.waiting.append(request)
+
+    def _overtakable(self, request: Request) -> bool:
+        return (
+            request.priority > PRIORITY_INTERACTIVE
+            and request.num_preemptions == 0  # a preempted request keeps the front
+            and request.num_overtaken < self.max_overtakes
+        )
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -172,14 +281,25 @@ class Scheduler:
         by_arrival = sorted(self.running, key=lambda r: arrival[r.request_id])
         decodes = [r for r in by_arrival if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in by_arrival if r.num_tokens - r.num_computed_tokens > 1]
+        decode_ids = {r.request_id for r in decodes}
+        # Prefill tokens the step's time budget leaves beside its decodes (None: no limit),
+        # set once the decodes are scheduled.
+        prefill_left: int | None = None
+        limited = False
         for request in decodes + prefills:
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            is_decode = request.request_id in decode_ids
+            if not is_decode and not limited:
+                prefill_left, limited = self._prefill_limit(scheduled), True
+            if not is_decode and prefill_left == 0:
+                break  # only prefills are left, and the time budget is spent
+            cap = budget if is_decode or prefill_left is None else min(budget, prefill_left)
+            num_new = min(request.num_tokens - request.num_computed_tokens, cap)
             # A decode's drafts ride along while budget and pool allow; they never preempt.
-            drafts = request.spec_token_ids[: budget - num_new] if request in decodes else []
+            drafts = request.spec_token_ids[: budget - num_new] if is_decode else []
             if (
                 drafts
                 and self.manager.allocate_slots(request.request_id, request.num_tokens + len(drafts)) is None
@@ -193,14 +313,26 @@ class Scheduler:
                 undone = scheduled.pop(victim.request_id, None)
                 if undone is not None:
                     budget += undone.num_tokens
+                    if prefill_left is not None and victim.request_id not in decode_ids:
+                        prefill_left += undone.num_tokens
                 if victim is request:
                     break
             if request.status is not RequestStatus.RUNNING:
                 continue
             scheduled[request.request_id] = self._chunk(request, num_new + len(drafts), drafts)
             budget -= num_new + len(drafts)
+            if not is_decode and prefill_left is not None:
+                prefill_left -= num_new
+        if not limited:
+            prefill_left = self._prefill_limit(scheduled)
 
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and (prefill_left is None or prefill_left > 0)
+            and len(self.running) < self.max_num_seqs
+        ):
             request = self.waiting[0]
             if request.blockers:
                 break  # its documents are being prefilled ahead of it
@@ -220,11 +352,13 @@ class Scheduler:
                     variant=request.cache_variant,
                 )
             assemble = self.assemble if request.document_plan is not None else None
+            # An assembled prompt's fresh positions are one scattered chunk: never cut.
+            cap = budget if prefill_left is None else min(budget, prefill_left)
             num_new = (
-                request.num_tokens - num_cached if assemble else min(request.num_tokens - num_cached, budget)
+                request.num_tokens - num_cached if assemble else min(request.num_tokens - num_cached, cap)
             )
             if self.manager.allocate_slots(request.request_id, num_cached + num_new, computed_blocks) is None:
-                break  # FCFS: nobody overtakes the head of the queue
+                break  # nobody overtakes the head of the queue
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
@@ -242,6 +376,8 @@ class Scheduler:
             else:
                 scheduled[request.request_id] = self._chunk(request, num_new)
             budget -= num_new
+            if prefill_left is not None:
+                prefill_left = max(prefill_left - num_new, 0)
 
         chunks = sorted(scheduled.values(), key=lambda c: arrival[c.request.request_id])
         return SchedulerOutput(
@@ -249,6 +385,15 @@ class Scheduler:
             prefills=tuple(c for c in chunks if c.num_tokens > 1),
             preempted=tuple(preempted),
         )
+
+    def _prefill_limit(self, scheduled: Mapping[str, ScheduledChunk]) -> int | None:
+        """Prefill tokens that fit beside the decodes `scheduled` in the step's time budget:
+        at least `min_prefill_tokens`; None (the token budget alone) in a step without decodes,
+        without a time budget, or before the step time is measured."""
+        if self.step_seconds is None or not scheduled:
+            return None
+        fit = self.step_time.prefill_tokens_within(self.step_seconds)
+        return None if fit is None else max(fit, self.min_prefill_tokens)
 
     def _chunk(
         self, request: Request, num_new: int, drafts: list[int] | tuple[int, ...] = ()

@@ -84,19 +84,24 @@ class CompressionStage:
     def method_for(self, options: CompressionOptions | None) -> str | None:
         """The method a request runs: the one it names; else, when it asks for compression
         (`ragspeed.compression` given, e.g. a rate alone), the server's compressor; else the
-        server's every-request compressor, if any (None: no compression)."""
+        server's every-request compressor, if any (None: no compression, "none" included)."""
         every_request = self._settings.compression_method
         if every_request == "none":
             every_request = None
+        method = every_request
         if options is not None:
-            return options.method or every_request or self._settings.compression_default_method
-        return every_request
+            method = options.method or every_request or self._settings.compression_default_method
+        return None if method == "none" else method
+
+    def runs(self, options: CompressionOptions | None) -> bool:
+        """Whether a request with these options is compressed."""
+        return self.method_for(options) is not None
 
     def __call__(
         self, segments: Segments, documents: tuple[Document, ...], options: CompressionOptions | None
     ) -> tuple[tuple[Document, ...], CompressionReport | None]:
         method = self.method_for(options)
-        if not method or method == "none":
+        if method is None:
             return documents, None
         rate = options.rate if options else None
         target_tokens = options.target_tokens if options else None

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 from jinja2 import TemplateError
 
@@ -28,6 +28,7 @@ from ragspeed.engine.protocol import (
 )
 from ragspeed.gateway.errors import APIError
 from ragspeed.gateway.experiments import LiveExperiment, current_hints
+from ragspeed.gateway.limits import arrival_time
 from ragspeed.gateway.metrics import GatewayMetrics
 from ragspeed.gateway.prompt import Document, Prompt, Segments, assemble_prompt, split_segments
 from ragspeed.gateway.prompt_registry import PromptService
@@ -45,10 +46,10 @@ DEFAULT_ARM = "default"
 
 
 class StageTimer:
-    """Seconds per stage of one request, from its arrival (`start`)."""
+    """Seconds per stage of one request, from its arrival (`start`: when it reached the app)."""
 
     def __init__(self) -> None:
-        self.start = time.perf_counter()
+        self.start = arrival_time() or time.perf_counter()
         self.seconds: dict[str, float] = {}
 
     @contextmanager
@@ -85,12 +86,19 @@ class PreparedRequest:
     deadline_ms: float | None = None  # `ragspeed.deadline_ms`: this request's TTFT deadline
 
 
-# Compression and retrieval plug in as callables the app builds before the pipeline:
-#   compress(segments, documents, options) -> (documents, CompressionReport | None)
-#   retrieve(question, options) -> documents
-Compress = Callable[
-    [Segments, tuple[Document, ...], Any], tuple[tuple[Document, ...], CompressionReport | None]
-]
+class Compress(Protocol):
+    """The compression stage the app builds before the pipeline (gateway.compress)."""
+
+    def runs(self, options: Any) -> bool:
+        """Whether a request with these `ragspeed.compression` options is compressed."""
+        ...
+
+    def __call__(
+        self, segments: Segments, documents: tuple[Document, ...], options: Any
+    ) -> tuple[tuple[Document, ...], CompressionReport | None]: ...
+
+
+# Retrieval plugs in as a callable: retrieve(question, options) -> documents
 Retrieve = Callable[[str, Any], list[Document]]
 
 
@@ -178,7 +186,7 @@ class Preparer:
             if self.retrieve is None:
                 raise APIError(400, "retrieval is not enabled on this server", param="ragspeed.retrieval")
             with timer.stage("retrieval"):
-                retrieved = await asyncio.to_thread(self.retrieve, segments.question, options.retrieval)
+                retrieved = await self._cpu_job(self.retrieve, segments.question, options.retrieval)
                 documents = documents + tuple(retrieved)
         if len(documents) > self.settings.max_documents:
             raise APIError(
@@ -189,11 +197,15 @@ class Preparer:
                 code="too_many_documents",
             )
         report = None
-        if documents and self.compress is not None and (options is None or options.compression is not False):
+        compression = options.compression if options else None
+        if (
+            documents
+            and self.compress is not None
+            and compression is not False
+            and self.compress.runs(compression)
+        ):
             with timer.stage("compression"):
-                documents, report = await asyncio.to_thread(
-                    self.compress, segments, documents, options.compression if options else None
-                )
+                documents, report = await self._cpu_job(self.compress, segments, documents, compression)
             if report is not None:
                 self._count_compression(report, arm.name if arm is not None else DEFAULT_ARM)
         compressed = report is not None and not report.failed and report.skipped_reason is None
@@ -216,6 +228,15 @@ class Preparer:
             prepared.arm = arm.name
         prepared.return_prompt = bool(options and options.return_prompt)
         return prepared
+
+    async def _cpu_job(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Compression or retrieval embedding, off the event loop: beside a native engine, on a
+        CPU thread the engine gives up while it runs (engine.backends.native.CpuBudget), so
+        the process keeps to `num_threads` busy threads; else in a plain worker thread."""
+        run_beside = getattr(self.engine, "run_beside", None)
+        if run_beside is None:
+            return await asyncio.to_thread(fn, *args)
+        return await run_beside(fn, *args)
 
     def document_cache(
         self, options: RagspeedOptions | None, *, compressed: bool = False

@@ -6,6 +6,17 @@ deltas back through `loop.call_soon_threadsafe` into one asyncio queue per reque
 drains the commands before every step, so an abort (or a consumer closing its stream) frees the
 request's blocks within one step. Torch releases the GIL in its kernels, so the event loop stays
 responsive while a step runs.
+
+One CPU budget: the process runs at most `num_threads` busy threads (EngineConfig.num_threads).
+A helper job beside the engine (compression, retrieval embedding: `run_beside`) takes one of
+them from the `CpuBudget` and runs on one torch thread; the engine's next steps run on what is
+left, and the job waits for the step in flight to end first. With one thread in all, the engine
+pauses while a job holds it. Measured on 2 cores (Zen 3, the default model): the coarse-to-fine
+compressor of 20 documents takes as long on one thread as on two (p50 73 vs 78 ms), so lending
+it one costs it nothing, while the decode steps on the thread left run about 1.3x slower for
+the few tokens it lasts. Running it on the engine thread between steps instead would stall every
+stream for the whole compression (~80 ms, over the 50 ms step budget) unless the compressors
+were cut into slices.
 """
 
 from __future__ import annotations
@@ -14,11 +25,12 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -38,8 +50,11 @@ from ragspeed.engine.protocol import (
     SamplingParams,
     TokenDelta,
 )
+from ragspeed.engine.threads import cpu_threads
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -75,6 +90,64 @@ def _settle(future: asyncio.Future, result: Any, error: BaseException | None) ->
 _STOP = object()
 
 
+class CpuBudget:
+    """`num_threads` CPU threads shared by the engine's steps and helper jobs (thread-safe).
+
+    The engine thread asks `step_threads()` before each step (all threads not held by a job,
+    at least one; it waits while jobs hold them all) and calls `end_step()` after it. A job
+    holds threads through `lend(n)`, which waits until they are free of the step in flight;
+    jobs together hold at most `num_threads - 1` of them (all, with one thread in all), and a
+    waiting job is served before the engine's next step, so neither side starves."""
+
+    def __init__(self, num_threads: int):
+        if num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        self.num_threads = num_threads
+        self.max_lent = max(num_threads - 1, 1)
+        self._cond = threading.Condition()
+        self._lent = 0  # threads held by jobs
+        self._wanted = 0  # threads asked for by jobs waiting in `lend`
+        self._stepping = 0  # threads of the engine's step in flight (0: none)
+
+    @property
+    def num_lent(self) -> int:
+        return self._lent
+
+    def step_threads(self) -> int:
+        with self._cond:
+            while self.num_threads - self._lent - self._wanted < 1:
+                self._cond.wait()
+            self._stepping = self.num_threads - self._lent - self._wanted
+            return self._stepping
+
+    def end_step(self) -> None:
+        with self._cond:
+            self._stepping = 0
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def lend(self, num_threads: int = 1):
+        if not 1 <= num_threads <= self.max_lent:
+            raise ValueError(f"a job may hold 1 to {self.max_lent} threads, asked {num_threads}")
+        with self._cond:
+            self._wanted += num_threads
+            try:
+                while (
+                    self._lent + num_threads > self.max_lent
+                    or self._stepping + self._lent + num_threads > self.num_threads
+                ):
+                    self._cond.wait()
+            finally:
+                self._wanted -= num_threads
+            self._lent += num_threads
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._lent -= num_threads
+                self._cond.notify_all()
+
+
 async def _final_delta(sink: asyncio.Queue) -> TokenDelta:
     """The final delta a prefill-only request's sink receives (an error put there raises)."""
     while True:
@@ -96,6 +169,7 @@ class NativeEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._warm_ids = itertools.count()
+        self.cpu_budget: CpuBudget | None = None  # built with the engine (its thread count)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -114,6 +188,11 @@ class NativeEngine:
             return
         self._loop = asyncio.get_running_loop()
         self._engine = await asyncio.to_thread(LLMEngine, self.config)
+        self.cpu_budget = CpuBudget(self._engine.num_threads)
+        # The Rust tokenizers' batch encoding (the compressors' and embedders' tokenizers) runs
+        # on a pool of one thread per core of its own, outside the budget; an operator's
+        # explicit setting wins.
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self.max_model_len = self._engine.max_model_len
         self._thread = threading.Thread(target=self._run, name="ragspeed-engine", daemon=True)
         self._thread.start()
@@ -161,6 +240,7 @@ class NativeEngine:
 
     def _run(self) -> None:
         engine = self._engine
+        budget = self.cpu_budget
         running = True
         with torch.inference_mode():
             while running:
@@ -175,12 +255,17 @@ class NativeEngine:
                     running = self._handle(command)
                 if not running or not engine.has_unfinished():
                     continue
+                num_threads = budget.step_threads()  # what helper jobs leave (waits for one)
+                if num_threads != engine.num_threads:
+                    engine.use_threads(num_threads)
                 try:
                     outputs = engine.step()
                 except BaseException as exc:  # a failed step fails every request, frees all
                     logger.exception("engine step failed")
                     self._fail_all(exc)
                     continue
+                finally:
+                    budget.end_step()
                 for out in outputs:
                     self._deliver(out)
             for request_id in list(self._sinks):
@@ -269,6 +354,20 @@ class NativeEngine:
                         await self.call(lambda e: unpin_prefix(e, delta.pinned_block_ids))
             raise
 
+    async def run_beside(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` in a worker thread on one CPU thread that the engine gives up while it
+        runs (`CpuBudget`): compression and embedding, beside the engine's steps, within
+        `num_threads` busy threads in all."""
+        budget = self.cpu_budget
+        if budget is None:
+            raise EngineError("the native engine is not started", code="engine_not_ready")
+
+        def job() -> T:
+            with budget.lend(1), cpu_threads(1):
+                return fn(*args)
+
+        return await asyncio.to_thread(job)
+
     async def call(self, fn: Any) -> Any:
         """`fn(llm_engine)` run on the engine thread between steps; its result or exception."""
         _ = self.engine  # raises while not started
@@ -289,7 +388,8 @@ class NativeEngine:
     def stats(self) -> dict[str, float]:
         if self._engine is None:
             return {}
-        return self._engine.stats()
+        lent = self.cpu_budget.num_lent if self.cpu_budget is not None else 0
+        return {**self._engine.stats(), "cpu_threads_lent": float(lent)}
 
     def prefix_cache(self) -> PrefixCacheControl | None:
         return NativePrefixCache(self) if self.config.enable_prefix_caching else None

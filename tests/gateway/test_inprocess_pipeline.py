@@ -84,10 +84,9 @@ async def test_chat_body_shape_and_timings(fake):
     ]
     ragspeed = body["ragspeed"]
     assert ragspeed["arm"] == "default"
-    # Documents pass the compression stage; with no method configured it sends them as they are.
+    # With no method configured documents skip the compression stage and go as they are.
     assert set(ragspeed["timings_ms"]) == {
         "segments",
-        "compression",
         "prompt",
         "engine_first_token",
         "decode",
@@ -99,7 +98,7 @@ async def test_chat_body_shape_and_timings(fake):
     assert headers["x-ragspeed-request-id"] == ragspeed["request_id"]
     assert headers["x-ragspeed-arm"] == "default"
     assert headers["x-ragspeed-prompt-tokens"] == str(body["usage"]["prompt_tokens"])
-    for stage in ("segments", "compression", "prompt", "engine-first-token", "decode", "ttft"):
+    for stage in ("segments", "prompt", "engine-first-token", "decode", "ttft"):
         assert float(headers[f"x-ragspeed-{stage}-ms"]) >= 0
     assert "x-ragspeed-cached-tokens" not in headers  # nothing came from the cache
 
