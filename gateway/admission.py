@@ -21,7 +21,8 @@ Predicted TTFT = (time since arrival (preparation, compression) + backlog + own 
 x *correction*, where the correction is a running estimate of the `CORRECTION_QUANTILE`
 quantile of actual over uncorrected TTFT, learnt from every first token: what the model
 misses (slots held by long decodes, steps slowed by other work) is measured, not guessed, and
-an admitted request meets its deadline at that quantile.
+an admitted request meets its deadline at that quantile. It starts cautious
+(`CORRECTION_START`): a burst at start-up is judged before any first token came back.
 
 Before anything was observed the prediction is None, and the request is admitted; the app
 times a few prefills at start-up (`calibrate`) so that the first burst is already judged.
@@ -41,6 +42,9 @@ from ragspeed.gateway.limits import retry_after
 
 _DECAY = 0.9  # weight of the fit's past against each new observation
 CORRECTION_QUANTILE = 0.95
+# The correction's first value: cautious, for the burst judged before any first token came
+# back (a start-up's timings are of an idle engine); it comes down as first tokens arrive.
+CORRECTION_START = 2.0
 _CORRECTION_STEP = 0.1  # log-step of the quantile estimate
 _CORRECTION_BOUNDS = (0.5, 8.0)
 
@@ -133,7 +137,7 @@ class TTFTAdmission:
     default_deadline_s: float | None
     clock: Callable[[], float] = time.perf_counter
     fit: ServiceFit = field(default_factory=ServiceFit)
-    correction: QuantileTracker = field(default_factory=QuantileTracker)
+    correction: QuantileTracker = field(default_factory=lambda: QuantileTracker(value=CORRECTION_START))
     _waiting: list[Ticket] = field(default_factory=list)  # admission order
     _last_served: float = float("-inf")
 

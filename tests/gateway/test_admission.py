@@ -9,11 +9,10 @@ import random
 import pytest
 
 from ragspeed.engine.protocol import PRIORITY_BATCH, PRIORITY_INTERACTIVE
-from ragspeed.gateway.admission import QuantileTracker, ServiceFit, TTFTAdmission
+from ragspeed.gateway.admission import CORRECTION_START, QuantileTracker, ServiceFit, TTFTAdmission
 from ragspeed.gateway.errors import APIError
 from tests.gateway.fake_engine import Reply, Stall
 from tests.gateway.inprocess import fake_settings, metric, serve
-
 
 FIXED = QuantileTracker(step=0.0)  # a correction that stays 1.0: the model's figures exactly
 
@@ -158,21 +157,22 @@ def test_the_correction_settles_at_its_quantile_of_actual_over_predicted():
 
 
 def test_ttfts_longer_than_predicted_raise_later_predictions():
-    """The model says 2 s a request; every request takes 3 s from arrival to first token (a
-    slot held by decodes, say): the correction learns 1.5 and refuses what it admitted."""
+    """The model predicts 3 s (1 s of preparation, 2 s of prefill) and every request takes
+    4.5 s from arrival to first token (a slot held by decodes, say): from its cautious start
+    the correction settles at 1.5."""
     clock = Clock()
     admission = TTFTAdmission(10.0, clock=clock)
     served(admission, clock, 1000, 2.0)
-    assert admission.predict_s(1000, PRIORITY_INTERACTIVE, clock.now) == pytest.approx(2.0)
+    start = admission.predict_s(1000, PRIORITY_INTERACTIVE, clock.now)
+    assert start == pytest.approx(2.0 * CORRECTION_START, rel=0.01)
     for _ in range(200):
         arrived = clock.now
-        clock.now += 1.0  # one second of preparation the model knows about
+        clock.now += 1.0
         ticket = admission.admit(1000, PRIORITY_INTERACTIVE, arrived, None)
         assert ticket.uncorrected_s == pytest.approx(3.0)
         clock.now += 3.5
-        admission.fit.observe(1000, 2.0)  # keep the fit where it was
-        ticket.first_token()  # 4.5 s from arrival, predicted 3.0 before correction
-        admission.fit = ServiceFit()
+        ticket.first_token()
+        admission.fit = ServiceFit()  # keep the model where it was: 2 s a request
         admission.fit.observe(1000, 2.0)
     assert admission.correction.value == pytest.approx(1.5, rel=0.1)
     assert admission.predict_s(1000, PRIORITY_INTERACTIVE, clock.now) == pytest.approx(3.0, rel=0.1)
@@ -184,10 +184,10 @@ def test_ttfts_longer_than_predicted_raise_later_predictions():
 
 @pytest.mark.anyio
 async def test_a_request_that_would_miss_its_deadline_is_refused_at_once(fake):
-    """One request takes 0.3 s to its first token (so the fit knows the engine), a second is
-    held in the engine; a third, whose predicted TTFT passes the 0.4 s deadline, is refused
-    with 429 and Retry-After without reaching the engine; with a longer deadline of its own it
-    is admitted, and the response and /metrics carry the prediction."""
+    """One request takes 0.3 s to its first token (so the fit knows the engine), a second, with
+    a long deadline of its own, is held in the engine; a third, whose predicted TTFT passes the
+    0.4 s deadline, is refused with 429 and Retry-After without reaching the engine; with a long
+    deadline it is admitted, and the response and /metrics carry the prediction."""
     async with serve(fake_settings(ttft_deadline_ms=400)) as client:
         first = Stall(at=0)
         held = Stall(at=0)
@@ -199,16 +199,15 @@ async def test_a_request_that_would_miss_its_deadline_is_refused_at_once(fake):
         first.release.set()
         taught = await teacher
         assert taught.status_code == 200 and taught.json()["ragspeed"]["predicted_ttft_ms"] is None
-        holder = asyncio.create_task(client.post("/v1/chat/completions", json=body))
+        patient_body = {**body, "ragspeed": {"deadline_ms": 60_000}}
+        holder = asyncio.create_task(client.post("/v1/chat/completions", json=patient_body))
         await held.reached.wait()
         refused = await client.post("/v1/chat/completions", json=body)
         assert refused.status_code == 429
         assert refused.json()["error"]["code"] == "ttft_deadline"
         assert int(refused.headers["retry-after"]) >= 1
         assert len(fake.engine.requests) == 2
-        patient = asyncio.create_task(
-            client.post("/v1/chat/completions", json={**body, "ragspeed": {"deadline_ms": 60_000}})
-        )
+        patient = asyncio.create_task(client.post("/v1/chat/completions", json=patient_body))
         await asyncio.sleep(0.05)
         held.release.set()
         assert (await holder).status_code == 200
