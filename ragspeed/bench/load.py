@@ -46,6 +46,7 @@ _DOC_CHARS = 500  # each document is cut to this many characters
 _DOC_COUNTS = (0, 1, 2, 4)  # documents per request: the prompt length mix
 _ARRIVAL_DOCS = 20  # documents of a compressed arrival
 _ARRIVALS_ALONE = 4  # compressed arrivals sent before the load starts, for their TTFT alone
+_ARRIVAL_ROWS = 300  # distinct arrivals: none repeats (and hits the prefix cache) in a run of minutes
 _MAX_RETRY_AFTER_S = 30.0
 
 
@@ -114,12 +115,12 @@ def load_arrival_documents(path: Path | None = None) -> list[tuple[str, list[str
                 row = json.loads(line)
                 if len(row["documents"]) >= _ARRIVAL_DOCS:
                     rows.append((row["question"], [d["text"] for d in row["documents"][:_ARRIVAL_DOCS]]))
-                if len(rows) >= 32:
+                if len(rows) >= _ARRIVAL_ROWS:
                     break
     if not rows:
         words = "the a model cache token block prefix document answer question engine river city".split()
         rng = random.Random(1)
-        for i in range(32):
+        for i in range(_ARRIVAL_ROWS):
             docs = [" ".join(rng.choices(words, k=100)) for _ in range(_ARRIVAL_DOCS)]
             rows.append((f"question {i}: which document names the city?", docs))
     return rows
