@@ -13,6 +13,7 @@ from functools import cached_property
 
 from ragspeed.engine.protocol import EngineClient
 from ragspeed.gateway.admission import TTFTAdmission
+from ragspeed.gateway.errors import APIError
 from ragspeed.gateway.experiments import LiveExperiment
 from ragspeed.gateway.limits import arrival_time
 from ragspeed.gateway.metrics import GatewayMetrics
@@ -63,7 +64,7 @@ class Pipeline:
             try:
                 deadline_s = self.admission.deadline_s(deadline_ms, priority)
                 self.admission.check_arrival(deadline_s, priority, arrival_time() or time.perf_counter())
-            except Exception:
+            except APIError:
                 self.metrics.ttft_refused.labels(model=self.settings.model_id).inc()
                 raise
 
