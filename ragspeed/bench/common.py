@@ -7,11 +7,13 @@ import math
 import os
 import platform
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import click
+
+from ragspeed.shipped_data import NQ_QUESTIONS
 
 
 def cpu_name() -> str:
@@ -95,6 +97,22 @@ json_option = click.option(
     type=click.Path(dir_okay=False),
     help="write the flat JSON figures here",
 )
+
+
+def qa_data_option(
+    help: str, *names: str, **kwargs: Any
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """`--data` (`names`: its parameter's name): an NQ-style QA file, by default the 100
+    questions shipped in ragspeed/data."""
+    kwargs.setdefault("type", click.Path(path_type=Path))
+    return click.option(
+        "--data",
+        *names,
+        default=NQ_QUESTIONS,
+        show_default="the shipped 100 NQ questions",
+        help=help,
+        **kwargs,
+    )
 
 
 def write_json(path: str | Path | None, figures: Mapping[str, Any]) -> None:

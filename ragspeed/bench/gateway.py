@@ -23,8 +23,6 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,10 +30,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import click
-import httpx
 
-from ragspeed.bench.common import machine_line, percentile, write_json
-from ragspeed.bench.launcher import ServerProcess, free_port
+from ragspeed.bench.common import json_option, machine_line, percentile, write_json
+from ragspeed.bench.launcher import ServerProcess
 from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
 
 INSTANT = "instant"
@@ -238,29 +235,8 @@ async def measure(config: GatewayBenchConfig, direct_url: str, gateway_url: str)
 @contextmanager
 def instant_upstream() -> Iterator[str]:
     """The instant upstream in a process of its own; yields its URL once it answers."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "ragspeed.bench.instant_upstream", "--port", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise BenchError(
-                        f"the instant upstream did not start: {process.stderr.read()!r}"
-                    ) from None
-                time.sleep(0.05)
-        yield url
-    finally:
-        process.terminate()
-        process.wait(10)
+    with ServerProcess([], command=("-m", "ragspeed.bench.instant_upstream"), ready_timeout_s=30) as server:
+        yield server.url
 
 
 @contextmanager
@@ -332,7 +308,7 @@ def report_lines(r: dict[str, Any]) -> list[str]:
     multiple=True,
     help="An extra `ragspeed serve` flag for the gateway (repeatable), e.g. --gateway-arg=--log-level=warning.",
 )
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+@json_option
 def bench_gateway(
     engine: str,
     model: str,

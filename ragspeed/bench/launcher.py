@@ -1,4 +1,5 @@
-"""Start a real `ragspeed serve` in a child process and wait until it is ready.
+"""Start a real `ragspeed serve` (or another server module) in a child process and wait until
+it is ready.
 
 Used by the tests, the benchmarks and the A/B runner: everything talks to real servers over HTTP.
 """
@@ -23,7 +24,8 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`with ServerProcess(["--engine", "transformers"]) as server: server.url`"""
+    """`with ServerProcess(["--engine", "transformers"]) as server: server.url`; `command` runs
+    another server that takes `--host` and `--port` and answers `GET /healthz`."""
 
     def __init__(
         self,
@@ -32,12 +34,14 @@ class ServerProcess:
         port: int | None = None,
         env: dict[str, str] | None = None,
         ready_timeout_s: float = 180.0,
+        command: tuple[str, ...] = ("-m", "ragspeed", "serve"),
     ):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._args = ["--host", "127.0.0.1", "--port", str(self.port), *args]
         self._env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         self._ready_timeout_s = ready_timeout_s
+        self._command = command
         self._log = tempfile.NamedTemporaryFile("w+b", prefix="ragspeed-server-", suffix=".log", delete=False)
         self.process: subprocess.Popen | None = None
 
@@ -50,7 +54,7 @@ class ServerProcess:
 
     def start(self) -> ServerProcess:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "ragspeed", "serve", *self._args],
+            [sys.executable, *self._command, *self._args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=self._env,
@@ -59,7 +63,7 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(
-                    f"ragspeed serve exited with {self.process.returncode}:\n{self.log_tail()}"
+                    f"{' '.join(self._command)} exited with {self.process.returncode}:\n{self.log_tail()}"
                 )
             try:
                 response = httpx.get(f"{self.url}/healthz", timeout=2.0)
@@ -71,7 +75,9 @@ class ServerProcess:
                 pass
             time.sleep(0.2)
         self.stop()
-        raise TimeoutError(f"ragspeed serve not ready after {self._ready_timeout_s} s:\n{self.log_tail()}")
+        raise TimeoutError(
+            f"{' '.join(self._command)} not ready after {self._ready_timeout_s} s:\n{self.log_tail()}"
+        )
 
     def stop(self, timeout_s: float = 15.0) -> None:
         if self.process is not None and self.process.poll() is None:

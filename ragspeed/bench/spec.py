@@ -42,11 +42,10 @@ from typing import Any
 import click
 import torch
 
-from ragspeed.bench.common import json_option, machine_line, write_json
+from ragspeed.bench.common import json_option, machine_line, qa_data_option, write_json
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME, zoo_draft
 from ragspeed.engine.protocol import GenerationRequest, SamplingParams
-from ragspeed.shipped_data import NQ_QUESTIONS
 
 SYSTEM = "Answer the question by quoting the documents."
 INSTRUCTION = "Quote the passage that answers the question: {question}"
@@ -353,13 +352,10 @@ def print_table(r: dict[str, Any]) -> None:
 
 @click.command("spec")
 @click.option("--model", default=DEFAULT_MODEL_NAME, show_default=True, help="target model")
-@click.option(
-    "--data",
+@qa_data_option(
+    "nq_dev.jsonl-style questions, with wiki_passages.txt and wikitext2_raw_test.txt beside it",
     "data_path",
-    default=NQ_QUESTIONS,
-    show_default="the shipped 100 NQ questions",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="nq_dev.jsonl-style questions, with wiki_passages.txt and wikitext2_raw_test.txt beside it",
 )
 @click.option("--num-prompts", default=8, show_default=True, type=click.IntRange(1, 16))
 @click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(2))

@@ -15,12 +15,11 @@ from typing import Any
 
 import click
 
-from ragspeed.bench.common import json_option, machine_line, print_rows, write_json
+from ragspeed.bench.common import json_option, machine_line, print_rows, qa_data_option, write_json
 from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
 from ragspeed.evals.compression import FACTORS, evaluate, flatten, format_table, load_examples
 from ragspeed.retrieval.config import IndexConfig, RetrievalConfig
 from ragspeed.retrieval.errors import RetrievalError
-from ragspeed.shipped_data import NQ_QUESTIONS
 
 DEFAULT_METHODS = "first-docs,bm25,fast,coarse-to-fine"
 
@@ -94,13 +93,7 @@ def run_compression_eval(
 
 
 @eval_group.command("compression")
-@click.option(
-    "--data",
-    default=NQ_QUESTIONS,
-    show_default="the shipped 100 NQ questions",
-    type=click.Path(path_type=Path),
-    help="QA jsonl (nq_dev.jsonl, hotpot_dev100.jsonl)",
-)
+@qa_data_option("QA jsonl (nq_dev.jsonl, hotpot_dev100.jsonl)")
 @json_option
 @click.option("--limit", default=None, type=click.IntRange(min=1), help="first N examples")
 @click.option("--methods", default=DEFAULT_METHODS, help="comma-separated method names")
@@ -213,13 +206,7 @@ def run_retrieval_eval(
 
 
 @eval_group.command("retrieval")
-@click.option(
-    "--data",
-    default=NQ_QUESTIONS,
-    show_default="the shipped 100 NQ questions",
-    type=click.Path(path_type=Path),
-    help="NQ-style QA JSONL.",
-)
+@qa_data_option("NQ-style QA JSONL.")
 @json_option
 @click.option(
     "--distractors",
@@ -335,13 +322,7 @@ class Progress:
 
 
 @eval_group.command("rag")
-@click.option(
-    "--data",
-    default=NQ_QUESTIONS,
-    show_default="the shipped 100 NQ questions",
-    type=click.Path(path_type=Path),
-    help="QA jsonl (nq_dev.jsonl).",
-)
+@qa_data_option("QA jsonl (nq_dev.jsonl).")
 @click.option(
     "--configs",
     "configs_spec",
