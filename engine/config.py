@@ -30,7 +30,7 @@ class EngineConfig:
     # from the measured prefill rate (None: the token budget alone).
     tpot_target_ms: float | None = 50.0
     enable_prefix_caching: bool = True
-    quantization: str | None = None  # None | "int8"
+    quantization: str | None = None  # None | "auto" | "int8" | "gguf" (engine.loader.resolve_quantization)
     speculative: str | None = None  # None | "ngram" | "draft"
     draft_model: str | None = None
     # The draft's weights: "auto" is int8 on a CPU where int8 runs, else `quantization`.

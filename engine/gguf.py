@@ -262,6 +262,15 @@ def tensor_of(tensor) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array).reshape(shape))
 
 
+def _in_hf_order(value: torch.Tensor, gguf_name: str, arch: GgufArchitecture, config: dict[str, Any]):
+    """A tensor's rows (values, or a quantized tensor's rows of blocks) in transformers' order."""
+    if arch.rotary_interleaved and ".attn_q." in gguf_name:
+        return unpermute_rotary_rows(value, config["num_attention_heads"])
+    if arch.rotary_interleaved and ".attn_k." in gguf_name:
+        return unpermute_rotary_rows(value, config["num_key_value_heads"])
+    return value
+
+
 def hf_tensors(
     reader, arch: GgufArchitecture, config: dict[str, Any], path: Path
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -270,12 +279,32 @@ def hf_tensors(
         name = hf_tensor_name(tensor.name)
         if name is None:
             raise GgufError(f"{path}: tensor {tensor.name!r} has no place in a {arch.hf_architecture}")
-        value = tensor_of(tensor)
-        if arch.rotary_interleaved and ".attn_q." in tensor.name:
-            value = unpermute_rotary_rows(value, config["num_attention_heads"])
-        elif arch.rotary_interleaved and ".attn_k." in tensor.name:
-            value = unpermute_rotary_rows(value, config["num_key_value_heads"])
-        yield name, value.contiguous()
+        yield name, _in_hf_order(tensor_of(tensor), tensor.name, arch, config).contiguous()
+
+
+def source_of(folder: Path) -> Path | None:
+    """The GGUF file a converted copy was made from (its manifest's), or None for a folder
+    that is no converted copy."""
+    try:
+        return Path(json.loads((Path(folder) / MANIFEST_NAME).read_text())["source"]["path"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def quantized_rows(
+    source: Path, types: tuple[str, ...], config: dict[str, Any]
+) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(transformers name, type name, rows) for each matrix of `source` whose type is one of
+    `types`: its bytes as stored, uint8 [rows, bytes a row], rows in transformers' order
+    (`config`: the converted copy's config.json)."""
+    reader = open_gguf(source)
+    arch = architecture_of(reader, source)
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        if name is None or tensor.tensor_type.name not in types or len(tensor.shape) != 2:
+            continue
+        rows = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
+        yield name, tensor.tensor_type.name, _in_hf_order(rows, tensor.name, arch, config).contiguous()
 
 
 def check_layers(names: set[str], config: dict[str, Any], path: Path) -> None:

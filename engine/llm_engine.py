@@ -24,6 +24,7 @@ from ragspeed.engine.loader import LoadedModel, load_for_engine, resolve_model_p
 from ragspeed.engine.logprobs import token_logprobs
 from ragspeed.engine.model_runner import ModelRunner
 from ragspeed.engine.model_zoo import resolve_tokenizer
+from ragspeed.engine.models.linear import decode_weights
 from ragspeed.engine.precision import PrefillChoice, calibration_windows, choose_prefill
 from ragspeed.engine.prefix_store import engine_fingerprint
 from ragspeed.engine.protocol import (
@@ -132,13 +133,24 @@ class LLMEngine:
         self.num_steps = 0
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
+        # What the weights are and which products read them: start-up log, GET /v1/models.
+        self.weights = {
+            "quantization": loaded.quantization or "none",
+            "decode": decode_weights(loaded.model),
+            "prefill": None if self.prefill_choice is None else self.prefill_choice.path.name,
+            "resident_bytes": resident_weight_bytes(loaded.model),
+        }
         logger.info(
-            "native engine: %s (%s), KV pool %d blocks x %d tokens (%.0f MiB)",
+            "native engine: %s (%s), KV pool %d blocks x %d tokens (%.0f MiB); weights %s, "
+            "decode reads %s, %.0f MiB resident",
             config.model,
             self.arch.family,
             num_blocks,
             config.block_size,
             self.kv_pool.num_bytes / 2**20,
+            self.weights["quantization"],
+            self.weights["decode"],
+            self.weights["resident_bytes"] / 2**20,
         )
 
     def _document_cache(self, config: EngineConfig) -> DocumentKVCache | None:

@@ -10,11 +10,17 @@ Q, K, V into one projection (Q and K rows permuted for the one-op rotation, see
 `engine.models.rotary`), gate and up into another. Every checkpoint is computed in fp32 on CPU;
 where the CPU multiplies bf16 at speed, prefill products may read a bf16 copy of the weights
 (engine.precision plans it here, before reading weights, and the engine chooses it).
+
+With quantization 'gguf' (what 'auto' picks on CPU for a converted GGUF file), the matrices
+whose type the kernels decode (Q4_0, Q4_1, Q8_0) are read from the source file as its blocks
+(engine.quant.gguf_blocks) instead of the copy's fp32 values; rows are permuted and fused the
+same way, block rows as they are.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,13 +28,14 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from ragspeed.engine import cpu_features
+from ragspeed.engine import cpu_features, gguf
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.models.arch import ModelArch
 from ragspeed.engine.models.decoder import DecoderLM
 from ragspeed.engine.models.rotary import RotaryEmbedding, permute_heads
 from ragspeed.engine.precision import PrefillPlan, compute_dtype, plan_prefill
-from ragspeed.engine.quant import check_quantization
+from ragspeed.engine.quant import QuantizationUnavailableError, check_quantization
+from ragspeed.engine.quant.gguf_blocks import KERNEL_TYPES, GgufBlocks, cat_rows, dense, map_rows
 from ragspeed.engine.threads import cpu_threads
 
 logger = logging.getLogger(__name__)
@@ -67,6 +74,7 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     path: Path
     prefill_plan: PrefillPlan | None = None  # CPU: the prefill paths it may move to
+    quantization: str | None = None  # what "auto" chose, or as asked
 
 
 def find_family(hf_config: Any) -> ModelFamily:
@@ -137,7 +145,10 @@ def rope_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
     return inv_freq, float(attention_scaling)
 
 
-def read_safetensors(path: Path, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
+def read_safetensors(
+    path: Path, dtype: torch.dtype, device: str, skip: Collection[str] = ()
+) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's weights but those named in `skip`."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {path}")
@@ -145,39 +156,59 @@ def read_safetensors(path: Path, dtype: torch.dtype, device: str) -> dict[str, t
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
+                if name in skip:
+                    continue
                 tensor = f.get_tensor(name)
                 # Integer tensors are ids (a draft's d2t map), never weights: kept exact.
                 tensors[name] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
     return tensors
 
 
-def load_weights(model: DecoderLM, tensors: dict[str, torch.Tensor]) -> None:
-    """Assemble the fused projections from HF weight names."""
+def file_blocks(path: Path, hf_config: Any) -> dict[str, GgufBlocks]:
+    """The matrices of the GGUF file `path` was converted from whose blocks the kernels
+    decode as stored (engine.quant.gguf_blocks), by transformers name."""
+    source = gguf.source_of(path)
+    if source is None or not source.is_file():
+        raise QuantizationUnavailableError(
+            f"quantization 'gguf' decodes a GGUF file's own blocks; {path} was not converted from one"
+        )
+    rows = gguf.quantized_rows(source, KERNEL_TYPES, hf_config.to_dict())
+    return {name: GgufBlocks(qtype, data) for name, qtype, data in rows}
+
+
+def load_weights(model: DecoderLM, tensors: dict[str, torch.Tensor | GgufBlocks]) -> None:
+    """Assemble the fused projections from HF weight names (GGUF blocks stay blocks, the
+    embedding lookup reads their dequantized values)."""
     arch = model.arch
 
-    def take(name: str) -> torch.Tensor:
+    def take(name: str) -> Any:
         if name not in tensors:
             raise KeyError(f"checkpoint lacks weight {name!r}")
         return tensors.pop(name)
 
-    def maybe(name: str) -> torch.Tensor | None:
+    def maybe(name: str) -> Any:
         return tensors.pop(name, None)
 
-    model.embed_tokens = take("model.embed_tokens.weight")
+    embedding = take("model.embed_tokens.weight")
+    model.embed_tokens = dense(embedding)
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         layer.input_layernorm.weight = take(p + "input_layernorm.weight")
         layer.post_attention_layernorm.weight = take(p + "post_attention_layernorm.weight")
         attn = layer.self_attn
-        q_w = permute_heads(take(p + "self_attn.q_proj.weight"), arch.num_heads, arch.head_dim)
-        k_w = permute_heads(take(p + "self_attn.k_proj.weight"), arch.num_kv_heads, arch.head_dim)
+        q_w = map_rows(
+            take(p + "self_attn.q_proj.weight"), lambda w: permute_heads(w, arch.num_heads, arch.head_dim)
+        )
+        k_w = map_rows(
+            take(p + "self_attn.k_proj.weight"), lambda w: permute_heads(w, arch.num_kv_heads, arch.head_dim)
+        )
         v_w = take(p + "self_attn.v_proj.weight")
         qkv_bias = None
         if arch.qkv_bias:
             q_b = permute_heads(take(p + "self_attn.q_proj.bias"), arch.num_heads, arch.head_dim)
             k_b = permute_heads(take(p + "self_attn.k_proj.bias"), arch.num_kv_heads, arch.head_dim)
             qkv_bias = torch.cat([q_b, k_b, take(p + "self_attn.v_proj.bias")])
-        attn.qkv_proj.load(torch.cat([q_w, k_w, v_w]), qkv_bias)
+        attn.qkv_proj.load(cat_rows([q_w, k_w, v_w]), qkv_bias)
         attn.o_proj.load(
             take(p + "self_attn.o_proj.weight"),
             take(p + "self_attn.o_proj.bias") if arch.o_bias else None,
@@ -193,7 +224,7 @@ def load_weights(model: DecoderLM, tensors: dict[str, torch.Tensor]) -> None:
         if arch.mlp_bias:
             gate_up_bias = torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")])
         mlp.gate_up_proj.load(
-            torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
+            cat_rows([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
             gate_up_bias,
         )
         down_bias = take(p + "mlp.down_proj.bias") if arch.mlp_bias else None
@@ -209,7 +240,7 @@ def load_weights(model: DecoderLM, tensors: dict[str, torch.Tensor]) -> None:
         raise ValueError("checkpoint has a 'd2t' map but its config sets no draft_vocab_size")
     if lm_head is None or (arch.tie_word_embeddings and arch.draft_vocab_size is None):
         # Tied: the LM head is the embedding; it keeps its own packed copy (linear kinds pack).
-        lm_head = model.embed_tokens
+        lm_head = embedding
     model.lm_head.load(lm_head)
     leftovers = [n for n in tensors if "rotary_emb" not in n]
     if leftovers:
@@ -235,6 +266,14 @@ def check_d2t(d2t: torch.Tensor | None, arch: ModelArch) -> torch.Tensor:
     if len(torch.unique(d2t)) != len(d2t):
         raise ValueError("'d2t' maps two head rows to the same token id")
     return d2t
+
+
+def resolve_quantization(name: str | None, path: Path, device: str) -> str | None:
+    """`auto`: the fastest weights exact to the checkpoint, on CPU a GGUF file's own blocks
+    ('gguf'); unquantized elsewhere. Any other name as it is."""
+    if name != "auto":
+        return name
+    return "gguf" if torch.device(device).type == "cpu" and gguf.source_of(path) is not None else None
 
 
 def resolve_model_path(name: str) -> Path:
@@ -284,13 +323,16 @@ def load_model(
     hf_config = AutoConfig.from_pretrained(path)
     family = find_family(hf_config)
     arch = arch_from_config(hf_config, family)
+    quantization = resolve_quantization(quantization, path, device)
     check_quantization(quantization, device)  # before reading weights: lists what runs here
     if features is None and torch.device(device).type == "cpu":
         features = cpu_features.read_cpu_features()
     plan = plan_prefill(dtype, quantization, device, features)  # raises for a dtype not run here
     torch_dtype = compute_dtype(dtype, device)
     model = DecoderLM(arch, quantization=quantization)
-    load_weights(model, read_safetensors(path, torch_dtype, device))
+    blocks = file_blocks(path, hf_config) if quantization == "gguf" else {}
+    tensors: dict[str, Any] = {**read_safetensors(path, torch_dtype, device, skip=blocks), **blocks}
+    load_weights(model, tensors)
     inv_freq, attention_scaling = rope_inv_freq(hf_config, arch.head_dim)
     limit = context_limit(hf_config)
     if max_model_len is not None and max_model_len > limit:
@@ -306,4 +348,4 @@ def load_model(
     if eos is None:
         eos = getattr(hf_config, "eos_token_id", None)
     eos_ids = (eos,) if isinstance(eos, int) else tuple(eos or ())
-    return LoadedModel(model.eval(), rotary, arch, max_model_len, eos_ids, path, plan)
+    return LoadedModel(model.eval(), rotary, arch, max_model_len, eos_ids, path, plan, quantization)

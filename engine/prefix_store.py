@@ -127,7 +127,7 @@ def engine_fingerprint(engine: Any) -> dict[str, Any]:
         "tokenizer": _tokenizer_fingerprint(engine.tokenizer),
         "kv_shape": engine_fingerprint_shape(engine),
         "kv_dtype": str(engine.kv_pool.kv.dtype),
-        "quantization": engine.config.quantization,
+        "quantization": engine.loaded.quantization,
     }
 
 

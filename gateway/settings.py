@@ -88,7 +88,10 @@ class Settings(BaseSettings):
         ".ragspeed/prompts",
         description="Folder where registered prompts (their text, and their pinned KV) are saved and restored from at start-up (native; a prompt whose KV cannot be used is prefilled again); none: not persisted.",
     )
-    quantization: str | None = Field(None, description="Weight quantization: none or int8 (native).")
+    quantization: Literal["auto", "none", "int8", "gguf"] | None = Field(
+        "auto",
+        description="Weights (native): auto (a GGUF file's own blocks on CPU, else none), gguf (a GGUF file's Q4_0/Q4_1/Q8_0 blocks as stored; other types dequantized), int8 (group-wise, its quality gate) or none (the checkpoint's dtype).",
+    )
     speculative: str | None = Field(None, description="Speculative decoding: ngram or draft (native).")
     draft_model: str | None = Field(
         None,

@@ -178,6 +178,11 @@ class NativeEngine:
         return None if self._engine is None else self._engine.tokenizer
 
     @property
+    def weights(self) -> dict[str, Any] | None:
+        """The engine's weights and the paths that read them (LLMEngine.weights); None before start."""
+        return None if self._engine is None else self._engine.weights
+
+    @property
     def engine(self) -> LLMEngine:
         if self._engine is None:
             raise EngineError("the native engine is not started", code="engine_not_ready")

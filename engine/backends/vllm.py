@@ -35,7 +35,7 @@ from ragspeed.engine.protocol import (
 )
 
 # ragspeed quantization -> vLLM `quantization`
-QUANTIZATION_MAP: dict[str | None, str | None] = {None: None, "int8": "fp8"}
+QUANTIZATION_MAP: dict[str | None, str | None] = {None: None, "auto": None, "int8": "fp8"}
 
 
 def vllm_available() -> bool:

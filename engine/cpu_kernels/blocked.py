@@ -4,9 +4,13 @@ Layout: W [n, k] as blocks of 16 output columns, the last block padded with zero
 bias padded to whole blocks the same way. fp32 blocks are `[ceil(n / 16), k, 16]`. int8 blocks
 hold their inputs in pairs, `[ceil(n / 16), ceil(k / 2), 16, 2]` (an odd k padded with a zero
 weight), with one fp16 scale per `INT8_GROUP` consecutive inputs of each output column
-(engine.quant.groupwise) laid out per block as `[ceil(n / 16), ceil(k / INT8_GROUP), 16]`. The
-int8 kernel quantizes each input row per group to int16, sums each group's products exactly
-in int32 and scales it once (kernels.c): the activations' rounding is far below the weights'.
+(engine.quant.groupwise) laid out per block as `[ceil(n / 16), ceil(k / INT8_GROUP), 16]`.
+4-bit blocks (GGUF's Q4_0 and Q4_1, engine.quant.gguf_blocks) hold the int8 layout's values two
+a byte, `[ceil(n / 16), k / 2, 16]` bytes (value i of a pair's 32 in the low nibble of byte i,
+value 16 + i in its high one), with each group's fp16 step and offset `[ceil(n / 16), k /
+INT8_GROUP, 2, 16]`. The int8 and 4-bit kernels quantize each input row per group to int16, sum
+each group's products exactly in int32 and scale it once (kernels.c): the activations'
+rounding is far below the weights'.
 
 A product is bound by reading the weight: the kernel streams each block once per pass of a few
 rows (four with AVX2, six with AVX-512). The linear kinds use it up to their `max_rows` rows and
@@ -65,46 +69,68 @@ def _pad_to_blocks(vector: torch.Tensor, num_blocks: int) -> torch.Tensor:
 
 
 class BlockedWeight:
-    """W [out_features, in_features] (fp32, or int8 with fp16 group `scales` [out_features,
-    ceil(in_features / INT8_GROUP)]) and an optional bias, in the kernel's layout; `forward(x)`
-    is `x @ (W * scales per group).T + bias` (int8: with x rounded per group to int16)."""
+    """W [out_features, in_features] and an optional bias in the kernel's layout, one of three
+    kinds by the weight's dtype:
+
+    - fp32;
+    - int8 with fp16 group `scales` [out_features, ceil(in_features / INT8_GROUP)];
+    - uint8 4-bit values q in 0..15 with fp16 `scales` [out_features, in_features / INT8_GROUP,
+      2] holding each group's step d and offset m (W = d * q + m).
+
+    `forward(x)` is `x @ W.T + bias`, for int8 and 4-bit with x rounded per group to int16.
+    """
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None = None, scales: torch.Tensor | None = None
     ):
         library = load_library()
         assert library is not None, "blocked_kernels_available() first"
-        if weight.dtype == torch.int8:
-            num_groups = -(-weight.shape[1] // INT8_GROUP)
-            assert scales is not None and tuple(scales.shape) == (weight.shape[0], num_groups), (
-                "int8 weights need their group scales [out_features, ceil(in / INT8_GROUP)]"
-            )
-            assert scales.dtype == torch.float16, f"group scales are fp16, got {scales.dtype}"
-            self._kernel = library.ragspeed_gemv_i8
-        else:
-            assert weight.dtype == torch.float32 and scales is None, weight.dtype
-            self._kernel = library.ragspeed_gemv_f32
         self.out_features, self.in_features = weight.shape
+        self.kind = {torch.float32: "fp32", torch.int8: "int8", torch.uint8: "q4"}.get(weight.dtype)
+        assert self.kind is not None, f"no blocked kernel for {weight.dtype} weights"
+        num_groups = -(-self.in_features // INT8_GROUP)
+        wanted = {
+            "fp32": None,
+            "int8": (self.out_features, num_groups),
+            "q4": (self.out_features, num_groups, 2),
+        }[self.kind]
+        assert wanted is None or (scales is not None and tuple(scales.shape) == wanted), (
+            f"{self.kind} weights need fp16 scales of shape {wanted}"
+        )
+        assert scales is None or scales.dtype == torch.float16, f"scales are fp16, got {scales.dtype}"
+        assert self.kind != "q4" or self.in_features % INT8_GROUP == 0, (
+            f"4-bit weights come in groups of {INT8_GROUP} inputs, got {self.in_features}"
+        )
+        self._kernel = {
+            "fp32": library.ragspeed_gemv_f32,
+            "int8": library.ragspeed_gemv_i8,
+            "q4": library.ragspeed_gemv_q4,
+        }[self.kind]
         num_blocks = -(-self.out_features // BLOCK)
-        if weight.dtype == torch.int8:  # [blocks, pairs, 16, 2]
-            pairs = -(-self.in_features // 2)
-            padded = torch.zeros(num_blocks * BLOCK, pairs * 2, dtype=torch.int8)
-            padded[: self.out_features, : self.in_features] = weight
-            self.blocks = padded.view(num_blocks, BLOCK, pairs, 2).transpose(1, 2).contiguous()
-        else:  # [blocks, k, 16]
+        if self.kind == "fp32":  # [blocks, k, 16]
             padded = torch.zeros(num_blocks * BLOCK, self.in_features, dtype=weight.dtype)
             padded[: self.out_features] = weight
             self.blocks = padded.view(num_blocks, BLOCK, self.in_features).transpose(1, 2).contiguous()
-        self.scales = None  # int8: [num_blocks, num_groups, 16]
+        else:  # [blocks, pairs, 16, 2]
+            pairs = -(-self.in_features // 2)
+            padded = torch.zeros(num_blocks * BLOCK, pairs * 2, dtype=weight.dtype)
+            padded[: self.out_features, : self.in_features] = weight
+            self.blocks = padded.view(num_blocks, BLOCK, pairs, 2).transpose(1, 2).contiguous()
+        if self.kind == "q4":  # values i and 16 + i of each pair's 32 share byte i
+            values = self.blocks.view(num_blocks, -1, 2, BLOCK)
+            self.blocks = (values[:, :, 0] | (values[:, :, 1] << 4)).contiguous()
+        self.scales = None  # int8: [num_blocks, num_groups, 16]; 4-bit [num_blocks, num_groups, 2, 16]
         if scales is not None:
-            padded_scales = torch.zeros(num_blocks * BLOCK, scales.shape[1], dtype=torch.float16)
+            padded_scales = torch.zeros(num_blocks * BLOCK, *scales.shape[1:], dtype=torch.float16)
             padded_scales[: self.out_features] = scales
-            self.scales = padded_scales.view(num_blocks, BLOCK, -1).transpose(1, 2).contiguous()
+            columns = padded_scales.view(num_blocks, BLOCK, -1)
+            self.scales = columns.permute(0, 2, 1).reshape(num_blocks, *scales.shape[1:], BLOCK).contiguous()
         self.bias = None if bias is None else _pad_to_blocks(bias, num_blocks)
 
     def unblocked(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The weight [out_features, in_features] as given, and its group scales (int8) or
-        None: what another layout of the same weight is built from."""
+        None: what another layout of the same weight is built from (fp32 and int8)."""
+        assert self.kind != "q4", "4-bit blocks are rebuilt from the file's blocks"
         columns = self.blocks.transpose(1, 2).reshape(-1, self.blocks[0].numel() // BLOCK)
         weight = columns[: self.out_features, : self.in_features].contiguous()
         if self.scales is None:

@@ -65,6 +65,7 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     pointer, integer = ctypes.c_void_p, ctypes.c_int
     library.ragspeed_gemv_f32.argtypes = [pointer] * 4 + [integer] * 4
     library.ragspeed_gemv_i8.argtypes = [pointer] * 5 + [integer] * 4
+    library.ragspeed_gemv_q4.argtypes = [pointer] * 5 + [integer] * 4
     library.ragspeed_paged_decode_attention.argtypes = (
         [pointer] * 6 + [integer] * 6 + [ctypes.c_float, integer]
     )
@@ -85,6 +86,7 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     for kernel in (
         library.ragspeed_gemv_f32,
         library.ragspeed_gemv_i8,
+        library.ragspeed_gemv_q4,
         library.ragspeed_paged_decode_attention,
         library.ragspeed_add_rms_norm,
         library.ragspeed_decode_forward,

@@ -8,7 +8,7 @@ norms and paged attention, with the rotation, Q/K norm, K/V write and SiLU gate 
 step: 2.7 -> 1.6 ms on one thread, with another job on the second core). `greedy_steps` runs a
 draft model's whole proposal (catch-up and k greedy steps) in one call the same way.
 
-It applies to models whose every projection has a blocked copy (fp32 or int8, on a CPU with the
+It applies to models whose every projection has a blocked copy (fp32, int8 or 4-bit, on a CPU with the
 kernels built) and to steps whose every query is a row of the decode-attention kernel (decodes,
 verifications, a draft's short catch-up: engine.cpu_kernels.decode_step). Rows are computed
 alike whatever their number, so greedy output stays the same with and without speculation.
@@ -37,7 +37,12 @@ class _Linear(ctypes.Structure):
         ("bias", ctypes.c_void_p),
         ("n", ctypes.c_int),
         ("k", ctypes.c_int),
+        ("kind", ctypes.c_int),
     ]
+
+
+# BlockedWeight.kind -> kernels.c's WEIGHT_* of a Linear
+_KINDS = {"fp32": 0, "int8": 1, "q4": 2}
 
 
 class _Layer(ctypes.Structure):
@@ -83,6 +88,7 @@ def _linear(weight: BlockedWeight) -> _Linear:
         _pointer(weight.bias),
         weight.out_features,
         weight.in_features,
+        _KINDS[weight.kind],
     )
 
 

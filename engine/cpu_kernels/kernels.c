@@ -144,8 +144,9 @@ static inline void store(float *y, const vecf *sums, const float *bias, int firs
 #define PAIRS (GROUP / 2)
 int ragspeed_int8_group(void) { return GROUP; }
 
-/* x [m, k] per group: xq [m][groups * GROUP] int16 (zero beyond k), xs [m][groups] fp32. */
-static void quantize_rows(const float *x, int m, int k, int16_t *xq, float *xs) {
+/* x [m, k] per group: xq [m][groups * GROUP] int16 (zero beyond k), xs [m][groups] fp32;
+ * xsum [m][groups] (unless NULL) each group's sum of xq times its xs, for the 4-bit products. */
+static void quantize_rows(const float *x, int m, int k, int16_t *xq, float *xs, float *xsum) {
     int groups = (k + GROUP - 1) / GROUP;
     for (int r = 0; r < m; r++)
         for (int g = 0; g < groups; g++) {
@@ -158,9 +159,11 @@ static void quantize_rows(const float *x, int m, int k, int16_t *xq, float *xs) 
                 amax = a > amax ? a : amax;
             }
             float inverse = amax > 0.0f ? 32767.0f / amax : 0.0f;
-            for (int i = 0; i < count; i++) qg[i] = (int16_t)__builtin_rintf(xg[i] * inverse);
+            int32_t sum = 0;
+            for (int i = 0; i < count; i++) sum += qg[i] = (int16_t)__builtin_rintf(xg[i] * inverse);
             for (int i = count; i < GROUP; i++) qg[i] = 0;
             xs[(size_t)r * groups + g] = amax / 32767.0f;
+            if (xsum) xsum[(size_t)r * groups + g] = (float)sum * (amax / 32767.0f);
         }
 }
 
@@ -235,6 +238,158 @@ static void quantize_rows(const float *x, int m, int k, int16_t *xq, float *xs) 
     }
 #endif
 
+/* 4-bit products: GGUF's Q4_0 and Q4_1 blocks as the file stores them. A group of GROUP inputs
+ * of an output column holds 4-bit q in 0..15, its fp16 step d and offset m: w = d * q + m
+ * (Q4_0: m = -8 d). The input rows are quantized per group to int16 as for int8, so
+ * sum x w = xs * (d * sum xq q) + m * (xs * sum xq): the first sum exact in int32 (vpmaddwd of
+ * the widened nibbles, 32 x 15 x 32767 < 2^31), the second the row's group sum (quantize_rows).
+ *
+ * Layout: a block's inputs in pairs as int8's, [k / 2][16][2], two values a byte: pair j is 16
+ * bytes, byte i holding value i (columns 0-7) in its low nibble and value 16 + i (columns 8-15)
+ * in its high one, so one mask and one shift give the two vectors int8 loads. A block's steps
+ * and offsets [k / GROUP][2][16]: the group's 16 d, then its 16 m. k is a multiple of GROUP
+ * (a GGUF block is GROUP inputs). */
+#if defined(__AVX512BW__) && defined(__AVX512F__)
+/* AVX-512: two pairs a load. Their 32 bytes widened to 16 bits are, masked, columns 0-7 of both
+ * pairs and, shifted, columns 8-15; one multiply-add of each with the rows' two input pairs
+ * (lanes 0-7 the first, 8-15 the second) sums both pairs into 8 columns twice, added at the end
+ * of the group. A row costs two multiply-adds per two pairs where AVX2 takes four. */
+#if defined(__AVX512VNNI__)
+#define MADD_ADD512(acc, w, x) _mm512_dpwssd_epi32(acc, w, x)
+#else
+#define MADD_ADD512(acc, w, x) _mm512_add_epi32(acc, _mm512_madd_epi16(w, x))
+#endif
+#define Q4_ROWS(NAME, R)                                                                         \
+    static inline void NAME(const uint8_t *block, const int16_t *xq, const float *xs,            \
+                            const float *xsum, const f16 *scales, float *y, const float *bias,  \
+                            int first, int n, int k) {                                          \
+        int groups = k / GROUP;                                                                 \
+        const __m512i nibble = _mm512_set1_epi16(0x0f);                                         \
+        const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0); \
+        __m512 total[R];                                                                        \
+        for (int r = 0; r < R; r++) total[r] = _mm512_setzero_ps();                             \
+        for (int g = 0; g < groups; g++) {                                                      \
+            __m512i low[R], high[R];                                                            \
+            _Pragma("GCC unroll 6") for (int r = 0; r < R; r++)                                 \
+                low[r] = high[r] = _mm512_setzero_si512();                                      \
+            _Pragma("GCC unroll 4") for (int j = g * PAIRS; j < (g + 1) * PAIRS; j += 2) {      \
+                const uint8_t *p = block + (size_t)j * BLOCK;                                   \
+                __builtin_prefetch(p + 96 * BLOCK);                                             \
+                __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));      \
+                __m512i w0 = _mm512_and_si512(v, nibble), w1 = _mm512_srli_epi16(v, 4);         \
+                _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                           \
+                    const int16_t *xr = xq + (size_t)r * groups * GROUP + 2 * j;                \
+                    __m512i xb = _mm512_permutexvar_epi32(                                      \
+                        halves, _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i *)xr)));  \
+                    low[r] = MADD_ADD512(low[r], w0, xb);                                       \
+                    high[r] = MADD_ADD512(high[r], w1, xb);                                     \
+                }                                                                               \
+            }                                                                                   \
+            const f16 *sc = scales + (size_t)g * 2 * BLOCK;                                     \
+            __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sc));                \
+            __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 16)));         \
+            _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                               \
+                __m256i lo = _mm256_add_epi32(_mm512_castsi512_si256(low[r]),                   \
+                                              _mm512_extracti64x4_epi64(low[r], 1));            \
+                __m256i hi = _mm256_add_epi32(_mm512_castsi512_si256(high[r]),                  \
+                                              _mm512_extracti64x4_epi64(high[r], 1));           \
+                __m512i acc = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);            \
+                __m512 sx = _mm512_set1_ps(xs[(size_t)r * groups + g]);                         \
+                total[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[(size_t)r * groups + g]), total[r]); \
+                total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(d, sx), total[r]); \
+            }                                                                                   \
+        }                                                                                       \
+        _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                                   \
+            float sums[BLOCK];                                                                  \
+            _mm512_storeu_ps(sums, total[r]);                                                   \
+            store_sums(y + (size_t)r * n, sums, bias, first, n);                                \
+        }                                                                                       \
+    }
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#if defined(__AVXVNNI__)
+#define MADD_ADD(acc, w, x) _mm256_dpwssd_avx_epi32(acc, w, x)
+#else
+#define MADD_ADD(acc, w, x) _mm256_add_epi32(acc, _mm256_madd_epi16(w, x))
+#endif
+#define Q4_ROWS(NAME, R)                                                                         \
+    static inline void NAME(const uint8_t *block, const int16_t *xq, const float *xs,            \
+                            const float *xsum, const f16 *scales, float *y, const float *bias,  \
+                            int first, int n, int k) {                                          \
+        int groups = k / GROUP;                                                                 \
+        const __m128i nibble = _mm_set1_epi8(0x0f);                                             \
+        __m256 total[R][2];                                                                     \
+        for (int r = 0; r < R; r++) total[r][0] = total[r][1] = _mm256_setzero_ps();           \
+        for (int g = 0; g < groups; g++) {                                                      \
+            __m256i acc[R][2];                                                                  \
+            _Pragma("GCC unroll 6") for (int r = 0; r < R; r++)                                 \
+                acc[r][0] = acc[r][1] = _mm256_setzero_si256();                                 \
+            _Pragma("GCC unroll 4") for (int j = g * PAIRS; j < (g + 1) * PAIRS; j++) {         \
+                const uint8_t *p = block + (size_t)j * BLOCK;                                   \
+                __builtin_prefetch(p + 96 * BLOCK);                                             \
+                __m128i v = _mm_loadu_si128((const __m128i *)p);                                \
+                __m256i w0 = _mm256_cvtepu8_epi16(_mm_and_si128(v, nibble));                    \
+                __m256i w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), nibble)); \
+                _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                           \
+                    int32_t pair;                                                               \
+                    memcpy(&pair, xq + (size_t)r * groups * GROUP + 2 * j, sizeof pair);        \
+                    __m256i xb = _mm256_set1_epi32(pair);                                       \
+                    acc[r][0] = MADD_ADD(acc[r][0], w0, xb);                                    \
+                    acc[r][1] = MADD_ADD(acc[r][1], w1, xb);                                    \
+                }                                                                               \
+            }                                                                                   \
+            const f16 *sc = scales + (size_t)g * 2 * BLOCK;                                     \
+            __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sc));                 \
+            __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 8)));           \
+            __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 16)));          \
+            __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 24)));          \
+            _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                               \
+                __m256 sx = _mm256_set1_ps(xs[(size_t)r * groups + g]);                         \
+                __m256 sm = _mm256_set1_ps(xsum[(size_t)r * groups + g]);                       \
+                total[r][0] = _mm256_fmadd_ps(m0, sm, total[r][0]);                             \
+                total[r][1] = _mm256_fmadd_ps(m1, sm, total[r][1]);                             \
+                total[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][0]), _mm256_mul_ps(d0, sx), total[r][0]); \
+                total[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][1]), _mm256_mul_ps(d1, sx), total[r][1]); \
+            }                                                                                   \
+        }                                                                                       \
+        _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                                   \
+            float sums[BLOCK];                                                                  \
+            _mm256_storeu_ps(sums, total[r][0]);                                                \
+            _mm256_storeu_ps(sums + 8, total[r][1]);                                            \
+            store_sums(y + (size_t)r * n, sums, bias, first, n);                                \
+        }                                                                                       \
+    }
+#else /* the same sums in plain C */
+#define Q4_ROWS(NAME, R)                                                                         \
+    static inline void NAME(const uint8_t *block, const int16_t *xq, const float *xs,            \
+                            const float *xsum, const f16 *scales, float *y, const float *bias,  \
+                            int first, int n, int k) {                                          \
+        int groups = k / GROUP;                                                                 \
+        float total[R][BLOCK] = {{0}};                                                          \
+        for (int g = 0; g < groups; g++) {                                                      \
+            int32_t acc[R][BLOCK] = {{0}};                                                      \
+            for (int j = g * PAIRS; j < (g + 1) * PAIRS; j++) {                                 \
+                const uint8_t *p = block + (size_t)j * BLOCK;                                   \
+                for (int r = 0; r < R; r++) {                                                   \
+                    const int16_t *xr = xq + (size_t)r * groups * GROUP + 2 * j;                \
+                    for (int c = 0; c < BLOCK; c++) {                                           \
+                        /* value 2c + s of the pair: byte (2c + s) % 16, high nibble past 15 */ \
+                        int i = 2 * c, shift = i < BLOCK ? 0 : 4;                               \
+                        int q0 = (p[i % BLOCK] >> shift) & 15, q1 = (p[(i + 1) % BLOCK] >> shift) & 15; \
+                        acc[r][c] += q0 * xr[0] + q1 * xr[1];                                   \
+                    }                                                                           \
+                }                                                                               \
+            }                                                                                   \
+            const f16 *sc = scales + (size_t)g * 2 * BLOCK;                                     \
+            for (int r = 0; r < R; r++)                                                         \
+                for (int c = 0; c < BLOCK; c++) {                                               \
+                    total[r][c] += f16_to_f32(sc[BLOCK + c]) * xsum[(size_t)r * groups + g];    \
+                    total[r][c] += (float)acc[r][c] * (f16_to_f32(sc[c]) * xs[(size_t)r * groups + g]); \
+                }                                                                               \
+        }                                                                                       \
+        for (int r = 0; r < R; r++) store_sums(y + (size_t)r * n, total[r], bias, first, n);   \
+    }
+#endif
+
 /* The products of one weight type: blocks split across the threads of the enclosing parallel
  * region (NAME##_team, ending in its barrier), rows in passes of ROWS; NAME opens a region.
  * PREPARE runs on each thread before its blocks, FINISH after; PASS(KERNEL) is one pass of rows. */
@@ -277,11 +432,25 @@ GEMV(gemv_f32, float, F32_ROWS, (void)scale;, F32_PASS, )
     size_t row = (size_t)groups * GROUP;                                                        \
     int16_t *xq = malloc(sizeof(int16_t) * m * row + sizeof(float) * m * groups);               \
     float *xs = (float *)(xq + m * row);                                                        \
-    quantize_rows(x, m, k, xq, xs);
+    quantize_rows(x, m, k, xq, xs, NULL);
 #define I8_PASS(KERNEL)                                                                         \
     KERNEL(w + (size_t)b * ((k + 1) / 2) * 2 * BLOCK, xq + r * row, xs + (size_t)r * groups,     \
            scale + (size_t)b * groups * BLOCK, yr, bias, b * BLOCK, n, k)
 GEMV(gemv_i8, int8_t, I8_ROWS, I8_PREPARE, I8_PASS, free(xq);)
+
+/* 4-bit: as int8, with the rows' group sums; block b is [k / 2][16] bytes, its steps and
+ * offsets [groups][2][16]. */
+#define Q4_PREPARE                                                                              \
+    int groups = k / GROUP;                                                                     \
+    size_t row = (size_t)groups * GROUP;                                                        \
+    int16_t *xq = malloc(sizeof(int16_t) * m * row + 2 * sizeof(float) * m * groups);           \
+    float *xs = (float *)(xq + m * row), *xsum = xs + (size_t)m * groups;                       \
+    quantize_rows(x, m, k, xq, xs, xsum);
+#define Q4_PASS(KERNEL)                                                                         \
+    KERNEL(w + (size_t)b * (k / 2) * BLOCK, xq + r * row, xs + (size_t)r * groups,              \
+           xsum + (size_t)r * groups, scale + (size_t)b * groups * 2 * BLOCK, yr, bias,         \
+           b * BLOCK, n, k)
+GEMV(gemv_q4, uint8_t, Q4_ROWS, Q4_PREPARE, Q4_PASS, free(xq);)
 
 /* y [m, n] = x [m, k] @ W.T + bias; w: W in blocks [ceil(n/16)][k][16] (zero-padded), fp32. */
 void ragspeed_gemv_f32(const float *w, const float *bias, const float *x, float *y,
@@ -295,6 +464,13 @@ void ragspeed_gemv_f32(const float *w, const float *bias, const float *x, float 
 void ragspeed_gemv_i8(const int8_t *w, const f16 *scale, const float *bias, const float *x,
                       float *y, int m, int n, int k, int num_threads) {
     gemv_i8(w, scale, bias, x, y, m, n, k, num_threads);
+}
+
+/* The same with 4-bit weights (GGUF's Q4_0 / Q4_1) in blocks [ceil(n/16)][k/2][16] bytes and
+ * their steps and offsets S [ceil(n/16)][k/GROUP][2][16] (zero-padded); k a multiple of GROUP. */
+void ragspeed_gemv_q4(const uint8_t *w, const f16 *scale, const float *bias, const float *x,
+                      float *y, int m, int n, int k, int num_threads) {
+    gemv_q4(w, scale, bias, x, y, m, n, k, num_threads);
 }
 
 /* Decode attention straight from the paged KV pool: one query token per request.
@@ -665,11 +841,12 @@ void ragspeed_place_kv(const f16 *kv, const float *rotation, const int64_t *slot
  * and attention are the layer-by-layer path's own kernels; the rotation, Q/K norm and SiLU agree
  * with torch's to float rounding. Each row is computed alike whatever the number of rows. */
 
+enum { WEIGHT_F32, WEIGHT_I8, WEIGHT_Q4 };  /* a Linear's kind: its product above */
 typedef struct {
-    const void *w;      /* fp32 blocks [ceil(n/16)][k][16], or int8 [ceil(n/16)][ceil(k/2)][16][2] when scale is set */
-    const f16 *scale;   /* int8: fp16 group scales [ceil(n/16)][ceil(k/GROUP)][16]; fp32: NULL */
+    const void *w;      /* the blocks of its kind: ragspeed_gemv_f32, _i8 or _q4 */
+    const f16 *scale;   /* int8: group scales; 4-bit: steps and offsets; fp32: NULL */
     const float *bias;  /* padded to blocks, or NULL */
-    int n, k;
+    int n, k, kind;
 } Linear;
 
 typedef struct {
@@ -689,19 +866,19 @@ typedef struct {
     Linear lm_head;
 } Model;
 
-static void linear(const Linear *l, const float *x, float *y, int m, int num_threads) {
-    if (l->scale)
-        gemv_i8((const int8_t *)l->w, l->scale, l->bias, x, y, m, l->n, l->k, num_threads);
-    else
-        gemv_f32((const float *)l->w, NULL, l->bias, x, y, m, l->n, l->k, num_threads);
+/* A Linear's product, split across the threads of the enclosing parallel region. */
+static void linear_team(const Linear *l, const float *x, float *y, int m) {
+    switch (l->kind) {
+    case WEIGHT_I8: gemv_i8_team((const int8_t *)l->w, l->scale, l->bias, x, y, m, l->n, l->k); break;
+    case WEIGHT_Q4: gemv_q4_team((const uint8_t *)l->w, l->scale, l->bias, x, y, m, l->n, l->k); break;
+    default: gemv_f32_team((const float *)l->w, NULL, l->bias, x, y, m, l->n, l->k); break;
+    }
 }
 
-/* The same, split across the threads of the enclosing parallel region. */
-static void linear_team(const Linear *l, const float *x, float *y, int m) {
-    if (l->scale)
-        gemv_i8_team((const int8_t *)l->w, l->scale, l->bias, x, y, m, l->n, l->k);
-    else
-        gemv_f32_team((const float *)l->w, NULL, l->bias, x, y, m, l->n, l->k);
+/* The same in a parallel region of its own. */
+static void linear(const Linear *l, const float *x, float *y, int m, int num_threads) {
+    _Pragma("omp parallel num_threads(num_threads)")
+    linear_team(l, x, y, m);
 }
 
 /* x [dim] / rms(x) * weight, in place. */

@@ -103,6 +103,8 @@ QUANT_KINDS: dict[str, type[nn.Module]] = {"int8": Int8Linear}
 # quantization name -> device type -> is it runnable here.
 _RUNNABLE: dict[str, dict[str, Callable[[], bool]]] = {
     "int8": {device: available for device, (available, _) in INT8_KERNELS.items()},
+    # a GGUF file's own blocks (engine.quant.gguf_blocks); dense products where no kernel runs
+    "gguf": {"cpu": lambda: True},
 }
 
 

@@ -53,6 +53,7 @@ async def list_models(state: AppState = Depends(app_state)):
                 "owned_by": "ragspeed",
                 "max_model_len": state.engine.max_model_len or None,
                 "engine": state.settings.engine,
+                "ragspeed": {"weights": getattr(state.engine, "weights", None)},
             }
         ],
     }

@@ -463,7 +463,7 @@ def attention_line(r: dict[str, Any], attention_lens: tuple[int, ...]) -> str:
 @click.option("--llamacpp-requests", default=4, type=int, help="requests through llama.cpp, one at a time")
 @click.option(
     "--quantization",
-    type=click.Choice(["int8", "none"]),
+    type=click.Choice(["gguf", "int8", "none"]),
     default="int8",
     show_default=True,
     help="the native engine's weights (int8 passes the model's quality gate: ragspeed bench quant)",

@@ -1,4 +1,5 @@
-"""`ragspeed bench quant`: int8 weights against fp32 in the native engine, and transformers fp32.
+"""`ragspeed bench quant`: int8 weights (and a GGUF file's own blocks) against fp32 in the native
+engine, and transformers fp32.
 
 Figures (one run, after a warm-up, medians of `repeats` runs; JSON keys in brackets):
 - time per output token at batch 1 of native int8, native fp32 and transformers fp32
@@ -8,6 +9,10 @@ Figures (one run, after a warm-up, medians of `repeats` runs; JSON keys in brack
 - time to first token of a `ttft_prompt_len`-token prompt, int8 and fp32 [int8_ttft_512_ms,
   fp32_ttft_512_ms];
 - resident weight bytes [int8_weight_bytes, fp32_weight_bytes];
+- for a GGUF model, the same timings of its own blocks [gguf_tpot_ms, gguf_tpot_bound_ms,
+  gguf_ttft_512_ms, gguf_weight_bytes] and their decode's quality against fp32, which is the
+  file's dequantized weights [gguf_decode_ppl_increase, gguf_decode_top1_agreement,
+  gguf_decode_logit_rms_error];
 - quality of int8 against fp32 on `text` (see engine.quant.quality) [ppl_increase (a fraction),
   top1_agreement, logit_rms_error, ppl_fp32, ppl_int8], of the int8 prefill path the quality
   gate chose (engine.quant.gate) [int8_prefill_path; None: no path passed]; of the int8 decode
@@ -63,6 +68,7 @@ def run_bench_quant(
 ) -> dict[str, Any]:
     """Measure int8 vs fp32 (and transformers); print a table, return flat JSON."""
     from ragspeed.engine.cpu_features import read_cpu_features
+    from ragspeed.engine.gguf import source_of
     from ragspeed.engine.llm_engine import LLMEngine
     from ragspeed.engine.loader import resolve_model_path
     from ragspeed.engine.models.linear import DENSE_PREFILL_PATHS
@@ -91,8 +97,10 @@ def run_bench_quant(
     torch.set_num_threads(threads)
     path = resolve_model_path(model)
     max_model_len = max(prompt_len + output_len, ttft_prompt_len + 1, quality_window)
+    # The file's own blocks beside them when the model is a GGUF file (engine.quant.gguf_blocks).
+    kinds = {"int8": "int8", "fp32": None, **({"gguf": "gguf"} if source_of(path) is not None else {})}
     engines = {
-        quantization or "fp32": LLMEngine(
+        name: LLMEngine(
             EngineConfig(
                 model=str(path),
                 dtype="float32",  # the reference and the int8 timings: no bf16 dense prefill
@@ -104,7 +112,7 @@ def run_bench_quant(
                 seed=seed,
             )
         )
-        for quantization in ("int8", None)
+        for name, quantization in kinds.items()
     }
     contenders: dict[str, Any] = {name: _NativeContender(e) for name, e in engines.items()}
     if with_transformers:
@@ -130,6 +138,13 @@ def run_bench_quant(
         lambda ids: decode_window_logits(engines["int8"].loaded, ids),
         windows,
     )
+    gguf_report = None
+    if "gguf" in engines:  # its prefill is the fp32 model's; its decode reads the blocks
+        gguf_report = compare_logits(
+            lambda ids: reference[tuple(ids)],
+            lambda ids: decode_window_logits(engines["gguf"].loaded, ids),
+            windows,
+        )
     outcome = gate_prefill(prefill_candidates(features), lambda p: int8_reports[p.name])
     # The timings run on the chosen path (the most precise one where none passed).
     use_prefill_path(int8_model, outcome.path or prefill_candidates(features)[-1])
@@ -209,6 +224,15 @@ def run_bench_quant(
         decode_top1_agreement=decode_report.top1_agreement,
         decode_logit_rms_error=decode_report.logit_rms_error,
     )
+    if gguf_report is not None:
+        results.update(
+            gguf_decode_ppl_increase=gguf_report.ppl_increase,
+            gguf_decode_top1_agreement=gguf_report.top1_agreement,
+            gguf_decode_logit_rms_error=gguf_report.logit_rms_error,
+            fp32_over_gguf_tpot=results["fp32_tpot_ms"] / results["gguf_tpot_ms"],
+            target_gguf_decode_ppl_increase_le_0_1pct=abs(gguf_report.ppl_increase) <= 0.001,
+            target_gguf_decode_top1_agreement_ge_99_5pct=gguf_report.top1_agreement >= 0.995,
+        )
     results["target_int8_tpot_within_2_5x_bound"] = results["int8_tpot_over_bound"] <= 2.5
     results["target_fp32_over_int8_tpot_ge_3"] = results["fp32_over_int8_tpot"] >= 3
     results["target_int8_ttft_no_worse"] = results["int8_over_fp32_ttft"] <= 1.0
@@ -233,13 +257,14 @@ def print_table(r: dict[str, Any], ttft_len: int) -> None:
         f"read {r['read_bandwidth_gb_s']:.1f} GB/s\ncpu {r['cpu']}\n"
         f"int8 prefill path {r['int8_prefill_path'] or 'none passed the gate'}"
     )
-    for name in ("int8", "fp32"):
-        print(f"{name} engine {r[f'{name}_prefill']}")
+    for name in ("int8", "fp32", "gguf"):
+        if f"{name}_prefill" in r:
+            print(f"{name} engine {r[f'{name}_prefill']}")
     print(
         f"{'contender':<16}{'TPOT ms':>10}{'bound ms':>10}{'/bound':>8}"
         f"{f'TTFT {ttft_len} ms':>15}{'weights MB':>12}"
     )
-    for name in ("int8", "fp32", "transformers"):
+    for name in ("gguf", "int8", "fp32", "transformers"):
         if f"{name}_tpot_ms" not in r:
             continue
         ttft = r.get(f"{name}_ttft_{ttft_len}_ms")
@@ -259,6 +284,12 @@ def print_table(r: dict[str, Any], ttft_len: int) -> None:
         f"int8 decode kernels vs fp32: ppl {r['decode_ppl_increase']:+.2%}, top-1 agreement "
         f"{r['decode_top1_agreement']:.2%}, logit RMS error {r['decode_logit_rms_error']:.3f}"
     )
+    if "gguf_decode_top1_agreement" in r:
+        print(
+            f"gguf blocks' decode vs fp32 (the file's dequantized weights): ppl "
+            f"{r['gguf_decode_ppl_increase']:+.3%}, top-1 agreement {r['gguf_decode_top1_agreement']:.2%}, "
+            f"logit RMS error {r['gguf_decode_logit_rms_error']:.4f}; fp32/gguf TPOT {r['fp32_over_gguf_tpot']:.2f}x"
+        )
     paths = sorted(
         {
             k.removeprefix("quality_").removesuffix("_ppl_increase")

@@ -211,3 +211,70 @@ def test_int8_products_in_plain_c(fresh_build, monkeypatch, n, k):
     expected = (int16_rows(x).double() @ int8.dequantize().double().T + b).float()
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
     assert torch.equal(blocked.forward(x[2:3], 1), out[2:3])
+
+
+def _four_bit(n: int, k: int, gen: torch.Generator):
+    """Random 4-bit values and fp16 steps and offsets, and the fp32 weight they stand for."""
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scales = (torch.randn(n, k // INT8_GROUP, 2, generator=gen) * 0.05).half()
+    d, m = (scales[:, :, i].float().repeat_interleave(INT8_GROUP, dim=1) for i in (0, 1))
+    return q, scales, q.float() * d + m
+
+
+@pytest.mark.parametrize("n, k", [(16, 32), (37, 64), (49, 576), (1, 96), (100, 1536)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_four_bit_product_equals_the_weight_it_stands_for(n, k, threads):
+    gen = torch.Generator().manual_seed(n * 7 + k)
+    q, scales, reference = _four_bit(n, k, gen)
+    b = torch.randn(n, generator=gen)
+    blocked = BlockedWeight(q, b, scales)
+    assert blocked.kind == "q4" and blocked.blocks.shape == (-(-n // 16), k // 2, 16)
+    for rows in (1, 2, 5, 6, 7, 13):
+        x = torch.randn(rows, k, generator=gen)
+        out = blocked.forward(x, threads)
+        expected = (int16_rows(x).double() @ reference.double().T + b).float()
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_four_bit_rows_give_the_same_bits_alone_or_in_a_batch():
+    gen = torch.Generator().manual_seed(11)
+    q, scales, _ = _four_bit(200, 96, gen)
+    blocked = BlockedWeight(q, torch.randn(200, generator=gen), scales)
+    x = torch.randn(13, 96, generator=gen)
+    alone = torch.cat([blocked.forward(x[row : row + 1], 1) for row in range(13)])
+    for num_rows in range(2, 14):
+        assert torch.equal(blocked.forward(x[:num_rows], 2), alone[:num_rows]), num_rows
+
+
+def test_four_bit_extremes_do_not_saturate():
+    """15 x 32767 x 32 inputs a group stays in int32; offsets of both signs add up."""
+    q = torch.full((16, 64), 15, dtype=torch.uint8)
+    scales = torch.zeros(16, 2, 2, dtype=torch.float16)
+    scales[:, :, 0], scales[:, :, 1] = 0.5, -2.0
+    x = torch.full((1, 64), 1000.0)
+    out = BlockedWeight(q, None, scales).forward(x, 2)
+    assert torch.all(out == 64 * (15 * 0.5 - 2.0) * 1000.0)
+
+
+def test_four_bit_needs_whole_groups():
+    with pytest.raises(AssertionError, match="groups of 32"):
+        BlockedWeight(
+            torch.zeros(16, 48, dtype=torch.uint8), None, torch.zeros(16, 2, 2, dtype=torch.float16)
+        )
+
+
+@pytest.mark.parametrize("n, k", [(37, 64), (49, 576)])
+@pytest.mark.parametrize("without", ["-mno-avx2", "-mno-avx512f"])
+def test_four_bit_products_without_avx512_or_avx2(fresh_build, monkeypatch, n, k, without):
+    """Built for a CPU without AVX-512 (its AVX2 kernel) or without AVX2 (plain C), the 4-bit
+    kernel gives the product of the weight it stands for, a row alone or in a batch."""
+    monkeypatch.setattr(build, "FLAGS", build.FLAGS + (without,))
+    gen = torch.Generator().manual_seed(n + k)
+    q, scales, reference = _four_bit(n, k, gen)
+    b = torch.randn(n, generator=gen)
+    blocked = BlockedWeight(q, b, scales)
+    x = torch.randn(7, k, generator=gen)
+    out = blocked.forward(x, 2)
+    expected = (int16_rows(x).double() @ reference.double().T + b).float()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+    assert torch.equal(blocked.forward(x[2:3], 1), out[2:3])

@@ -63,7 +63,7 @@ def test_quantize_rejects_bad_weight():
 def test_int8_is_a_registered_linear_kind():
     assert LINEAR_KINDS["int8"] is Int8Linear
     assert isinstance(build_linear(8, 4, quantization="int8"), Int8Linear)
-    assert available_quantizations("cpu") == [None, "int8"]
+    assert available_quantizations("cpu") == [None, "int8", "gguf"]
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -100,7 +100,7 @@ def test_int8_linear_rejects_wrong_shapes():
 def test_unknown_quantization_lists_what_runs_here(demo_path):
     with pytest.raises(QuantizationUnavailableError) as info:
         check_quantization("int4", "cpu")
-    assert str(info.value) == "unknown quantization 'int4'; available on cpu: none, 'int8'"
+    assert str(info.value) == "unknown quantization 'int4'; available on cpu: none, 'int8', 'gguf'"
     with pytest.raises(QuantizationUnavailableError, match="unknown quantization 'fp8'"):
         load_model(demo_path, quantization="fp8")
     check_quantization(None, "cpu")

