@@ -14,7 +14,7 @@ import sys
 import types
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal, Union, get_args, get_origin
 
 import click
 
@@ -31,7 +31,7 @@ def _version() -> str:
 
 
 def _base_type(annotation: Any) -> Any:
-    if get_origin(annotation) in (types.UnionType, __import__("typing").Union):
+    if get_origin(annotation) in (types.UnionType, Union):
         args = [a for a in get_args(annotation) if a is not type(None)]
         return _base_type(args[0])
     return annotation
@@ -59,6 +59,16 @@ def settings_options(command):
             option = click.Option([f"--{flag}", name], type=base, default=None, help=help_text)
         command.params.append(option)
     return command
+
+
+def serve_settings(config_file: str | None, flags: dict[str, Any]) -> Settings:
+    """The settings `serve` runs with: its parsed flags over the lower layers."""
+    flags = {k: (list(v) if isinstance(v, tuple) else v) for k, v in flags.items()}
+    flags = {k: v for k, v in flags.items() if v not in (None, [])}
+    try:
+        return load_settings(config_file, **flags)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from exc
 
 
 class LazyGroup(click.Group):
@@ -113,12 +123,7 @@ def serve(config_file: str | None, **flags: Any) -> None:
 
     from ragspeed.gateway.app import create_app
 
-    flags = {k: (list(v) if isinstance(v, tuple) else v) for k, v in flags.items()}
-    flags = {k: v for k, v in flags.items() if v not in (None, [])}
-    try:
-        settings = load_settings(config_file, **flags)
-    except ConfigError as exc:
-        raise click.UsageError(str(exc)) from exc
+    settings = serve_settings(config_file, flags)
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -1,10 +1,27 @@
-"""Settings precedence and config-file errors."""
+"""Settings precedence, config-file errors and the flags of `ragspeed serve`."""
 
 from __future__ import annotations
 
-import pytest
+from typing import Any
 
-from ragspeed.gateway.settings import ConfigError, load_settings
+import click
+import pytest
+from click.testing import CliRunner
+from pydantic import TypeAdapter
+
+from ragspeed.cli import serve, serve_settings
+from ragspeed.gateway.settings import ConfigError, Settings, load_settings
+
+SETTINGS_OPTIONS = [p for p in serve.params if p.name in Settings.model_fields]
+# Values the rules of _valid_value cannot make: each names something the settings know.
+VALID = {
+    "log_level": "debug",
+    "compression_method": "bm25",
+    "compression_default_method": "bm25",
+    "compression_methods": ["coarse-to-fine", "bm25"],
+    "api_keys": [f"sha256:{'a' * 64},tenant=t"],
+    "admin_key_hashes": [f"sha256:{'b' * 64}"],
+}
 
 
 def test_precedence_flags_over_env_over_file(tmp_path, monkeypatch):
@@ -86,3 +103,46 @@ def test_compression_settings_agree_across_layers(monkeypatch):
     monkeypatch.setenv("RAGSPEED_COMPRESSION_METHODS", '["bm25"]')
     settings = load_settings(compression_default_method="bm25", compression_method="none")
     assert (settings.compression_methods, settings.compression_default_method) == (["bm25"], "bm25")
+
+
+def _valid_value(option: click.Option, default: Any) -> Any:
+    """A value of the option that the settings accept, other than its default."""
+    if option.name in VALID:
+        return VALID[option.name]
+    if isinstance(option.type, click.Choice):
+        return next(choice for choice in option.type.choices if choice != default)
+    if option.is_flag:
+        return not default
+    if option.type is click.INT:
+        return 64 if default is None else default + 1
+    if option.type is click.FLOAT:
+        return default / 2 if default else 0.5
+    if option.multiple:
+        return [f"{option.name}-value"]
+    return f"{option.name}-value"
+
+
+@pytest.mark.parametrize("option", SETTINGS_OPTIONS, ids=lambda option: option.name)
+def test_every_serve_flag_parses_and_reaches_the_settings(option):
+    info = Settings.model_fields[option.name]
+    default = info.get_default(call_default_factory=True)
+    value = _valid_value(option, default)
+    if option.is_flag:
+        args = [option.opts[0] if value else option.secondary_opts[0]]
+    else:
+        items = value if option.multiple else [value]
+        args = [arg for item in items for arg in (option.opts[0], str(item))]
+    params = serve.make_context("serve", args).params
+    settings = serve_settings(params.pop("config_file"), params)
+    expected = TypeAdapter(info.annotation).validate_python(value)
+    assert expected != default and getattr(settings, option.name) == expected
+
+
+def test_a_choice_flag_lists_its_values_and_names_them_when_refused():
+    assert "--dtype [auto|float32|bfloat16|float16]" in CliRunner().invoke(serve, ["--help"]).output
+    result = CliRunner().invoke(serve, ["--dtype", "float8"])
+    assert result.exit_code == 2
+    assert (
+        "Invalid value for '--dtype': 'float8' is not one of 'auto', 'float32', 'bfloat16', 'float16'."
+        in result.output
+    )
