@@ -49,7 +49,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from ragspeed.engine.attention import scattered_metadata
 from ragspeed.engine.attention import slots as slot_ids
@@ -409,7 +408,7 @@ class DocumentKVCache:
         with forward_pass([len(positions)], runner.num_threads, runner.device):
             if stream is None:
                 ids = torch.tensor(token_ids, dtype=torch.long, device=runner.device)
-                hidden, residual = F.embedding(ids, model.embed_tokens), None
+                hidden, residual = model.embed(ids), None
             else:
                 hidden, residual = stream
             return model.run_layers(

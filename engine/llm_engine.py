@@ -97,7 +97,7 @@ class LLMEngine:
         self.model_name = config.model
         self.max_model_len = loaded.rotary.freqs_cis.shape[0]
         self.eos_token_ids = loaded.eos_token_ids
-        dtype = loaded.model.embed_tokens.dtype
+        dtype = loaded.model.dtype
         num_blocks = plan_num_blocks(
             self.arch,
             block_size=config.block_size,

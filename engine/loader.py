@@ -35,7 +35,7 @@ from ragspeed.engine.models.decoder import DecoderLM
 from ragspeed.engine.models.rotary import RotaryEmbedding, permute_heads
 from ragspeed.engine.precision import PrefillPlan, compute_dtype, plan_prefill
 from ragspeed.engine.quant import QuantizationUnavailableError, check_quantization
-from ragspeed.engine.quant.gguf_blocks import KERNEL_TYPES, GgufBlocks, cat_rows, dense, map_rows
+from ragspeed.engine.quant.gguf_blocks import KERNEL_TYPES, GgufBlocks, cat_rows, map_rows
 from ragspeed.engine.threads import cpu_threads
 
 logger = logging.getLogger(__name__)
@@ -190,7 +190,7 @@ def load_weights(model: DecoderLM, tensors: dict[str, torch.Tensor | GgufBlocks]
         return tensors.pop(name, None)
 
     embedding = take("model.embed_tokens.weight")
-    model.embed_tokens = dense(embedding)
+    model.embed_tokens = embedding
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         layer.input_layernorm.weight = take(p + "input_layernorm.weight")

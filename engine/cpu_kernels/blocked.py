@@ -128,14 +128,17 @@ class BlockedWeight:
         self.bias = None if bias is None else _pad_to_blocks(bias, num_blocks)
 
     def unblocked(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The weight [out_features, in_features] as given, and its group scales (int8) or
-        None: what another layout of the same weight is built from (fp32 and int8)."""
-        assert self.kind != "q4", "4-bit blocks are rebuilt from the file's blocks"
-        columns = self.blocks.transpose(1, 2).reshape(-1, self.blocks[0].numel() // BLOCK)
+        """The weight [out_features, in_features] as given, and its scales (int8, 4-bit) or
+        None: what another layout of the same weight is built from."""
+        blocks = self.blocks
+        if self.kind == "q4":  # back to [blocks, pairs, 16, 2], one value a byte
+            values = torch.stack([blocks & 0x0F, blocks >> 4], dim=2)
+            blocks = values.view(blocks.shape[0], -1, BLOCK, 2)
+        columns = blocks.transpose(1, 2).reshape(-1, blocks[0].numel() // BLOCK)
         weight = columns[: self.out_features, : self.in_features].contiguous()
         if self.scales is None:
             return weight, None
-        scales = self.scales.transpose(1, 2).reshape(-1, self.scales.shape[1])
+        scales = self.scales.movedim(-1, 1).reshape(-1, *self.scales.shape[1:-1])
         return weight, scales[: self.out_features]
 
     @property

@@ -114,8 +114,8 @@ class FusedDecoder:
             )
         self.layers = (_Layer * len(layers))(*layers)
         lm_head = model.lm_head.blocked_weight()
-        # The greedy steps (a draft's) need the embeddings and the LM head's blocked copy.
-        self.greedy = lm_head is not None
+        # The greedy steps (a draft's) need fp32 embeddings and the LM head's blocked copy.
+        self.greedy = lm_head is not None and isinstance(model.embed_tokens, torch.Tensor)
         self.model = _Model(
             self.layers,
             len(layers),
@@ -127,7 +127,7 @@ class FusedDecoder:
             arch.rms_norm_eps,
             arch.head_dim**-0.5,
             self._float(model.norm.weight),
-            self._float(model.embed_tokens),
+            self._float(model.embed_tokens) if self.greedy else None,
             _linear(lm_head) if self.greedy else _Linear(),
         )
         self._caches: tuple[tuple[int, int], ctypes.Array, ctypes.Array] | None = None
@@ -144,8 +144,8 @@ class FusedDecoder:
         if (
             load_library() is None
             or model.embed_tokens is None
-            or model.embed_tokens.device.type != "cpu"
-            or model.embed_tokens.dtype != torch.float32
+            or model.device.type != "cpu"
+            or model.dtype != torch.float32
             or arch.num_heads // arch.num_kv_heads > MAX_GROUP
             or arch.head_dim > MAX_HEAD_DIM
             or arch.head_dim % 2

@@ -25,6 +25,7 @@ from ragspeed.engine.cpu_kernels.norm import add_rms_norm, add_rms_norm_applies
 from ragspeed.engine.models.arch import ModelArch
 from ragspeed.engine.models.linear import build_linear
 from ragspeed.engine.models.rotary import apply_rotary
+from ragspeed.engine.quant.gguf_blocks import GgufBlocks
 
 
 class RMSNorm(nn.Module):
@@ -140,11 +141,12 @@ class DecoderLM(nn.Module):
     def __init__(self, arch: ModelArch, quantization: str | None = None):
         super().__init__()
         self.arch = arch
-        self.embed_tokens: torch.Tensor | None = None  # [vocab_size, hidden_size]
+        # [vocab_size, hidden_size]: a tensor, or a GGUF file's blocks (looked up row by row)
+        self.embed_tokens: torch.Tensor | GgufBlocks | None = None
         self.layers = nn.ModuleList(DecoderLayer(arch, quantization) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         # Quantized too: a tied head quantizes its own copy; the embedding lookup stays fp.
-        self.lm_head = build_linear(arch.hidden_size, arch.num_logits, quantization=quantization)
+        self.lm_head = build_linear(arch.hidden_size, arch.num_logits, quantization=quantization, head=True)
         # A sub-vocabulary head's map, head row -> token id, [num_logits] int64; else None.
         self.d2t: torch.Tensor | None = None
         # Decode-type steps in one call of ragspeed's CPU kernels, where they run this model
@@ -161,13 +163,28 @@ class DecoderLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Final hidden states of every token: [num_tokens, hidden_size]."""
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden = self.embed(input_ids)
         fused = self._fused_decoder()
         rows = fused and FusedDecoder.rows(meta, hidden.shape[0])
         if rows:
             return fused.forward(hidden, freqs_cis, k_caches, v_caches, meta, rows)
         hidden, residual = self.run_layers(hidden, None, freqs_cis, k_caches, v_caches, meta, 0)
         return self.norm.add_norm(hidden, residual)[0]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[num_tokens] -> the tokens' embeddings [num_tokens, hidden_size]."""
+        if isinstance(self.embed_tokens, GgufBlocks):
+            return self.embed_tokens.lookup(input_ids)
+        return F.embedding(input_ids, self.embed_tokens)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the model computes in (its embeddings', and its KV cache's)."""
+        return torch.float32 if isinstance(self.embed_tokens, GgufBlocks) else self.embed_tokens.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.data.device  # a tensor's `data` is itself, the blocks' their bytes
 
     def run_layers(
         self,

@@ -28,7 +28,7 @@ from ragspeed.engine.cpu_kernels import BlockedWeight, blocked_kernels_available
 from ragspeed.engine.linear_kind import LinearKind
 from ragspeed.engine.packed import PackedLinear, bf16_missing
 from ragspeed.engine.quant import QUANT_KINDS
-from ragspeed.engine.quant.gguf_blocks import GgufBlocks, dense
+from ragspeed.engine.quant.gguf_blocks import GgufBlocks, dense, kernel_dequantize
 from ragspeed.engine.quant.prefill import PrefillPath, bf16_speedup, fp32_speedup, runs_anywhere
 from ragspeed.engine.threads import linear_threads
 
@@ -139,19 +139,19 @@ def _same_dtype(weight: torch.Tensor) -> PrefillPath:
 class GgufLinear(DenseLinear):
     """A GGUF weight decoded on the file's own blocks (engine.quant.gguf_blocks): a few rows
     read the Q4_0 / Q4_1 / Q8_0 blocks through ragspeed's kernels, 0.56 to 1.06 bytes a
-    weight; prefill products read the dense copy of their path, built from the blocks'
-    exact dequantization. A weight of any other type arrives dense and is a `DenseLinear`."""
+    weight; prefill products read the dense copy of their path, built from the blocks' exact
+    dequantization. A weight of any other type arrives dense and is a `DenseLinear`."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__(in_features, out_features, bias)
-        self.file_blocks: GgufBlocks | None = None  # kept: what prefill copies are built from
+        self.qtype: str | None = None  # the file's block type, when it decodes on its blocks
 
     def load(self, weight: torch.Tensor | GgufBlocks, bias: torch.Tensor | None = None) -> None:
         if not isinstance(weight, GgufBlocks) or not blocked_kernels_available(torch.device("cpu")):
             super().load(dense(weight), bias)
             return
         self.check_weights(weight, bias)
-        self.file_blocks = weight
+        self.qtype = weight.qtype
         self.element_size = 4
         self.bias = None if bias is None else bias.contiguous()
         values, scales = weight.kernel_weight()
@@ -159,22 +159,36 @@ class GgufLinear(DenseLinear):
         self.use_prefill(DENSE_PREFILL_PATHS[-1])
 
     def use_prefill(self, path: PrefillPath) -> None:
-        if self.file_blocks is None:
+        if self.qtype is None:
             super().use_prefill(path)
             return
         self.path = path
-        self.prefill = path.build(self.file_blocks.dequantize(), self.bias)
+        self.prefill = path.build(kernel_dequantize(*self.blocked.unblocked()), self.bias)
 
     @property
     def num_weight_bytes(self) -> int:
-        return super().num_weight_bytes if self.file_blocks is None else self.blocked.num_bytes
+        return super().num_weight_bytes if self.qtype is None else self.blocked.num_bytes
 
     @property
     def num_resident_bytes(self) -> int:
-        if self.file_blocks is None:
+        if self.qtype is None:
             return super().num_resident_bytes
-        prefill = self.num_params * self.prefill.element_size
-        return self.blocked.num_bytes + self.file_blocks.num_bytes + prefill
+        prefill = 0 if self.prefill is None else self.num_params * self.prefill.element_size
+        return self.blocked.num_bytes + prefill
+
+
+class GgufHead(GgufLinear):
+    """A GGUF LM head: its products are the sampled rows, a few a sequence, so the blocks
+    serve them all and no dense copy is built."""
+
+    def use_prefill(self, path: PrefillPath) -> None:
+        if self.qtype is None:
+            super().use_prefill(path)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qtype is None:
+            return super().forward(x)
+        return self.blocked.forward(x, self.num_threads)
 
 
 def decode_weights(model: nn.Module) -> str:
@@ -183,10 +197,10 @@ def decode_weights(model: nn.Module) -> str:
     for module in model.modules():
         if not isinstance(module, LinearKind):
             continue
-        blocks = getattr(module, "file_blocks", None)
+        qtype = getattr(module, "qtype", None)
         blocked = module.blocked_weight()
-        if blocks is not None:
-            name = f"{blocks.qtype} blocks"
+        if qtype is not None:
+            name = f"{qtype} blocks"
         elif blocked is not None:
             name = f"blocked {blocked.kind}"
         else:
@@ -203,10 +217,19 @@ LINEAR_KINDS: dict[str | None, Callable[[int, int, bool], nn.Module]] = {
 }
 
 
+# The LM head's kinds where they differ (it multiplies only the sampled rows).
+HEAD_KINDS = {**LINEAR_KINDS, "gguf": GgufHead}
+
+
 def build_linear(
-    in_features: int, out_features: int, *, bias: bool = False, quantization: str | None = None
+    in_features: int,
+    out_features: int,
+    *,
+    bias: bool = False,
+    quantization: str | None = None,
+    head: bool = False,
 ) -> nn.Module:
-    kind = LINEAR_KINDS.get(quantization)
+    kind = (HEAD_KINDS if head else LINEAR_KINDS).get(quantization)
     if kind is None:
         known = ", ".join(repr(k) for k in LINEAR_KINDS)
         raise ValueError(f"unknown quantization {quantization!r}; known: {known}")

@@ -70,6 +70,21 @@ class GgufBlocks:
         values = dequantize(self.data.numpy(), GGMLQuantizationType[self.qtype])
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(self.shape)
 
+    def lookup(self, rows: torch.Tensor) -> torch.Tensor:
+        """fp32 [len(rows), in_features]: those rows of `dequantize()`, the same floats (an
+        embedding lookup on the blocks)."""
+        blocks = self.data[rows].view(len(rows), -1, BLOCK_BYTES[self.qtype])
+        d = blocks[:, :, 0:2].contiguous().view(torch.float16).float()  # [rows, groups, 1]
+        if self.qtype == "Q8_0":
+            return (d * blocks[:, :, 2:].contiguous().view(torch.int8).float()).view(len(rows), -1)
+        if self.qtype == "Q4_1":
+            m, packed = blocks[:, :, 2:4].contiguous().view(torch.float16).float(), blocks[:, :, 4:]
+        else:
+            m, packed = None, blocks[:, :, 2:]
+        q = torch.cat([packed & 0x0F, packed >> 4], dim=2).float()
+        values = d * (q - 8) if m is None else d * q + m
+        return values.view(len(rows), -1)
+
     def kernel_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The weight and scales engine.cpu_kernels.BlockedWeight takes: Q8_0 as int8 [out, in]
         with fp16 scales [out, in / GROUP]; Q4_x as uint8 q in 0..15 [out, in] with fp16 steps
@@ -90,6 +105,18 @@ class GgufBlocks:
         q = np.concatenate([packed & 0x0F, packed >> 4], axis=2).reshape(rows, in_features)
         scales = np.concatenate([d, m], axis=2)
         return torch.from_numpy(q), torch.from_numpy(scales)
+
+
+def kernel_dequantize(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight [out, in] of a `kernel_weight()` pair, equal to the file's
+    `dequantize()`: every product and sum here is exact in fp32 (d has 11 significant bits, q at
+    most 8, and Q4_0's d q - 8 d is d (q - 8))."""
+    rows, in_features = values.shape
+    grouped = values.view(rows, -1, GROUP).float()
+    if values.dtype == torch.int8:
+        return (grouped * scales.float().unsqueeze(-1)).view(rows, in_features)
+    d, m = scales.float().unbind(-1)
+    return (grouped * d.unsqueeze(-1) + m.unsqueeze(-1)).view(rows, in_features)
 
 
 def cat_rows(weights: list[torch.Tensor | GgufBlocks]) -> torch.Tensor | GgufBlocks:

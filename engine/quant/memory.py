@@ -1,13 +1,17 @@
 """Resident weight bytes of a loaded `DecoderLM`: what the engine holds, quantized or not.
 
-Counted: the embedding table, every linear kind's weights (`num_resident_bytes`: int8 rows plus
-scales for a quantized kind, once per layout the kind keeps), the norms' weights. A tied LM
-head counts twice: it keeps its own copy (fp32 packed, or int8) beside the embedding table.
+Counted: the embedding table (a GGUF file's blocks where the lookup reads them), every linear
+kind's weights (`num_resident_bytes`: int8 rows plus scales for a quantized kind, once per
+layout the kind keeps), the norms' weights. A tied LM head counts twice: it keeps its own copy
+(fp32 packed, int8, or the file's blocks in the kernels' layout) beside the embedding table.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
+
+from ragspeed.engine.quant.gguf_blocks import GgufBlocks
 
 
 def _norm_bytes(model: nn.Module) -> int:
@@ -20,14 +24,22 @@ def _norm_bytes(model: nn.Module) -> int:
     return total
 
 
-def resident_weight_bytes(model: nn.Module) -> int:
+def _embedding_bytes(model: nn.Module) -> int:
     embed = model.embed_tokens
+    if isinstance(embed, GgufBlocks):
+        return embed.num_bytes
+    return embed.numel() * embed.element_size()
+
+
+def resident_weight_bytes(model: nn.Module) -> int:
     linear_bytes = sum(m.num_resident_bytes for m in model.modules() if hasattr(m, "num_resident_bytes"))
-    return embed.numel() * embed.element_size() + linear_bytes + _norm_bytes(model)
+    return _embedding_bytes(model) + linear_bytes + _norm_bytes(model)
 
 
 def unquantized_weight_bytes(model: nn.Module) -> int:
-    """The same model's resident bytes with every linear in the embedding's dtype."""
-    embed = model.embed_tokens
+    """The same model's resident bytes with the embedding and every linear in the model's
+    compute dtype."""
+    vocab_size, hidden_size = model.embed_tokens.shape
     linear_params = sum(m.num_params for m in model.modules() if hasattr(m, "num_params"))
-    return (embed.numel() + linear_params) * embed.element_size() + _norm_bytes(model)
+    element_size = torch.empty((), dtype=model.dtype).element_size()
+    return (vocab_size * hidden_size + linear_params) * element_size + _norm_bytes(model)

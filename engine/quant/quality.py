@@ -42,8 +42,7 @@ def window_logits(loaded: LoadedModel, token_ids: list[int], block_size: int = 1
     """fp32 logits [len(token_ids), vocab] of one sequence: one prefill through paged attention."""
     n = len(token_ids)
     num_blocks = -(-n // block_size)
-    device = loaded.model.embed_tokens.device
-    dtype = loaded.model.embed_tokens.dtype
+    device, dtype = loaded.model.device, loaded.model.dtype
     pool = KVCachePool(loaded.arch, num_blocks, block_size, dtype, device)
     meta = build_metadata(
         decode_tables=[],

@@ -111,7 +111,7 @@ class DraftProposer:
         self.setup_seconds = 0.0
         # The target's forward thread count (engine.model_runner), for the draft's steps too.
         self.num_threads = num_threads or torch.get_num_threads()
-        dtype = loaded.model.embed_tokens.dtype
+        dtype = loaded.model.dtype
         self.pool = KVCachePool(loaded.arch, num_blocks, block_size, dtype, device)
         self.manager = KVCacheManager(num_blocks, block_size, enable_caching=False)
         self._states: dict[str, _DraftState] = {}

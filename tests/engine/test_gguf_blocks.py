@@ -15,7 +15,14 @@ from ragspeed.engine.gguf import converted_copy, source_of
 from ragspeed.engine.loader import load_model
 from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME, ZOO
 from ragspeed.engine.quant import QuantizationUnavailableError
-from ragspeed.engine.quant.gguf_blocks import KERNEL_TYPES, GgufBlocks, cat_rows, map_rows
+from ragspeed.engine.quant.gguf_blocks import (
+    KERNEL_TYPES,
+    GgufBlocks,
+    cat_rows,
+    kernel_dequantize,
+    map_rows,
+)
+from ragspeed.engine.quant.memory import resident_weight_bytes
 from ragspeed.engine.quant.quality import decode_window_logits, window_logits
 from tests.engine.conftest import int16_rows, make_engine
 from tests.engine.tiny_gguf import write_tiny_gguf
@@ -36,6 +43,10 @@ def _assert_product_of_dequantized(blocks: GgufBlocks, gen: torch.Generator) -> 
     assert torch.equal(blocks.dequantize(), reference)
     values, scales = blocks.kernel_weight()
     blocked = BlockedWeight(values, None, scales)
+    # What the prefill copy and the embedding lookup are built from: the same floats.
+    assert torch.equal(kernel_dequantize(*blocked.unblocked()), reference)
+    rows = torch.tensor([blocks.shape[0] - 1, 0, blocks.shape[0] // 2, 0])
+    assert torch.equal(blocks.lookup(rows), reference[rows])
     for num_rows in (1, 5):
         x = torch.randn(num_rows, blocks.shape[1], generator=gen)
         expected = (int16_rows(x).double() @ reference.double().T).float()
@@ -102,7 +113,11 @@ def test_an_engine_decodes_the_files_blocks(tiny_checkpoints, tmp_path, qtype):
     engine = make_engine(folder, quantization="auto")
     assert engine.loaded.quantization == "gguf"
     assert engine.weights["decode"].startswith(f"{qtype} blocks x")
+    model = engine.loaded.model
+    # The file's blocks are held once: the lookup reads them, the LM head keeps no dense copy.
+    assert isinstance(model.embed_tokens, GgufBlocks) and model.lm_head.prefill is None
     reference = load_model(folder)
+    assert resident_weight_bytes(model) < resident_weight_bytes(reference.model) / 2
     ids = list(range(5, 69))
     blocks_logits = decode_window_logits(engine.loaded, ids)
     reference_logits = window_logits(reference, ids)
