@@ -239,9 +239,14 @@ def scattered_metadata(
 
 
 def gather_context(
-    cache: torch.Tensor, block_tables: torch.Tensor, block_size: int, context_len: int
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+    context_len: int,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """cache [num_slots, kv_heads, D], block_tables [n, blocks] -> [n, context_len, kv_heads, D].
+    """cache [num_slots, kv_heads, D], block_tables [n, blocks] -> [n, context_len, kv_heads, D],
+    in `dtype` (default the cache's: an fp16 pool is widened for fp32 queries).
 
     Whole blocks are copied (index_select on the block axis: few, contiguous copies), then the
     padding past the longest context is cut off.
@@ -250,7 +255,8 @@ def gather_context(
     blocks = cache.view(num_slots // block_size, block_size, num_kv_heads, head_dim)
     n, num_blocks = block_tables.shape
     gathered = blocks.index_select(0, block_tables.view(-1))
-    return gathered.view(n, num_blocks * block_size, num_kv_heads, head_dim)[:, :context_len]
+    context = gathered.view(n, num_blocks * block_size, num_kv_heads, head_dim)[:, :context_len]
+    return context if dtype is None else context.to(dtype)
 
 
 def paged_attention(
@@ -266,8 +272,8 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     block_size = meta.block_size
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     if meta.row_block_tables is not None and decode_kernel_applies(q, num_kv_heads):
         out = paged_decode_attention(
             q,
@@ -303,8 +309,8 @@ def paged_attention(
         group = num_heads // num_kv_heads
         qd = q[:nd].reshape(nd, num_kv_heads, group, head_dim)
         ctx = meta.decode_context_len
-        kd = gather_context(k_cache, meta.decode_block_tables, block_size, ctx).transpose(1, 2)
-        vd = gather_context(v_cache, meta.decode_block_tables, block_size, ctx).transpose(1, 2)
+        kd = gather_context(k_cache, meta.decode_block_tables, block_size, ctx, q.dtype).transpose(1, 2)
+        vd = gather_context(v_cache, meta.decode_block_tables, block_size, ctx, q.dtype).transpose(1, 2)
         # [nd, kv_heads, group, D]: each KV head's query heads as rows, no K/V repeat needed
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
         if out is None:
@@ -316,8 +322,8 @@ def paged_attention(
             attend = chunk_attention if cpu and span.query_positions is None else masked_chunk_attention
             table = span.block_table.unsqueeze(0)
             # [1, kv_heads, context_len, D]
-            kp = gather_context(k_cache, table, block_size, span.context_len).transpose(1, 2)
-            vp = gather_context(v_cache, table, block_size, span.context_len).transpose(1, 2)
+            kp = gather_context(k_cache, table, block_size, span.context_len, q.dtype).transpose(1, 2)
+            vp = gather_context(v_cache, table, block_size, span.context_len, q.dtype).transpose(1, 2)
             qp = q[span.query_start : span.query_end].transpose(0, 1).unsqueeze(0)
             op = attend(qp, kp, vp, span, scale)  # [1, num_heads, n, head_dim]
             out[span.query_start : span.query_end] = op[0].transpose(0, 1)

@@ -24,6 +24,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_cache_tokens: int | None = None  # pool size in tokens; None: from memory fraction
     kv_cache_memory_fraction: float = 0.1  # of free host/device memory, when tokens unset
+    kv_cache_dtype: str = "auto"  # "auto" | "fp32" | "fp16" (engine.kv_cache.resolve_kv_dtype)
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     # A step that carries decodes gets this time budget; its prefill chunks are sized to fit it

@@ -402,7 +402,7 @@ class DocumentKVCache:
         model, pool = runner.model, runner.kv_pool
         first, end = layers or (0, len(pool.k_caches))
         meta = scattered_metadata(
-            block_table, positions, runner.block_size, runner.device, pool.kv.dtype, runner.num_threads
+            block_table, positions, runner.block_size, runner.device, model.dtype, runner.num_threads
         )
         freqs = runner.rotary.lookup(torch.tensor(positions, dtype=torch.long, device=runner.device))
         with forward_pass([len(positions)], runner.num_threads, runner.device):

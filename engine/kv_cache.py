@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ragspeed.engine.cpu_kernels.build import load_library
 from ragspeed.engine.models.arch import ModelArch
 
 
@@ -46,6 +47,23 @@ class KVCachePool:
     @property
     def num_bytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
+
+
+KV_CACHE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+
+
+def resolve_kv_dtype(name: str, model_dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+    """The pool's dtype for `--kv-cache-dtype`: "auto" is fp16 for an fp32 model on a CPU with
+    ragspeed's kernels (decode attention reads half the bytes; they widen each key and value as
+    they read it), else the model's dtype."""
+    if name == "auto":
+        half = (
+            torch.device(device).type == "cpu" and model_dtype == torch.float32 and load_library() is not None
+        )
+        return torch.float16 if half else model_dtype
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown KV cache dtype {name!r}; known: auto, {', '.join(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[name]
 
 
 def available_memory_bytes(device: torch.device | str) -> int:

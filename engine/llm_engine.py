@@ -19,7 +19,7 @@ from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.cpu_features import CpuFeatures
 from ragspeed.engine.detokenizer import IncrementalDetokenizer
 from ragspeed.engine.document_kv import DocumentKVCache, document_fingerprint
-from ragspeed.engine.kv_cache import KVCachePool, plan_num_blocks
+from ragspeed.engine.kv_cache import KVCachePool, plan_num_blocks, resolve_kv_dtype
 from ragspeed.engine.loader import LoadedModel, load_for_engine, resolve_model_path
 from ragspeed.engine.logprobs import token_logprobs
 from ragspeed.engine.model_runner import ModelRunner
@@ -97,7 +97,7 @@ class LLMEngine:
         self.model_name = config.model
         self.max_model_len = loaded.rotary.freqs_cis.shape[0]
         self.eos_token_ids = loaded.eos_token_ids
-        dtype = loaded.model.dtype
+        dtype = resolve_kv_dtype(config.kv_cache_dtype, loaded.model.dtype, config.device)
         num_blocks = plan_num_blocks(
             self.arch,
             block_size=config.block_size,
@@ -141,12 +141,13 @@ class LLMEngine:
             "resident_bytes": resident_weight_bytes(loaded.model),
         }
         logger.info(
-            "native engine: %s (%s), KV pool %d blocks x %d tokens (%.0f MiB); weights %s, "
+            "native engine: %s (%s), KV pool %d blocks x %d tokens (%s, %.0f MiB); weights %s, "
             "decode reads %s, %.0f MiB resident",
             config.model,
             self.arch.family,
             num_blocks,
             config.block_size,
+            str(dtype).removeprefix("torch."),
             self.kv_pool.num_bytes / 2**20,
             self.weights["quantization"],
             self.weights["decode"],

@@ -76,7 +76,7 @@ class ModelRunner:
             slot_mapping=slot_mapping,
             block_size=bs,
             device=self.device,
-            dtype=self.kv_pool.kv.dtype,
+            dtype=self.model.dtype,
             num_threads=self.num_threads,
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)

@@ -88,6 +88,10 @@ class Settings(BaseSettings):
         ".ragspeed/prompts",
         description="Folder where registered prompts (their text, and their pinned KV) are saved and restored from at start-up (native; a prompt whose KV cannot be used is prefilled again); none: not persisted.",
     )
+    kv_cache_dtype: Literal["auto", "fp32", "fp16"] = Field(
+        "auto",
+        description="KV cache dtype (native): auto (fp16 on a CPU with ragspeed's kernels for an fp32 model, else the model's dtype), fp32 or fp16. fp16 halves what decode attention reads and what the pool, the document store and the prefix store hold.",
+    )
     quantization: Literal["auto", "none", "int8", "gguf"] | None = Field(
         "auto",
         description="Weights (native): auto (a GGUF file's own blocks on CPU, else none), gguf (a GGUF file's Q4_0/Q4_1/Q8_0 blocks as stored; other types dequantized), int8 (group-wise, its quality gate) or none (the checkpoint's dtype).",
@@ -278,6 +282,7 @@ class Settings(BaseSettings):
             block_size=self.block_size,
             num_kv_cache_tokens=self.num_kv_cache_tokens,
             kv_cache_memory_fraction=self.kv_cache_memory_fraction,
+            kv_cache_dtype=self.kv_cache_dtype,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             tpot_target_ms=self.tpot_target_ms,

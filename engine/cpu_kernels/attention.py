@@ -13,6 +13,7 @@ from ragspeed.engine.cpu_kernels.build import load_library
 
 MAX_GROUP = 16  # query heads per KV head (kernels.c's MAX_GROUP)
 MAX_HEAD_DIM = 256
+KV_DTYPES = (torch.float32, torch.float16)  # the pools the kernels read and write
 
 
 def decode_kernel_applies(q: torch.Tensor, num_kv_heads: int) -> bool:
@@ -29,7 +30,7 @@ def decode_kernel_applies(q: torch.Tensor, num_kv_heads: int) -> bool:
 
 def paged_decode_attention(
     q: torch.Tensor,  # [num_decodes, num_heads, head_dim]
-    k_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim] fp32 or fp16
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [num_decodes, max_blocks] int64
     context_lens: torch.Tensor,  # [num_decodes] int64
@@ -40,6 +41,7 @@ def paged_decode_attention(
     """softmax(q K^T * scale) V per decode over its context -> [num_decodes, num_heads, head_dim]."""
     library = load_library()
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.is_contiguous()
+    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in KV_DTYPES, k_cache.dtype
     num_decodes, num_heads, head_dim = q.shape
     q = q.contiguous()
     out = torch.empty_like(q)
@@ -57,6 +59,7 @@ def paged_decode_attention(
         block_tables.shape[1],
         block_size,
         scale,
+        k_cache.dtype == torch.float16,
         num_threads,
     )
     return out

@@ -67,17 +67,18 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.ragspeed_gemv_i8.argtypes = [pointer] * 5 + [integer] * 4
     library.ragspeed_gemv_q4.argtypes = [pointer] * 5 + [integer] * 4
     library.ragspeed_paged_decode_attention.argtypes = (
-        [pointer] * 6 + [integer] * 6 + [ctypes.c_float, integer]
+        [pointer] * 6 + [integer] * 6 + [ctypes.c_float, integer, integer]
     )
     library.ragspeed_add_rms_norm.argtypes = [pointer] * 4 + [integer] * 2 + [ctypes.c_float, integer]
-    library.ragspeed_decode_forward.argtypes = [pointer] * 9 + [integer] * 4
-    library.ragspeed_place_kv.argtypes = [pointer] * 4 + [integer] * 4 + [ctypes.c_int64, integer]
+    library.ragspeed_decode_forward.argtypes = [pointer] * 9 + [integer] * 5
+    library.ragspeed_place_kv.argtypes = [pointer] * 4 + [integer] * 4 + [ctypes.c_int64, integer, integer]
+    library.ragspeed_to_f16.argtypes = [pointer, pointer, integer]
     library.ragspeed_int8_group.argtypes = []
     library.ragspeed_int8_group.restype = integer
     library.ragspeed_greedy_steps.argtypes = (
         [pointer, pointer, integer]
         + [pointer] * 4
-        + [integer] * 3
+        + [integer] * 4
         + [pointer] * 4
         + [ctypes.c_float]
         + [pointer] * 2
@@ -92,6 +93,7 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
         library.ragspeed_decode_forward,
         library.ragspeed_place_kv,
         library.ragspeed_greedy_steps,
+        library.ragspeed_to_f16,
     ):
         kernel.restype = None
     return library

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ragspeed.engine.cpu_kernels.attention import MAX_GROUP, MAX_HEAD_DIM
+from ragspeed.engine.cpu_kernels.attention import KV_DTYPES, MAX_GROUP, MAX_HEAD_DIM
 from ragspeed.engine.cpu_kernels.blocked import BlockedWeight, in_decode_step
 from ragspeed.engine.cpu_kernels.build import load_library
 
@@ -74,6 +74,12 @@ class _Model(ctypes.Structure):
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
+
+
+def _half(caches: list[torch.Tensor]) -> bool:
+    """Whether the KV pool holds fp16 (else fp32: engine.cpu_kernels.attention.KV_DTYPES)."""
+    assert caches[0].dtype in KV_DTYPES, caches[0].dtype
+    return caches[0].dtype == torch.float16
 
 
 def _projections(layer) -> tuple:
@@ -204,6 +210,7 @@ class FusedDecoder:
             tables.shape[1],
             meta.block_size,
             hidden.shape[0],
+            _half(k_caches),
             meta.num_threads,
         )
         return out
@@ -245,6 +252,7 @@ class FusedDecoder:
             block_tables.data_ptr(),
             block_tables.shape[1],
             block_size,
+            _half(k_caches),
             num_seqs,
             fed_t.data_ptr(),
             num_fed_t.data_ptr(),

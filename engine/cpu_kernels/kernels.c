@@ -86,6 +86,52 @@ static inline vecf loadv_f16(const f16 *p) {
     return v;
 #endif
 }
+/* fp32 to fp16 bits, rounded to nearest even (as F16C's conversion). */
+static inline f16 f32_to_f16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    uint32_t sign = (bits >> 16) & 0x8000, magnitude = bits & 0x7fffffff;
+    if (magnitude > 0x7f800000) return (f16)(sign | 0x7e00); /* NaN */
+    if (magnitude >= 0x477ff000) return (f16)(sign | 0x7c00); /* 65520 and up round to inf */
+    if (magnitude < 0x38800000) { /* below 2^-14: a subnormal, mantissa * 2^-24 */
+        float m;
+        memcpy(&m, &magnitude, sizeof m);
+        return (f16)(sign | (uint32_t)__builtin_rintf(m * 16777216.0f));
+    }
+    uint32_t rounded = magnitude + 0xfff + ((magnitude >> 13) & 1);
+    return (f16)(sign | ((rounded - 0x38000000) >> 13));
+}
+static inline void storev_f16(f16 *p, vecf v) {
+#if defined(__AVX512F__)
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtps_ph((__m512)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif defined(__AVX2__) && defined(__F16C__)
+    _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph((__m256)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
+    for (int i = 0; i < LANES; i++) p[i] = f32_to_f16(v[i]);
+#endif
+}
+
+/* KV cache rows: fp32, or fp16 where `half` (the pool's dtype, chosen at start-up). */
+static inline vecf load_kv(const void *row, int d, int half) {
+    return half ? loadv_f16((const f16 *)row + d) : loadv_f32((const float *)row + d);
+}
+static inline float kv_at(const void *row, int d, int half) {
+    return half ? f16_to_f32(((const f16 *)row)[d]) : ((const float *)row)[d];
+}
+/* src [count] into the row at element `offset` of a cache. */
+static void put_kv(void *cache, size_t offset, const float *src, int count, int half) {
+    if (!half) {
+        memcpy((float *)cache + offset, src, sizeof(float) * count);
+        return;
+    }
+    f16 *dst = (f16 *)cache + offset;
+    int d = 0;
+    for (; d + LANES <= count; d += LANES) storev_f16(dst + d, loadv_f32(src + d));
+    for (; d < count; d++) dst[d] = f32_to_f16(src[d]);
+}
+
+/* dst [n] = src [n] rounded to fp16 as the KV writes round (their test). */
+void ragspeed_to_f16(const float *src, f16 *dst, int n) { put_kv(dst, 0, src, n, 1); }
 
 /* y[first:first+16] = sums + bias (bias padded to whole blocks), the last block only up to n. */
 static inline void store_sums(float *y, const float *sums, const float *bias, int first, int n) {
@@ -508,12 +554,12 @@ static inline float reduce_add(vecf v) {
 #endif
 }
 
-static inline float dot(const float *a, const float *b, int d) {
+static inline float dot_kv(const float *a, const void *row, int d, int half) {
     vecf acc = {0};
     int i = 0;
-    for (; i + LANES <= d; i += LANES) acc += loadv_f32(a + i) * loadv_f32(b + i);
+    for (; i + LANES <= d; i += LANES) acc += loadv_f32(a + i) * load_kv(row, i, half);
     float s = reduce_add(acc);
-    for (; i < d; i++) s += a[i] * b[i];
+    for (; i < d; i++) s += a[i] * kv_at(row, i, half);
     return s;
 }
 
@@ -551,23 +597,23 @@ static inline void sum8(const vecf *acc, float *out) {
 
 /* scores[t] = q . keys[t] * scale: eight keys at a time, each with its own sum (one load of
  * a q vector serves eight products). */
-static void chunk_scores(const float *q, const float *const *keys, int count, int head_dim,
-                         float scale, float *scores) {
+static void chunk_scores(const float *q, const void *const *keys, int count, int head_dim,
+                         float scale, float *scores, int half) {
     int t = 0, whole = head_dim / LANES * LANES;
     for (; t + 8 <= count; t += 8) {
         vecf acc[8];
         _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) acc[j] = (vecf){0};
         for (int d = 0; d < whole; d += LANES) {
             vecf qv = loadv_f32(q + d);
-            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) acc[j] += qv * loadv_f32(keys[t + j] + d);
+            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) acc[j] += qv * load_kv(keys[t + j], d, half);
         }
         sum8(acc, scores + t);
         for (int j = 0; j < 8; j++) {
-            for (int d = whole; d < head_dim; d++) scores[t + j] += q[d] * keys[t + j][d];
+            for (int d = whole; d < head_dim; d++) scores[t + j] += q[d] * kv_at(keys[t + j], d, half);
             scores[t + j] *= scale;
         }
     }
-    for (; t < count; t++) scores[t] = dot(q, keys[t], head_dim) * scale;
+    for (; t < count; t++) scores[t] = dot_kv(q, keys[t], head_dim, half) * scale;
 }
 
 /* The next chunk's rows (keys and values, every head), prefetched a line of each per call while
@@ -610,49 +656,49 @@ static void chunk_rows(Ahead *a, const Run *run, int c, int block_size) {
 }
 
 /* out[d] = sum over t of weights[t] * values[t][d]: four vectors of out at a time in registers. */
-static void chunk_values(const float *weights, const float *const *values, int count, int head_dim,
-                         float *out, Ahead *ahead) {
+static void chunk_values(const float *weights, const void *const *values, int count, int head_dim,
+                         float *out, Ahead *ahead, int half) {
     int d = 0;
     for (; d + 4 * LANES <= head_dim; d += 4 * LANES) {
         vecf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
         for (int t = 0; t < count; t++) {
             prefetch_ahead(ahead);
-            const float *v = values[t] + d;
+            const void *v = values[t];
             vecf w = (vecf){0} + weights[t];
-            a0 += w * loadv_f32(v); a1 += w * loadv_f32(v + LANES);
-            a2 += w * loadv_f32(v + 2 * LANES); a3 += w * loadv_f32(v + 3 * LANES);
+            a0 += w * load_kv(v, d, half); a1 += w * load_kv(v, d + LANES, half);
+            a2 += w * load_kv(v, d + 2 * LANES, half); a3 += w * load_kv(v, d + 3 * LANES, half);
         }
         storev_f32(out + d, a0); storev_f32(out + d + LANES, a1);
         storev_f32(out + d + 2 * LANES, a2); storev_f32(out + d + 3 * LANES, a3);
     }
     for (; d + LANES <= head_dim; d += LANES) {
         vecf a = {0};
-        for (int t = 0; t < count; t++) a += ((vecf){0} + weights[t]) * loadv_f32(values[t] + d);
+        for (int t = 0; t < count; t++) a += ((vecf){0} + weights[t]) * load_kv(values[t], d, half);
         storev_f32(out + d, a);
     }
     for (; d < head_dim; d++) {
         float a = 0.0f;
-        for (int t = 0; t < count; t++) a += weights[t] * values[t][d];
+        for (int t = 0; t < count; t++) a += weights[t] * kv_at(values[t], d, half);
         out[d] = a;
     }
 }
 
 /* KV head h over one chunk's `count` slots, for the head's `group` query heads q [group,
  * head_dim]: their partials [group][2 + head_dim] (max, sum, unnormalised output). */
-static void attention_chunk(const float *q, const float *k_cache, const float *v_cache,
+static void attention_chunk(const float *q, const void *k_cache, const void *v_cache,
                             const size_t *slots, int count, int h, int group, int num_kv_heads,
-                            int head_dim, float scale, float *partials, Ahead *ahead) {
-    size_t row_floats = (size_t)num_kv_heads * head_dim;
-    const float *keys[CHUNK], *values[CHUNK];
+                            int head_dim, float scale, float *partials, Ahead *ahead, int half) {
+    size_t element = half ? sizeof(f16) : sizeof(float), row_bytes = element * num_kv_heads * head_dim;
+    const void *keys[CHUNK], *values[CHUNK];
     for (int t = 0; t < count; t++) {
-        keys[t] = k_cache + slots[t] * row_floats + (size_t)h * head_dim;
-        values[t] = v_cache + slots[t] * row_floats + (size_t)h * head_dim;
+        keys[t] = (const char *)k_cache + slots[t] * row_bytes + element * h * head_dim;
+        values[t] = (const char *)v_cache + slots[t] * row_bytes + element * h * head_dim;
     }
     int padded = (count + LANES - 1) / LANES * LANES;
     float scores[CHUNK] __attribute__((aligned(64)));
     for (int g = 0; g < group; g++) {
         float *partial = partials + (size_t)g * (head_dim + 2);
-        chunk_scores(q + (size_t)g * head_dim, keys, count, head_dim, scale, scores);
+        chunk_scores(q + (size_t)g * head_dim, keys, count, head_dim, scale, scores, half);
         for (int t = count; t < padded; t++) scores[t] = -__builtin_inff();
         vecf tops = loadv_f32(scores);  /* count >= 1 */
         for (int t = LANES; t < padded; t += LANES) {
@@ -670,17 +716,17 @@ static void attention_chunk(const float *q, const float *k_cache, const float *v
         }
         partial[0] = top;
         partial[1] = reduce_add(sum);
-        chunk_values(scores, values, count, head_dim, partial + 2, ahead);
+        chunk_values(scores, values, count, head_dim, partial + 2, ahead, half);
     }
 }
 
 /* The tasks split across the threads of the enclosing parallel region, ending in its barrier;
  * partials: attention_partials(...) floats, shared by the team. */
-static void paged_decode_attention_team(const float *q, const float *k_cache, const float *v_cache,
+static void paged_decode_attention_team(const float *q, const void *k_cache, const void *v_cache,
                                         const int64_t *block_tables, const int64_t *context_lens,
                                         float *out, int num_seqs, int num_heads, int num_kv_heads,
                                         int head_dim, int max_blocks, int block_size, float scale,
-                                        int64_t longest, float *partials) {
+                                        int64_t longest, float *partials, int half) {
     int group = num_heads / num_kv_heads, chunks = (int)((longest + CHUNK - 1) / CHUNK);
     size_t task_floats = (size_t)group * (head_dim + 2);
     /* Runs of rows over one context (a verification's rows: each row's context the previous
@@ -707,7 +753,7 @@ static void paged_decode_attention_team(const float *q, const float *k_cache, co
     for (int j = 0; j < 2; j++) {
         memset(ahead + j, 0, sizeof ahead[j]);
         ahead[j].k_cache = (const char *)k_cache, ahead[j].v_cache = (const char *)v_cache;
-        ahead[j].row_bytes = sizeof(float) * num_kv_heads * head_dim;
+        ahead[j].row_bytes = (half ? sizeof(f16) : sizeof(float)) * num_kv_heads * head_dim;
     }
     if (begin < end) chunk_rows(ahead + begin % 2, runs + u, c, block_size);
     for (int i = begin; i < end; i++) {
@@ -723,7 +769,7 @@ static void paged_decode_attention_team(const float *q, const float *k_cache, co
             for (int h = 0; h < num_kv_heads; h++)
                 attention_chunk(q + ((size_t)r * num_heads + (size_t)h * group) * head_dim, k_cache, v_cache,
                                 current->slots, left < CHUNK ? (int)left : CHUNK, h, group, num_kv_heads,
-                                head_dim, scale, partials + ((size_t)(r * num_kv_heads + h) * chunks + chunk) * task_floats, next);
+                                head_dim, scale, partials + ((size_t)(r * num_kv_heads + h) * chunks + chunk) * task_floats, next, half);
         }
     }
     free(runs);
@@ -752,17 +798,17 @@ static int64_t longest_context(const int64_t *context_lens, int num_seqs) {
     return longest;
 }
 
-void ragspeed_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
+void ragspeed_paged_decode_attention(const float *q, const void *k_cache, const void *v_cache,
                                      const int64_t *block_tables, const int64_t *context_lens,
                                      float *out, int num_seqs, int num_heads, int num_kv_heads,
                                      int head_dim, int max_blocks, int block_size, float scale,
-                                     int num_threads) {
+                                     int half, int num_threads) {
     int64_t longest = longest_context(context_lens, num_seqs);
     float *partials = malloc(sizeof(float) * attention_partials(num_seqs, num_heads, head_dim, longest));
     _Pragma("omp parallel num_threads(num_threads)")
     paged_decode_attention_team(q, k_cache, v_cache, block_tables, context_lens, out, num_seqs,
                                 num_heads, num_kv_heads, head_dim, max_blocks, block_size, scale,
-                                longest, partials);
+                                longest, partials, half);
     free(partials);
 }
 
@@ -797,31 +843,39 @@ void ragspeed_add_rms_norm(float *x, const float *residual, const float *weight,
 /* ------------------------------------------------------------------ stored document KV, placed
  *
  * A document's stored KV, fp16 kv [2][layers][n][row] (row = kv_heads * head_dim, pairs
- * adjacent, keys rotated at their stored position), into the pool's fp32 rows
+ * adjacent, keys rotated at their stored position), into the pool's rows (fp32, or fp16 where
+ * `half`)
  * pool [2 * layers][num_slots][row] at `slots`, each key rotated on the way by the position
  * delta whose (cos, sin) per pair is rotation [head_dim / 2][2]: the store read once and the pool
  * written once (torch takes five passes: widen, rotate, widen the values, join, scatter). */
-void ragspeed_place_kv(const f16 *kv, const float *rotation, const int64_t *slots, float *pool,
+void ragspeed_place_kv(const f16 *kv, const float *rotation, const int64_t *slots, void *pool,
                        int num_layers, int n, int num_kv_heads, int head_dim, int64_t num_slots,
-                       int num_threads) {
+                       int half, int num_threads) {
     int row = num_kv_heads * head_dim;
     _Pragma("omp parallel for num_threads(num_threads) schedule(static) collapse(2)")
     for (int plane = 0; plane < 2 * num_layers; plane++)
         for (int t = 0; t < n; t++) {
             const f16 *src = kv + ((size_t)plane * n + t) * row;
-            float *dst = pool + ((size_t)plane * num_slots + (size_t)slots[t]) * row;
+            size_t offset = ((size_t)plane * num_slots + (size_t)slots[t]) * row;
+            if (half && plane >= num_layers) {  /* values go as they are */
+                memcpy((f16 *)pool + offset, src, sizeof(f16) * row);
+                continue;
+            }
+            float widened[row];
+            float *dst = half ? widened : (float *)pool + offset;
             int d = 0;
             for (; d + LANES <= row; d += LANES) storev_f32(dst + d, loadv_f16(src + d));
             for (; d < row; d++) dst[d] = f16_to_f32(src[d]);
-            if (plane >= num_layers) continue;  /* values go as they are */
-            for (int h = 0; h < num_kv_heads; h++) {
-                float *pairs = dst + (size_t)h * head_dim;
-                for (int j = 0; j < head_dim / 2; j++) {
-                    float x = pairs[2 * j], y = pairs[2 * j + 1], c = rotation[2 * j], s = rotation[2 * j + 1];
-                    pairs[2 * j] = x * c - y * s;
-                    pairs[2 * j + 1] = x * s + y * c;
+            if (plane < num_layers)
+                for (int h = 0; h < num_kv_heads; h++) {
+                    float *pairs = dst + (size_t)h * head_dim;
+                    for (int j = 0; j < head_dim / 2; j++) {
+                        float x = pairs[2 * j], y = pairs[2 * j + 1], c = rotation[2 * j], s = rotation[2 * j + 1];
+                        pairs[2 * j] = x * c - y * s;
+                        pairs[2 * j + 1] = x * s + y * c;
+                    }
                 }
-            }
+            if (half) put_kv(pool, offset, widened, row, 1);
         }
 }
 
@@ -923,11 +977,12 @@ static float *scratch(size_t floats) {
 /* x [m, hidden]: the step's embeddings, overwritten with the residual stream; out [m, hidden]:
  * the final norm of the stream. rotations [m, head_dim/2] (cos, sin) pairs; slots [m] where
  * each row's K/V goes; block_tables [m, max_blocks] and context_lens [m]: each row's context.
- * k_caches / v_caches: one [num_slots, num_kv_heads, head_dim] pool per layer. */
-void ragspeed_decode_forward(const Model *model, float *const *k_caches, float *const *v_caches,
+ * k_caches / v_caches: one [num_slots, num_kv_heads, head_dim] pool per layer, fp32 or (kv_half)
+ * fp16. */
+void ragspeed_decode_forward(const Model *model, void *const *k_caches, void *const *v_caches,
                              float *x, float *out, const float *rotations, const int64_t *slots,
                              const int64_t *block_tables, const int64_t *context_lens,
-                             int max_blocks, int block_size, int m, int num_threads) {
+                             int max_blocks, int block_size, int m, int kv_half, int num_threads) {
     int hidden = model->hidden, num_heads = model->num_heads, num_kv_heads = model->num_kv_heads;
     int head_dim = model->head_dim, inter = model->inter, half = head_dim / 2;
     int q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
@@ -935,7 +990,7 @@ void ragspeed_decode_forward(const Model *model, float *const *k_caches, float *
     float eps = model->eps;
     float *normed = scratch((size_t)m * hidden), *h = scratch((size_t)m * hidden);
     float *wide = scratch((size_t)m * widest), *q = scratch((size_t)m * q_size);
-    float *mid = scratch((size_t)m * (q_size > inter ? q_size : inter));
+    float *mid = scratch((size_t)m * (q_size > inter ? q_size : inter)), *key = scratch(kv_size);
     int64_t longest = longest_context(context_lens, m);
     float *partials = scratch(attention_partials(m, num_heads, head_dim, longest));
     /* One parallel region for the whole stack: the products and attention split across its
@@ -958,12 +1013,13 @@ void ragspeed_decode_forward(const Model *model, float *const *k_caches, float *
             for (int hd = 0; hd < num_heads; hd++)
                 rotate(row + (size_t)hd * head_dim, q + (size_t)r * q_size + (size_t)hd * head_dim, rotation, head_dim);
             for (int hd = 0; hd < num_kv_heads; hd++)
-                rotate(row + q_size + (size_t)hd * head_dim, k_caches[l] + slot * kv_size + (size_t)hd * head_dim, rotation, head_dim);
-            memcpy(v_caches[l] + slot * kv_size, row + q_size + kv_size, sizeof(float) * kv_size);
+                rotate(row + q_size + (size_t)hd * head_dim, key + (size_t)hd * head_dim, rotation, head_dim);
+            put_kv(k_caches[l], slot * kv_size, key, kv_size, kv_half);
+            put_kv(v_caches[l], slot * kv_size, row + q_size + kv_size, kv_size, kv_half);
         }
         paged_decode_attention_team(q, k_caches[l], v_caches[l], block_tables, context_lens, mid, m,
                                     num_heads, num_kv_heads, head_dim, max_blocks, block_size, model->scale,
-                                    longest, partials);
+                                    longest, partials, kv_half);
         linear_team(&layer->o, mid, h, m);
         _Pragma("omp single")
         for (int r = 0; r < m; r++) add_rms_norm_row(x, h, layer->post_norm, normed, r, hidden, eps);
@@ -973,7 +1029,7 @@ void ragspeed_decode_forward(const Model *model, float *const *k_caches, float *
         linear_team(&layer->down, mid, h, m);
     }
     ragspeed_add_rms_norm(x, model->num_layers ? h : NULL, model->final_norm, out, m, hidden, eps, 1);
-    free(normed); free(wide); free(q); free(mid); free(h); free(partials);
+    free(normed); free(wide); free(q); free(mid); free(h); free(partials); free(key);
 }
 
 /* Greedy decoding of m sequences in one call: a draft model's drafts. Sequence i first feeds
@@ -989,8 +1045,8 @@ void ragspeed_decode_forward(const Model *model, float *const *k_caches, float *
  * sub-vocabulary head's argmax row to the token id it scores: that id is the draft and is what
  * the next step feeds (the embedding covers the whole vocabulary). */
 void ragspeed_greedy_steps(const Model *model, const float *rotation_table, int vocab,
-                           const int64_t *d2t, float *const *k_caches, float *const *v_caches,
-                           const int64_t *block_tables, int max_blocks, int block_size, int m,
+                           const int64_t *d2t, void *const *k_caches, void *const *v_caches,
+                           const int64_t *block_tables, int max_blocks, int block_size, int kv_half, int m,
                            const int64_t *fed, const int32_t *num_fed, const int64_t *positions,
                            const int32_t *num_steps, float min_confidence, int64_t *drafts,
                            int32_t *counts, int max_steps, int num_threads) {
@@ -1033,7 +1089,7 @@ void ragspeed_greedy_steps(const Model *model, const float *rotation_table, int 
         }
         if (!n) break;
         ragspeed_decode_forward(model, k_caches, v_caches, x, out, rotations, slots, tables, lens,
-                                max_blocks, block_size, a, num_threads);
+                                max_blocks, block_size, a, kv_half, num_threads);
         for (int r = 0; r < n; r++)
             memcpy(last + (size_t)r * hidden, out + (size_t)last_row[r] * hidden, sizeof(float) * hidden);
         linear(&model->lm_head, last, logits, n, num_threads);

@@ -38,12 +38,15 @@ class QualityReport:
 
 
 @torch.inference_mode()
-def window_logits(loaded: LoadedModel, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
-    """fp32 logits [len(token_ids), vocab] of one sequence: one prefill through paged attention."""
+def window_logits(
+    loaded: LoadedModel, token_ids: list[int], block_size: int = 16, kv_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """fp32 logits [len(token_ids), vocab] of one sequence: one prefill through paged attention,
+    its KV pool in `kv_dtype` (default the model's dtype)."""
     n = len(token_ids)
     num_blocks = -(-n // block_size)
     device, dtype = loaded.model.device, loaded.model.dtype
-    pool = KVCachePool(loaded.arch, num_blocks, block_size, dtype, device)
+    pool = KVCachePool(loaded.arch, num_blocks, block_size, kv_dtype or dtype, device)
     meta = build_metadata(
         decode_tables=[],
         decode_context_lens=[],
@@ -66,12 +69,14 @@ def window_logits(loaded: LoadedModel, token_ids: list[int], block_size: int = 1
     return loaded.model.compute_logits(hidden)  # [n, vocab]
 
 
-def decode_window_logits(loaded: LoadedModel, token_ids: list[int]) -> torch.Tensor:
+def decode_window_logits(
+    loaded: LoadedModel, token_ids: list[int], kv_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """`window_logits` with every product on the decode kernels (engine.cpu_kernels.blocked:
     int8 weights times int16 activations): each position's logits as a decode step computes
     them, teacher-forced."""
     with decode_step(True):
-        return window_logits(loaded, token_ids)
+        return window_logits(loaded, token_ids, kv_dtype=kv_dtype)
 
 
 def text_windows(

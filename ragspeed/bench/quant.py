@@ -138,13 +138,24 @@ def run_bench_quant(
         lambda ids: decode_window_logits(engines["int8"].loaded, ids),
         windows,
     )
-    gguf_report = None
+    # The fp16 KV cache alone (fp32 weights), and with the file's blocks: serve's default path.
+    kv_fp16_report = compare_logits(
+        lambda ids: reference[tuple(ids)],
+        lambda ids: window_logits(fp32_loaded, ids, kv_dtype=torch.float16),
+        windows,
+    )
+    gguf_reports = {}
     if "gguf" in engines:  # its prefill is the fp32 model's; its decode reads the blocks
-        gguf_report = compare_logits(
-            lambda ids: reference[tuple(ids)],
-            lambda ids: decode_window_logits(engines["gguf"].loaded, ids),
-            windows,
-        )
+        gguf_reports = {
+            name: compare_logits(
+                lambda ids: reference[tuple(ids)],
+                lambda ids, kv_dtype=kv_dtype: decode_window_logits(
+                    engines["gguf"].loaded, ids, kv_dtype=kv_dtype
+                ),
+                windows,
+            )
+            for name, kv_dtype in (("gguf_decode", torch.float32), ("default", torch.float16))
+        }
     outcome = gate_prefill(prefill_candidates(features), lambda p: int8_reports[p.name])
     # The timings run on the chosen path (the most precise one where none passed).
     use_prefill_path(int8_model, outcome.path or prefill_candidates(features)[-1])
@@ -223,16 +234,22 @@ def run_bench_quant(
         decode_ppl_increase=decode_report.ppl_increase,
         decode_top1_agreement=decode_report.top1_agreement,
         decode_logit_rms_error=decode_report.logit_rms_error,
+        kv_fp16_ppl_increase=kv_fp16_report.ppl_increase,
+        kv_fp16_top1_agreement=kv_fp16_report.top1_agreement,
+        kv_fp16_logit_rms_error=kv_fp16_report.logit_rms_error,
     )
-    if gguf_report is not None:
+    for name, report in gguf_reports.items():
         results.update(
-            gguf_decode_ppl_increase=gguf_report.ppl_increase,
-            gguf_decode_top1_agreement=gguf_report.top1_agreement,
-            gguf_decode_logit_rms_error=gguf_report.logit_rms_error,
-            fp32_over_gguf_tpot=results["fp32_tpot_ms"] / results["gguf_tpot_ms"],
-            target_gguf_decode_ppl_increase_le_0_1pct=abs(gguf_report.ppl_increase) <= 0.001,
-            target_gguf_decode_top1_agreement_ge_99_5pct=gguf_report.top1_agreement >= 0.995,
+            {
+                f"{name}_ppl_increase": report.ppl_increase,
+                f"{name}_top1_agreement": report.top1_agreement,
+                f"{name}_logit_rms_error": report.logit_rms_error,
+                f"target_{name}_ppl_increase_le_0_1pct": abs(report.ppl_increase) <= 0.001,
+                f"target_{name}_top1_agreement_ge_99_5pct": report.top1_agreement >= 0.995,
+            }
         )
+    if gguf_reports:
+        results["fp32_over_gguf_tpot"] = results["fp32_tpot_ms"] / results["gguf_tpot_ms"]
     results["target_int8_tpot_within_2_5x_bound"] = results["int8_tpot_over_bound"] <= 2.5
     results["target_fp32_over_int8_tpot_ge_3"] = results["fp32_over_int8_tpot"] >= 3
     results["target_int8_ttft_no_worse"] = results["int8_over_fp32_ttft"] <= 1.0
@@ -284,12 +301,19 @@ def print_table(r: dict[str, Any], ttft_len: int) -> None:
         f"int8 decode kernels vs fp32: ppl {r['decode_ppl_increase']:+.2%}, top-1 agreement "
         f"{r['decode_top1_agreement']:.2%}, logit RMS error {r['decode_logit_rms_error']:.3f}"
     )
-    if "gguf_decode_top1_agreement" in r:
-        print(
-            f"gguf blocks' decode vs fp32 (the file's dequantized weights): ppl "
-            f"{r['gguf_decode_ppl_increase']:+.3%}, top-1 agreement {r['gguf_decode_top1_agreement']:.2%}, "
-            f"logit RMS error {r['gguf_decode_logit_rms_error']:.4f}; fp32/gguf TPOT {r['fp32_over_gguf_tpot']:.2f}x"
-        )
+    lines = {
+        "kv_fp16": "fp16 KV cache (fp32 weights) vs fp32",
+        "gguf_decode": "gguf blocks' decode vs fp32 (the file's dequantized weights)",
+        "default": "serve's default (gguf blocks, fp16 KV cache) vs fp32",
+    }
+    for name, label in lines.items():
+        if f"{name}_top1_agreement" in r:
+            print(
+                f"{label}: ppl {r[f'{name}_ppl_increase']:+.3%}, top-1 agreement "
+                f"{r[f'{name}_top1_agreement']:.2%}, logit RMS error {r[f'{name}_logit_rms_error']:.4f}"
+            )
+    if "fp32_over_gguf_tpot" in r:
+        print(f"fp32/gguf TPOT {r['fp32_over_gguf_tpot']:.2f}x")
     paths = sorted(
         {
             k.removeprefix("quality_").removesuffix("_ppl_increase")

@@ -62,10 +62,18 @@ def _hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
 
 def make_engine(path, features=None, **overrides) -> LLMEngine:
     """An engine on fp32 unless asked: `--dtype auto` would pick bf16 prefill products on a CPU
-    with AVX512-BF16 or AMX, whose rounding depends on the batch's rows, and these tests
-    compare runs token for token and against fp32 references (engine.precision's own tests
-    choose paths with injected CPU features)."""
-    kwargs = dict(model=str(path), max_model_len=256, num_kv_cache_tokens=4096, block_size=8, dtype="float32")
+    with AVX512-BF16 or AMX, whose rounding depends on the batch's rows, and the fp16 KV cache
+    of `--kv-cache-dtype auto` rounds every key and value, while these tests compare runs token
+    for token and against fp32 references (engine.precision's own tests choose paths with
+    injected CPU features; test_kv_dtype covers the fp16 pool)."""
+    kwargs = dict(
+        model=str(path),
+        max_model_len=256,
+        num_kv_cache_tokens=4096,
+        block_size=8,
+        dtype="float32",
+        kv_cache_dtype="fp32",
+    )
     kwargs.update(overrides)
     return LLMEngine(EngineConfig(**kwargs), features=features)
 

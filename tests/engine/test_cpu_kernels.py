@@ -131,20 +131,45 @@ def test_turned_off_or_failed_build_means_no_kernels(fresh_build, monkeypatch, c
 @pytest.mark.parametrize("score_scale", [0.125, 40.0])  # 40: most weights underflow to 0
 # 5 and 40: contexts that end inside a block, heads that end inside a vector
 @pytest.mark.parametrize("block_size, head_dim", [(16, 32), (5, 40)])
-def test_decode_attention_over_a_long_scattered_context(score_scale, block_size, head_dim):
-    check_decode_attention(score_scale, block_size, head_dim)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_decode_attention_over_a_long_scattered_context(score_scale, block_size, head_dim, kv_dtype):
+    check_decode_attention(score_scale, block_size, head_dim, kv_dtype)
 
 
-def test_decode_attention_in_plain_c(fresh_build, monkeypatch):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_decode_attention_in_plain_c(fresh_build, monkeypatch, kv_dtype):
     """Built without AVX2, the kernel's generic sums give the same attention."""
     monkeypatch.setattr(build, "FLAGS", build.FLAGS + ("-mno-avx2",))
-    check_decode_attention(0.125, 16, 64)
+    check_decode_attention(0.125, 16, 64, kv_dtype)
 
 
-def check_decode_attention(score_scale, block_size, head_dim):
-    """Two requests (1,000 and 37 tokens) over blocks in random order against softmax(q K^T) V;
-    on one thread or two, a row alone, in the batch or among rows over the same blocks (a
-    verification's, read once for all): the same bits."""
+@pytest.mark.parametrize("flags", [(), ("-mno-avx2",), ("-mno-avx512f",)])
+def test_kv_writes_round_to_fp16_as_torch_does(fresh_build, monkeypatch, flags):
+    """The fp16 KV pool's writes (F16C, or plain C without AVX2): nearest, ties to even,
+    subnormals, overflow to infinity, NaN kept."""
+    monkeypatch.setattr(build, "FLAGS", build.FLAGS + flags)
+    steps = torch.arange(-2000, 2000, dtype=torch.float32)
+    values = torch.cat(
+        [
+            torch.randn(997, generator=torch.Generator().manual_seed(3)) * 100,
+            (steps + 0.5) / 1024,  # ties between fp16 steps of 1 / 1024
+            steps * 2**-26,  # fp16 subnormals and their ties
+            torch.tensor([0.0, -0.0, 65504.0, 65519.0, 65520.0, -7e4, float("inf"), -float("inf")]),
+        ]
+    )
+    out = torch.empty(len(values), dtype=torch.float16)
+    load_library().ragspeed_to_f16(values.data_ptr(), out.data_ptr(), len(values))
+    assert torch.equal(out.view(torch.int16), values.half().view(torch.int16))
+    nans, out = torch.full((20,), float("nan")), torch.empty(20, dtype=torch.float16)
+    load_library().ragspeed_to_f16(nans.data_ptr(), out.data_ptr(), len(nans))
+    assert out.isnan().all()
+
+
+def check_decode_attention(score_scale, block_size, head_dim, kv_dtype=torch.float32):
+    """Two requests (1,000 and 37 tokens) over blocks in random order against softmax(q K^T) V
+    (of the pool's keys and values widened to fp32); on one thread or two, a row alone, in the
+    batch or among rows over the same blocks (a verification's, read once for all): the same
+    bits."""
     from ragspeed.engine.cpu_kernels.attention import paged_decode_attention
 
     gen = torch.Generator().manual_seed(11)
@@ -153,15 +178,15 @@ def check_decode_attention(score_scale, block_size, head_dim):
     num_blocks = -(-1000 // block_size)  # per table; the pool holds more, in random order
     pool_blocks = num_blocks + 17
     tables = torch.stack([torch.randperm(pool_blocks, generator=gen)[:num_blocks] for _ in lengths])
-    k_cache = torch.randn(pool_blocks * block_size, num_kv_heads, head_dim, generator=gen)
-    v_cache = torch.randn(pool_blocks * block_size, num_kv_heads, head_dim, generator=gen)
+    k_cache = torch.randn(pool_blocks * block_size, num_kv_heads, head_dim, generator=gen).to(kv_dtype)
+    v_cache = torch.randn(pool_blocks * block_size, num_kv_heads, head_dim, generator=gen).to(kv_dtype)
     q = torch.randn(2, num_heads, head_dim, generator=gen)
     lens = torch.tensor(lengths)
     out = paged_decode_attention(q, k_cache, v_cache, tables, lens, block_size, score_scale)
     for i, (table, n) in enumerate(zip(tables, lengths)):
         slots = (table[:, None] * block_size + torch.arange(block_size)).flatten()[:n]
-        keys = k_cache[slots].repeat_interleave(num_heads // num_kv_heads, dim=1)  # [n, H, D]
-        values = v_cache[slots].repeat_interleave(num_heads // num_kv_heads, dim=1)
+        keys = k_cache[slots].float().repeat_interleave(num_heads // num_kv_heads, dim=1)  # [n, H, D]
+        values = v_cache[slots].float().repeat_interleave(num_heads // num_kv_heads, dim=1)
         weights = (torch.einsum("hd,thd->ht", q[i], keys) * score_scale).softmax(-1)
         expected = torch.einsum("ht,thd->hd", weights, values)
         torch.testing.assert_close(out[i], expected, rtol=1e-4, atol=1e-5)

@@ -109,7 +109,9 @@ def test_restore_while_the_pool_is_short_answers_none(tiny_checkpoints):
         try:
             other = await cache.pin(tuple(range(100, 117)), None)  # 2 full blocks held
             shape = list(engine.engine.kv_pool.kv.shape)
-            kv = torch.zeros(*shape[:2], 4, *shape[3:])  # 4 blocks: more than the 3 left
+            kv = torch.zeros(
+                *shape[:2], 4, *shape[3:], dtype=engine.engine.kv_pool.kv.dtype
+            )  # 4 blocks, 3 left
             return other, await cache.restore(PREFIX, kv, None), engine.stats()["num_blocks_used"]
         finally:
             await engine.shutdown()
