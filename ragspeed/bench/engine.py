@@ -1,7 +1,9 @@
 """`ragspeed bench engine`: the native engine against transformers, with the hardware bounds.
 
-The native engine runs on `quantization`'s weights [quantization]: int8 by default, the path
-that passes the model's quality gate and reads the fewest bytes (`--quantization none`: fp32).
+The native engine runs as `ragspeed serve` does by default: `quantization` "auto" (a GGUF
+file's own blocks, else the checkpoint's dtype) [quantization] and `kv_cache_dtype` "auto"
+(fp16 on a CPU with the kernels) [kv_cache_dtype]; `--quantization int8|none` and
+`--kv-cache-dtype fp32` measure the other paths.
 
 Figures (all from one run, after a warm-up, medians of `repeats` runs; JSON keys in brackets):
 - throughput: `num_requests` concurrent requests of `prompt_len` random tokens, `output_len`
@@ -245,7 +247,8 @@ def bench_engine(
     with_llamacpp: bool = True,
     llamacpp_gguf: tuple[str, ...] = (),
     llamacpp_requests: int = 4,
-    quantization: str | None = "int8",
+    quantization: str | None = "auto",
+    kv_cache_dtype: str = "auto",
     seed: int = 0,
 ) -> dict[str, Any]:
     """Measure the native engine (and transformers beside it); print a table, return flat JSON."""
@@ -281,6 +284,7 @@ def bench_engine(
         max_num_seqs=max(num_requests, 1),
         enable_prefix_caching=False,  # random prompts share nothing; keep the pool honest
         quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
         seed=seed,
     )
     engine = LLMEngine(config)
@@ -305,7 +309,8 @@ def bench_engine(
     gemm_rate = measure_gemm_rate()
     results: dict[str, Any] = {
         "model": model,
-        "quantization": config.quantization or "none",
+        "quantization": engine.loaded.quantization or "none",
+        "kv_cache_dtype": str(engine.kv_pool.kv.dtype).removeprefix("torch."),
         "threads": threads,
         "num_requests": num_requests,
         "prompt_len": prompt_len,
@@ -414,7 +419,7 @@ def print_table(r: dict[str, Any], ttft_len: int, attention_lens: tuple[int, ...
     print(machine_line(r["threads"]))
     print(f"cpu: {r['cpu']}")
     print(
-        f"model {r['model']}, native weights {r['quantization']}, {r['threads']} threads: "
+        f"model {r['model']}, native weights {r['quantization']}, KV {r['kv_cache_dtype']}, {r['threads']} threads: "
         f"read {r['read_bandwidth_gb_s']:.1f} GB/s, GEMM {r['gemm_gflop_s']:.0f} GFLOP/s"
     )
     print(f"{'figure':<22}{'native':>12}{'transformers':>14}{'bound':>10}{'ratio':>8}")
@@ -463,10 +468,17 @@ def attention_line(r: dict[str, Any], attention_lens: tuple[int, ...]) -> str:
 @click.option("--llamacpp-requests", default=4, type=int, help="requests through llama.cpp, one at a time")
 @click.option(
     "--quantization",
-    type=click.Choice(["gguf", "int8", "none"]),
-    default="int8",
+    type=click.Choice(["auto", "gguf", "int8", "none"]),
+    default="auto",
     show_default=True,
-    help="the native engine's weights (int8 passes the model's quality gate: ragspeed bench quant)",
+    help="the native engine's weights, as serve's --quantization",
+)
+@click.option(
+    "--kv-cache-dtype",
+    type=click.Choice(["auto", "fp32", "fp16"]),
+    default="auto",
+    show_default=True,
+    help="the native engine's KV cache, as serve's --kv-cache-dtype",
 )
 def bench_engine_command(
     model: str,
@@ -480,6 +492,7 @@ def bench_engine_command(
     llamacpp_gguf: tuple[str, ...],
     llamacpp_requests: int,
     quantization: str,
+    kv_cache_dtype: str,
 ) -> None:
     """Native engine vs transformers (and llama.cpp): throughput, TPOT and TTFT against the hardware bounds."""
     try:
@@ -495,6 +508,7 @@ def bench_engine_command(
             llamacpp_gguf=llamacpp_gguf,
             llamacpp_requests=llamacpp_requests,
             quantization=quantization,  # "none": EngineConfig reads it as off
+            kv_cache_dtype=kv_cache_dtype,
         )
     except ValueError as error:
         raise click.UsageError(str(error)) from error
