@@ -97,7 +97,7 @@ class PrefillPlan:
     """The prefill paths a CPU model may use, fastest first; the last is the exact one."""
 
     dtype: str
-    kind: str  # "dense" or "int8": which linear kind's paths
+    kind: str  # "dense", "gguf" (dense prefill paths, decode on the file's blocks) or "int8"
     features: CpuFeatures
     candidates: tuple[PrefillPath, ...]
     unavailable: dict[str, str] = field(default_factory=dict)  # admitted path -> why not here
@@ -112,7 +112,7 @@ def _kind_paths(quantization: str | None) -> tuple[str, tuple[PrefillPath, ...]]
         return "int8", PREFILL_PATHS
     from ragspeed.engine.models.linear import DENSE_PREFILL_PATHS
 
-    return "dense", DENSE_PREFILL_PATHS
+    return "gguf" if quantization == "gguf" else "dense", DENSE_PREFILL_PATHS
 
 
 def plan_prefill(
@@ -149,7 +149,7 @@ class PrefillChoice:
     def describe(self) -> str:
         """The start-up line: path, activations, decode kernel, what else ran or could not."""
         plan = self.plan
-        decode = "blocked int8" if plan.kind == "int8" else "blocked fp32"
+        decode = {"int8": "blocked int8", "gguf": "the file's blocks"}.get(plan.kind, "blocked fp32")
         line = (
             f"prefill {self.path.name} (activations {self.path.activations}), decode {decode}, "
             f"dtype {plan.dtype} on {plan.features.describe()}"
