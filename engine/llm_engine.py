@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ from ragspeed.engine.logprobs import token_logprobs
 from ragspeed.engine.model_runner import ModelRunner
 from ragspeed.engine.model_zoo import resolve_tokenizer
 from ragspeed.engine.models.linear import decode_weights
-from ragspeed.engine.precision import PrefillChoice, calibration_windows, choose_prefill
+from ragspeed.engine.precision import PrefillChoice, calibration_windows, choose_prefill, gate_weights
 from ragspeed.engine.prefix_store import engine_fingerprint
 from ragspeed.engine.protocol import (
     EngineError,
@@ -84,6 +84,21 @@ class LLMEngine:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(resolve_tokenizer(config.tokenizer, loaded.path))
+        if config.quantization == "auto" and loaded.quantization == "int8":
+            # auto's int8 serves only where the model's answers survive it (else fp32)
+            unquantized = replace(config, quantization=None)
+            with cpu_threads(num_threads):
+                loaded = gate_weights(
+                    loaded,
+                    lambda: load_for_engine(
+                        loaded.path,
+                        unquantized,
+                        max_model_len=config.max_model_len,
+                        num_threads=num_threads,
+                        features=features,
+                    ),
+                    lambda: calibration_windows(tokenizer),
+                )
         # The prefill path (CPU): the fastest the plan offers that passes the quality gate.
         self.prefill_choice: PrefillChoice | None = None
         if loaded.prefill_plan is not None:

@@ -34,7 +34,7 @@ from ragspeed.engine.models.arch import ModelArch
 from ragspeed.engine.models.decoder import DecoderLM
 from ragspeed.engine.models.rotary import RotaryEmbedding, permute_heads
 from ragspeed.engine.precision import PrefillPlan, compute_dtype, plan_prefill
-from ragspeed.engine.quant import QuantizationUnavailableError, check_quantization
+from ragspeed.engine.quant import QuantizationUnavailableError, available_quantizations, check_quantization
 from ragspeed.engine.quant.gguf_blocks import KERNEL_TYPES, GgufBlocks, cat_rows, map_rows
 from ragspeed.engine.threads import cpu_threads
 
@@ -269,11 +269,16 @@ def check_d2t(d2t: torch.Tensor | None, arch: ModelArch) -> torch.Tensor:
 
 
 def resolve_quantization(name: str | None, path: Path, device: str) -> str | None:
-    """`auto`: the fastest weights exact to the checkpoint, on CPU a GGUF file's own blocks
-    ('gguf'); unquantized elsewhere. Any other name as it is."""
+    """`auto` on CPU: a GGUF file's own blocks ('gguf'), exact to the file; else int8 where it
+    runs, which engine.precision.gate_weights keeps only if the model's quality gate passes.
+    Unquantized elsewhere. Any other name as it is."""
     if name != "auto":
         return name
-    return "gguf" if torch.device(device).type == "cpu" and gguf.source_of(path) is not None else None
+    if torch.device(device).type != "cpu":
+        return None
+    if gguf.source_of(path) is not None:
+        return "gguf"
+    return "int8" if "int8" in available_quantizations(device) else None
 
 
 def resolve_model_path(name: str) -> Path:

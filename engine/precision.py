@@ -178,6 +178,36 @@ def calibration_windows(
 PREFILL_GATE = QualityGate(max_ppl_increase=0.01, min_top1_agreement=0.99)
 
 
+# What int8 weights must keep of the model's answers to serve under `--quantization auto`,
+# against the same model in fp32: bench quant's int8 figures, on the start-up calibration text.
+WEIGHTS_GATE = QualityGate()
+
+
+def gate_weights(
+    loaded: LoadedModel,
+    load_reference: Callable[[], LoadedModel],
+    windows: Callable[[], list[list[int]]],
+    gate: QualityGate = WEIGHTS_GATE,
+) -> LoadedModel:
+    """Under `--quantization auto`, an int8 model (decode kernels, teacher-forced) against its
+    fp32 reference from `load_reference()`: the int8 model where `gate` passes, else the
+    reference, with a log line naming the figures either way."""
+    from ragspeed.engine.quant.quality import compare_logits, decode_window_logits, window_logits
+
+    reference = load_reference()
+    ids = windows()
+    report = compare_logits(
+        lambda w: window_logits(reference, w), lambda w: decode_window_logits(loaded, w), ids
+    )
+    figures = f"perplexity {report.ppl_increase:+.2%}, top-1 agreement {report.top1_agreement:.2%}"
+    missed = gate.failures(report)
+    if missed:
+        logger.warning("int8 weights fail the quality gate (%s): serving fp32", "; ".join(missed))
+        return reference
+    logger.info("int8 weights pass the quality gate (%s against fp32)", figures)
+    return loaded
+
+
 def choose_prefill(
     loaded: LoadedModel,
     plan: PrefillPlan,

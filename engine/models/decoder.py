@@ -145,7 +145,7 @@ class DecoderLM(nn.Module):
         self.embed_tokens: torch.Tensor | GgufBlocks | None = None
         self.layers = nn.ModuleList(DecoderLayer(arch, quantization) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        # Quantized too: a tied head quantizes its own copy; the embedding lookup stays fp.
+        # Quantized too: a tied head quantizes its own copy (a GGUF head keeps the file's blocks).
         self.lm_head = build_linear(arch.hidden_size, arch.num_logits, quantization=quantization, head=True)
         # A sub-vocabulary head's map, head row -> token id, [num_logits] int64; else None.
         self.d2t: torch.Tensor | None = None
@@ -179,7 +179,7 @@ class DecoderLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """The dtype the model computes in (its embeddings', and its KV cache's)."""
+        """The dtype the model computes in (its embeddings'; the KV cache's by default)."""
         return torch.float32 if isinstance(self.embed_tokens, GgufBlocks) else self.embed_tokens.dtype
 
     @property

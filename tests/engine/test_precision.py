@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ragspeed.engine.cpu_features import CpuFeatures
+from ragspeed.engine.loader import load_model
 from ragspeed.engine.models.linear import DENSE_PREFILL_PATHS, DenseLinear
 from ragspeed.engine.precision import (
     DTYPES,
@@ -17,11 +18,12 @@ from ragspeed.engine.precision import (
     calibration_windows,
     choose_prefill,
     dtype_choice,
+    gate_weights,
     model_dtype,
     plan_prefill,
 )
 from ragspeed.engine.protocol import GenerationRequest, SamplingParams
-from ragspeed.engine.quant.gate import use_prefill_path
+from ragspeed.engine.quant.gate import QualityGate, use_prefill_path
 from ragspeed.engine.quant.quality import QualityReport
 from tests.engine.conftest import make_engine
 
@@ -196,3 +198,30 @@ def test_forced_bf16_branch_computes_on_this_cpu(tiny_checkpoints):
     agree = sum(a == b for g, r in zip(got, reference) for a, b in zip(g, r))
     print(f"greedy tokens equal: {agree}/{6 * len(prompts)}; native bf16 vs fp32: {report}")
     assert versus.ppl_increase < 0.01 and versus.top1_agreement > 0.9
+
+
+@pytest.mark.parametrize("min_top1, served", [(0.5, "int8"), (1.01, None)])
+def test_auto_int8_weights_serve_only_where_the_gate_passes(tiny_checkpoints, caplog, min_top1, served):
+    """`--quantization auto` on a checkpoint of floats loads int8; `gate_weights` keeps it where
+    its answers pass the gate against fp32 and serves the fp32 reference where they do not,
+    naming the figures."""
+    path = tiny_checkpoints["llama"]
+    loaded = load_model(path, quantization="auto")
+    assert loaded.quantization == "int8"
+    windows = [list(range(5, 69)), list(range(100, 164))]
+    with caplog.at_level(logging.INFO):
+        chosen = gate_weights(
+            loaded, lambda: load_model(path), lambda: windows, QualityGate(min_top1_agreement=min_top1)
+        )
+    assert chosen.quantization == served
+    assert (
+        "int8 weights pass the quality gate" if served else "int8 weights fail the quality gate"
+    ) in caplog.text
+    assert "top-1 agreement" in caplog.text
+
+
+def test_an_engine_on_auto_runs_the_weights_gate(tiny_checkpoints, caplog):
+    with caplog.at_level(logging.INFO):
+        engine = make_engine(tiny_checkpoints["llama"], quantization="auto")
+    assert "int8 weights pass the quality gate" in caplog.text or "int8 weights fail" in caplog.text
+    assert engine.weights["quantization"] in ("int8", "none")
