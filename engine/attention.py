@@ -5,10 +5,10 @@ request's *context* is every token whose K/V is in the cache when its queries at
 prefix, earlier chunks and this step's tokens). The flat batch puts all decode tokens first
 (one query each), then each prefill chunk as a contiguous span of queries.
 
-On CPU, decodes in fp32 go to ragspeed's kernel (engine.cpu_kernels.attention), which reads
-keys and values where they lie in the pool; so does a whole step whose chunks are all small
-(speculative verification, a draft's catch-up), each query as a row with its own context
-length. The SDPA path (the reference for it and for any CUDA kernel) gathers each request's
+On CPU, decodes with fp32 queries go to ragspeed's kernel (engine.cpu_kernels.attention), which
+reads keys and values where they lie in the pool, fp32 or fp16 (`--kv-cache-dtype`); so does a
+whole step whose chunks are all small (speculative verification, a draft's catch-up), each
+query as a row with its own context length. The SDPA path (the reference for it and for any CUDA kernel) gathers each request's
 context blocks out of the pool (whole blocks: few, contiguous copies) and calls SDPA:
 - decodes: one batched SDPA call; the query heads of a KV head are grouped as rows
   (`[num_decodes, num_kv_heads, group, head_dim]`), which needs neither a repeat of K/V nor a
