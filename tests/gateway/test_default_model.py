@@ -1,5 +1,6 @@
 """`ragspeed serve` with no model flag serves the real default model; the README's Nobel request
-through the official openai client is answered with the name from the document."""
+through the official openai client is answered with the name from the document, and /v1/models
+names the decode path it chose."""
 
 from __future__ import annotations
 
@@ -24,7 +25,11 @@ def test_serve_without_flags_answers_the_readme_question(tmp_path_factory):
             temperature=0,
             extra_body={"documents": [NOBEL_DOCUMENT]},
         )
+        (served,) = client.models.list().data
     answer = completion.choices[0].message.content
     print(f"\nanswer: {answer!r}")
     assert completion.model == DEFAULT_MODEL_NAME
     assert "Röntgen" in answer
+    # The path serve chose with no flags: the GGUF's own blocks, reported beside the model.
+    weights = served.model_extra["ragspeed"]["weights"]
+    assert weights["quantization"] == "gguf" and "Q4_1 blocks" in weights["decode"], weights
