@@ -289,10 +289,11 @@ def test_four_bit_needs_whole_groups():
 
 
 @pytest.mark.parametrize("n, k", [(37, 64), (49, 576)])
-@pytest.mark.parametrize("without", ["-mno-avx2", "-mno-avx512f"])
-def test_four_bit_products_without_avx512_or_avx2(fresh_build, monkeypatch, n, k, without):
-    """Built for a CPU without AVX-512 (its AVX2 kernel) or without AVX2 (plain C), the 4-bit
-    kernel gives the product of the weight it stands for, a row alone or in a batch."""
+@pytest.mark.parametrize("without", ["-mno-avx512vnni", "-mno-avx2", "-mno-avx512f"])
+def test_four_bit_products_without_vnni_avx512_or_avx2(fresh_build, monkeypatch, n, k, without):
+    """Built for a CPU without AVX-512 VNNI (AVX-512's multiply-add then add), without AVX-512
+    (its AVX2 kernel) or without AVX2 (plain C), the 4-bit kernel gives the product of the
+    weight it stands for, a row alone or in a batch."""
     monkeypatch.setattr(build, "FLAGS", build.FLAGS + (without,))
     gen = torch.Generator().manual_seed(n + k)
     q, scales, reference = _four_bit(n, k, gen)
