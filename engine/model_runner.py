@@ -82,12 +82,12 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         chunk_sizes = [c.num_tokens for c in output.chunks]
+        caches = self.kv_pool.k_caches, self.kv_pool.v_caches
         with forward_pass(chunk_sizes, self.num_threads, self.device):
-            hidden = self.model(
-                ids, self.rotary.lookup(pos), self.kv_pool.k_caches, self.kv_pool.v_caches, meta
-            )  # [num_tokens, hidden_size]
             if not sample_index:
+                self.model(ids, self.rotary.lookup(pos), *caches, meta)
                 return None
+            rows = None
             if len(sample_index) < len(input_ids):
-                hidden = hidden[torch.tensor(sample_index, device=self.device)]
-            return self.model.compute_logits(hidden)  # [num_sampling_rows, vocab]
+                rows = torch.tensor(sample_index, device=self.device)
+            return self.model.sample_logits(ids, self.rotary.lookup(pos), *caches, meta, rows)

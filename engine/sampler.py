@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ragspeed.engine.cpu_kernels.argmax import argmax
 from ragspeed.engine.sampling import SamplingState
 
 
@@ -39,8 +40,8 @@ class Sampler:
         """logits [num_requests, vocab] fp32 -> one token id per request."""
         greedy = [s.params.greedy for s in states]
         if all(greedy):
-            return logits.argmax(dim=-1).tolist()
-        tokens = logits.argmax(dim=-1).tolist() if any(greedy) else [0] * len(states)
+            return argmax(logits)
+        tokens = argmax(logits) if any(greedy) else [0] * len(states)
         rows = [i for i, g in enumerate(greedy) if not g]
         sub_states = [states[i] for i in rows]
         device = logits.device

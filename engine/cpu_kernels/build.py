@@ -70,7 +70,8 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
         [pointer] * 6 + [integer] * 6 + [ctypes.c_float, integer, integer]
     )
     library.ragspeed_add_rms_norm.argtypes = [pointer] * 4 + [integer] * 2 + [ctypes.c_float, integer]
-    library.ragspeed_decode_forward.argtypes = [pointer] * 9 + [integer] * 5
+    library.ragspeed_decode_forward.argtypes = [pointer] * 10 + [integer] * 5
+    library.ragspeed_argmax.argtypes = [pointer] + [integer] * 3 + [pointer]
     library.ragspeed_place_kv.argtypes = [pointer] * 4 + [integer] * 4 + [ctypes.c_int64, integer, integer]
     library.ragspeed_to_f16.argtypes = [pointer, pointer, integer]
     library.ragspeed_int8_group.argtypes = []
@@ -94,6 +95,7 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
         library.ragspeed_place_kv,
         library.ragspeed_greedy_steps,
         library.ragspeed_to_f16,
+        library.ragspeed_argmax,
     ):
         kernel.restype = None
     return library

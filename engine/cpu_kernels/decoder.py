@@ -5,8 +5,10 @@ ops and module calls per layer, each some microseconds. The demo model (8 layers
 parameters): 2.2 ms a step of which its products take 1.0 ms; its 2-layer draft 0.7 ms of which
 0.2. `FusedDecoder` hands the whole layer stack to kernels.c instead: the same blocked products,
 norms and paged attention, with the rotation, Q/K norm, K/V write and SiLU gate in C (the demo
-step: 2.7 -> 1.6 ms on one thread, with another job on the second core). `greedy_steps` runs a
-draft model's whole proposal (catch-up and k greedy steps) in one call the same way.
+step: 2.7 -> 1.6 ms on one thread, with another job on the second core). Where every token of
+the step samples (decodes, verifications), the LM head's product joins the same call and
+parallel region. `greedy_steps` runs a draft model's whole proposal (catch-up and k greedy
+steps) in one call the same way.
 
 It applies to models whose every projection has a blocked copy (fp32, int8 or 4-bit, on a CPU with the
 kernels built) and to steps whose every query is a row of the decode-attention kernel (decodes,
@@ -120,7 +122,9 @@ class FusedDecoder:
             )
         self.layers = (_Layer * len(layers))(*layers)
         lm_head = model.lm_head.blocked_weight()
-        # The greedy steps (a draft's) need fp32 embeddings and the LM head's blocked copy.
+        # The LM head joins the call where it has a blocked copy (`logits`); the greedy steps
+        # (a draft's) need fp32 embeddings too.
+        self.head = lm_head
         self.greedy = lm_head is not None and isinstance(model.embed_tokens, torch.Tensor)
         self.model = _Model(
             self.layers,
@@ -134,7 +138,7 @@ class FusedDecoder:
             arch.head_dim**-0.5,
             self._float(model.norm.weight),
             self._float(model.embed_tokens) if self.greedy else None,
-            _linear(lm_head) if self.greedy else _Linear(),
+            _Linear() if lm_head is None else _linear(lm_head),
         )
         self._caches: tuple[tuple[int, int], ctypes.Array, ctypes.Array] | None = None
 
@@ -190,12 +194,19 @@ class FusedDecoder:
         v_caches: list[torch.Tensor],
         meta: AttentionMetadata,
         rows: tuple[torch.Tensor, torch.Tensor],
+        logits: bool = False,
     ) -> torch.Tensor:
-        """Final hidden states [num_tokens, hidden_size] (after the last norm)."""
+        """Final hidden states [num_tokens, hidden_size] (after the last norm), or with `logits`
+        (where `head` is set) the LM head's fp32 logits of every token [num_tokens, num_logits],
+        computed in the same call."""
         tables, context_lens = rows
         hidden = hidden.contiguous()
         rotations = freqs_cis.contiguous()
         out = torch.empty_like(hidden)
+        scores = None
+        if logits:
+            assert self.head is not None, "the LM head has no blocked copy"
+            scores = torch.empty(hidden.shape[0], self.head.out_features, dtype=torch.float32)
         k_pointers, v_pointers = self._cache_arrays(k_caches, v_caches)
         self.library.ragspeed_decode_forward(
             ctypes.byref(self.model),
@@ -203,6 +214,7 @@ class FusedDecoder:
             v_pointers,
             hidden.data_ptr(),
             out.data_ptr(),
+            _pointer(scores),
             rotations.data_ptr(),
             meta.slot_mapping.data_ptr(),
             tables.data_ptr(),
@@ -213,7 +225,7 @@ class FusedDecoder:
             _half(k_caches),
             meta.num_threads,
         )
-        return out
+        return out if scores is None else scores
 
     def greedy_steps(
         self,

@@ -844,6 +844,36 @@ void ragspeed_add_rms_norm(float *x, const float *residual, const float *weight,
     for (int r = 0; r < rows; r++) add_rms_norm_row(x, residual, weight, out, r, dim, eps);
 }
 
+/* The index of the largest of x[0:n], the first of equals (as torch.argmax): each lane keeps
+ * its largest and where it was, then the lanes' first index among their largest wins. */
+static int64_t argmax_row(const float *x, int n) {
+    int i = 0;
+    float best_value = x[0];
+    int64_t best = 0;
+    if (n >= LANES) {
+        vecf top = loadv_f32(x);
+        veci at = {0}, lane = {0};
+        for (int l = 0; l < LANES; l++) at[l] = lane[l] = l;
+        for (i = LANES; i + LANES <= n; i += LANES) {
+            vecf v = loadv_f32(x + i);
+            veci larger = v > top;
+            top = (vecf)(((veci)v & larger) | ((veci)top & ~larger));
+            at = ((lane + i) & larger) | (at & ~larger);
+        }
+        best_value = top[0], best = at[0];
+        for (int l = 1; l < LANES; l++)
+            if (top[l] > best_value || (top[l] == best_value && at[l] < best)) best_value = top[l], best = at[l];
+    }
+    for (; i < n; i++)
+        if (x[i] > best_value) best_value = x[i], best = i;
+    return best;
+}
+
+/* out[r] = argmax_row of row r of x [m, stride], over its first n values. */
+void ragspeed_argmax(const float *x, int m, int n, int stride, int64_t *out) {
+    for (int r = 0; r < m; r++) out[r] = argmax_row(x + (size_t)r * stride, n);
+}
+
 /* ------------------------------------------------------------------ stored document KV, placed
  *
  * A document's stored KV, fp16 kv [2][layers][n][row] (row = kv_heads * head_dim, pairs
@@ -912,10 +942,8 @@ typedef struct {
     int num_layers, hidden, num_heads, num_kv_heads, head_dim, inter;
     float eps, scale;
     const float *final_norm; /* [hidden] */
-    /* Greedy steps only (NULL / zero elsewhere): token embeddings [vocab rows, hidden] and
-     * the LM head. */
-    const float *embed;
-    Linear lm_head;
+    const float *embed; /* token embeddings [vocab rows, hidden]: greedy steps only, else NULL */
+    Linear lm_head;     /* greedy steps and the forward's logits; zero where neither runs */
 } Model;
 
 /* A Linear's product, split across the threads of the enclosing parallel region. */
@@ -979,12 +1007,13 @@ static float *scratch(size_t floats) {
 }
 
 /* x [m, hidden]: the step's embeddings, overwritten with the residual stream; out [m, hidden]:
- * the final norm of the stream. rotations [m, head_dim/2] (cos, sin) pairs; slots [m] where
+ * the final norm of the stream; logits [m, lm_head.n], unless NULL: the LM head's product of
+ * it, in the same parallel region. rotations [m, head_dim/2] (cos, sin) pairs; slots [m] where
  * each row's K/V goes; block_tables [m, max_blocks] and context_lens [m]: each row's context.
  * k_caches / v_caches: one [num_slots, num_kv_heads, head_dim] pool per layer, fp32 or (kv_half)
  * fp16. */
 void ragspeed_decode_forward(const Model *model, void *const *k_caches, void *const *v_caches,
-                             float *x, float *out, const float *rotations, const int64_t *slots,
+                             float *x, float *out, float *logits, const float *rotations, const int64_t *slots,
                              const int64_t *block_tables, const int64_t *context_lens,
                              int max_blocks, int block_size, int m, int kv_half, int num_threads) {
     int hidden = model->hidden, num_heads = model->num_heads, num_kv_heads = model->num_kv_heads;
@@ -1001,6 +1030,7 @@ void ragspeed_decode_forward(const Model *model, void *const *k_caches, void *co
      * threads, the steps between them on one thread, a barrier after each (fork and join per
      * product cost a sixth of a SmolLM2-135M int8 step on 2 threads). */
     _Pragma("omp parallel num_threads(num_threads)")
+    {
     for (int l = 0; l < model->num_layers; l++) {
         const Layer *layer = model->layers + l;
         _Pragma("omp single")
@@ -1032,7 +1062,10 @@ void ragspeed_decode_forward(const Model *model, void *const *k_caches, void *co
         silu_mul(wide, mid, m, inter);
         linear_team(&layer->down, mid, h, m);
     }
-    ragspeed_add_rms_norm(x, model->num_layers ? h : NULL, model->final_norm, out, m, hidden, eps, 1);
+    _Pragma("omp single")
+    for (int r = 0; r < m; r++) add_rms_norm_row(x, model->num_layers ? h : NULL, model->final_norm, out, r, hidden, eps);
+    if (logits) linear_team(&model->lm_head, out, logits, m);
+    }
     free(normed); free(wide); free(q); free(mid); free(h); free(partials); free(key);
 }
 
@@ -1092,15 +1125,14 @@ void ragspeed_greedy_steps(const Model *model, const float *rotation_table, int 
             last_row[n++] = a - 1;
         }
         if (!n) break;
-        ragspeed_decode_forward(model, k_caches, v_caches, x, out, rotations, slots, tables, lens,
+        ragspeed_decode_forward(model, k_caches, v_caches, x, out, NULL, rotations, slots, tables, lens,
                                 max_blocks, block_size, a, kv_half, num_threads);
         for (int r = 0; r < n; r++)
             memcpy(last + (size_t)r * hidden, out + (size_t)last_row[r] * hidden, sizeof(float) * hidden);
         linear(&model->lm_head, last, logits, n, num_threads);
         for (int r = 0; r < n; r++) {
             const float *l = logits + (size_t)r * vocab_rows;
-            int best = 0;
-            for (int t = 1; t < vocab; t++) best = l[t] > l[best] ? t : best;
+            int64_t best = argmax_row(l, vocab);
             int i = seqs[r];
             /* a sub-vocabulary head's row -> the token id it scores (fed back, and the draft) */
             drafts[(size_t)i * max_steps + counts[i]++] = next[i] = d2t ? d2t[best] : best;

@@ -171,6 +171,26 @@ class DecoderLM(nn.Module):
         hidden, residual = self.run_layers(hidden, None, freqs_cis, k_caches, v_caches, meta, 0)
         return self.norm.add_norm(hidden, residual)[0]
 
+    def sample_logits(
+        self,
+        input_ids: torch.Tensor,
+        freqs_cis: torch.Tensor,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        rows: torch.Tensor | None = None,  # the tokens that sample; None: every token
+    ) -> torch.Tensor:
+        """fp32 logits [num_rows, num_logits] of the sampling tokens: the forward and the LM head
+        in one call of the kernels where every token samples and the step is theirs."""
+        fused = self._fused_decoder()
+        if rows is None and fused is not None and fused.head is not None:
+            hidden = self.embed(input_ids)
+            decode_rows = FusedDecoder.rows(meta, hidden.shape[0])
+            if decode_rows:
+                return fused.forward(hidden, freqs_cis, k_caches, v_caches, meta, decode_rows, logits=True)
+        hidden = self(input_ids, freqs_cis, k_caches, v_caches, meta)
+        return self.compute_logits(hidden if rows is None else hidden[rows])
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[num_tokens] -> the tokens' embeddings [num_tokens, hidden_size]."""
         if isinstance(self.embed_tokens, GgufBlocks):

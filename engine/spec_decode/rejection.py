@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ragspeed.engine.cpu_kernels.argmax import argmax
 from ragspeed.engine.sampler import _filter_top_k, _filter_top_p
 from ragspeed.engine.sampling import SamplingState
 
@@ -30,7 +31,7 @@ from ragspeed.engine.sampling import SamplingState
 def verify_greedy(logits: torch.Tensor, draft_token_ids: Sequence[int]) -> list[int]:
     """logits [1 + k, vocab] at the last token and each draft -> tokens to append
     (accepted drafts, then one recovered or bonus token)."""
-    target = logits.argmax(dim=-1).tolist()  # [1 + k]
+    target = argmax(logits)  # [1 + k]
     out: list[int] = []
     for draft, best in zip(draft_token_ids, target):
         if draft != best:

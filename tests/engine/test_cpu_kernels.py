@@ -304,3 +304,24 @@ def test_four_bit_products_without_vnni_avx512_or_avx2(fresh_build, monkeypatch,
     expected = (int16_rows(x).double() @ reference.double().T + b).float()
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
     assert torch.equal(blocked.forward(x[2:3], 1), out[2:3])
+
+
+@pytest.mark.parametrize("flags", [(), ("-mno-avx2",), ("-mno-avx512f",)])
+def test_argmax_is_torchs_first_largest(fresh_build, monkeypatch, flags):
+    """The greedy token of each row, built for each vector width: the first of equal largest
+    values, wherever it lies in the row (a vector's lane, the tail past whole vectors)."""
+    from ragspeed.engine.cpu_kernels.argmax import argmax
+
+    monkeypatch.setattr(build, "FLAGS", build.FLAGS + flags)
+    gen = torch.Generator().manual_seed(11)
+    for vocab in (1, 7, 16, 17, 33, 49155):
+        logits = torch.randn(5, vocab, generator=gen)
+        logits[1] = 0.0  # all equal: index 0
+        logits[2, -1] = 100.0  # the last, in the tail
+        if vocab > 3:
+            logits[3, [1, vocab - 2]] = 50.0  # a tie across lanes: the first
+        logits[4, : vocab // 2] = -float("inf")
+        assert argmax(logits) == logits.argmax(dim=-1).tolist(), vocab
+    wide = torch.randn(3, 40, generator=gen)
+    assert argmax(wide[:, :33]) == wide[:, :33].argmax(dim=-1).tolist()  # rows of a wider tensor
+    assert load_library() is not None

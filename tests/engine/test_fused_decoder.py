@@ -33,10 +33,10 @@ def odd_llama(tmp_path_factory):
     )
 
 
-def _step(loaded, chunks: list[tuple[list[int], int]], fused: bool, kv_dtype=torch.float32):
+def _step(loaded, chunks: list[tuple[list[int], int]], fused: bool, kv_dtype=torch.float32, logits=False):
     """One decode-type forward over `chunks` ((block table, context length after the step),
     one query for a decode, several for a verification chunk), on a pool filled with seeded
-    values; returns the final hidden states and the pool."""
+    values; returns the final hidden states (with `logits`, every token's logits) and the pool."""
     arch = loaded.arch
     pool = KVCachePool(arch, 16, BLOCK_SIZE, kv_dtype, "cpu")
     generator = torch.Generator().manual_seed(0)
@@ -59,11 +59,10 @@ def _step(loaded, chunks: list[tuple[list[int], int]], fused: bool, kv_dtype=tor
     )
     ids = torch.randint(2, arch.vocab_size, (len(positions),), generator=generator)
     loaded.model.fused_decode = fused
+    forward = loaded.model.sample_logits if logits else loaded.model
     with torch.inference_mode(), decode_step(True):
-        hidden = loaded.model(
-            ids, loaded.rotary.lookup(torch.tensor(positions)), pool.k_caches, pool.v_caches, meta
-        )
-    return hidden, pool.kv
+        out = forward(ids, loaded.rotary.lookup(torch.tensor(positions)), pool.k_caches, pool.v_caches, meta)
+    return out, pool.kv
 
 
 STEPS = {
@@ -93,6 +92,23 @@ def test_fused_forward_matches_the_layer_by_layer_path(
     torch.testing.assert_close(fused, layered, rtol=tolerance, atol=tolerance)
     torch.testing.assert_close(fused_kv.float(), layered_kv.float(), rtol=kv_tolerance, atol=tolerance)
     assert not torch.equal(fused_kv, KVCachePool(loaded.arch, 16, BLOCK_SIZE, kv_dtype, "cpu").kv)
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_lm_head_in_the_fused_call_gives_the_heads_logits(tiny_checkpoints, family, quantization):
+    """Every token samples: the forward and the head in one call give the logits of the fused
+    forward's hidden states through the model's own head."""
+    loaded = load_model(tiny_checkpoints[family], max_model_len=256, quantization=quantization)
+    step = STEPS["decodes and a verification"]
+    in_one_call, _ = _step(loaded, step, fused=True, logits=True)
+    hidden, _ = _step(loaded, step, fused=True)
+    with torch.inference_mode(), decode_step(True):
+        expected = loaded.model.compute_logits(hidden)
+    assert in_one_call.shape == (len(hidden), loaded.arch.num_logits)
+    torch.testing.assert_close(in_one_call, expected, rtol=1e-5, atol=1e-5)
+    layered, _ = _step(loaded, step, fused=False, logits=True)  # no fused call: forward, then head
+    torch.testing.assert_close(layered, expected, rtol=1e-3, atol=1e-3)
 
 
 def test_a_row_gets_the_same_bits_in_any_batch(tiny_checkpoints):
