@@ -70,7 +70,7 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
         [pointer] * 6 + [integer] * 6 + [ctypes.c_float, integer, integer]
     )
     library.ragspeed_add_rms_norm.argtypes = [pointer] * 4 + [integer] * 2 + [ctypes.c_float, integer]
-    library.ragspeed_decode_forward.argtypes = [pointer] * 10 + [integer] * 5
+    library.ragspeed_decode_forward.argtypes = [pointer] * 11 + [integer] * 5
     library.ragspeed_argmax.argtypes = [pointer] + [integer] * 3 + [pointer]
     library.ragspeed_place_kv.argtypes = [pointer] * 4 + [integer] * 4 + [ctypes.c_int64, integer, integer]
     library.ragspeed_to_f16.argtypes = [pointer, pointer, integer]

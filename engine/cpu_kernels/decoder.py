@@ -70,6 +70,7 @@ class _Model(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("final_norm", ctypes.c_void_p),
         ("embed", ctypes.c_void_p),
+        ("embed_q8", ctypes.c_void_p),
         ("lm_head", _Linear),
     ]
 
@@ -122,10 +123,16 @@ class FusedDecoder:
             )
         self.layers = (_Layer * len(layers))(*layers)
         lm_head = model.lm_head.blocked_weight()
-        # The LM head joins the call where it has a blocked copy (`logits`); the greedy steps
-        # (a draft's) need fp32 embeddings too.
+        # The kernels look the embeddings up where they are fp32 rows or a GGUF file's Q8_0
+        # blocks (`embeds`); the LM head joins the call where it has a blocked copy (`head`);
+        # the greedy steps (a draft's) need both.
+        embed = model.embed_tokens
+        fp32_embed = isinstance(embed, torch.Tensor)
+        q8_embed = getattr(embed, "qtype", None) == "Q8_0"
+        self.embeds = fp32_embed or q8_embed
         self.head = lm_head
-        self.greedy = lm_head is not None and isinstance(model.embed_tokens, torch.Tensor)
+        self.greedy = lm_head is not None and self.embeds
+        self._embed = model.embed
         self.model = _Model(
             self.layers,
             len(layers),
@@ -137,13 +144,17 @@ class FusedDecoder:
             arch.rms_norm_eps,
             arch.head_dim**-0.5,
             self._float(model.norm.weight),
-            self._float(model.embed_tokens) if self.greedy else None,
+            self._float(embed) if fp32_embed else None,
+            self._keep_pointer(embed.data) if q8_embed else None,
             _Linear() if lm_head is None else _linear(lm_head),
         )
         self._caches: tuple[tuple[int, int], ctypes.Array, ctypes.Array] | None = None
 
     def _float(self, tensor: torch.Tensor) -> int:
-        tensor = tensor.float().contiguous()
+        return self._keep_pointer(tensor.float())
+
+    def _keep_pointer(self, tensor: torch.Tensor) -> int:
+        tensor = tensor.contiguous()
         self._keep.append(tensor)
         return tensor.data_ptr()
 
@@ -194,24 +205,40 @@ class FusedDecoder:
         v_caches: list[torch.Tensor],
         meta: AttentionMetadata,
         rows: tuple[torch.Tensor, torch.Tensor],
-        logits: bool = False,
     ) -> torch.Tensor:
-        """Final hidden states [num_tokens, hidden_size] (after the last norm), or with `logits`
-        (where `head` is set) the LM head's fp32 logits of every token [num_tokens, num_logits],
-        computed in the same call."""
+        """Final hidden states [num_tokens, hidden_size] (after the last norm)."""
+        return self._run(None, hidden.contiguous(), freqs_cis, k_caches, v_caches, meta, rows, None)
+
+    def logits(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        freqs_cis: torch.Tensor,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        rows: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """The LM head's fp32 logits of every token [num_tokens, num_logits] (where `head` is
+        set): the embedding lookup (where `embeds`), the layers and the head in one call."""
+        assert self.head is not None, "the LM head has no blocked copy"
+        scores = torch.empty(len(input_ids), self.head.out_features, dtype=torch.float32)
+        if self.embeds:
+            hidden = torch.empty(len(input_ids), self.model.hidden, dtype=torch.float32)
+            ids = input_ids.contiguous()
+        else:
+            hidden, ids = self._embed(input_ids).contiguous(), None
+        return self._run(ids, hidden, freqs_cis, k_caches, v_caches, meta, rows, scores)
+
+    def _run(self, ids, hidden, freqs_cis, k_caches, v_caches, meta, rows, scores) -> torch.Tensor:
         tables, context_lens = rows
-        hidden = hidden.contiguous()
         rotations = freqs_cis.contiguous()
         out = torch.empty_like(hidden)
-        scores = None
-        if logits:
-            assert self.head is not None, "the LM head has no blocked copy"
-            scores = torch.empty(hidden.shape[0], self.head.out_features, dtype=torch.float32)
         k_pointers, v_pointers = self._cache_arrays(k_caches, v_caches)
         self.library.ragspeed_decode_forward(
             ctypes.byref(self.model),
             k_pointers,
             v_pointers,
+            _pointer(ids),
             hidden.data_ptr(),
             out.data_ptr(),
             _pointer(scores),

@@ -942,9 +942,29 @@ typedef struct {
     int num_layers, hidden, num_heads, num_kv_heads, head_dim, inter;
     float eps, scale;
     const float *final_norm; /* [hidden] */
-    const float *embed; /* token embeddings [vocab rows, hidden]: greedy steps only, else NULL */
+    /* Token embeddings [vocab rows, hidden], looked up in the kernels (greedy steps, and a
+     * forward given token ids): fp32 rows, or a GGUF file's Q8_0 rows (embed_q8, hidden / 32
+     * blocks of an fp16 step and 32 int8 each); both NULL where Python looks them up. */
+    const float *embed;
+    const uint8_t *embed_q8;
     Linear lm_head;     /* greedy steps and the forward's logits; zero where neither runs */
 } Model;
+
+/* Row `id` of the embeddings into x [hidden]; Q8_0: step * q, as gguf's dequantize. */
+static void embed_row(const Model *model, int64_t id, float *x) {
+    int hidden = model->hidden;
+    if (model->embed) {
+        memcpy(x, model->embed + (size_t)id * hidden, sizeof(float) * hidden);
+        return;
+    }
+    const uint8_t *block = model->embed_q8 + (size_t)id * (hidden / 32) * 34;
+    for (int b = 0; b < hidden / 32; b++, block += 34) {
+        f16 d;
+        memcpy(&d, block, sizeof d);
+        float step = f16_to_f32(d);
+        for (int i = 0; i < 32; i++) x[b * 32 + i] = step * (float)(int8_t)block[2 + i];
+    }
+}
 
 /* A Linear's product, split across the threads of the enclosing parallel region. */
 static void linear_team(const Linear *l, const float *x, float *y, int m) {
@@ -1006,14 +1026,16 @@ static float *scratch(size_t floats) {
     return aligned_alloc(64, sizeof(float) * ((floats + 15) & ~(size_t)15));
 }
 
-/* x [m, hidden]: the step's embeddings, overwritten with the residual stream; out [m, hidden]:
+/* x [m, hidden]: the step's embeddings (or, given ids [m], their token ids, looked up into x
+ * here), overwritten with the residual stream; out [m, hidden]:
  * the final norm of the stream; logits [m, lm_head.n], unless NULL: the LM head's product of
  * it, in the same parallel region. rotations [m, head_dim/2] (cos, sin) pairs; slots [m] where
  * each row's K/V goes; block_tables [m, max_blocks] and context_lens [m]: each row's context.
  * k_caches / v_caches: one [num_slots, num_kv_heads, head_dim] pool per layer, fp32 or (kv_half)
  * fp16. */
 void ragspeed_decode_forward(const Model *model, void *const *k_caches, void *const *v_caches,
-                             float *x, float *out, float *logits, const float *rotations, const int64_t *slots,
+                             const int64_t *ids, float *x, float *out, float *logits,
+                             const float *rotations, const int64_t *slots,
                              const int64_t *block_tables, const int64_t *context_lens,
                              int max_blocks, int block_size, int m, int kv_half, int num_threads) {
     int hidden = model->hidden, num_heads = model->num_heads, num_kv_heads = model->num_kv_heads;
@@ -1029,6 +1051,8 @@ void ragspeed_decode_forward(const Model *model, void *const *k_caches, void *co
     /* One parallel region for the whole stack: the products and attention split across its
      * threads, the steps between them on one thread, a barrier after each (fork and join per
      * product cost a sixth of a SmolLM2-135M int8 step on 2 threads). */
+    if (ids)
+        for (int r = 0; r < m; r++) embed_row(model, ids[r], x + (size_t)r * hidden);
     _Pragma("omp parallel num_threads(num_threads)")
     {
     for (int l = 0; l < model->num_layers; l++) {
@@ -1115,7 +1139,7 @@ void ragspeed_greedy_steps(const Model *model, const float *rotation_table, int 
             const int64_t *table = block_tables + (size_t)i * max_blocks;
             for (int t = 0; t < count; t++, a++) {
                 int64_t p = position[i]++;
-                memcpy(x + (size_t)a * hidden, model->embed + (size_t)tokens[t] * hidden, sizeof(float) * hidden);
+                embed_row(model, tokens[t], x + (size_t)a * hidden);
                 memcpy(rotations + (size_t)a * half * 2, rotation_table + (size_t)p * half * 2, sizeof(float) * half * 2);
                 memcpy(tables + (size_t)a * max_blocks, table, sizeof(int64_t) * max_blocks);
                 slots[a] = table[p / block_size] * block_size + p % block_size;
@@ -1125,7 +1149,7 @@ void ragspeed_greedy_steps(const Model *model, const float *rotation_table, int 
             last_row[n++] = a - 1;
         }
         if (!n) break;
-        ragspeed_decode_forward(model, k_caches, v_caches, x, out, NULL, rotations, slots, tables, lens,
+        ragspeed_decode_forward(model, k_caches, v_caches, NULL, x, out, NULL, rotations, slots, tables, lens,
                                 max_blocks, block_size, a, kv_half, num_threads);
         for (int r = 0; r < n; r++)
             memcpy(last + (size_t)r * hidden, out + (size_t)last_row[r] * hidden, sizeof(float) * hidden);

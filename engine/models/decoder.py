@@ -180,14 +180,14 @@ class DecoderLM(nn.Module):
         meta: AttentionMetadata,
         rows: torch.Tensor | None = None,  # the tokens that sample; None: every token
     ) -> torch.Tensor:
-        """fp32 logits [num_rows, num_logits] of the sampling tokens: the forward and the LM head
-        in one call of the kernels where every token samples and the step is theirs."""
+        """fp32 logits [num_rows, num_logits] of the sampling tokens: the embedding lookup, the
+        forward and the LM head in one call of the kernels where every token samples and the
+        step is theirs."""
         fused = self._fused_decoder()
         if rows is None and fused is not None and fused.head is not None:
-            hidden = self.embed(input_ids)
-            decode_rows = FusedDecoder.rows(meta, hidden.shape[0])
+            decode_rows = FusedDecoder.rows(meta, len(input_ids))
             if decode_rows:
-                return fused.forward(hidden, freqs_cis, k_caches, v_caches, meta, decode_rows, logits=True)
+                return fused.logits(input_ids, freqs_cis, k_caches, v_caches, meta, decode_rows)
         hidden = self(input_ids, freqs_cis, k_caches, v_caches, meta)
         return self.compute_logits(hidden if rows is None else hidden[rows])
 

@@ -9,9 +9,11 @@ import torch
 
 from ragspeed.engine.attention import build_metadata, slots
 from ragspeed.engine.cpu_kernels import blocked_kernels_available, decode_step
+from ragspeed.engine.gguf import converted_copy
 from ragspeed.engine.kv_cache import KVCachePool
 from ragspeed.engine.loader import load_model
 from tests.engine.conftest import FAMILIES
+from tests.engine.tiny_gguf import write_tiny_gguf
 from tests.engine.tiny_models import build_tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(
@@ -94,19 +96,34 @@ def test_fused_forward_matches_the_layer_by_layer_path(
     assert not torch.equal(fused_kv, KVCachePool(loaded.arch, 16, BLOCK_SIZE, kv_dtype, "cpu").kv)
 
 
-@pytest.mark.parametrize("quantization", [None, "int8"])
-@pytest.mark.parametrize("family", FAMILIES)
-def test_the_lm_head_in_the_fused_call_gives_the_heads_logits(tiny_checkpoints, family, quantization):
-    """Every token samples: the forward and the head in one call give the logits of the fused
-    forward's hidden states through the model's own head."""
-    loaded = load_model(tiny_checkpoints[family], max_model_len=256, quantization=quantization)
+def _gguf_model(checkpoint, folder, qtype):
+    """The checkpoint as a GGUF file of `qtype` (its embedding too), decoded on its blocks."""
+    path = write_tiny_gguf(checkpoint, folder / f"tiny-{qtype}.gguf", qtype)
+    return load_model(converted_copy(path, folder / "converted"), max_model_len=256, quantization="gguf")
+
+
+@pytest.mark.parametrize(
+    "family, quantization",
+    [(f, q) for f in FAMILIES for q in (None, "int8")] + [("llama", "gguf Q8_0"), ("llama", "gguf Q4_1")],
+)
+def test_the_lm_head_in_the_fused_call_gives_the_heads_logits(
+    tiny_checkpoints, tmp_path, family, quantization
+):
+    """Every token samples: the embedding lookup (in the kernels for fp32 rows and Q8_0 blocks),
+    the forward and the head in one call give the logits of the fused forward's hidden states
+    through the model's own head."""
+    if quantization and quantization.startswith("gguf"):
+        loaded = _gguf_model(tiny_checkpoints[family], tmp_path, quantization.split()[1])
+    else:
+        loaded = load_model(tiny_checkpoints[family], max_model_len=256, quantization=quantization)
+    assert loaded.model._fused_decoder().embeds == (quantization != "gguf Q4_1")
     step = STEPS["decodes and a verification"]
     in_one_call, _ = _step(loaded, step, fused=True, logits=True)
-    hidden, _ = _step(loaded, step, fused=True)
+    hidden, _ = _step(loaded, step, fused=True)  # looked up in Python
     with torch.inference_mode(), decode_step(True):
         expected = loaded.model.compute_logits(hidden)
     assert in_one_call.shape == (len(hidden), loaded.arch.num_logits)
-    torch.testing.assert_close(in_one_call, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(in_one_call, expected)
     layered, _ = _step(loaded, step, fused=False, logits=True)  # no fused call: forward, then head
     torch.testing.assert_close(layered, expected, rtol=1e-3, atol=1e-3)
 
