@@ -6,8 +6,8 @@ parameters): 2.2 ms a step of which its products take 1.0 ms; its 2-layer draft 
 0.2. `FusedDecoder` hands the whole layer stack to kernels.c instead: the same blocked products,
 norms and paged attention, with the rotation, Q/K norm, K/V write and SiLU gate in C (the demo
 step: 2.7 -> 1.6 ms on one thread, with another job on the second core). Where every token of
-the step samples (decodes, verifications), the LM head's product joins the same call and
-parallel region. `greedy_steps` runs a draft model's whole proposal (catch-up and k greedy
+the step samples (decodes, verifications), the embedding lookup (fp32 rows or a GGUF file's Q8_0
+blocks) and the LM head's product join the same call, the head in the same parallel region. `greedy_steps` runs a draft model's whole proposal (catch-up and k greedy
 steps) in one call the same way.
 
 It applies to models whose every projection has a blocked copy (fp32, int8 or 4-bit, on a CPU with the

@@ -1027,9 +1027,8 @@ static float *scratch(size_t floats) {
 }
 
 /* x [m, hidden]: the step's embeddings (or, given ids [m], their token ids, looked up into x
- * here), overwritten with the residual stream; out [m, hidden]:
- * the final norm of the stream; logits [m, lm_head.n], unless NULL: the LM head's product of
- * it, in the same parallel region. rotations [m, head_dim/2] (cos, sin) pairs; slots [m] where
+ * here), overwritten with the residual stream; out [m, hidden]: the final norm of the stream;
+ * logits [m, lm_head.n], unless NULL: the LM head's product of it. rotations [m, head_dim/2] (cos, sin) pairs; slots [m] where
  * each row's K/V goes; block_tables [m, max_blocks] and context_lens [m]: each row's context.
  * k_caches / v_caches: one [num_slots, num_kv_heads, head_dim] pool per layer, fp32 or (kv_half)
  * fp16. */
@@ -1048,11 +1047,11 @@ void ragspeed_decode_forward(const Model *model, void *const *k_caches, void *co
     float *mid = scratch((size_t)m * (q_size > inter ? q_size : inter)), *key = scratch(kv_size);
     int64_t longest = longest_context(context_lens, m);
     float *partials = scratch(attention_partials(m, num_heads, head_dim, longest));
-    /* One parallel region for the whole stack: the products and attention split across its
-     * threads, the steps between them on one thread, a barrier after each (fork and join per
-     * product cost a sixth of a SmolLM2-135M int8 step on 2 threads). */
     if (ids)
         for (int r = 0; r < m; r++) embed_row(model, ids[r], x + (size_t)r * hidden);
+    /* One parallel region for the whole stack and the head: the products and attention split
+     * across its threads, the steps between them on one thread, a barrier after each (fork and
+     * join per product cost a sixth of a SmolLM2-135M int8 step on 2 threads). */
     _Pragma("omp parallel num_threads(num_threads)")
     {
     for (int l = 0; l < model->num_layers; l++) {

@@ -2,8 +2,9 @@
 
 The native engine runs as `ragspeed serve` does by default: `quantization` "auto" (a GGUF
 file's own blocks, else the checkpoint's dtype) [quantization] and `kv_cache_dtype` "auto"
-(fp16 on a CPU with the kernels) [kv_cache_dtype]; `--quantization int8|none` and
-`--kv-cache-dtype fp32` measure the other paths.
+(fp16 on a CPU with the kernels) [kv_cache_dtype], with a step that carries decodes given 50 ms
+(`--tpot-target-ms`, 'none': the token budget alone) [tpot_target_ms];
+`--quantization int8|none` and `--kv-cache-dtype fp32` measure the other paths.
 
 Figures (all from one run, after a warm-up, medians of `repeats` runs; JSON keys in brackets):
 - throughput: `num_requests` concurrent requests of `prompt_len` random tokens, `output_len`
@@ -249,6 +250,7 @@ def bench_engine(
     llamacpp_requests: int = 4,
     quantization: str | None = "auto",
     kv_cache_dtype: str = "auto",
+    tpot_target_ms: float | None = 50.0,
     seed: int = 0,
 ) -> dict[str, Any]:
     """Measure the native engine (and transformers beside it); print a table, return flat JSON."""
@@ -285,6 +287,7 @@ def bench_engine(
         enable_prefix_caching=False,  # random prompts share nothing; keep the pool honest
         quantization=quantization,
         kv_cache_dtype=kv_cache_dtype,
+        tpot_target_ms=tpot_target_ms,
         seed=seed,
     )
     engine = LLMEngine(config)
@@ -311,6 +314,7 @@ def bench_engine(
         "model": model,
         "quantization": engine.loaded.quantization or "none",
         "kv_cache_dtype": str(engine.kv_pool.kv.dtype).removeprefix("torch."),
+        "tpot_target_ms": tpot_target_ms,
         "threads": threads,
         "num_requests": num_requests,
         "prompt_len": prompt_len,
@@ -419,7 +423,8 @@ def print_table(r: dict[str, Any], ttft_len: int, attention_lens: tuple[int, ...
     print(machine_line(r["threads"]))
     print(f"cpu: {r['cpu']}")
     print(
-        f"model {r['model']}, native weights {r['quantization']}, KV {r['kv_cache_dtype']}, {r['threads']} threads: "
+        f"model {r['model']}, native weights {r['quantization']}, KV {r['kv_cache_dtype']}, "
+        f"step budget {_budget(r['tpot_target_ms'])}, {r['threads']} threads: "
         f"read {r['read_bandwidth_gb_s']:.1f} GB/s, GEMM {r['gemm_gflop_s']:.0f} GFLOP/s"
     )
     print(f"{'figure':<22}{'native':>12}{'transformers':>14}{'bound':>10}{'ratio':>8}")
@@ -435,6 +440,23 @@ def attention_line(r: dict[str, Any], attention_lens: tuple[int, ...]) -> str:
     """`attention share of TTFT 2,048: 21.0%, 8,191: 48.3%` (native engine)."""
     shares = ", ".join(f"{n:,}: {r[f'attention_share_{n}']:.1%}" for n in attention_lens)
     return f"attention share of TTFT {shares}"
+
+
+def _budget(tpot_target_ms: float | None) -> str:
+    return "off" if tpot_target_ms is None else f"{tpot_target_ms:g} ms"
+
+
+def _parse_budget(value: str) -> float | None:
+    """--tpot-target-ms: milliseconds above 0, or 'none'."""
+    if value.strip().lower() == "none":
+        return None
+    try:
+        budget = float(value)
+    except ValueError:
+        raise ValueError(f"--tpot-target-ms takes milliseconds or 'none', got {value!r}") from None
+    if not budget > 0:
+        raise ValueError(f"--tpot-target-ms must be > 0 (or 'none'), got {value!r}")
+    return budget
 
 
 @click.command("engine")
@@ -480,6 +502,12 @@ def attention_line(r: dict[str, Any], attention_lens: tuple[int, ...]) -> str:
     show_default=True,
     help="the native engine's KV cache, as serve's --kv-cache-dtype",
 )
+@click.option(
+    "--tpot-target-ms",
+    default="50",
+    show_default=True,
+    help="the time budget of a native step that carries decodes, as serve's --tpot-target-ms ('none': off)",
+)
 def bench_engine_command(
     model: str,
     json_path: str | None,
@@ -493,6 +521,7 @@ def bench_engine_command(
     llamacpp_requests: int,
     quantization: str,
     kv_cache_dtype: str,
+    tpot_target_ms: str,
 ) -> None:
     """Native engine vs transformers (and llama.cpp): throughput, TPOT and TTFT against the hardware bounds."""
     try:
@@ -509,6 +538,7 @@ def bench_engine_command(
             llamacpp_requests=llamacpp_requests,
             quantization=quantization,  # "none": EngineConfig reads it as off
             kv_cache_dtype=kv_cache_dtype,
+            tpot_target_ms=_parse_budget(tpot_target_ms),
         )
     except ValueError as error:
         raise click.UsageError(str(error)) from error

@@ -41,11 +41,22 @@ def test_the_native_engine_runs_on_the_weights_asked_for(tmp_path, capsys):
     sizes = dict(num_requests=2, prompt_len=16, output_len=4, ttft_prompt_len=32, repeats=1, threads=1)
     off = dict(attention_lens=(), with_transformers=False, with_llamacpp=False)
     int8 = bench_engine(str(path), quantization="int8", **sizes, **off)
-    fp32 = bench_engine(str(path), quantization=None, **sizes, **off)
+    fp32 = bench_engine(str(path), quantization=None, tpot_target_ms=None, **sizes, **off)
     assert (int8["quantization"], fp32["quantization"]) == ("int8", "none")
+    assert (int8["tpot_target_ms"], fp32["tpot_target_ms"]) == (50.0, None)
     # int8 reads 1.0625 bytes a weight, fp32 4: the bound is the weights' bytes over bandwidth.
     assert int8["weight_bytes_per_token"] < fp32["weight_bytes_per_token"] / 2
     assert int8["tpot_ms"] > 0 and int8["native_tokens_per_s"] > 0
     # After the 32-token prompt a token also reads the context's keys and values.
     assert int8["tpot_32_ms"] > 0 and int8["tpot_32_bound_ms"] > int8["tpot_bound_ms"]
-    assert "native weights int8" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "native weights int8" in out and "step budget 50 ms" in out and "step budget off" in out
+
+
+def test_the_step_budget_option_parses_milliseconds_or_none():
+    from ragspeed.bench.engine import _parse_budget
+
+    assert (_parse_budget("50"), _parse_budget("12.5"), _parse_budget("None")) == (50.0, 12.5, None)
+    for bad, message in (("0", "must be > 0"), ("-3", "must be > 0"), ("fast", "milliseconds or 'none'")):
+        with pytest.raises(ValueError, match=message):
+            _parse_budget(bad)
