@@ -7,8 +7,9 @@ parameters): 2.2 ms a step of which its products take 1.0 ms; its 2-layer draft 
 norms and paged attention, with the rotation, Q/K norm, K/V write and SiLU gate in C (the demo
 step: 2.7 -> 1.6 ms on one thread, with another job on the second core). Where every token of
 the step samples (decodes, verifications), the embedding lookup (fp32 rows or a GGUF file's Q8_0
-blocks) and the LM head's product join the same call, the head in the same parallel region. `greedy_steps` runs a draft model's whole proposal (catch-up and k greedy
-steps) in one call the same way.
+blocks) and the LM head's product join the same call, the head in the same parallel region.
+`greedy_steps` runs a draft model's whole proposal (catch-up and k greedy steps) in one call
+the same way.
 
 It applies to models whose every projection has a blocked copy (fp32, int8 or 4-bit, on a CPU with the
 kernels built) and to steps whose every query is a row of the decode-attention kernel (decodes,
@@ -132,7 +133,6 @@ class FusedDecoder:
         self.embeds = fp32_embed or q8_embed
         self.head = lm_head
         self.greedy = lm_head is not None and self.embeds
-        self._embed = model.embed
         self.model = _Model(
             self.layers,
             len(layers),
@@ -212,6 +212,7 @@ class FusedDecoder:
     def logits(
         self,
         input_ids: torch.Tensor,  # [num_tokens]
+        hidden: torch.Tensor | None,  # their embeddings; None where `embeds` (looked up here)
         freqs_cis: torch.Tensor,
         k_caches: list[torch.Tensor],
         v_caches: list[torch.Tensor],
@@ -222,12 +223,12 @@ class FusedDecoder:
         set): the embedding lookup (where `embeds`), the layers and the head in one call."""
         assert self.head is not None, "the LM head has no blocked copy"
         scores = torch.empty(len(input_ids), self.head.out_features, dtype=torch.float32)
-        if self.embeds:
+        ids = None
+        if hidden is None:
+            assert self.embeds, "these embeddings are looked up in Python"
             hidden = torch.empty(len(input_ids), self.model.hidden, dtype=torch.float32)
             ids = input_ids.contiguous()
-        else:
-            hidden, ids = self._embed(input_ids).contiguous(), None
-        return self._run(ids, hidden, freqs_cis, k_caches, v_caches, meta, rows, scores)
+        return self._run(ids, hidden.contiguous(), freqs_cis, k_caches, v_caches, meta, rows, scores)
 
     def _run(self, ids, hidden, freqs_cis, k_caches, v_caches, meta, rows, scores) -> torch.Tensor:
         tables, context_lens = rows

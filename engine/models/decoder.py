@@ -187,7 +187,8 @@ class DecoderLM(nn.Module):
         if rows is None and fused is not None and fused.head is not None:
             decode_rows = FusedDecoder.rows(meta, len(input_ids))
             if decode_rows:
-                return fused.logits(input_ids, freqs_cis, k_caches, v_caches, meta, decode_rows)
+                hidden = None if fused.embeds else self.embed(input_ids)
+                return fused.logits(input_ids, hidden, freqs_cis, k_caches, v_caches, meta, decode_rows)
         hidden = self(input_ids, freqs_cis, k_caches, v_caches, meta)
         return self.compute_logits(hidden if rows is None else hidden[rows])
 
