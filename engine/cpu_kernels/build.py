@@ -1,10 +1,11 @@
 """Compile kernels.c once per machine and load it with ctypes.
 
 The library goes to `~/.cache/ragspeed/kernels/kernels-<hash>.so` (or `$RAGSPEED_KERNEL_CACHE`),
-the hash covering the source, the compiler command and the CPU's model and flags, so a changed
-source or another machine builds its own. It is compiled to a temporary name and renamed, so
-processes starting at once never load half a file. It links the OpenMP runtime torch already
-loaded (libgomp): the kernels share torch's threads instead of bringing their own.
+the hash covering the source and its header, the compiler command and the CPU's model and flags,
+so a changed source or another machine builds its own. It is compiled to a temporary name and
+renamed, so processes starting at once never load half a file. It links the OpenMP runtime torch
+already loaded (libgomp): the kernels share torch's threads instead of bringing their own. The
+ctypes signatures are read from kernels.h, the header kernels.c includes, so the two cannot disagree.
 
 `RAGSPEED_CPU_KERNELS=0` turns the kernels off (oneDNN / fbgemm for every product).
 """
@@ -17,6 +18,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -27,7 +29,8 @@ log = logging.getLogger(__name__)
 
 # Package data; a file on disk in every install (the compiler is given its path).
 SOURCE = Path(str(resources.files("ragspeed.engine.cpu_kernels") / "kernels.c"))
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-lm")
+HEADER = SOURCE.with_name("kernels.h")  # the exported prototypes, read for the ctypes signatures
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-lm", "-Werror=missing-prototypes")
 ENABLE_ENV = "RAGSPEED_CPU_KERNELS"
 CACHE_ENV = "RAGSPEED_KERNEL_CACHE"
 
@@ -61,43 +64,35 @@ def _compile(compiler: str, target: Path) -> None:
         os.replace(staged, target)
 
 
+_SCALARS = {"void": None, "int": ctypes.c_int, "int64_t": ctypes.c_int64, "float": ctypes.c_float}
+_PROTOTYPE = re.compile(r"^(\w+)\s+(ragspeed_\w+)\s*\(([^)]*)\)\s*;", re.MULTILINE)
+
+
+def _ctype(declaration: str) -> type | None:
+    """The ctypes type of a parameter or return type (`const float *x`, `int n`, `void`)."""
+    if "*" in declaration:
+        return ctypes.c_void_p
+    words = [word for word in declaration.split() if word != "const"]
+    if not words or words[0] not in _SCALARS:
+        raise ValueError(f"{HEADER.name}: no ctypes type for {declaration!r}")
+    return _SCALARS[words[0]]
+
+
+def signatures(header: str) -> dict[str, tuple[type | None, list[type | None]]]:
+    """Each exported function of the header text: its ctypes restype and argtypes."""
+    text = re.sub(r"/\*.*?\*/", "", header, flags=re.DOTALL)
+    found = {}
+    for restype, name, parameters in _PROTOTYPE.findall(text):
+        parameters = " ".join(parameters.split())
+        arguments = [] if parameters in ("", "void") else parameters.split(",")
+        found[name] = (_ctype(restype), [_ctype(argument) for argument in arguments])
+    return found
+
+
 def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
-    pointer, integer = ctypes.c_void_p, ctypes.c_int
-    library.ragspeed_gemv_f32.argtypes = [pointer] * 4 + [integer] * 4
-    library.ragspeed_gemv_i8.argtypes = [pointer] * 5 + [integer] * 4
-    library.ragspeed_gemv_q4.argtypes = [pointer] * 5 + [integer] * 4
-    library.ragspeed_paged_decode_attention.argtypes = (
-        [pointer] * 6 + [integer] * 6 + [ctypes.c_float, integer, integer]
-    )
-    library.ragspeed_add_rms_norm.argtypes = [pointer] * 4 + [integer] * 2 + [ctypes.c_float, integer]
-    library.ragspeed_decode_forward.argtypes = [pointer] * 11 + [integer] * 5
-    library.ragspeed_argmax.argtypes = [pointer] + [integer] * 3 + [pointer]
-    library.ragspeed_place_kv.argtypes = [pointer] * 4 + [integer] * 4 + [ctypes.c_int64, integer, integer]
-    library.ragspeed_to_f16.argtypes = [pointer, pointer, integer]
-    library.ragspeed_int8_group.argtypes = []
-    library.ragspeed_int8_group.restype = integer
-    library.ragspeed_greedy_steps.argtypes = (
-        [pointer, pointer, integer]
-        + [pointer] * 4
-        + [integer] * 4
-        + [pointer] * 4
-        + [ctypes.c_float]
-        + [pointer] * 2
-        + [integer] * 2
-    )
-    for kernel in (
-        library.ragspeed_gemv_f32,
-        library.ragspeed_gemv_i8,
-        library.ragspeed_gemv_q4,
-        library.ragspeed_paged_decode_attention,
-        library.ragspeed_add_rms_norm,
-        library.ragspeed_decode_forward,
-        library.ragspeed_place_kv,
-        library.ragspeed_greedy_steps,
-        library.ragspeed_to_f16,
-        library.ragspeed_argmax,
-    ):
-        kernel.restype = None
+    for name, (restype, argtypes) in signatures(HEADER.read_text()).items():
+        function = getattr(library, name)
+        function.restype, function.argtypes = restype, argtypes
     return library
 
 
@@ -112,7 +107,7 @@ def load_library() -> ctypes.CDLL | None:
         log.info("CPU kernels off: needs Linux and a C compiler")
         return None
     key = hashlib.sha256(
-        "\n".join([SOURCE.read_text(), compiler, *FLAGS, _cpu_signature()]).encode()
+        "\n".join([SOURCE.read_text(), HEADER.read_text(), compiler, *FLAGS, _cpu_signature()]).encode()
     ).hexdigest()[:16]
     target = _cache_dir() / f"kernels-{key}.so"
     try:

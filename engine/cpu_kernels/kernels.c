@@ -24,6 +24,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
+
 #define BLOCK 16
 /* Rows per pass over a block: a verification of 1 + 4 rows reads each block once (in passes of
  * four, 1 + 4 rows took 1.46x the time of 4 rows on an AVX-512 CPU; in one pass 1.14x). */
@@ -57,7 +59,6 @@ static inline vecf loadv_f32(const float *p) {
 }
 static inline void storev_f32(float *p, vecf v) { memcpy(p, &v, sizeof v); }
 /* fp16 values (their bits) widened to fp32: the int8 weights' group scales. */
-typedef uint16_t f16;
 static inline float f16_to_f32(f16 h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
     float magnitude;
@@ -937,7 +938,7 @@ typedef struct {
     Linear qkv, o, gate_up, down;
 } Layer;
 
-typedef struct {
+struct Model {
     const Layer *layers;
     int num_layers, hidden, num_heads, num_kv_heads, head_dim, inter;
     float eps, scale;
@@ -948,7 +949,7 @@ typedef struct {
     const float *embed;
     const uint8_t *embed_q8;
     Linear lm_head;     /* greedy steps and the forward's logits; zero where neither runs */
-} Model;
+};
 
 /* Row `id` of the embeddings into x [hidden]; Q8_0: step * q, as gguf's dequantize. */
 static void embed_row(const Model *model, int64_t id, float *x) {

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
+import re
+import shutil
+import subprocess
+
 import pytest
 import torch
 
@@ -126,6 +131,51 @@ def test_turned_off_or_failed_build_means_no_kernels(fresh_build, monkeypatch, c
     assert load_library() is None
     assert "CPU kernels off: building kernels.c failed" in caplog.text
     assert not list(fresh_build.glob("kernels-*.so"))
+
+
+def test_every_exported_definition_has_its_prototype_in_the_header():
+    defined = re.findall(r"^\w+ (ragspeed_\w+)\(", build.SOURCE.read_text(), re.MULTILINE)
+    assert sorted(build.signatures(build.HEADER.read_text())) == sorted(defined)
+    library = load_library()
+    assert library.ragspeed_int8_group.restype is ctypes.c_int
+    assert library.ragspeed_place_kv.argtypes[8] is ctypes.c_int64
+
+
+ARGMAX = "void ragspeed_argmax(const float *x, int m, int n, int stride, int64_t *out);"
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        "void ragspeed_argmax(const float *x, int m, int n, int stride, int64_t *out, int extra);",
+        "void ragspeed_argmax(const float *x, int m, int n, int64_t *out);",
+        "void ragspeed_argmax(const float *x, int m, int n, float stride, int64_t *out);",
+        "int ragspeed_argmax(const float *x, int m, int n, int stride, int64_t *out);",
+    ],
+)
+def test_a_changed_prototype_changes_the_ctypes_signature(changed):
+    pointer, integer = ctypes.c_void_p, ctypes.c_int
+    assert build.signatures(ARGMAX) == {"ragspeed_argmax": (None, [pointer] + [integer] * 3 + [pointer])}
+    assert build.signatures(changed) != build.signatures(ARGMAX)
+
+
+def test_a_prototype_without_a_ctypes_type_is_refused():
+    with pytest.raises(ValueError, match="double"):
+        build.signatures("void ragspeed_argmax(const float *x, double m);")
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+def test_the_compiler_refuses_a_definition_that_differs_from_the_header(tmp_path):
+    definition = tmp_path / "definition.c"
+    definition.write_text(
+        '#include "kernels.h"\nvoid ragspeed_argmax(const float *x, int m, int n, int64_t *out) {}\n'
+    )
+    compiled = subprocess.run(
+        ["cc", "-fsyntax-only", "-I", str(build.HEADER.parent), str(definition)],
+        capture_output=True,
+        text=True,
+    )
+    assert compiled.returncode != 0 and "ragspeed_argmax" in compiled.stderr
 
 
 @pytest.mark.parametrize("score_scale", [0.125, 40.0])  # 40: most weights underflow to 0
