@@ -1,10 +1,11 @@
 """The user's documentation stays true to the code: the generated configuration reference, the
-README's two commands and length, the links between the pages, and the code's citations of the
-architecture document."""
+README's two commands and length, the links between the pages, the code's citations of the
+architecture document, and the absence of issue references outside the changelog."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 from pathlib import Path
 
@@ -29,6 +30,8 @@ CODE_FOLDERS = (
     "ragspeed",
     "tests",
 )
+SKIPPED_FOLDERS = {"build", "dist", "out", "node_modules"}  # and every hidden one
+ISSUE_REFERENCE = re.compile(r"\bissues?\s*#?\d+", re.IGNORECASE)
 
 
 def _generator():
@@ -87,3 +90,24 @@ def test_code_cites_the_architecture_document_that_exists():
                 stale.append(str(path.relative_to(ROOT)))
     assert stale == []
     assert (DOCS / "architecture.md").is_file()
+
+
+def _source_files():
+    for folder, subfolders, files in os.walk(ROOT):
+        subfolders[:] = sorted(
+            name for name in subfolders if not name.startswith(".") and name not in SKIPPED_FOLDERS
+        )
+        for name in sorted(files):
+            path = Path(folder) / name
+            if path.suffix in {".py", ".c", ".md", ".toml"} and path != ROOT / "CHANGELOG.md":
+                yield path
+
+
+def test_no_issue_references_outside_the_changelog():
+    """The story of a change lives in its commit message and the changelog, not in the source."""
+    found = []
+    for path in _source_files():
+        text = path.read_text(encoding="utf-8", errors="replace")
+        relative = path.relative_to(ROOT)
+        found += [f"{relative}: {match.group(0)}" for match in ISSUE_REFERENCE.finditer(text)]
+    assert found == []

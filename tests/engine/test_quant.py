@@ -170,7 +170,7 @@ def test_demo_engine_int8_memory_and_lm_head(demo_path, monkeypatch):
 
 
 def test_demo_quality_gates(demo_path, shared_data):
-    """Issue 5's gates on real text: ppl increase <= 2%, top-1 agreement >= 97%."""
+    """The int8 quality gates on real text: ppl increase <= 2%, top-1 agreement >= 97%."""
     reference = load_model(demo_path, max_model_len=256)
     quantized = load_model(demo_path, quantization="int8", max_model_len=256)
     from transformers import AutoTokenizer
