@@ -46,7 +46,7 @@ from ragspeed.engine.request import Request
 from ragspeed.engine.sampler import Sampler
 from ragspeed.engine.sampling import SamplingState, validate_sampling
 from ragspeed.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, StepTimeModel
-from ragspeed.engine.spec_decode import build_speculator
+from ragspeed.engine.spec_decode import TargetParts, build_speculator
 from ragspeed.engine.threads import cpu_threads
 from ragspeed.prompt_cache.document_store import DocumentStore
 from ragspeed.prompt_cache.manager import KVCacheManager
@@ -146,7 +146,8 @@ class LLMEngine:
             loaded.model, loaded.rotary, self.kv_pool, config.device, num_threads=num_threads
         )
         self.sampler = Sampler(config.device, seed=config.seed)
-        self.speculator = build_speculator(config, self)  # None unless config.speculative
+        target = TargetParts(self.runner, self.manager, tokenizer, self.arch.vocab_size, self.max_model_len)
+        self.speculator = build_speculator(config, target)  # None unless config.speculative
         if self.speculator is not None:
             self.scheduler.release_hooks.append(self.speculator.release)
         self.documents = self._document_cache(config)
