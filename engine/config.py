@@ -13,7 +13,7 @@ class EngineConfig:
     model: str = DEFAULT_MODEL_NAME  # a model-zoo name, a local folder, a .gguf file or a hub id
     tokenizer: str | None = None  # defaults to the model's
     device: str = "cpu"
-    # A key of engine.precision.DTYPES; "auto": prefill in bf16 where the CPU has AMX-BF16 or
+    # A key of engine.dtypes.DTYPES; "auto": prefill in bf16 where the CPU has AMX-BF16 or
     # AVX512-BF16 and the quality gate passes it, else fp32.
     dtype: str = "auto"
     max_model_len: int | None = None  # defaults to the model's context length

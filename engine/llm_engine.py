@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ragspeed.engine.config import EngineConfig
-from ragspeed.engine.cpu_features import CpuFeatures
+from ragspeed.engine.cpu_features import CpuFeatures, read_cpu_features
 from ragspeed.engine.detokenizer import IncrementalDetokenizer
 from ragspeed.engine.document_kv import DocumentKVCache, document_fingerprint
 from ragspeed.engine.kv_cache import KVCachePool, plan_num_blocks, resolve_kv_dtype
@@ -25,7 +25,13 @@ from ragspeed.engine.logprobs import token_logprobs
 from ragspeed.engine.model_runner import ModelRunner
 from ragspeed.engine.model_zoo import resolve_tokenizer
 from ragspeed.engine.models.linear import decode_weights
-from ragspeed.engine.precision import PrefillChoice, calibration_windows, choose_prefill, gate_weights
+from ragspeed.engine.precision import (
+    PrefillChoice,
+    calibration_windows,
+    choose_prefill,
+    gate_weights,
+    plan_prefill,
+)
 from ragspeed.engine.prefix_store import engine_fingerprint
 from ragspeed.engine.protocol import (
     EngineError,
@@ -40,7 +46,7 @@ from ragspeed.engine.request import Request
 from ragspeed.engine.sampler import Sampler
 from ragspeed.engine.sampling import SamplingState, validate_sampling
 from ragspeed.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, StepTimeModel
-from ragspeed.engine.spec_decode import build_speculator
+from ragspeed.engine.spec_decode import TargetParts, build_speculator
 from ragspeed.engine.threads import cpu_threads
 from ragspeed.prompt_cache.document_store import DocumentStore
 from ragspeed.prompt_cache.manager import KVCacheManager
@@ -73,7 +79,6 @@ class LLMEngine:
                 config,
                 max_model_len=config.max_model_len,
                 num_threads=num_threads,
-                features=features,
             )
         if loaded.arch.draft_vocab_size is not None:
             raise ValueError(
@@ -95,17 +100,17 @@ class LLMEngine:
                         unquantized,
                         max_model_len=config.max_model_len,
                         num_threads=num_threads,
-                        features=features,
                     ),
                     lambda: calibration_windows(tokenizer),
                 )
         # The prefill path (CPU): the fastest the plan offers that passes the quality gate.
+        if features is None and self.device.type == "cpu":
+            features = read_cpu_features()
+        plan = plan_prefill(config.dtype, loaded.quantization, config.device, features)
         self.prefill_choice: PrefillChoice | None = None
-        if loaded.prefill_plan is not None:
+        if plan is not None:
             with cpu_threads(num_threads):
-                self.prefill_choice = choose_prefill(
-                    loaded, loaded.prefill_plan, lambda: calibration_windows(tokenizer)
-                )
+                self.prefill_choice = choose_prefill(loaded, plan, lambda: calibration_windows(tokenizer))
         self.loaded = loaded
         self.tokenizer = tokenizer
         self.arch = loaded.arch
@@ -141,7 +146,8 @@ class LLMEngine:
             loaded.model, loaded.rotary, self.kv_pool, config.device, num_threads=num_threads
         )
         self.sampler = Sampler(config.device, seed=config.seed)
-        self.speculator = build_speculator(config, self)  # None unless config.speculative
+        target = TargetParts(self.runner, self.manager, tokenizer, self.arch.vocab_size, self.max_model_len)
+        self.speculator = build_speculator(config, target)  # None unless config.speculative
         if self.speculator is not None:
             self.scheduler.release_hooks.append(self.speculator.release)
         self.documents = self._document_cache(config)

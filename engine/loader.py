@@ -9,7 +9,7 @@ the folder (sharded checkpoints too), converted to the compute dtype, and fused 
 Q, K, V into one projection (Q and K rows permuted for the one-op rotation, see
 `engine.models.rotary`), gate and up into another. Every checkpoint is computed in fp32 on CPU;
 where the CPU multiplies bf16 at speed, prefill products may read a bf16 copy of the weights
-(engine.precision plans it here, before reading weights, and the engine chooses it).
+(engine.precision plans and chooses it, after loading: the loader knows nothing of it).
 
 With quantization 'gguf' (what 'auto' picks on CPU for a converted GGUF file), the matrices
 whose type the kernels decode (Q4_0, Q4_1, Q8_0) are read from the source file as its blocks
@@ -28,12 +28,12 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from ragspeed.engine import cpu_features, gguf
+from ragspeed.engine import gguf
 from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.dtypes import compute_dtype
 from ragspeed.engine.models.arch import ModelArch
 from ragspeed.engine.models.decoder import DecoderLM
 from ragspeed.engine.models.rotary import RotaryEmbedding, permute_heads
-from ragspeed.engine.precision import PrefillPlan, compute_dtype, plan_prefill
 from ragspeed.engine.quant import QuantizationUnavailableError, available_quantizations, check_quantization
 from ragspeed.engine.quant.gguf_blocks import KERNEL_TYPES, GgufBlocks, cat_rows, map_rows
 from ragspeed.engine.threads import cpu_threads
@@ -73,7 +73,6 @@ class LoadedModel:
     max_model_len: int  # the model's own context limit (sliding window included)
     eos_token_ids: tuple[int, ...]
     path: Path
-    prefill_plan: PrefillPlan | None = None  # CPU: the prefill paths it may move to
     quantization: str | None = None  # what "auto" chose, or as asked
 
 
@@ -295,7 +294,6 @@ def load_for_engine(
     *,
     max_model_len: int | None,
     num_threads: int,
-    features: cpu_features.CpuFeatures | None = None,
 ) -> LoadedModel:
     """`path` loaded as `config` asks (device, dtype, quantization) on the engine's thread
     count: the linear kinds keep the count of their load for their products (engine.threads)."""
@@ -306,7 +304,6 @@ def load_for_engine(
             dtype=config.dtype,
             quantization=config.quantization,
             max_model_len=max_model_len,
-            features=features,
         )
 
 
@@ -317,11 +314,10 @@ def load_model(
     dtype: str = "float32",
     quantization: str | None = None,
     max_model_len: int | None = None,
-    features: cpu_features.CpuFeatures | None = None,
 ) -> LoadedModel:
     """`max_model_len` (default: the model's limit) sizes the rotation table; it may not exceed
-    the model's own limit. The model loads on its exact prefill path; `features` (default:
-    this CPU's) decide which faster ones its `prefill_plan` offers (engine.precision)."""
+    the model's own limit. The model loads on its exact prefill path (engine.precision plans
+    the faster ones after loading)."""
     from transformers import AutoConfig, GenerationConfig
 
     path = Path(path)
@@ -330,9 +326,6 @@ def load_model(
     arch = arch_from_config(hf_config, family)
     quantization = resolve_quantization(quantization, path, device)
     check_quantization(quantization, device)  # before reading weights: lists what runs here
-    if features is None and torch.device(device).type == "cpu":
-        features = cpu_features.read_cpu_features()
-    plan = plan_prefill(dtype, quantization, device, features)  # raises for a dtype not run here
     torch_dtype = compute_dtype(dtype, device)
     model = DecoderLM(arch, quantization=quantization)
     blocks = file_blocks(path, hf_config) if quantization == "gguf" else {}
@@ -353,4 +346,4 @@ def load_model(
     if eos is None:
         eos = getattr(hf_config, "eos_token_id", None)
     eos_ids = (eos,) if isinstance(eos, int) else tuple(eos or ())
-    return LoadedModel(model.eval(), rotary, arch, max_model_len, eos_ids, path, plan, quantization)
+    return LoadedModel(model.eval(), rotary, arch, max_model_len, eos_ids, path, quantization)

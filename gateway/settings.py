@@ -19,7 +19,7 @@ from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
 from ragspeed.gateway.security import ApiKeyEntry, KeyHash
 
-# The keys of engine.precision.DTYPES (kept here as a type: settings import no torch).
+# The keys of engine.dtypes.DTYPES (kept here as a type: settings import no torch).
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 # engine.protocol.DOCUMENT_CACHE_POLICIES, DOCUMENT_GLUE_MODES and engine.document_kv.STORAGE_DTYPES,
 # as types.

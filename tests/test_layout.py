@@ -9,10 +9,10 @@ TOOLING = ("ragspeed.bench", "ragspeed.evals", "ragspeed.ab", "ragspeed.training
 EXTRAS = ("llmlingua", "matplotlib")
 
 
-def _imported_after(code: str) -> list[str]:
+def _imported_after(code: str, prefixes: tuple[str, ...] = TOOLING + EXTRAS) -> list[str]:
     script = (
         f"{code}\nimport json, sys\n"
-        f"print(json.dumps(sorted(m for m in sys.modules if m.startswith({TOOLING + EXTRAS!r}))))"
+        f"print(json.dumps(sorted(m for m in sys.modules if m.startswith({prefixes!r}))))"
     )
     result = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=300
@@ -28,6 +28,12 @@ def test_the_app_and_the_serve_command_import_no_tooling():
         "cli.get_command(None, 'serve')"
     )
     assert _imported_after(code) == []
+
+
+def test_the_loader_imports_no_precision_plan():
+    """Loading comes first; the prefill plan and the quality gate are chosen after it."""
+    prefixes = ("ragspeed.engine.precision", "ragspeed.engine.quant.quality")
+    assert _imported_after("import ragspeed.engine.loader", prefixes) == []
 
 
 def test_cli_commands_load_when_asked_for():

@@ -19,8 +19,8 @@ from transformers.generation.streamers import BaseStreamer
 from ragspeed.engine import cpu_features
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.detokenizer import IncrementalDetokenizer
+from ragspeed.engine.dtypes import model_dtype
 from ragspeed.engine.model_zoo import resolve_model, resolve_tokenizer
-from ragspeed.engine.precision import model_dtype
 from ragspeed.engine.protocol import (
     EngineError,
     GenerationRequest,

@@ -21,6 +21,7 @@ from ragspeed.engine.spec_decode.proposer import (
     PROPOSERS,
     PerRequestProposer,
     Proposer,
+    TargetParts,
     TokenProposer,
     build_proposer,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "Proposer",
     "SpecStats",
     "Speculator",
+    "TargetParts",
     "TokenProposer",
     "build_proposer",
     "build_speculator",

@@ -49,6 +49,7 @@ from ragspeed.engine.kv_cache import KVCachePool
 from ragspeed.engine.loader import LoadedModel, load_for_engine, resolve_model_path
 from ragspeed.engine.protocol import EngineError
 from ragspeed.engine.quant import QuantizationUnavailableError, available_quantizations
+from ragspeed.engine.spec_decode.proposer import TargetParts
 from ragspeed.engine.threads import forward_pass
 from ragspeed.prompt_cache.manager import KVCacheManager
 
@@ -336,7 +337,7 @@ def draft_quantization(config: EngineConfig) -> str | None:
     return "int8" if cpu else config.quantization
 
 
-def build_draft_proposer(config: EngineConfig, engine) -> DraftProposer:
+def build_draft_proposer(config: EngineConfig, target: TargetParts) -> DraftProposer:
     """Load `config.draft_model` like the target (device, dtype) with its own quantization
     (`draft_quantization`), check that it shares the target's tokenizer, and give it a pool of
     as many tokens as the target's."""
@@ -355,20 +356,20 @@ def build_draft_proposer(config: EngineConfig, engine) -> DraftProposer:
         raise EngineError(
             f"draft model {name!r}: cannot load its tokenizer ({error})", param="draft_model"
         ) from error
-    mismatch = tokenizer_mismatch(engine.tokenizer, draft_tokenizer)
+    mismatch = tokenizer_mismatch(target.tokenizer, draft_tokenizer)
     if mismatch is not None:
         raise EngineError(
             f"draft model {name!r} does not share the tokenizer of the target model"
             f" {config.model!r}: {mismatch}; a draft must use the target's tokenizer",
             param="draft_model",
         )
-    num_threads = engine.runner.num_threads
+    num_threads = target.runner.num_threads
     quantization = draft_quantization(config)
     try:
         loaded = load_for_engine(
             path,
             replace(config, quantization=quantization),
-            max_model_len=engine.max_model_len,
+            max_model_len=target.max_model_len,
             num_threads=num_threads,
         )
     except QuantizationUnavailableError as error:
@@ -377,7 +378,7 @@ def build_draft_proposer(config: EngineConfig, engine) -> DraftProposer:
         raise EngineError(
             f"draft model {name!r} (for target model {config.model!r}): {error}", param="draft_model"
         ) from error
-    mismatch = vocabulary_mismatch(engine.arch.vocab_size, loaded)
+    mismatch = vocabulary_mismatch(target.vocab_size, loaded)
     if mismatch is not None:
         raise EngineError(
             f"draft model {name!r} does not fit the vocabulary of the target model {config.model!r}: {mismatch}",
@@ -385,10 +386,10 @@ def build_draft_proposer(config: EngineConfig, engine) -> DraftProposer:
         )
     proposer = DraftProposer(
         loaded,
-        num_blocks=engine.kv_pool.num_blocks,
+        num_blocks=target.manager.num_blocks,
         block_size=config.block_size,
         device=config.device,
-        vocab_size=engine.arch.vocab_size,
+        vocab_size=target.vocab_size,
         num_threads=num_threads,
     )
     logger.info(

@@ -13,11 +13,13 @@ Prompt lookup (ngram.py) is a `Proposer`: it keeps an n-gram index per request.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass, replace
+from typing import Any, Protocol, runtime_checkable
 
 from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.model_runner import ModelRunner
 from ragspeed.engine.protocol import EngineError
+from ragspeed.prompt_cache.manager import KVCacheManager
 
 
 class TokenProposer(Protocol):
@@ -61,17 +63,28 @@ class PerRequestProposer:
         pass
 
 
+@dataclass(frozen=True)
+class TargetParts:
+    """What a proposer may read of the target it drafts for."""
+
+    runner: ModelRunner
+    manager: KVCacheManager
+    tokenizer: Any
+    vocab_size: int
+    max_model_len: int
+
+
 def as_batch_proposer(proposer: Proposer | TokenProposer) -> Proposer:
     return proposer if isinstance(proposer, Proposer) else PerRequestProposer(proposer)
 
 
-def _build_ngram(config: EngineConfig, engine) -> Proposer:
+def _build_ngram(config: EngineConfig, target: TargetParts) -> Proposer:
     from ragspeed.engine.spec_decode.ngram import NgramProposer
 
     return NgramProposer()
 
 
-def _build_draft(config: EngineConfig, engine) -> Proposer:
+def _build_draft(config: EngineConfig, target: TargetParts) -> Proposer:
     from ragspeed.engine.model_zoo import ZOO_DRAFTS
     from ragspeed.engine.spec_decode.draft import build_draft_proposer
 
@@ -83,21 +96,21 @@ def _build_draft(config: EngineConfig, engine) -> Proposer:
             " and pass --draft-model DIR",
             param="draft_model",
         )
-    return build_draft_proposer(replace(config, draft_model=draft), engine)
+    return build_draft_proposer(replace(config, draft_model=draft), target)
 
 
-# EngineConfig.speculative -> factory(config, engine) of its proposer.
-PROPOSERS: dict[str, Callable[[EngineConfig, object], Proposer]] = {
+# EngineConfig.speculative -> factory(config, target) of its proposer.
+PROPOSERS: dict[str, Callable[[EngineConfig, TargetParts], Proposer]] = {
     "ngram": _build_ngram,
     "draft": _build_draft,
 }
 
 
-def build_proposer(config: EngineConfig, engine) -> Proposer:
+def build_proposer(config: EngineConfig, target: TargetParts) -> Proposer:
     factory = PROPOSERS.get(config.speculative)
     if factory is None:
         raise EngineError(
             f"unknown speculative method {config.speculative!r}; choose one of {', '.join(PROPOSERS)}",
             param="speculative",
         )
-    return factory(config, engine)
+    return factory(config, target)

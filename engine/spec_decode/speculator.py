@@ -14,7 +14,13 @@ import torch
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.request import Request
 from ragspeed.engine.spec_decode.controller import AdaptiveController
-from ragspeed.engine.spec_decode.proposer import Proposer, TokenProposer, as_batch_proposer, build_proposer
+from ragspeed.engine.spec_decode.proposer import (
+    Proposer,
+    TargetParts,
+    TokenProposer,
+    as_batch_proposer,
+    build_proposer,
+)
 from ragspeed.engine.spec_decode.rejection import verify_greedy, verify_sampled
 from ragspeed.engine.spec_decode.stats import SpecStats
 
@@ -120,11 +126,11 @@ def _seeded_sampling(request: Request) -> bool:
     return not params.greedy and params.seed is not None
 
 
-def build_speculator(config: EngineConfig, engine=None) -> Speculator | None:
+def build_speculator(config: EngineConfig, target: TargetParts) -> Speculator | None:
     """None when speculation is off (the default)."""
     if config.speculative is None:
         return None
-    proposer = build_proposer(config, engine)
+    proposer = build_proposer(config, target)
     k = config.num_speculative_tokens
     # A quarter of the step budget: 128 query tokens by default, batch 25 at k = 4. A small
     # model's step stays overhead-bound at such batches even with 1 + k queries per decode;

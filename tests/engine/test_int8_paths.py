@@ -241,7 +241,7 @@ def test_start_up_gate_on_a_tiny_model(caplog, tiny_checkpoints):
     from ragspeed.engine.loader import load_model
     from ragspeed.engine.precision import choose_prefill, plan_prefill
 
-    loaded = load_model(tiny_checkpoints["llama"], quantization="int8", max_model_len=64, features=VNNI)
+    loaded = load_model(tiny_checkpoints["llama"], quantization="int8", max_model_len=64)
     assert _paths(loaded) == {"fp32-dequantized"}  # loaded on the exact path
     windows = [list(range(3, 35)), list(range(40, 72))]
     plan = plan_prefill("float32", "int8", "cpu", VNNI)

@@ -10,18 +10,10 @@ import pytest
 import torch
 
 from ragspeed.engine.cpu_features import CpuFeatures
+from ragspeed.engine.dtypes import DTYPES, DtypeUnavailableError, dtype_choice, model_dtype
 from ragspeed.engine.loader import load_model
 from ragspeed.engine.models.linear import DENSE_PREFILL_PATHS, DenseLinear
-from ragspeed.engine.precision import (
-    DTYPES,
-    DtypeUnavailableError,
-    calibration_windows,
-    choose_prefill,
-    dtype_choice,
-    gate_weights,
-    model_dtype,
-    plan_prefill,
-)
+from ragspeed.engine.precision import calibration_windows, choose_prefill, gate_weights, plan_prefill
 from ragspeed.engine.protocol import GenerationRequest, SamplingParams
 from ragspeed.engine.quant.gate import QualityGate, use_prefill_path
 from ragspeed.engine.quant.quality import QualityReport
@@ -132,8 +124,8 @@ def _failing(path) -> QualityReport:
 def test_gate_falls_back_to_fp32_and_logs_why(tiny_checkpoints, caplog):
     from ragspeed.engine.loader import load_model
 
-    loaded = load_model(tiny_checkpoints["llama"], dtype="auto", max_model_len=64, features=AMX)
-    plan = loaded.prefill_plan
+    loaded = load_model(tiny_checkpoints["llama"], dtype="auto", max_model_len=64)
+    plan = plan_prefill("auto", loaded.quantization, "cpu", AMX)
     with caplog.at_level(logging.INFO):
         choice = choose_prefill(loaded, plan, lambda: pytest.fail("measure is injected"), measure=_failing)
     assert choice.path.name == "fp32" and choice.rejected == {"bf16": "perplexity +2.00% > +1%"}
