@@ -35,7 +35,7 @@ from typing import Any
 import click
 import torch
 
-from ragspeed.bench.common import json_option, machine_line, require_positive, write_json
+from ragspeed.bench.common import json_option, machine_line, model_option, require_positive, write_json
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
 from ragspeed.engine.protocol import GenerationRequest, SamplingParams
@@ -220,7 +220,7 @@ def print_table(r: dict[str, Any]) -> None:
 
 
 @click.command("cache")
-@click.option("--model", default=DEFAULT_MODEL_NAME, help="model-zoo name, local folder or hub id")
+@model_option
 @json_option
 @click.option("--num-questions", default=20, type=int, help="distinct questions after the system prompt")
 @click.option("--num-cold", default=5, type=int, help="questions also timed with the cache off")

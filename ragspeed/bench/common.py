@@ -13,6 +13,7 @@ from typing import Any
 
 import click
 
+from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
 from ragspeed.shipped_data import NQ_QUESTIONS
 
 
@@ -97,6 +98,16 @@ json_option = click.option(
     type=click.Path(dir_okay=False),
     help="write the flat JSON figures here",
 )
+
+
+# `--model`, `--repeats` and `--threads` as the engine benches take them.
+model_option = click.option(
+    "--model", default=DEFAULT_MODEL_NAME, help="model-zoo name, local folder or hub id"
+)
+repeats_option = click.option(
+    "--repeats", default=3, type=int, help="runs per figure; the median is reported"
+)
+threads_option = click.option("--threads", default=2, type=int, help="torch CPU threads")
 
 
 def qa_data_option(

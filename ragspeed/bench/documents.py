@@ -36,7 +36,14 @@ from typing import Any
 import click
 import torch
 
-from ragspeed.bench.common import json_option, machine_line, prefill_line, require_positive, write_json
+from ragspeed.bench.common import (
+    json_option,
+    machine_line,
+    model_option,
+    prefill_line,
+    require_positive,
+    write_json,
+)
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
 from ragspeed.engine.protocol import (
@@ -256,7 +263,7 @@ def print_table(r: dict[str, Any]) -> None:
 
 
 @click.command("documents")
-@click.option("--model", default=DEFAULT_MODEL_NAME, help="model-zoo name, local folder or hub id")
+@model_option
 @json_option
 @click.option(
     "--data",

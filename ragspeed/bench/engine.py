@@ -52,7 +52,10 @@ from ragspeed.bench.common import (
     json_option,
     machine_line,
     median_gap,
+    model_option,
+    repeats_option,
     require_positive,
+    threads_option,
     write_json,
 )
 from ragspeed.engine.attention import PREFILL_ATTENTION_EVENT
@@ -460,10 +463,10 @@ def _parse_budget(value: str) -> float | None:
 
 
 @click.command("engine")
-@click.option("--model", default=DEFAULT_MODEL_NAME, help="model-zoo name, local folder or hub id")
+@model_option
 @json_option
-@click.option("--repeats", default=3, type=int, help="runs per figure; the median is reported")
-@click.option("--threads", default=2, type=int, help="torch CPU threads")
+@repeats_option
+@threads_option
 @click.option("--transformers-requests", default=4, type=int, help="requests through generate()")
 @click.option(
     "--attention-lens",

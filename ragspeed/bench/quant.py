@@ -39,7 +39,16 @@ from typing import Any
 import click
 import torch
 
-from ragspeed.bench.common import json_option, machine_line, prefill_line, require_positive, write_json
+from ragspeed.bench.common import (
+    json_option,
+    machine_line,
+    model_option,
+    prefill_line,
+    repeats_option,
+    require_positive,
+    threads_option,
+    write_json,
+)
 from ragspeed.bench.engine import (
     BandwidthProbe,
     _NativeContender,
@@ -331,10 +340,10 @@ def print_table(r: dict[str, Any], ttft_len: int) -> None:
 
 
 @click.command("quant")
-@click.option("--model", default=DEFAULT_MODEL_NAME, help="model-zoo name, local folder or hub id")
+@model_option
 @json_option
-@click.option("--repeats", default=3, type=int, help="runs per figure; the median is reported")
-@click.option("--threads", default=2, type=int, help="torch CPU threads")
+@repeats_option
+@threads_option
 @click.option("--output-len", default=32, type=int, help="tokens per TPOT run")
 @click.option(
     "--transformers/--no-transformers", "with_transformers", default=True, help="run the baseline beside"
