@@ -1,8 +1,8 @@
 """ragspeed compression: question-aware context compression under a token budget.
 
-from ragspeed.compression import Document, build_compressor
+from ragspeed.compression import Budget, Document, build_compressor
 compressor = build_compressor("coarse-to-fine")
-result = compressor.compress(question, documents, tokenizer=tok, rate=0.25)
+result = compressor.compress(question, documents, Budget(tok, rate=0.25))
 """
 
 from ragspeed.compression.base import (
@@ -15,8 +15,10 @@ from ragspeed.compression.base import (
     Tokenizer,
     count_tokens,
 )
+from ragspeed.compression.budget import Budget
 
 __all__ = [
+    "Budget",
     "CompressedDocument",
     "CompressionError",
     "CompressionResult",

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from ragspeed.compression.budget import Budget
 
 
 class CompressionError(ValueError):
@@ -102,11 +105,7 @@ class Compressor(Protocol):
         self,
         question: str,
         documents: Sequence[DocumentLike],
-        *,
-        tokenizer: Tokenizer,
-        rate: float | None = None,
-        target_tokens: int | None = None,
-        protected_tokens: int = 0,
+        budget: Budget,
     ) -> CompressionResult: ...
 
 

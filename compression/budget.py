@@ -1,8 +1,14 @@
-"""Turn `rate` / `target_tokens` into a document-token budget, checking them."""
+"""What a compressor works to (`Budget`), and turning its `rate` / `target_tokens` into a
+document-token budget, checking them."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ragspeed.compression.base import Tokenizer
 
 DEFAULT_RATE = 0.25  # 4x when the caller gives neither a rate nor a target
 
@@ -54,3 +60,25 @@ def resolve_budget(
     if not budgets:
         budgets.append(int(math.floor(DEFAULT_RATE * num_document_tokens)) - protected_document_tokens)
     return max(0, min(budgets))
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What a compressor works to: the target model's tokenizer, and how much to keep (`rate`
+    of the document tokens, or `target_tokens` for the whole prompt, `protected_tokens` of which
+    are already spent)."""
+
+    tokenizer: Tokenizer
+    rate: float | None = None
+    target_tokens: int | None = None
+    protected_tokens: int = 0
+
+    def document_tokens(self, num_document_tokens: int, protected_document_tokens: int = 0) -> int:
+        """`resolve_budget` for these documents."""
+        return resolve_budget(
+            num_document_tokens,
+            rate=self.rate,
+            target_tokens=self.target_tokens,
+            protected_tokens=self.protected_tokens,
+            protected_document_tokens=protected_document_tokens,
+        )

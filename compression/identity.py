@@ -6,8 +6,8 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
-from ragspeed.compression.base import CompressionResult, DocumentLike, Tokenizer
-from ragspeed.compression.budget import resolve_budget
+from ragspeed.compression.base import CompressionResult, DocumentLike
+from ragspeed.compression.budget import Budget
 from ragspeed.compression.policy import passthrough
 
 
@@ -18,18 +18,9 @@ class IdentityCompressor:
         self,
         question: str,
         documents: Sequence[DocumentLike],
-        *,
-        tokenizer: Tokenizer,
-        rate: float | None = None,
-        target_tokens: int | None = None,
-        protected_tokens: int = 0,
+        budget: Budget,
     ) -> CompressionResult:
         start = time.perf_counter()
-        result = passthrough(self.name, documents, tokenizer, 0.0)
-        budget = resolve_budget(
-            result.num_original_tokens,
-            rate=rate,
-            target_tokens=target_tokens,
-            protected_tokens=protected_tokens,
-        )
-        return dataclasses.replace(result, elapsed_s=time.perf_counter() - start, budget_tokens=budget)
+        result = passthrough(self.name, documents, budget.tokenizer, 0.0)
+        num_budget = budget.document_tokens(result.num_original_tokens)
+        return dataclasses.replace(result, elapsed_s=time.perf_counter() - start, budget_tokens=num_budget)

@@ -30,7 +30,7 @@ from ragspeed.compression.base import (
     as_documents,
     count_tokens,
 )
-from ragspeed.compression.budget import resolve_budget
+from ragspeed.compression.budget import Budget
 
 _WORDPIECE_FAMILY = "bert-base-multilingual-cased"
 _SENTENCEPIECE_FAMILY = "xlm-roberta-large"
@@ -101,33 +101,24 @@ class LLMLingua2Compressor:
         self,
         question: str,
         documents: Sequence[DocumentLike],
-        *,
-        tokenizer: Tokenizer,
-        rate: float | None = None,
-        target_tokens: int | None = None,
-        protected_tokens: int = 0,
+        budget: Budget,
     ) -> CompressionResult:
         start = time.perf_counter()
+        tokenizer = budget.tokenizer
         docs = as_documents(documents)
         num_tokens = [count_tokens(tokenizer, d.text) for d in docs]
         num_original = sum(num_tokens)
         protected_doc_tokens = sum(n for d, n in zip(docs, num_tokens) if d.protected)
-        budget = resolve_budget(
-            num_original,
-            rate=rate,
-            target_tokens=target_tokens,
-            protected_tokens=protected_tokens,
-            protected_document_tokens=protected_doc_tokens,
-        )
+        num_budget = budget.document_tokens(num_original, protected_doc_tokens)
         free = [i for i, d in enumerate(docs) if not d.protected and d.text.strip()]
         free_tokens = sum(num_tokens[i] for i in free)
         texts = {i: docs[i].text for i in range(len(docs))}
-        if free and free_tokens > budget:
+        if free and free_tokens > num_budget:
             with self._lock:
                 self._compressor.oai_tokenizer = _TargetTokens(tokenizer)
                 out = self._compressor.compress_prompt_llmlingua2(
                     [docs[i].text for i in free],
-                    rate=max(budget, 0) / free_tokens,
+                    rate=max(num_budget, 0) / free_tokens,
                     force_tokens=["\n", ".", "?", "!"],
                     chunk_end_tokens=[".", "\n"],
                 )
@@ -146,6 +137,6 @@ class LLMLingua2Compressor:
             num_original_tokens=num_original,
             num_compressed_tokens=sum(d.num_kept_tokens for d in kept),
             elapsed_s=time.perf_counter() - start,
-            budget_tokens=budget,
+            budget_tokens=num_budget,
             num_dropped_documents=len(docs) - len(kept),
         )

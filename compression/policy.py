@@ -36,7 +36,7 @@ from ragspeed.compression.base import (
     as_documents,
     count_tokens,
 )
-from ragspeed.compression.budget import resolve_budget
+from ragspeed.compression.budget import Budget
 from ragspeed.compression.sentences import split_sentences
 
 logger = logging.getLogger(__name__)
@@ -87,22 +87,17 @@ def apply_policy(
     compressor: Compressor,
     question: str,
     documents: Sequence[DocumentLike],
-    *,
-    tokenizer: Tokenizer,
-    rate: float | None = None,
-    target_tokens: int | None = None,
-    protected_tokens: int = 0,
+    budget: Budget,
 ) -> PolicyOutcome:
     start = time.perf_counter()
     docs = as_documents(documents)
+    tokenizer = budget.tokenizer
     num_tokens = sum(count_tokens(tokenizer, d.text) for d in docs)
     # Check the parameters even when we will not compress: a bad rate is a 400 either way.
-    budget = resolve_budget(
-        num_tokens, rate=rate, target_tokens=target_tokens, protected_tokens=protected_tokens
-    )
+    num_budget = budget.document_tokens(num_tokens)
     # A target that the documents already fit is no reason to compress either.
     if num_tokens < policy.min_document_tokens or (
-        target_tokens is not None and rate is None and num_tokens <= budget
+        budget.target_tokens is not None and budget.rate is None and num_tokens <= num_budget
     ):
         return PolicyOutcome(
             passthrough(compressor.name, docs, tokenizer, time.perf_counter() - start),
@@ -110,14 +105,7 @@ def apply_policy(
             skipped_reason="below_break_even",
         )
     try:
-        result = compressor.compress(
-            question,
-            docs,
-            tokenizer=tokenizer,
-            rate=rate,
-            target_tokens=target_tokens,
-            protected_tokens=protected_tokens,
-        )
+        result = compressor.compress(question, docs, budget)
     except CompressionError:
         raise
     except Exception as exc:  # fail open: any compressor fault lets the documents through

@@ -17,7 +17,7 @@ from ragspeed.compression.base import (
     Tokenizer,
     as_documents,
 )
-from ragspeed.compression.budget import resolve_budget
+from ragspeed.compression.budget import Budget
 from ragspeed.compression.selection import ORDERINGS, select_units
 from ragspeed.compression.units import TokenCounter, UnitTable, build_unit_table
 
@@ -58,34 +58,24 @@ class SentenceCompressor:
         self,
         question: str,
         documents: Sequence[DocumentLike],
-        *,
-        tokenizer: Tokenizer,
-        rate: float | None = None,
-        target_tokens: int | None = None,
-        protected_tokens: int = 0,
+        budget: Budget,
     ) -> CompressionResult:
         start = time.perf_counter()
         if not isinstance(question, str):
             raise CompressionError("question must be a string", "question")
         docs = as_documents(documents)
-        counter = self._token_counter(tokenizer)
+        counter = self._token_counter(budget.tokenizer)
         table = build_unit_table(docs, counter)
         num_original = sum(table.doc_num_tokens)
         protected_doc_tokens = sum(n for d, n in zip(docs, table.doc_num_tokens) if d.protected)
-        budget = resolve_budget(
-            num_original,
-            rate=rate,
-            target_tokens=target_tokens,
-            protected_tokens=protected_tokens,
-            protected_document_tokens=protected_doc_tokens,
-        )
+        num_budget = budget.document_tokens(num_original, protected_doc_tokens)
         chosen: list[int] = []
         scores = np.zeros(table.num_units)
-        if table.num_units and budget > 0:
-            scores = np.asarray(self.scorer.score(question, table, budget), dtype=np.float64)
+        if table.num_units and num_budget > 0:
+            scores = np.asarray(self.scorer.score(question, table, num_budget), dtype=np.float64)
             assert scores.shape == (table.num_units,)
-            chosen = self._select(table, scores, budget)
-        return self._assemble(docs, table, scores, chosen, num_original, budget, start, counter)
+            chosen = self._select(table, scores, num_budget)
+        return self._assemble(docs, table, scores, chosen, num_original, num_budget, start, counter)
 
     @staticmethod
     def _select(table: UnitTable, scores: np.ndarray, budget: int) -> list[int]:

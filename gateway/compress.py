@@ -14,6 +14,7 @@ from typing import Any
 
 from ragspeed.compression import (
     COMPRESSORS,
+    Budget,
     CompressionError,
     CompressionPolicy,
     apply_policy,
@@ -124,10 +125,7 @@ class CompressionStage:
                     compressor,
                     segments.question,
                     documents,
-                    tokenizer=self._tokenizer,
-                    rate=rate,
-                    target_tokens=target_tokens,
-                    protected_tokens=protected,
+                    Budget(self._tokenizer, rate, target_tokens, protected),
                 )
             except CompressionError as exc:
                 raise APIError(

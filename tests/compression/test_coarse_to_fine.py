@@ -3,6 +3,7 @@
 import pytest
 
 from ragspeed.compression import Document, build_compressor
+from ragspeed.compression.budget import Budget
 from ragspeed.compression.scoring.embedding_cache import EmbeddingCache
 from ragspeed.compression.scoring.minilm_encoder import MiniLMEncoder
 
@@ -41,7 +42,7 @@ def cascade(static_encoder):
 
 def test_keeps_the_answer_at_high_compression(cascade, minilm_tokenizer):
     compressor, _ = cascade
-    result = compressor.compress(QUESTION, DOCS, tokenizer=minilm_tokenizer, target_tokens=20)
+    result = compressor.compress(QUESTION, DOCS, Budget(minilm_tokenizer, target_tokens=20))
     assert "It went to Wilhelm Röntgen." in result.text
     assert result.num_compressed_tokens <= 20
     assert result.kept_document_ids[0] == "2"
@@ -49,9 +50,9 @@ def test_keeps_the_answer_at_high_compression(cascade, minilm_tokenizer):
 
 def test_second_call_hits_the_embedding_cache(cascade, minilm_tokenizer):
     compressor, fine = cascade
-    first = compressor.compress(QUESTION, DOCS, tokenizer=minilm_tokenizer, rate=0.5)
+    first = compressor.compress(QUESTION, DOCS, Budget(minilm_tokenizer, rate=0.5))
     encoded = fine.num_encoded_texts
-    second = compressor.compress(QUESTION, DOCS, tokenizer=minilm_tokenizer, rate=0.5)
+    second = compressor.compress(QUESTION, DOCS, Budget(minilm_tokenizer, rate=0.5))
     assert fine.num_encoded_texts == encoded  # nothing reached the transformer
     assert second.kept_sentences == first.kept_sentences
 

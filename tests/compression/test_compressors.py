@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 
 from ragspeed.compression import CompressionError, Document, build_compressor
+from ragspeed.compression.budget import Budget
 
 DOCS = [
     Document("d0", "Paris is the capital of France. It is known for the Eiffel Tower.", "Paris"),
@@ -28,7 +29,7 @@ def compressor(request, static_encoder):
 
 
 def test_keeps_the_answer_sentence_under_budget(fast, ws_tokenizer):
-    result = fast.compress(QUESTION, DOCS, tokenizer=ws_tokenizer, target_tokens=12)
+    result = fast.compress(QUESTION, DOCS, Budget(ws_tokenizer, target_tokens=12))
     assert result.num_original_tokens == 13 + 14 + 13 + 12
     assert result.budget_tokens == 12
     assert result.num_compressed_tokens <= 12
@@ -40,7 +41,7 @@ def test_keeps_the_answer_sentence_under_budget(fast, ws_tokenizer):
 
 
 def test_whole_sentences_in_document_order(compressor, ws_tokenizer):
-    result = compressor.compress(QUESTION, DOCS, tokenizer=ws_tokenizer, rate=0.5)
+    result = compressor.compress(QUESTION, DOCS, Budget(ws_tokenizer, rate=0.5))
     assert result.num_compressed_tokens <= 26
     all_units = {s for d in DOCS for s in d.text.replace(". ", ".\n").split("\n")}
     for doc in result.documents:
@@ -51,13 +52,13 @@ def test_whole_sentences_in_document_order(compressor, ws_tokenizer):
 
 
 def test_rate_one_keeps_everything(compressor, ws_tokenizer):
-    result = compressor.compress(QUESTION, DOCS, tokenizer=ws_tokenizer, rate=1.0)
+    result = compressor.compress(QUESTION, DOCS, Budget(ws_tokenizer, rate=1.0))
     assert result.num_compressed_tokens == result.num_original_tokens == 52
     assert [d.text for d in result.documents] == [d.text for d in DOCS]
 
 
 def test_result_is_frozen(fast, ws_tokenizer):
-    result = fast.compress(QUESTION, DOCS, tokenizer=ws_tokenizer, rate=0.5)
+    result = fast.compress(QUESTION, DOCS, Budget(ws_tokenizer, rate=0.5))
     with pytest.raises(dataclasses.FrozenInstanceError):
         result.num_compressed_tokens = 0
 
@@ -65,30 +66,30 @@ def test_result_is_frozen(fast, ws_tokenizer):
 @pytest.mark.parametrize("rate", [0.0, -1.0, 1.5])
 def test_bad_rate(compressor, ws_tokenizer, rate):
     with pytest.raises(CompressionError) as err:
-        compressor.compress(QUESTION, DOCS, tokenizer=ws_tokenizer, rate=rate)
+        compressor.compress(QUESTION, DOCS, Budget(ws_tokenizer, rate=rate))
     assert err.value.param == "rate"
 
 
 def test_target_below_protected(compressor, ws_tokenizer):
     with pytest.raises(CompressionError) as err:
-        compressor.compress(QUESTION, DOCS, tokenizer=ws_tokenizer, target_tokens=10, protected_tokens=11)
+        compressor.compress(QUESTION, DOCS, Budget(ws_tokenizer, target_tokens=10, protected_tokens=11))
     assert err.value.param == "target_tokens"
 
 
 def test_empty_inputs(compressor, ws_tokenizer):
-    empty = compressor.compress(QUESTION, [], tokenizer=ws_tokenizer, rate=0.25)
+    empty = compressor.compress(QUESTION, [], Budget(ws_tokenizer, rate=0.25))
     assert (empty.documents, empty.num_original_tokens, empty.num_compressed_tokens) == ((), 0, 0)
     blank = compressor.compress(
-        QUESTION, [Document("e", ""), Document("f", "  ")], tokenizer=ws_tokenizer, rate=0.5
+        QUESTION, [Document("e", ""), Document("f", "  ")], Budget(ws_tokenizer, rate=0.5)
     )
     assert blank.documents == () and blank.num_dropped_documents == 2
-    no_question = compressor.compress("", DOCS, tokenizer=ws_tokenizer, rate=0.5)
+    no_question = compressor.compress("", DOCS, Budget(ws_tokenizer, rate=0.5))
     assert no_question.num_compressed_tokens <= 26
 
 
 def test_duplicated_documents_are_kept_once(fast, ws_tokenizer):
     docs = [DOCS[3], Document("copy", DOCS[3].text, "Python"), DOCS[0]]
-    result = fast.compress(QUESTION, docs, tokenizer=ws_tokenizer, rate=0.5)
+    result = fast.compress(QUESTION, docs, Budget(ws_tokenizer, rate=0.5))
     kept = [s for _, s in result.kept_sentences]
     assert len(kept) == len(set(kept))
     assert "copy" not in result.kept_document_ids
@@ -96,7 +97,7 @@ def test_duplicated_documents_are_kept_once(fast, ws_tokenizer):
 
 def test_one_huge_sentence_document(fast, ws_tokenizer):
     huge = Document("huge", ", ".join(f"clause {i} about rivers and mountains" for i in range(300)))
-    result = fast.compress("which clause mentions rivers", [huge, DOCS[1]], tokenizer=ws_tokenizer, rate=0.1)
+    result = fast.compress("which clause mentions rivers", [huge, DOCS[1]], Budget(ws_tokenizer, rate=0.1))
     assert 0 < result.num_compressed_tokens <= result.budget_tokens
     assert result.budget_tokens == int(0.1 * result.num_original_tokens)
 
@@ -107,21 +108,19 @@ def test_non_english_text(fast, minilm_tokenizer):
         Document("zh", "北京是中国的首都。长城很长。", "北京"),
         Document("ru", "Москва — столица России. Город стоит на реке Москве.", "Москва"),
     ]
-    result = fast.compress(
-        "was ist die Hauptstadt von Deutschland", docs, tokenizer=minilm_tokenizer, rate=0.5
-    )
+    result = fast.compress("was ist die Hauptstadt von Deutschland", docs, Budget(minilm_tokenizer, rate=0.5))
     assert 0 < result.num_compressed_tokens <= result.budget_tokens
     assert all(s in d.text for d in docs for doc in result.documents if doc.id == d.id for s in doc.sentences)
 
 
 def test_protected_document_is_kept_whole(fast, ws_tokenizer):
     docs = [Document("rules", "Always answer in English. Cite the documents.", protected=True)] + DOCS
-    result = fast.compress(QUESTION, docs, tokenizer=ws_tokenizer, rate=0.5)
+    result = fast.compress(QUESTION, docs, Budget(ws_tokenizer, rate=0.5))
     assert result.documents[0].id == "rules"
     assert result.documents[0].text == docs[0].text
     assert result.num_compressed_tokens <= 29  # floor(0.5 * 59): the 7 protected tokens count too
     with pytest.raises(CompressionError) as err:
-        fast.compress(QUESTION, docs, tokenizer=ws_tokenizer, target_tokens=5)
+        fast.compress(QUESTION, docs, Budget(ws_tokenizer, target_tokens=5))
     assert err.value.param == "target_tokens"  # 7 protected document tokens > 5
 
 
@@ -136,16 +135,16 @@ def test_accepts_any_document_like(fast, ws_tokenizer):
     docs = [RetrievedDoc(d.id, d.text, d.title, 0.5) for d in DOCS] + [
         {"id": "x", "text": "A dict works too."}
     ]
-    result = fast.compress(QUESTION, docs, tokenizer=ws_tokenizer, target_tokens=12)
+    result = fast.compress(QUESTION, docs, Budget(ws_tokenizer, target_tokens=12))
     assert result.kept_document_ids == ("d3",)
     with pytest.raises(CompressionError) as err:
-        fast.compress(QUESTION, [{"id": "y", "text": None}], tokenizer=ws_tokenizer, rate=0.5)
+        fast.compress(QUESTION, [{"id": "y", "text": None}], Budget(ws_tokenizer, rate=0.5))
     assert err.value.param == "documents"
 
 
 def test_edges_order_puts_the_best_document_first(static_encoder, ws_tokenizer):
     edges = build_compressor("fast", static_encoder=static_encoder, order="edges")
-    result = edges.compress(QUESTION, DOCS, tokenizer=ws_tokenizer, rate=0.6)
+    result = edges.compress(QUESTION, DOCS, Budget(ws_tokenizer, rate=0.6))
     assert result.kept_document_ids[0] == "d3"
 
 

@@ -3,6 +3,7 @@
 import pytest
 
 from ragspeed.compression import CompressionError, Document
+from ragspeed.compression.budget import Budget
 from ragspeed.compression.llmlingua2 import LLMLingua2Compressor
 
 WORDS = (
@@ -46,7 +47,7 @@ def test_compresses_offline_counting_target_tokens(tiny_model):
         Document("b", "berlin is the capital of germany . many people live in large old towns ."),
     ]
     result = compressor.compress(
-        "what is the capital of france ?", docs, tokenizer=WhitespaceTokenizer(), rate=0.5
+        "what is the capital of france ?", docs, Budget(WhitespaceTokenizer(), rate=0.5)
     )
     assert result.method == "llmlingua2"
     assert result.num_original_tokens == 18 + 15  # whitespace tokens of both texts
@@ -58,7 +59,7 @@ def test_compresses_offline_counting_target_tokens(tiny_model):
 def test_rate_one_keeps_everything(tiny_model):
     compressor = LLMLingua2Compressor(tiny_model)
     docs = [Document("a", "paris is the capital of france .")]
-    result = compressor.compress("q", docs, tokenizer=WhitespaceTokenizer(), rate=1.0)
+    result = compressor.compress("q", docs, Budget(WhitespaceTokenizer(), rate=1.0))
     assert result.documents[0].text == "paris is the capital of france ."
 
 

@@ -1,6 +1,7 @@
 import pytest
 
 from ragspeed.compression import (
+    Budget,
     CompressionError,
     CompressionPolicy,
     Document,
@@ -17,7 +18,7 @@ class Broken:
 
     name = "broken"
 
-    def compress(self, question, documents, *, tokenizer, rate=None, target_tokens=None, protected_tokens=0):
+    def compress(self, question, documents, budget):
         raise RuntimeError("model file truncated")
 
 
@@ -27,8 +28,7 @@ def test_below_break_even_passes_through(ws_tokenizer):
         build_compressor("bm25"),
         "q",
         DOCS,
-        tokenizer=ws_tokenizer,
-        rate=0.25,
+        Budget(ws_tokenizer, rate=0.25),
     )
     assert not out.compressed and out.skipped_reason == "below_break_even" and not out.failed
     assert out.result.num_compressed_tokens == out.result.num_original_tokens == 100
@@ -40,15 +40,14 @@ def test_compresses_above_break_even(ws_tokenizer):
         build_compressor("bm25"),
         "number 3",
         DOCS,
-        tokenizer=ws_tokenizer,
-        rate=0.25,
+        Budget(ws_tokenizer, rate=0.25),
     )
     assert out.compressed and out.result.num_compressed_tokens <= 25
 
 
 def test_fails_open_and_flags_it(ws_tokenizer):
     out = apply_policy(
-        CompressionPolicy(min_document_tokens=0), Broken(), "q", DOCS, tokenizer=ws_tokenizer, rate=0.25
+        CompressionPolicy(min_document_tokens=0), Broken(), "q", DOCS, Budget(ws_tokenizer, rate=0.25)
     )
     assert out.failed and not out.compressed and out.skipped_reason == "compressor_error"
     assert out.error == "RuntimeError: model file truncated"
@@ -59,13 +58,13 @@ def test_fails_open_and_flags_it(ws_tokenizer):
             Broken(),
             "q",
             DOCS,
-            tokenizer=ws_tokenizer,
+            Budget(ws_tokenizer),
         )
 
 
 def test_bad_input_is_not_failed_open(ws_tokenizer):
     with pytest.raises(CompressionError) as err:
-        apply_policy(CompressionPolicy(), Broken(), "q", DOCS, tokenizer=ws_tokenizer, rate=2.0)
+        apply_policy(CompressionPolicy(), Broken(), "q", DOCS, Budget(ws_tokenizer, rate=2.0))
     assert err.value.param == "rate"
 
 

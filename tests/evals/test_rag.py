@@ -313,7 +313,7 @@ def tiny_settings(tiny_model: Path) -> dict:
 class BrokenCompressor:
     name = "broken"
 
-    def compress(self, question, documents, **options):
+    def compress(self, question, documents, budget):
         raise RuntimeError("the model folder is missing")
 
 
