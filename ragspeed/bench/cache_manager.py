@@ -76,6 +76,8 @@ def bench_manager(
     def build(enable_caching: bool) -> KVCacheManager:
         return KVCacheManager(num_blocks, block_size, enable_caching=enable_caching, hash_algo=hash_algo)
 
+    miss_round = 0
+
     def run_off() -> tuple[float, float]:
         return _time_cycles(managers["off"], distinct)
 
@@ -89,7 +91,6 @@ def bench_manager(
     def run_hit() -> tuple[float, float]:
         return _time_cycles(managers["hit"], [base] * num_requests)
 
-    miss_round = 0
     managers = {"off": build(False), "miss": build(True), "hit": build(True)}
     runners: dict[str, Callable[[], tuple[float, float]]] = {
         "off": run_off,
