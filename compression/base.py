@@ -127,7 +127,7 @@ def count_tokens_many(tokenizer: Tokenizer, texts: Sequence[str]) -> list[int]:
     if callable(tokenizer) and hasattr(tokenizer, "batch_decode"):
         try:
             # verbose=False: counting a long document is not feeding it to a model
-            ids = tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"]  # type: ignore[operator]
+            ids = tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"]
             return [len(x) if t else 0 for x, t in zip(ids, texts)]
         except (TypeError, KeyError):
             pass
