@@ -1,4 +1,5 @@
-"""Running a prepared request: the engine's deltas, the deadline, usage, timings and metrics.
+"""Running a prepared request: the engine's deltas, the deadline, timings and metrics (the
+response's wire format is gateway.streaming's).
 
 Terms: *TTFT* is the time from the request's arrival to its first output token; *TPOT* the mean
 time per output token after the first; *e2e* the time to the last token.
@@ -173,49 +174,3 @@ class Generation:
         metrics.prompt_tokens.labels(**labels).inc(self.num_prompt_tokens)
         metrics.cached_tokens.labels(**labels).inc(self.num_cached_tokens)
         metrics.generation_tokens.labels(**labels).inc(self.num_completion_tokens)
-
-    def ragspeed_fields(self) -> dict[str, Any]:
-        """Per-request figures for the response's `ragspeed` object (milliseconds)."""
-        timings = {k: round(v * 1000, 3) for k, v in self.prepared.timer.seconds.items()}
-        out: dict[str, Any] = {
-            "request_id": self.prepared.request_id,
-            "arm": self.prepared.arm,
-            "timings_ms": timings,
-            "ttft_ms": round(self.ttft_s * 1000, 3) if self.ttft_s is not None else None,
-            "e2e_ms": round(self.e2e_s * 1000, 3) if self.e2e_s is not None else None,
-            "tpot_ms": round(self.tpot_s * 1000, 3) if self.tpot_s is not None else None,
-            "predicted_ttft_ms": round(self.predicted_ttft_s * 1000, 3)
-            if self.predicted_ttft_s is not None
-            else None,
-            "num_static_tokens": self.prepared.generation.num_static_tokens,
-        }
-        if self.prepared.return_prompt:
-            out["prompt"] = self.prepared.generation.prompt
-        if self.documents is not None:
-            out["document_cache"] = {
-                "policy": self.prepared.generation.document_cache.policy
-                if self.prepared.generation.document_cache
-                else None,
-                "documents_hit": self.documents.num_hit,
-                "documents_computed": self.documents.num_computed,
-                "recomputed_tokens": self.documents.num_recomputed_tokens,
-            }
-        report = self.prepared.compression
-        if report is not None:
-            out["compression"] = {
-                "method": report.method,
-                "original_tokens": report.original_tokens,
-                "compressed_tokens": report.compressed_tokens,
-                "ms": round(report.seconds * 1000, 3),
-                "failed": report.failed,
-                "skipped_reason": report.skipped_reason,
-            }
-        return out
-
-    def usage(self) -> dict[str, Any]:
-        return {
-            "prompt_tokens": self.num_prompt_tokens,
-            "completion_tokens": self.num_completion_tokens,
-            "total_tokens": self.num_prompt_tokens + self.num_completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
-        }

@@ -1,4 +1,5 @@
-"""Response bodies for chat and text completions, streamed as SSE or returned whole.
+"""The wire format: response bodies for chat and text completions, streamed as SSE or returned
+whole, with their `usage`, `ragspeed` fields and timing headers.
 
 Streams are primed: the first engine delta is awaited before the response starts, so a request
 the engine refuses still gets a proper HTTP error status. A client that disconnects cancels the
@@ -117,6 +118,55 @@ def timing_headers(gen: Generation) -> dict[str, str]:
     return headers
 
 
+def ragspeed_fields(gen: Generation) -> dict[str, Any]:
+    """Per-request figures for the response's `ragspeed` object (milliseconds)."""
+    timings = {k: round(v * 1000, 3) for k, v in gen.prepared.timer.seconds.items()}
+    out: dict[str, Any] = {
+        "request_id": gen.prepared.request_id,
+        "arm": gen.prepared.arm,
+        "timings_ms": timings,
+        "ttft_ms": round(gen.ttft_s * 1000, 3) if gen.ttft_s is not None else None,
+        "e2e_ms": round(gen.e2e_s * 1000, 3) if gen.e2e_s is not None else None,
+        "tpot_ms": round(gen.tpot_s * 1000, 3) if gen.tpot_s is not None else None,
+        "predicted_ttft_ms": round(gen.predicted_ttft_s * 1000, 3)
+        if gen.predicted_ttft_s is not None
+        else None,
+        "num_static_tokens": gen.prepared.generation.num_static_tokens,
+    }
+    if gen.prepared.return_prompt:
+        out["prompt"] = gen.prepared.generation.prompt
+    if gen.documents is not None:
+        out["document_cache"] = {
+            "policy": gen.prepared.generation.document_cache.policy
+            if gen.prepared.generation.document_cache
+            else None,
+            "documents_hit": gen.documents.num_hit,
+            "documents_computed": gen.documents.num_computed,
+            "recomputed_tokens": gen.documents.num_recomputed_tokens,
+        }
+    report = gen.prepared.compression
+    if report is not None:
+        out["compression"] = {
+            "method": report.method,
+            "original_tokens": report.original_tokens,
+            "compressed_tokens": report.compressed_tokens,
+            "ms": round(report.seconds * 1000, 3),
+            "failed": report.failed,
+            "skipped_reason": report.skipped_reason,
+        }
+    return out
+
+
+def usage(gen: Generation) -> dict[str, Any]:
+    """The OpenAI `usage` object."""
+    return {
+        "prompt_tokens": gen.num_prompt_tokens,
+        "completion_tokens": gen.num_completion_tokens,
+        "total_tokens": gen.num_prompt_tokens + gen.num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": gen.num_cached_tokens},
+    }
+
+
 async def _until_disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -152,8 +202,8 @@ async def complete(gen: Generation, shape: Shape, request: Request) -> JSONRespo
         "choices": [
             {"index": 0, **shape.whole(gen.text), "finish_reason": gen.finish_reason, "logprobs": logprobs}
         ],
-        "usage": gen.usage(),
-        "ragspeed": gen.ragspeed_fields(),
+        "usage": usage(gen),
+        "ragspeed": ragspeed_fields(gen),
     }
     return JSONResponse(body, headers=timing_headers(gen))
 
@@ -213,9 +263,9 @@ async def stream(gen: Generation, shape: Shape, include_usage: bool) -> SSERespo
                     )
                     return
             final: dict[str, Any] = {"delta": {}} if shape.chat else {"text": ""}
-            ending = chunk({**final, "finish_reason": gen.finish_reason}, ragspeed=gen.ragspeed_fields())
+            ending = chunk({**final, "finish_reason": gen.finish_reason}, ragspeed=ragspeed_fields(gen))
             if include_usage:
-                ending += chunk(None, usage=gen.usage())
+                ending += chunk(None, usage=usage(gen))
             yield LastPiece(ending + DONE)
         finally:
             await deltas.aclose()  # aborts the engine request if the client went away
