@@ -26,6 +26,7 @@ from ragspeed.engine.model_runner import ModelRunner
 from ragspeed.engine.model_zoo import resolve_tokenizer
 from ragspeed.engine.models.linear import decode_weights
 from ragspeed.engine.precision import (
+    CALIBRATION_WINDOW,
     PrefillChoice,
     calibration_windows,
     choose_prefill,
@@ -89,6 +90,12 @@ class LLMEngine:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(resolve_tokenizer(config.tokenizer, loaded.path))
+        # The gates' windows fit the rotation table: a --max-model-len under 128 shortens them.
+        window = min(CALIBRATION_WINDOW, loaded.max_model_len)
+
+        def windows() -> list[list[int]]:
+            return calibration_windows(tokenizer, window)
+
         if config.quantization == "auto" and loaded.quantization == "int8":
             # auto's int8 serves only where the model's answers survive it (else fp32)
             unquantized = replace(config, quantization=None)
@@ -101,7 +108,7 @@ class LLMEngine:
                         max_model_len=config.max_model_len,
                         num_threads=num_threads,
                     ),
-                    lambda: calibration_windows(tokenizer),
+                    windows,
                 )
         # The prefill path (CPU): the fastest the plan offers that passes the quality gate.
         if features is None and self.device.type == "cpu":
@@ -110,7 +117,7 @@ class LLMEngine:
         self.prefill_choice: PrefillChoice | None = None
         if plan is not None:
             with cpu_threads(num_threads):
-                self.prefill_choice = choose_prefill(loaded, plan, lambda: calibration_windows(tokenizer))
+                self.prefill_choice = choose_prefill(loaded, plan, windows)
         self.loaded = loaded
         self.tokenizer = tokenizer
         self.arch = loaded.arch

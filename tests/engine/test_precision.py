@@ -148,6 +148,21 @@ def test_calibration_windows_of_the_shipped_text(tiny_checkpoints):
         calibration_windows(tokenizer, num_windows=1000)
 
 
+@pytest.mark.parametrize("features, gated", [(AVX2, None), (AMX, 4 * 39)])
+def test_a_short_context_gates_on_windows_that_fit_it(tiny_checkpoints, features, gated):
+    """With --max-model-len under the calibration window, the start-up gate measures on windows
+    cut to the rotation table (a CPU with VNNI gates fbgemm; one without gates nothing)."""
+    engine = make_engine(
+        tiny_checkpoints["llama"],
+        features=features,
+        quantization="int8",
+        max_model_len=40,
+        num_kv_cache_tokens=40,
+    )
+    reports = engine.prefill_choice.reports
+    assert (reports["fbgemm-u8"].num_predictions if reports else None) == gated
+
+
 def test_forced_bf16_branch_computes_on_this_cpu(tiny_checkpoints):
     """AMX injected: the engine's start-up gate measures bf16 against fp32 on the calibration
     windows (emulated bf16 here: slow but the same rounding); then, on the bf16 path, prefill
