@@ -15,7 +15,8 @@ hand. A file has:
 - `runs`: newest first, each with `date`, `machine`, `command` (one command or a list), an
   optional `setup` (what the run configured, in a sentence) and `figures`, the flat JSON the
   command writes with `--json` (or the subset the page quotes). The page shows the first run;
-  the others are its history.
+  the others are its history. Other keys (`note`: how the run went, `commit`) are kept for the
+  record and not shown.
 
 tests/test_docs.py fails when the committed page differs from what this script writes.
 """
