@@ -1,5 +1,5 @@
 """The user's documentation stays true to the code: the generated configuration reference, the
-README's two commands and length, the links between the pages, the code's citations of the
+benchmark tables generated from their runs, the README's two commands and length, the links between the pages, the code's citations of the
 architecture document, and the absence of issue references outside the changelog."""
 
 from __future__ import annotations
@@ -8,6 +8,8 @@ import importlib.util
 import os
 import re
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -34,8 +36,8 @@ SKIPPED_FOLDERS = {"build", "dist", "out", "node_modules"}  # and every hidden o
 ISSUE_REFERENCE = re.compile(r"\bissues?\s*#?\d+", re.IGNORECASE)
 
 
-def _generator():
-    spec = importlib.util.spec_from_file_location("gen_configuration", DOCS / "gen_configuration.py")
+def _generator(name: str = "gen_configuration"):
+    spec = importlib.util.spec_from_file_location(name, DOCS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -61,6 +63,56 @@ def test_configuration_reference_names_every_option():
         "| `enable_prefix_caching` | `--enable-prefix-caching` / `--no-enable-prefix-caching` "
         "| `RAGSPEED_ENABLE_PREFIX_CACHING` | `bool` | `True` |"
     ) in text
+
+
+def test_benchmark_tables_match_their_runs():
+    generator = _generator("gen_benchmarks")
+    committed = (DOCS / "benchmarks.md").read_text(encoding="utf-8")
+    assert committed == generator.render(committed, generator.load_tables()), (
+        f"docs/benchmarks.md is out of date with docs/benchmarks/: run `{generator.COMMAND}`"
+    )
+
+
+_TABLE = {
+    "header": ["figure", "native", "llama.cpp", "native / llama.cpp"],
+    "rows": [
+        ["TTFT (ms)", "{ttft_ms:,.0f}", "{llamacpp_ttft_ms:,.0f}", "{speedup:.2f}x faster"],
+        ["accuracy − full", "{delta!m:+.3f} [{ci[0]!m:+.3f}, {ci[1]!m:+.3f}]", "-", "-"],
+    ],
+    "runs": [
+        {
+            "date": "2026-12-04",
+            "machine": "AMD EPYC, 2 cores",
+            "command": "ragspeed bench engine",
+            "figures": {"ttft_ms": 3120, "speedup": 1.4, "delta": -0.02, "ci": [-0.065, 0.025]},
+        },
+        {"date": "2026-12-03", "machine": "Intel Xeon", "command": "old", "figures": {}},
+    ],
+}
+
+
+def test_benchmark_table_shows_its_first_run():
+    generator = _generator("gen_benchmarks")
+    page = "# Benchmarks\n\n<!-- table: engine -->\nstale\n<!-- end table -->\n\nProse stays.\n"
+    assert generator.render(page, {"engine": _TABLE}) == (
+        "# Benchmarks\n\n"
+        "<!-- table: engine -->\n"
+        "Measured 2026-12-04 on AMD EPYC, 2 cores.\n\n"
+        "```bash\nragspeed bench engine\n```\n\n"
+        "| figure | native | llama.cpp | native / llama.cpp |\n"
+        "|---|---|---|---|\n"
+        "| TTFT (ms) | 3,120 | - | 1.40x faster |\n"
+        "| accuracy − full | −0.020 [−0.065, +0.025] | - | - |\n"
+        "<!-- end table -->\n\nProse stays.\n"
+    )
+
+
+def test_benchmark_tables_and_markers_pair_up():
+    generator = _generator("gen_benchmarks")
+    with pytest.raises(KeyError, match="does not mark: engine"):
+        generator.render("no markers\n", {"engine": _TABLE})
+    with pytest.raises(KeyError, match="'cache'"):
+        generator.render("<!-- table: cache -->\n<!-- end table -->\n", {})
 
 
 def test_readme_is_short_and_holds_both_commands():
