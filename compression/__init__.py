@@ -11,7 +11,6 @@ from ragspeed.compression.base import (
     CompressionResult,
     Compressor,
     Document,
-    DocumentLike,
     Tokenizer,
     count_tokens,
 )
@@ -24,7 +23,6 @@ __all__ = [
     "CompressionResult",
     "Compressor",
     "Document",
-    "DocumentLike",
     "Tokenizer",
     "count_tokens",
 ]

@@ -2,8 +2,10 @@
 
 Terms used across `compression/`:
 
+- *document*: `ragspeed.document.Document`; a compressor returns each kept one with its text
+  shortened and everything else (title, metadata, `protected`) carried over.
 - *document tokens*: tokens of the documents' text in the target model's tokenizer (titles are
-  metadata, passed through untouched and not counted).
+  passed through untouched and not counted).
 - *unit*: the smallest piece a compressor keeps or drops: a sentence, or a piece of an over-long
   sentence (see `sentences.py`). Nothing is ever cut inside a unit.
 - *rate*: the fraction of document tokens to keep, in (0, 1]; 0.25 asks for 4x.
@@ -17,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from ragspeed.document import Document
 
 if TYPE_CHECKING:
     from ragspeed.compression.budget import Budget
@@ -32,40 +36,33 @@ class CompressionError(ValueError):
 
 
 @runtime_checkable
-class DocumentLike(Protocol):
-    # Read-only members, so that frozen dataclasses (retrieval's Document) conform.
-    @property
-    def id(self) -> str: ...
-    @property
-    def text(self) -> str: ...
-    @property
-    def title(self) -> str: ...
-
-
-@dataclass(frozen=True)
-class Document:
-    id: str
-    text: str
-    title: str = ""
-    protected: bool = False  # kept whole, never compressed
-
-
-@runtime_checkable
 class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
 
 @dataclass(frozen=True)
 class CompressedDocument:
-    """One kept document: its kept units, in their original order, joined by a space."""
+    """One kept document and the record of what was kept: `document` is the input document
+    with its text replaced by the kept units, in their original order, joined by a space (id,
+    title, metadata and `protected` carried over)."""
 
-    id: str
-    title: str
-    text: str
+    document: Document
     sentences: tuple[str, ...]
     sentence_indices: tuple[int, ...]  # positions of the kept units in the document's units
     num_original_tokens: int
     num_kept_tokens: int
+
+    @property
+    def id(self) -> str:
+        return self.document.id
+
+    @property
+    def title(self) -> str:
+        return self.document.title
+
+    @property
+    def text(self) -> str:
+        return self.document.text
 
 
 @dataclass(frozen=True)
@@ -77,6 +74,11 @@ class CompressionResult:
     elapsed_s: float
     budget_tokens: int  # the document-token budget the selection worked to
     num_dropped_documents: int = 0
+
+    @property
+    def kept_documents(self) -> tuple[Document, ...]:
+        """The kept documents, in output order, as the prompt takes them."""
+        return tuple(d.document for d in self.documents)
 
     @property
     def kept_document_ids(self) -> tuple[str, ...]:
@@ -104,7 +106,7 @@ class Compressor(Protocol):
     def compress(
         self,
         question: str,
-        documents: Sequence[DocumentLike],
+        documents: Sequence[Document],
         budget: Budget,
     ) -> CompressionResult: ...
 
@@ -135,7 +137,8 @@ def count_tokens_many(tokenizer: Tokenizer, texts: Sequence[str]) -> list[int]:
 
 
 def as_documents(documents: Sequence[object]) -> list[Document]:
-    """Accept `Document`, anything with id/text(/title), or dicts; check the fields."""
+    """Accept `Document`s, or dicts / objects with id, text and optionally title, metadata and
+    protected (a library caller's records); check the fields."""
     if isinstance(documents, (str, bytes)):
         raise CompressionError("documents must be a sequence of documents, not a string", "documents")
     out: list[Document] = []
@@ -147,6 +150,9 @@ def as_documents(documents: Sequence[object]) -> list[Document]:
         text = get("text")
         if not isinstance(text, str):
             raise CompressionError(f"documents[{i}].text must be a string", "documents")
+        metadata = get("metadata") or {}
+        if not isinstance(metadata, dict):
+            raise CompressionError(f"documents[{i}].metadata must be a dict", "documents")
         doc_id = get("id")
         title = get("title", "") or ""
         out.append(
@@ -154,6 +160,7 @@ def as_documents(documents: Sequence[object]) -> list[Document]:
                 id=str(doc_id) if doc_id is not None else str(i),
                 text=text,
                 title=str(title),
+                metadata=metadata,
                 protected=bool(get("protected", False)),
             )
         )

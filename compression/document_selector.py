@@ -52,9 +52,7 @@ class DocumentSelector(SentenceCompressor):
         kept.update({d: np.inf for d, doc in enumerate(docs) if doc.protected})
         out = tuple(
             CompressedDocument(
-                id=docs[d].id,
-                title=docs[d].title,
-                text=docs[d].text,
+                document=docs[d],
                 sentences=table.doc_units[d],
                 sentence_indices=tuple(range(len(table.doc_units[d]))),
                 num_original_tokens=table.doc_num_tokens[d],

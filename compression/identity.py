@@ -6,7 +6,7 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
-from ragspeed.compression.base import CompressionResult, DocumentLike
+from ragspeed.compression.base import CompressionResult, Document
 from ragspeed.compression.budget import Budget
 from ragspeed.compression.policy import passthrough
 
@@ -17,7 +17,7 @@ class IdentityCompressor:
     def compress(
         self,
         question: str,
-        documents: Sequence[DocumentLike],
+        documents: Sequence[Document],
         budget: Budget,
     ) -> CompressionResult:
         start = time.perf_counter()

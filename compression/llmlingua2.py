@@ -16,6 +16,7 @@ the default.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Sequence
@@ -25,7 +26,7 @@ from ragspeed.compression.base import (
     CompressedDocument,
     CompressionError,
     CompressionResult,
-    DocumentLike,
+    Document,
     Tokenizer,
     as_documents,
     count_tokens,
@@ -100,7 +101,7 @@ class LLMLingua2Compressor:
     def compress(
         self,
         question: str,
-        documents: Sequence[DocumentLike],
+        documents: Sequence[Document],
         budget: Budget,
     ) -> CompressionResult:
         start = time.perf_counter()
@@ -130,7 +131,8 @@ class LLMLingua2Compressor:
             if not text and not doc.protected:
                 continue
             n = num_tokens[i] if doc.protected else count_tokens(tokenizer, text)
-            kept.append(CompressedDocument(doc.id, doc.title, text, (text,), (), num_tokens[i], n))
+            kept_doc = doc if text == doc.text else dataclasses.replace(doc, text=text)
+            kept.append(CompressedDocument(kept_doc, (text,), (), num_tokens[i], n))
         return CompressionResult(
             method=self.name,
             documents=tuple(kept),

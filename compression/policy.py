@@ -31,7 +31,7 @@ from ragspeed.compression.base import (
     CompressionError,
     CompressionResult,
     Compressor,
-    DocumentLike,
+    Document,
     Tokenizer,
     as_documents,
     count_tokens,
@@ -70,14 +70,14 @@ class PolicyOutcome:
 
 
 def passthrough(
-    method: str, documents: Sequence[DocumentLike], tokenizer: Tokenizer, elapsed_s: float
+    method: str, documents: Sequence[Document], tokenizer: Tokenizer, elapsed_s: float
 ) -> CompressionResult:
     docs = as_documents(documents)
     out = []
     for doc in docs:
         n = count_tokens(tokenizer, doc.text)
         units = tuple(split_sentences(doc.text))
-        out.append(CompressedDocument(doc.id, doc.title, doc.text, units, tuple(range(len(units))), n, n))
+        out.append(CompressedDocument(doc, units, tuple(range(len(units))), n, n))
     total = sum(d.num_original_tokens for d in out)
     return CompressionResult(method, tuple(out), total, total, elapsed_s, total)
 
@@ -86,7 +86,7 @@ def apply_policy(
     policy: CompressionPolicy,
     compressor: Compressor,
     question: str,
-    documents: Sequence[DocumentLike],
+    documents: Sequence[Document],
     budget: Budget,
 ) -> PolicyOutcome:
     start = time.perf_counter()

@@ -3,6 +3,7 @@ the budget. The methods differ only in their `UnitScorer`."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Protocol
@@ -13,7 +14,7 @@ from ragspeed.compression.base import (
     CompressedDocument,
     CompressionError,
     CompressionResult,
-    DocumentLike,
+    Document,
     Tokenizer,
     as_documents,
 )
@@ -57,7 +58,7 @@ class SentenceCompressor:
     def compress(
         self,
         question: str,
-        documents: Sequence[DocumentLike],
+        documents: Sequence[Document],
         budget: Budget,
     ) -> CompressionResult:
         start = time.perf_counter()
@@ -120,9 +121,7 @@ class SentenceCompressor:
                 positions = tuple(int(table.position[i]) for i in kept[d])
             out.append(
                 CompressedDocument(
-                    id=doc.id,
-                    title=doc.title,
-                    text=text,
+                    document=doc if text == doc.text else dataclasses.replace(doc, text=text),
                     sentences=sentences,
                     sentence_indices=positions,
                     num_original_tokens=table.doc_num_tokens[d],

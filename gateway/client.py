@@ -18,7 +18,8 @@ from typing import Any
 
 import httpx
 
-DocumentLike = str | dict[str, str]
+# A document on the wire: its text, or {"text", "title"?, "id"?, "metadata"?}.
+DocumentLike = str | dict[str, Any]
 
 
 class RagspeedError(Exception):

@@ -21,9 +21,10 @@ from ragspeed.compression import (
     build_compressor,
 )
 from ragspeed.compression.scoring.embedding_cache import EmbeddingCache
+from ragspeed.document import Document
 from ragspeed.gateway.errors import APIError
 from ragspeed.gateway.prepare import CompressionReport
-from ragspeed.gateway.prompt import Document, Segments
+from ragspeed.gateway.prompt import Segments
 from ragspeed.gateway.protocol import CompressionOptions
 from ragspeed.gateway.settings import Settings
 
@@ -132,7 +133,7 @@ class CompressionStage:
                     400, exc.message, param=f"ragspeed.compression.{exc.param or 'rate'}"
                 ) from None
         result = outcome.result
-        kept = tuple(Document(id=d.id, text=d.text, title=d.title) for d in result.documents)
+        kept = result.kept_documents
         report = CompressionReport(
             method=method,
             original_tokens=result.num_original_tokens,

@@ -18,9 +18,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ragspeed.document import Document
 from ragspeed.engine.protocol import DocumentCacheOptions, EngineClient, GenerationRequest, SamplingParams
 from ragspeed.gateway.metrics import GatewayMetrics
-from ragspeed.gateway.prompt import Document, Segments, assemble_prompt
+from ragspeed.gateway.prompt import Segments, assemble_prompt
 
 logger = logging.getLogger(__name__)
 

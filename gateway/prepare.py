@@ -17,6 +17,7 @@ from typing import Any, Protocol, cast
 
 from jinja2 import TemplateError
 
+from ragspeed.document import Document
 from ragspeed.engine.protocol import (
     PRIORITY_BATCH,
     PRIORITY_INTERACTIVE,
@@ -30,7 +31,7 @@ from ragspeed.gateway.errors import APIError
 from ragspeed.gateway.experiments import LiveExperiment, current_hints
 from ragspeed.gateway.limits import arrival_time
 from ragspeed.gateway.metrics import GatewayMetrics
-from ragspeed.gateway.prompt import Document, Prompt, Segments, assemble_prompt, split_segments
+from ragspeed.gateway.prompt import Prompt, Segments, assemble_prompt, split_segments
 from ragspeed.gateway.prompt_registry import PromptService
 from ragspeed.gateway.protocol import (
     ChatCompletionRequest,

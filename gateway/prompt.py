@@ -23,14 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ragspeed.document import Document
 from ragspeed.gateway.protocol import ChatMessage, DocumentIn
-
-
-@dataclass(frozen=True)
-class Document:
-    id: str
-    text: str
-    title: str = ""
 
 
 @dataclass(frozen=True)
@@ -56,9 +50,11 @@ class Prompt:
     document_spans: tuple[tuple[int, int], ...] = ()
 
 
-def _document(text: str, title: str = "", doc_id: str | None = None) -> Document:
+def _document(
+    text: str, title: str = "", doc_id: str | None = None, metadata: dict[str, Any] | None = None
+) -> Document:
     doc_id = doc_id or hashlib.sha1(f"{title}\n{text}".encode()).hexdigest()[:16]
-    return Document(id=doc_id, text=text.strip(), title=title.strip())
+    return Document(id=doc_id, text=text.strip(), title=title.strip(), metadata=metadata or {})
 
 
 def extract_documents(text: str, start: str, end: str) -> tuple[str, list[Document]]:
@@ -82,7 +78,11 @@ def split_segments(
     start_marker: str,
     end_marker: str,
 ) -> Segments:
-    docs = [_document(d) if isinstance(d, str) else _document(d.text, d.title, d.id) for d in documents or ()]
+    # The wire's documents become `Document`s here, once; everything after takes this type.
+    docs = [
+        _document(d) if isinstance(d, str) else _document(d.text, d.title, d.id, d.metadata)
+        for d in documents or ()
+    ]
     system_parts: list[str] = []
     turns: list[Turn] = []
     for message in messages:

@@ -45,6 +45,9 @@ class DocumentIn(BaseModel):
     text: str
     title: str = ""
     id: str | None = None
+    metadata: dict[str, Any] = Field(
+        default_factory=dict, description="Free-form; carried with the document through compression."
+    )
 
 
 class CompressionOptions(_Strict):

@@ -12,8 +12,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from ragspeed.document import Document
 from ragspeed.gateway.errors import APIError
-from ragspeed.gateway.prompt import Document
 from ragspeed.gateway.protocol import RetrievalOptions
 from ragspeed.gateway.settings import Settings
 
@@ -69,10 +69,10 @@ class RetrievalService:
             ) from None
 
     def __call__(self, question: str, options: RetrievalOptions) -> list[Document]:
-        """The pipeline's retrieval stage: the question's top hits as prompt documents."""
+        """The pipeline's retrieval stage: the question's top hits' documents, metadata included."""
         if not question.strip():
             raise APIError(
                 400, "retrieval needs a question (the last user message is empty)", param="messages"
             )
         hits = self.call(self.store.query, options.collection, question, options.top_k, options.mode)
-        return [Document(id=h.document.id, text=h.document.text, title=h.document.title) for h in hits]
+        return [h.document for h in hits]

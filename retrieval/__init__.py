@@ -6,8 +6,9 @@ The gateway uses `CollectionStore` (collections on disk) and the frozen values `
 Heavy dependencies (faiss, torch) load on first use of the classes that need them.
 """
 
+from ragspeed.document import Document
 from ragspeed.retrieval.config import IndexConfig, RetrievalConfig
-from ragspeed.retrieval.documents import Document, Hit
+from ragspeed.retrieval.documents import Hit
 from ragspeed.retrieval.errors import CollectionNotFound, CorruptCollectionError, RetrievalError
 
 __all__ = [

@@ -16,9 +16,10 @@ from typing import Any
 
 import numpy as np
 
+from ragspeed.document import Document
 from ragspeed.retrieval.bm25 import BM25Index
 from ragspeed.retrieval.config import QUERY_MODES, RetrievalConfig
-from ragspeed.retrieval.documents import Document, Hit, content_key, embedding_text
+from ragspeed.retrieval.documents import Hit, content_key, embedding_text
 from ragspeed.retrieval.embedders import Embedder
 from ragspeed.retrieval.errors import RetrievalError
 from ragspeed.retrieval.faiss_index import VectorIndex

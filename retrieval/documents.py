@@ -1,36 +1,20 @@
 """Documents and search hits, the values that cross package boundaries.
 
-A *document* is the unit that is indexed and retrieved: one chunk of a source file or one
-record given by the caller. Its id is stable: the caller's id, or a content hash of the source
-name and the chunk text, so re-ingesting the same file yields the same ids. Two documents with
-the same *content key* (text with white space collapsed) are duplicates; only the first is kept.
+A *document* (`ragspeed.document.Document`, the type the gateway and compression share) is the
+unit that is indexed and retrieved: one chunk of a source file or one record given by the
+caller. Its id is stable: the caller's id, or a content hash of the source name and the chunk
+text, so re-ingesting the same file yields the same ids. Two documents with the same *content
+key* (text with white space collapsed) are duplicates; only the first is kept.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+
+from ragspeed.document import Document
 
 ID_HEX_CHARS = 16  # 64 bits of sha256: collisions need ~4e9 documents
-
-
-@dataclass(frozen=True)
-class Document:
-    id: str
-    text: str
-    title: str = ""
-    # Free-form, JSON-serialisable; treat as read-only.
-    metadata: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "text": self.text, "title": self.title, "metadata": self.metadata}
-
-    @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> Document:
-        return cls(
-            id=obj["id"], text=obj["text"], title=obj.get("title", ""), metadata=obj.get("metadata", {})
-        )
 
 
 @dataclass(frozen=True)

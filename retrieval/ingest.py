@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ragspeed.document import Document
 from ragspeed.retrieval.chunking import chunk_text
-from ragspeed.retrieval.documents import Document, content_key, document_id
+from ragspeed.retrieval.documents import content_key, document_id
 
 # Bytes sniffed for NUL, which UTF-8 text never contains but binary files nearly always do.
 SNIFF_BYTES = 8192

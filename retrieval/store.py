@@ -17,9 +17,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from ragspeed.document import Document
 from ragspeed.retrieval.collection import AddResult, Collection, CollectionStats
 from ragspeed.retrieval.config import RetrievalConfig
-from ragspeed.retrieval.documents import Document, Hit, document_id
+from ragspeed.retrieval.documents import Hit, document_id
 from ragspeed.retrieval.embedders import Embedder
 from ragspeed.retrieval.errors import CollectionNotFound, CorruptCollectionError, RetrievalError
 from ragspeed.retrieval.ingest import IngestReport, SourceRecord, documents_from_records, ingest_paths

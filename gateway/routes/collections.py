@@ -9,8 +9,8 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from ragspeed.document import Document
 from ragspeed.gateway.dependencies import app_state, ready_state, retrieval_service
-from ragspeed.gateway.prompt import Document as PromptDocument
 from ragspeed.gateway.security import TenantSalt
 
 router = APIRouter(prefix="/v1/collections")
@@ -98,8 +98,6 @@ async def delete_collection(name: str, request: Request):
 
 @router.post("/{name}/documents")
 async def add_documents(name: str, body: AddDocuments, request: Request):
-    from ragspeed.retrieval import Document
-
     # Checked before anything is added: a refused request changes nothing.
     precompute = ready_state(request).precompute if body.precompute is not None else None
     documents = [
@@ -115,7 +113,7 @@ async def add_documents(name: str, body: AddDocuments, request: Request):
     if precompute is not None and body.precompute is not None:
         added = set(result.ids)
         collection = await _run(request, "get", name)
-        chunks = [PromptDocument(d.id, d.text, d.title) for d in collection.documents() if d.id in added]
+        chunks = [d for d in collection.documents() if d.id in added]
         out["document_kv"] = precompute.submit(
             name, chunks, body.precompute.system_prompt, body.precompute.salt
         ).as_dict()

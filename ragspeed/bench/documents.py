@@ -44,6 +44,7 @@ from ragspeed.bench.common import (
     require_positive,
     write_json,
 )
+from ragspeed.document import Document
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
 from ragspeed.engine.protocol import (
@@ -52,7 +53,7 @@ from ragspeed.engine.protocol import (
     GenerationRequest,
     SamplingParams,
 )
-from ragspeed.gateway.prompt import Document, Segments, assemble_prompt
+from ragspeed.gateway.prompt import Segments, assemble_prompt
 
 NUM_DOCUMENTS = 20
 SYSTEM_PROMPT = "Answer the question using only the provided search results."

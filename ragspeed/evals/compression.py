@@ -22,8 +22,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ragspeed.compression.base import Compressor, Document, Tokenizer
+from ragspeed.compression.base import Compressor, Tokenizer
 from ragspeed.compression.budget import Budget
+from ragspeed.document import Document
 
 FACTORS = (4, 8, 16, 32)
 _PUNCT = set(string.punctuation)

@@ -23,9 +23,10 @@ from typing import Any
 
 import numpy as np
 
+from ragspeed.document import Document
 from ragspeed.retrieval.collection import Collection
 from ragspeed.retrieval.config import IndexConfig, RetrievalConfig
-from ragspeed.retrieval.documents import Document, content_key, document_id
+from ragspeed.retrieval.documents import content_key, document_id
 from ragspeed.retrieval.embedders import Embedder
 from ragspeed.retrieval.errors import RetrievalError
 

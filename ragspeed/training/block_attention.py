@@ -33,10 +33,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ragspeed.ab.quality import accuracy
+from ragspeed.document import Document
 from ragspeed.engine.adapter import LORA_A, LORA_B
 from ragspeed.engine.document_kv import placed_spans
 from ragspeed.evals.rag import DEFAULT_SYSTEM_PROMPT, RagExample, load_examples
-from ragspeed.gateway.prompt import Document, Segments, assemble_prompt
+from ragspeed.gateway.prompt import Segments, assemble_prompt
 from ragspeed.training.trainer import TrainingConfig, adamw, scheduled_learning_rate
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -57,6 +57,21 @@ def test_rate_one_keeps_everything(compressor, ws_tokenizer):
     assert [d.text for d in result.documents] == [d.text for d in DOCS]
 
 
+def test_kept_documents_carry_metadata(compressor, ws_tokenizer):
+    docs = [
+        dataclasses.replace(d, metadata={"source": f"wiki/{d.id}", "page": i}) for i, d in enumerate(DOCS)
+    ]
+    result = compressor.compress(QUESTION, docs, Budget(ws_tokenizer, rate=0.5))
+    by_id = {d.id: d for d in docs}
+    kept = result.kept_documents
+    assert [d.id for d in kept] == list(result.kept_document_ids) != []
+    for doc, record in zip(kept, result.documents):
+        assert isinstance(doc, Document)
+        assert doc.metadata == by_id[doc.id].metadata
+        assert doc.title == by_id[doc.id].title
+        assert doc.text == record.text
+
+
 def test_result_is_frozen(fast, ws_tokenizer):
     result = fast.compress(QUESTION, DOCS, Budget(ws_tokenizer, rate=0.5))
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -133,10 +148,17 @@ def test_accepts_any_document_like(fast, ws_tokenizer):
         score: float
 
     docs = [RetrievedDoc(d.id, d.text, d.title, 0.5) for d in DOCS] + [
-        {"id": "x", "text": "A dict works too."}
+        {"id": "x", "text": "A dict works too.", "metadata": {"url": "x.html"}}
     ]
     result = fast.compress(QUESTION, docs, Budget(ws_tokenizer, target_tokens=12))
     assert result.kept_document_ids == ("d3",)
+    everything = fast.compress(QUESTION, docs, Budget(ws_tokenizer, rate=1.0))
+    assert everything.kept_documents[-1].metadata == {"url": "x.html"}
+    with pytest.raises(CompressionError) as err:
+        fast.compress(
+            QUESTION, [{"id": "y", "text": "t", "metadata": "x.html"}], Budget(ws_tokenizer, rate=0.5)
+        )
+    assert err.value.param == "documents"
     with pytest.raises(CompressionError) as err:
         fast.compress(QUESTION, [{"id": "y", "text": None}], Budget(ws_tokenizer, rate=0.5))
     assert err.value.param == "documents"

@@ -111,6 +111,7 @@ def test_protected_documents_are_kept(top_docs, ws_tokenizer):
     result = top_docs.compress(QUESTION, docs, Budget(ws_tokenizer, rate=0.5))
     assert result.kept_document_ids == ("rules", "d3")  # original order
     assert result.documents[0].text == rules.text
+    assert result.kept_documents[0] is rules  # the document itself: whole, protected, as given
     assert result.budget_tokens == 29 - 7  # floor(0.5 * 59) less the protected document
     assert result.num_compressed_tokens - 7 <= result.budget_tokens
     # Protected documents are kept even when nothing else fits, and copies of them are dropped.

@@ -52,6 +52,7 @@ def test_fails_open_and_flags_it(ws_tokenizer):
     assert out.failed and not out.compressed and out.skipped_reason == "compressor_error"
     assert out.error == "RuntimeError: model file truncated"
     assert [d.text for d in out.result.documents] == [d.text for d in DOCS]
+    assert out.result.kept_documents == tuple(DOCS)
     with pytest.raises(RuntimeError):
         apply_policy(
             CompressionPolicy(min_document_tokens=0, fail_open=False),

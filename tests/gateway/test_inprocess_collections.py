@@ -66,6 +66,48 @@ async def test_collection_lifecycle_query_and_retrieval_in_chat(fake, tmp_path):
         assert (await client.get(f"{base}/wiki")).json()["num_documents"] == 2
 
 
+async def test_retrieved_documents_keep_their_metadata_through_compression(fake, tmp_path, monkeypatch):
+    from ragspeed.gateway import prepare
+
+    seen = []
+
+    def assemble_prompt(tokenizer, segments, documents, **kwargs):
+        seen.append(tuple(documents))
+        return real_assemble(tokenizer, segments, documents, **kwargs)
+
+    real_assemble = prepare.assemble_prompt
+    monkeypatch.setattr(prepare, "assemble_prompt", assemble_prompt)
+    passages = [
+        {**p, "metadata": {"source": f"wiki/{p['id']}", "year": 2000 + i}} for i, p in enumerate(PASSAGES)
+    ]
+    settings = fake_settings(
+        collections_dir=str(tmp_path / "collections"),
+        enable_retrieval=True,
+        compression_min_document_tokens=0,
+    )
+    async with serve(settings) as client:
+        assert (await client.post("/v1/collections", json={"name": "wiki"})).status_code == 201
+        await client.post("/v1/collections/wiki/documents", json={"documents": passages})
+        chat = await client.post(
+            "/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": "When was the Eiffel Tower built?"}],
+                "max_tokens": 2,
+                "ragspeed": {
+                    "retrieval": {"collection": "wiki", "top_k": 2},
+                    "compression": {"method": "bm25", "rate": 0.5},
+                },
+            },
+        )
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["ragspeed"]["compression"]["skipped_reason"] is None
+    (kept,) = seen
+    assert [d.id for d in kept][:1] == ["eiffel"]
+    years = {p["id"]: 2000 + i for i, p in enumerate(PASSAGES)}
+    for doc in kept:  # the caller's metadata, and the chunk's number that ingestion adds
+        assert doc.metadata == {"source": f"wiki/{doc.id}", "year": years[doc.id], "chunk": 0}
+
+
 async def test_collection_errors(fake, tmp_path):
     cases = [
         ("post", "/v1/collections/none-such/query", {"query": "x"}, 404, "collection"),

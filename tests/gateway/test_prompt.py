@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from ragspeed.gateway.prompt import Document, assemble_prompt, extract_documents, split_segments
+from ragspeed.document import Document
+from ragspeed.gateway.prompt import assemble_prompt, extract_documents, split_segments
 from ragspeed.gateway.protocol import ChatMessage, DocumentIn
 
 
@@ -43,6 +44,18 @@ def test_split_segments_orders_static_documents_history_question():
         ("assistant", "Earlier answer"),
     ]
     assert segments.question == "Now:  What year?"
+
+
+def test_wire_documents_become_documents_with_their_metadata():
+    wire = DocumentIn.model_validate(
+        {"id": "kb-7", "title": " Cat ", "text": " Cats purr. ", "metadata": {"url": "a.html", "n": [1]}}
+    )
+    segments = split_segments(
+        messages(("user", "Why?")), [wire, "Plain text."], start_marker="<d>", end_marker="</d>"
+    )
+    first, plain = segments.documents
+    assert first == Document("kb-7", "Cats purr.", "Cat", {"url": "a.html", "n": [1]})
+    assert plain.metadata == {} and plain.title == "" and len(plain.id) == 16
 
 
 def test_static_prefix_is_shared_across_requests(tokenizer):

@@ -1,6 +1,7 @@
 import json
 
-from ragspeed.retrieval.documents import Document, document_id
+from ragspeed.document import Document
+from ragspeed.retrieval.documents import document_id
 from ragspeed.retrieval.ingest import drop_duplicates, ingest_paths
 
 

@@ -1,7 +1,7 @@
 import pytest
 
+from ragspeed.document import Document
 from ragspeed.retrieval.config import IndexConfig, RetrievalConfig
-from ragspeed.retrieval.documents import Document
 from ragspeed.retrieval.errors import CollectionNotFound, CorruptCollectionError, RetrievalError
 from ragspeed.retrieval.store import CollectionStore
 
