@@ -107,6 +107,19 @@ def test_rows_move_and_join_without_touching_a_block():
     assert isinstance(mixed, torch.Tensor) and mixed.shape == (12, 64)
 
 
+def test_k_quant_rows_join_as_blocks_of_one_type_only():
+    """Q4_K rows join as blocks (a fused gate-up); Q4_K beside Q6_K (Q4_K_M's QKV, whose V is
+    Q6_K) becomes one dense fp32 weight, the blocks' exact dequantization."""
+    a, b = (GgufBlocks("Q4_K", torch.from_numpy(random_k_quant_bytes("Q4_K", 8, 512, s))) for s in (1, 2))
+    joined = cat_rows([a, b])
+    assert isinstance(joined, GgufBlocks) and joined.shape == (16, 512)
+    assert torch.equal(joined.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    v = GgufBlocks("Q6_K", torch.from_numpy(random_k_quant_bytes("Q6_K", 4, 512, 3)))
+    mixed = cat_rows([a, v])
+    assert isinstance(mixed, torch.Tensor)
+    assert torch.equal(mixed, torch.cat([a.dequantize(), v.dequantize()]))
+
+
 def test_bad_blocks_are_named():
     with pytest.raises(ValueError, match="no kernel for GGUF type Q5_0"):
         GgufBlocks("Q5_0", torch.zeros(2, 22, dtype=torch.uint8))
