@@ -288,9 +288,10 @@ static void quantize_rows(const float *x, int m, int k, int16_t *xq, float *xs, 
 /* 4-bit products: GGUF's Q4_0 and Q4_1 blocks as the file stores them, and its Q4_K blocks
  * unpacked (engine.quant.k_quants). A group of GROUP inputs of an output column holds 4-bit q in
  * 0..15, its step d and offset m: w = d * q + m (Q4_0: m = -8 d), fp16 (Q4_x) or fp32 (Q4_K,
- * whose d and m are products of two scales: exact in fp32, not in fp16). The input rows are quantized per group to int16 as for int8, so
- * sum x w = xs * (d * sum xq q) + m * (xs * sum xq): the first sum exact in int32 (vpmaddwd of
- * the widened nibbles, 32 x 15 x 32767 < 2^31), the second the row's group sum (quantize_rows).
+ * whose d and m are products of two scales: exact in fp32, not in fp16). The input rows are
+ * quantized per group to int16 as for int8, so sum x w = xs * (d * sum xq q) + m * (xs * sum xq):
+ * the first sum exact in int32 (vpmaddwd of the widened nibbles, 32 x 15 x 32767 < 2^31), the
+ * second the row's group sum (quantize_rows).
  *
  * Layout: a block's inputs in pairs as int8's, [k / 2][16][2], two values a byte: pair j is 16
  * bytes, byte i holding value i (columns 0-7) in its low nibble and value 16 + i (columns 8-15)
