@@ -436,18 +436,18 @@ def test_k_quants_need_whole_groups():
         BlockedWeight(torch.zeros(16, 64, dtype=torch.uint8), None, torch.zeros(16, 4, 2))
 
 
-@pytest.mark.parametrize("kind", ["q4k", "q6k"])
 @pytest.mark.parametrize("without", ["-mno-avx512vnni", "-mno-avx2", "-mno-avx512f"])
-def test_k_quant_products_without_vnni_avx512_or_avx2(fresh_build, monkeypatch, kind, without):
+def test_k_quant_products_without_vnni_avx512_or_avx2(fresh_build, monkeypatch, without):
     """Built without AVX-512 VNNI, AVX-512 or AVX2 (plain C), each K-quant kernel gives the
     product of the weight it stands for, a row alone or in a batch."""
     monkeypatch.setattr(build, "FLAGS", build.FLAGS + (without,))
     gen = torch.Generator().manual_seed(5)
-    q, scales, reference = _k_quant(kind, 49, 576, gen)
-    b = torch.randn(49, generator=gen)
-    blocked = BlockedWeight(q, b, scales)
-    x = torch.randn(7, 576, generator=gen)
-    out = blocked.forward(x, 2)
-    expected = (int16_rows(x).double() @ reference.double().T + b).float()
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
-    assert torch.equal(blocked.forward(x[2:3], 1), out[2:3])
+    for kind in ("q4k", "q6k"):
+        q, scales, reference = _k_quant(kind, 49, 576, gen)
+        b = torch.randn(49, generator=gen)
+        blocked = BlockedWeight(q, b, scales)
+        x = torch.randn(7, 576, generator=gen)
+        out = blocked.forward(x, 2)
+        expected = (int16_rows(x).double() @ reference.double().T + b).float()
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+        assert torch.equal(blocked.forward(x[2:3], 1), out[2:3]), kind
