@@ -12,9 +12,9 @@ where the CPU multiplies bf16 at speed, prefill products may read a bf16 copy of
 (engine.precision plans and chooses it, after loading: the loader knows nothing of it).
 
 With quantization 'gguf' (what 'auto' picks on CPU for a converted GGUF file), the matrices
-whose type the kernels decode (Q4_0, Q4_1, Q8_0) are read from the source file as its blocks
-(engine.quant.gguf_blocks) instead of the copy's fp32 values; rows are permuted and fused the
-same way, block rows as they are.
+whose type the kernels decode (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) are read from the source file as
+its blocks (engine.quant.gguf_blocks) instead of the copy's fp32 values; rows are permuted and
+fused the same way, block rows as they are.
 """
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ class Settings(BaseSettings):
     )
     quantization: Literal["auto", "none", "int8", "gguf"] | None = Field(
         "auto",
-        description="Weights (native): auto (on CPU a GGUF file's own blocks, else int8 where its quality gate passes on the model at start-up, else none), gguf (a GGUF file's Q4_0/Q4_1/Q8_0 blocks as stored; other types dequantized), int8 (group-wise, its quality gate) or none (the checkpoint's dtype).",
+        description="Weights (native): auto (on CPU a GGUF file's own blocks, else int8 where its quality gate passes on the model at start-up, else none), gguf (a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks as stored; other types dequantized), int8 (group-wise, its quality gate) or none (the checkpoint's dtype).",
     )
     speculative: str | None = Field(None, description="Speculative decoding: ngram or draft (native).")
     draft_model: str | None = Field(

@@ -230,6 +230,7 @@ def chat(
         "documents": "ragspeed.bench.documents:bench_documents",
         "engine": "ragspeed.bench.engine:bench_engine_command",
         "gateway": "ragspeed.bench.gateway:bench_gateway",
+        "kquant": "ragspeed.bench.kquant:bench_kquant",
         "load": "ragspeed.bench.load:bench_load",
         "quant": "ragspeed.bench.quant:bench_quant",
         "restarts": "ragspeed.bench.restarts:bench_restarts",

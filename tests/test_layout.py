@@ -58,6 +58,7 @@ def test_cli_commands_load_when_asked_for():
         "documents",
         "engine",
         "gateway",
+        "kquant",
         "load",
         "quant",
         "restarts",

@@ -8,9 +8,11 @@ weight), with one fp16 scale per `INT8_GROUP` consecutive inputs of each output 
 4-bit blocks (GGUF's Q4_0 and Q4_1, engine.quant.gguf_blocks) hold the int8 layout's values two
 a byte, `[ceil(n / 16), k / 2, 16]` bytes (value i of a pair's 32 in the low nibble of byte i,
 value 16 + i in its high one), with each group's fp16 step and offset `[ceil(n / 16), k /
-INT8_GROUP, 2, 16]`. The int8 and 4-bit kernels quantize each input row per group to int16, sum
-each group's products exactly in int32 and scale it once (kernels.c): the activations'
-rounding is far below the weights'.
+INT8_GROUP, 2, 16]`. GGUF's K-quants, unpacked (engine.quant.k_quants), take the same layouts
+with fp32 scales: Q4_K the 4-bit one, its steps and offsets fp32; Q6_K the int8 one, with an
+fp32 step per `Q6K_STEP` inputs, `[ceil(n / 16), k / Q6K_STEP, 16]`. The int8, 4-bit and K-quant
+kernels quantize each input row per group to int16, sum each group's products exactly in int32
+and scale it once (kernels.c): the activations' rounding is far below the weights'.
 
 A product is bound by reading the weight: the kernel streams each block once per pass of a few
 rows (four with AVX2, six with AVX-512). The linear kinds use it up to their `max_rows` rows and
@@ -29,6 +31,15 @@ from ragspeed.engine.cpu_kernels.build import load_library
 
 BLOCK = 16
 INT8_GROUP = 32  # kernels.c's GROUP; the library reports its own (test_cpu_kernels checks)
+Q6K_STEP = 16  # kernels.c's STEP: inputs a Q6_K step scales
+# (weight dtype, scales dtype) -> kind
+_KINDS = {
+    (torch.float32, None): "fp32",
+    (torch.int8, torch.float16): "int8",
+    (torch.uint8, torch.float16): "q4",
+    (torch.uint8, torch.float32): "q4k",
+    (torch.int8, torch.float32): "q6k",
+}
 
 # Set by the model runner and the draft proposer around a step whose chunks are all small.
 _DECODE_STEP = contextvars.ContextVar("ragspeed_decode_step", default=False)
@@ -69,15 +80,17 @@ def _pad_to_blocks(vector: torch.Tensor, num_blocks: int) -> torch.Tensor:
 
 
 class BlockedWeight:
-    """W [out_features, in_features] and an optional bias in the kernel's layout, one of three
-    kinds by the weight's dtype:
+    """W [out_features, in_features] and an optional bias in the kernel's layout, one of five
+    kinds by the dtypes of the weight and its scales:
 
     - fp32;
     - int8 with fp16 group `scales` [out_features, ceil(in_features / INT8_GROUP)];
     - uint8 4-bit values q in 0..15 with fp16 `scales` [out_features, in_features / INT8_GROUP,
-      2] holding each group's step d and offset m (W = d * q + m).
+      2] holding each group's step d and offset m (W = d * q + m);
+    - q4k: the same with fp32 scales (GGUF's Q4_K);
+    - q6k: int8 with fp32 steps [out_features, in_features / Q6K_STEP] (GGUF's Q6_K).
 
-    `forward(x)` is `x @ W.T + bias`, for int8 and 4-bit with x rounded per group to int16.
+    `forward(x)` is `x @ W.T + bias`, for all but fp32 with x rounded per group to int16.
     """
 
     def __init__(
@@ -86,26 +99,30 @@ class BlockedWeight:
         library = load_library()
         assert library is not None, "blocked_kernels_available() first"
         self.out_features, self.in_features = weight.shape
-        self.kind = {torch.float32: "fp32", torch.int8: "int8", torch.uint8: "q4"}.get(weight.dtype)
-        assert self.kind is not None, f"no blocked kernel for {weight.dtype} weights"
+        kind = _KINDS.get((weight.dtype, None if scales is None else scales.dtype))
+        assert kind is not None, f"no blocked kernel for {weight.dtype} weights with these scales"
+        self.kind = kind
         num_groups = -(-self.in_features // INT8_GROUP)
         wanted = {
             "fp32": None,
             "int8": (self.out_features, num_groups),
             "q4": (self.out_features, num_groups, 2),
-        }[self.kind]
+            "q4k": (self.out_features, num_groups, 2),
+            "q6k": (self.out_features, self.in_features // Q6K_STEP),
+        }[kind]
         assert wanted is None or (scales is not None and tuple(scales.shape) == wanted), (
-            f"{self.kind} weights need fp16 scales of shape {wanted}"
+            f"{kind} weights need scales of shape {wanted}"
         )
-        assert scales is None or scales.dtype == torch.float16, f"scales are fp16, got {scales.dtype}"
-        assert self.kind != "q4" or self.in_features % INT8_GROUP == 0, (
-            f"4-bit weights come in groups of {INT8_GROUP} inputs, got {self.in_features}"
+        assert kind in ("fp32", "int8") or self.in_features % INT8_GROUP == 0, (
+            f"{kind} weights come in groups of {INT8_GROUP} inputs, got {self.in_features}"
         )
         self._kernel = {
             "fp32": library.ragspeed_gemv_f32,
             "int8": library.ragspeed_gemv_i8,
             "q4": library.ragspeed_gemv_q4,
-        }[self.kind]
+            "q4k": library.ragspeed_gemv_q4k,
+            "q6k": library.ragspeed_gemv_q6k,
+        }[kind]
         num_blocks = -(-self.out_features // BLOCK)
         if self.kind == "fp32":  # [blocks, k, 16]
             padded = torch.zeros(num_blocks * BLOCK, self.in_features, dtype=weight.dtype)
@@ -116,22 +133,24 @@ class BlockedWeight:
             padded = torch.zeros(num_blocks * BLOCK, pairs * 2, dtype=weight.dtype)
             padded[: self.out_features, : self.in_features] = weight
             self.blocks = padded.view(num_blocks, BLOCK, pairs, 2).transpose(1, 2).contiguous()
-        if self.kind == "q4":  # values i and 16 + i of each pair's 32 share byte i
+        if self.kind in ("q4", "q4k"):  # values i and 16 + i of each pair's 32 share byte i
             values = self.blocks.view(num_blocks, -1, 2, BLOCK)
             self.blocks = (values[:, :, 0] | (values[:, :, 1] << 4)).contiguous()
-        self.scales = None  # int8: [num_blocks, num_groups, 16]; 4-bit [num_blocks, num_groups, 2, 16]
+        # int8: [num_blocks, num_groups, 16]; 4-bit [num_blocks, num_groups, 2, 16]; q6k
+        # [num_blocks, in_features / Q6K_STEP, 16]
+        self.scales = None
         if scales is not None:
-            padded_scales = torch.zeros(num_blocks * BLOCK, *scales.shape[1:], dtype=torch.float16)
+            padded_scales = torch.zeros(num_blocks * BLOCK, *scales.shape[1:], dtype=scales.dtype)
             padded_scales[: self.out_features] = scales
             columns = padded_scales.view(num_blocks, BLOCK, -1)
             self.scales = columns.permute(0, 2, 1).reshape(num_blocks, *scales.shape[1:], BLOCK).contiguous()
         self.bias = None if bias is None else _pad_to_blocks(bias, num_blocks)
 
     def unblocked(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The weight [out_features, in_features] as given, and its scales (int8, 4-bit) or
+        """The weight [out_features, in_features] as given, and its scales (all but fp32) or
         None: what another layout of the same weight is built from."""
         blocks = self.blocks
-        if self.kind == "q4":  # back to [blocks, pairs, 16, 2], one value a byte
+        if self.kind in ("q4", "q4k"):  # back to [blocks, pairs, 16, 2], one value a byte
             values = torch.stack([blocks & 0x0F, blocks >> 4], dim=2)
             blocks = values.view(blocks.shape[0], -1, BLOCK, 2)
         columns = blocks.transpose(1, 2).reshape(-1, blocks[0].numel() // BLOCK)

@@ -285,17 +285,30 @@ static void quantize_rows(const float *x, int m, int k, int16_t *xq, float *xs, 
     }
 #endif
 
-/* 4-bit products: GGUF's Q4_0 and Q4_1 blocks as the file stores them. A group of GROUP inputs
- * of an output column holds 4-bit q in 0..15, its fp16 step d and offset m: w = d * q + m
- * (Q4_0: m = -8 d). The input rows are quantized per group to int16 as for int8, so
- * sum x w = xs * (d * sum xq q) + m * (xs * sum xq): the first sum exact in int32 (vpmaddwd of
- * the widened nibbles, 32 x 15 x 32767 < 2^31), the second the row's group sum (quantize_rows).
+/* 4-bit products: GGUF's Q4_0 and Q4_1 blocks as the file stores them, and its Q4_K blocks
+ * unpacked (engine.quant.k_quants). A group of GROUP inputs of an output column holds 4-bit q in
+ * 0..15, its step d and offset m: w = d * q + m (Q4_0: m = -8 d), fp16 (Q4_x) or fp32 (Q4_K,
+ * whose d and m are products of two scales: exact in fp32, not in fp16). The input rows are
+ * quantized per group to int16 as for int8, so sum x w = xs * (d * sum xq q) + m * (xs * sum xq):
+ * the first sum exact in int32 (vpmaddwd of the widened nibbles, 32 x 15 x 32767 < 2^31), the
+ * second the row's group sum (quantize_rows).
  *
  * Layout: a block's inputs in pairs as int8's, [k / 2][16][2], two values a byte: pair j is 16
  * bytes, byte i holding value i (columns 0-7) in its low nibble and value 16 + i (columns 8-15)
  * in its high one, so one mask and one shift give the two vectors int8 loads. A block's steps
  * and offsets [k / GROUP][2][16]: the group's 16 d, then its 16 m. k is a multiple of GROUP
  * (a GGUF block is GROUP inputs). */
+/* S##X16, S##X8, S##X1: 16, 8 or 1 steps or offsets of type S (F16 or F32) as fp32. */
+#define F16X1(v) f16_to_f32(v)
+#define F32X1(v) (v)
+#if defined(__AVX2__) && defined(__F16C__)
+#define F16X8(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define F32X8(p) _mm256_loadu_ps(p)
+#endif
+#if defined(__AVX512F__)
+#define F16X16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define F32X16(p) _mm512_loadu_ps(p)
+#endif
 #if defined(__AVX512BW__) && defined(__AVX512F__)
 /* AVX-512: two pairs a load. Their 32 bytes widened to 16 bits are, masked, columns 0-7 of both
  * pairs and, shifted, columns 8-15; one multiply-add of each with the rows' two input pairs
@@ -308,9 +321,9 @@ static void quantize_rows(const float *x, int m, int k, int16_t *xq, float *xs, 
 #else
 #define MADD_ADD512(acc, w, x) _mm512_add_epi32(acc, _mm512_madd_epi16(w, x))
 #endif
-#define Q4_ROWS(NAME, R)                                                                         \
+#define Q4_ROWS_OF(NAME, R, STYPE, S)                                                            \
     static inline void NAME(const uint8_t *block, const int16_t *xq, const float *xs,            \
-                            const float *xsum, const f16 *scales, float *y, const float *bias,  \
+                            const float *xsum, const STYPE *scales, float *y, const float *bias, \
                             int first, int n, int k) {                                          \
         int groups = k / GROUP;                                                                 \
         const __m512i nibble = _mm512_set1_epi16(0x0f);                                         \
@@ -334,9 +347,8 @@ static void quantize_rows(const float *x, int m, int k, int16_t *xq, float *xs, 
                     high[r] = MADD_ADD512(high[r], w1, xb);                                     \
                 }                                                                               \
             }                                                                                   \
-            const f16 *sc = scales + (size_t)g * 2 * BLOCK;                                     \
-            __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sc));                \
-            __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 16)));         \
+            const STYPE *sc = scales + (size_t)g * 2 * BLOCK;                                   \
+            __m512 d = S##X16(sc), m = S##X16(sc + 16);                                         \
             _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                               \
                 __m256i lo = _mm256_add_epi32(_mm512_castsi512_si256(low[r]),                   \
                                               _mm512_extracti64x4_epi64(low[r], 1));            \
@@ -356,9 +368,9 @@ static void quantize_rows(const float *x, int m, int k, int16_t *xq, float *xs, 
     }
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #define MADD_ADD(acc, w, x) _mm256_add_epi32(acc, _mm256_madd_epi16(w, x))
-#define Q4_ROWS(NAME, R)                                                                         \
+#define Q4_ROWS_OF(NAME, R, STYPE, S)                                                            \
     static inline void NAME(const uint8_t *block, const int16_t *xq, const float *xs,            \
-                            const float *xsum, const f16 *scales, float *y, const float *bias,  \
+                            const float *xsum, const STYPE *scales, float *y, const float *bias, \
                             int first, int n, int k) {                                          \
         int groups = k / GROUP;                                                                 \
         const __m128i nibble = _mm_set1_epi8(0x0f);                                             \
@@ -382,11 +394,8 @@ static void quantize_rows(const float *x, int m, int k, int16_t *xq, float *xs, 
                     acc[r][1] = MADD_ADD(acc[r][1], w1, xb);                                    \
                 }                                                                               \
             }                                                                                   \
-            const f16 *sc = scales + (size_t)g * 2 * BLOCK;                                     \
-            __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sc));                 \
-            __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 8)));           \
-            __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 16)));          \
-            __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 24)));          \
+            const STYPE *sc = scales + (size_t)g * 2 * BLOCK;                                   \
+            __m256 d0 = S##X8(sc), d1 = S##X8(sc + 8), m0 = S##X8(sc + 16), m1 = S##X8(sc + 24); \
             _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                               \
                 __m256 sx = _mm256_set1_ps(xs[(size_t)r * groups + g]);                         \
                 __m256 sm = _mm256_set1_ps(xsum[(size_t)r * groups + g]);                       \
@@ -404,9 +413,9 @@ static void quantize_rows(const float *x, int m, int k, int16_t *xq, float *xs, 
         }                                                                                       \
     }
 #else /* the same sums in plain C */
-#define Q4_ROWS(NAME, R)                                                                         \
+#define Q4_ROWS_OF(NAME, R, STYPE, S)                                                            \
     static inline void NAME(const uint8_t *block, const int16_t *xq, const float *xs,            \
-                            const float *xsum, const f16 *scales, float *y, const float *bias,  \
+                            const float *xsum, const STYPE *scales, float *y, const float *bias, \
                             int first, int n, int k) {                                          \
         int groups = k / GROUP;                                                                 \
         float total[R][BLOCK] = {{0}};                                                          \
@@ -424,24 +433,98 @@ static void quantize_rows(const float *x, int m, int k, int16_t *xq, float *xs, 
                     }                                                                           \
                 }                                                                               \
             }                                                                                   \
-            const f16 *sc = scales + (size_t)g * 2 * BLOCK;                                     \
+            const STYPE *sc = scales + (size_t)g * 2 * BLOCK;                                   \
             for (int r = 0; r < R; r++)                                                         \
                 for (int c = 0; c < BLOCK; c++) {                                               \
-                    total[r][c] += f16_to_f32(sc[BLOCK + c]) * xsum[(size_t)r * groups + g];    \
-                    total[r][c] += (float)acc[r][c] * (f16_to_f32(sc[c]) * xs[(size_t)r * groups + g]); \
+                    total[r][c] += S##X1(sc[BLOCK + c]) * xsum[(size_t)r * groups + g];         \
+                    total[r][c] += (float)acc[r][c] * (S##X1(sc[c]) * xs[(size_t)r * groups + g]); \
                 }                                                                               \
         }                                                                                       \
         for (int r = 0; r < R; r++) store_sums(y + (size_t)r * n, total[r], bias, first, n);   \
     }
 #endif
+#define Q4_ROWS(NAME, R) Q4_ROWS_OF(NAME, R, f16, F16)
+#define Q4K_ROWS(NAME, R) Q4_ROWS_OF(NAME, R, float, F32)
 
-/* The products of one weight type: blocks split across the threads of the enclosing parallel
- * region (NAME##_team, ending in its barrier), rows in passes of ROWS; NAME opens a region.
+/* Q6_K products: GGUF's Q6_K blocks unpacked (engine.quant.k_quants), q - 32 in -32..31 as
+ * int8 in int8's layout of pairs, with one fp32 step per STEP inputs of an output column (a
+ * block's steps [k / STEP][16]); k a multiple of GROUP. The input rows are quantized per GROUP
+ * as for int8; the products of each STEP inputs are summed exactly in int32 and scaled once, by
+ * the step times the row's scale. AVX-512 CPUs run the AVX2 kernel, as for int8. */
+#define STEP 16
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define Q6K_ROWS(NAME, R)                                                                        \
+    static inline void NAME(const int8_t *block, const int16_t *xq, const float *xs,             \
+                            const float *steps, float *y, const float *bias, int first, int n,  \
+                            int k) {                                                            \
+        int groups = k / GROUP;                                                                 \
+        __m256 total[R][2];                                                                     \
+        for (int r = 0; r < R; r++) total[r][0] = total[r][1] = _mm256_setzero_ps();           \
+        for (int s = 0; s < k / STEP; s++) {                                                    \
+            __m256i acc[R][2];                                                                  \
+            _Pragma("GCC unroll 6") for (int r = 0; r < R; r++)                                 \
+                acc[r][0] = acc[r][1] = _mm256_setzero_si256();                                 \
+            _Pragma("GCC unroll 8") for (int j = s * STEP / 2; j < (s + 1) * STEP / 2; j++) {   \
+                const int8_t *p = block + (size_t)j * 2 * BLOCK;                                \
+                __builtin_prefetch(p + 48 * 2 * BLOCK);                                         \
+                __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));         \
+                __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 16)));  \
+                _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                           \
+                    int32_t pair;                                                               \
+                    memcpy(&pair, xq + (size_t)r * groups * GROUP + 2 * j, sizeof pair);        \
+                    __m256i xb = _mm256_set1_epi32(pair);                                       \
+                    acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(w0, xb));         \
+                    acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(w1, xb));         \
+                }                                                                               \
+            }                                                                                   \
+            __m256 s0 = _mm256_loadu_ps(steps + (size_t)s * BLOCK);                             \
+            __m256 s1 = _mm256_loadu_ps(steps + (size_t)s * BLOCK + 8);                         \
+            _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                               \
+                __m256 sx = _mm256_set1_ps(xs[(size_t)r * groups + s * STEP / GROUP]);          \
+                total[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][0]), _mm256_mul_ps(s0, sx), total[r][0]); \
+                total[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][1]), _mm256_mul_ps(s1, sx), total[r][1]); \
+            }                                                                                   \
+        }                                                                                       \
+        _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                                   \
+            float sums[BLOCK];                                                                  \
+            _mm256_storeu_ps(sums, total[r][0]);                                                \
+            _mm256_storeu_ps(sums + 8, total[r][1]);                                            \
+            store_sums(y + (size_t)r * n, sums, bias, first, n);                                \
+        }                                                                                       \
+    }
+#else /* the same sums in plain C */
+#define Q6K_ROWS(NAME, R)                                                                        \
+    static inline void NAME(const int8_t *block, const int16_t *xq, const float *xs,             \
+                            const float *steps, float *y, const float *bias, int first, int n,  \
+                            int k) {                                                            \
+        int groups = k / GROUP;                                                                 \
+        float total[R][BLOCK] = {{0}};                                                          \
+        for (int s = 0; s < k / STEP; s++) {                                                    \
+            int32_t acc[R][BLOCK] = {{0}};                                                      \
+            for (int j = s * STEP / 2; j < (s + 1) * STEP / 2; j++) {                           \
+                const int8_t *p = block + (size_t)j * 2 * BLOCK;                                \
+                for (int r = 0; r < R; r++) {                                                   \
+                    const int16_t *xr = xq + (size_t)r * groups * GROUP + 2 * j;                \
+                    for (int c = 0; c < BLOCK; c++)                                             \
+                        acc[r][c] += p[2 * c] * xr[0] + p[2 * c + 1] * xr[1];                   \
+                }                                                                               \
+            }                                                                                   \
+            for (int r = 0; r < R; r++)                                                         \
+                for (int c = 0; c < BLOCK; c++)                                                 \
+                    total[r][c] += (float)acc[r][c] * (steps[(size_t)s * BLOCK + c] * xs[(size_t)r * groups + s * STEP / GROUP]); \
+        }                                                                                       \
+        for (int r = 0; r < R; r++) store_sums(y + (size_t)r * n, total[r], bias, first, n);   \
+    }
+#endif
+
+/* The products of one weight type (WTYPE values, STYPE scales): blocks split across the threads
+ * of the enclosing parallel region (NAME##_team, ending in its barrier), rows in passes of ROWS;
+ * NAME opens a region.
  * PREPARE runs on each thread before its blocks, FINISH after; PASS(KERNEL) is one pass of rows. */
-#define GEMV(NAME, WTYPE, KERNEL, PREPARE, PASS, FINISH)                                        \
+#define GEMV(NAME, WTYPE, STYPE, KERNEL, PREPARE, PASS, FINISH)                                 \
     KERNEL(NAME##_1, 1) KERNEL(NAME##_2, 2) KERNEL(NAME##_3, 3)                                 \
     KERNEL(NAME##_4, 4) KERNEL(NAME##_5, 5) KERNEL(NAME##_6, 6)                                 \
-    static void NAME##_team(const WTYPE *w, const f16 *scale, const float *bias,               \
+    static void NAME##_team(const WTYPE *w, const STYPE *scale, const float *bias,             \
                             const float *x, float *y, int m, int n, int k) {                   \
         int num_blocks = (n + BLOCK - 1) / BLOCK;                                               \
         PREPARE                                                                                 \
@@ -460,7 +543,7 @@ static void quantize_rows(const float *x, int m, int k, int16_t *xq, float *xs, 
             }                                                                                   \
         FINISH                                                                                  \
     }                                                                                           \
-    static void NAME(const WTYPE *w, const f16 *scale, const float *bias, const float *x,      \
+    static void NAME(const WTYPE *w, const STYPE *scale, const float *bias, const float *x,    \
                      float *y, int m, int n, int k, int num_threads) {                         \
         _Pragma("omp parallel num_threads(num_threads)")                                        \
         NAME##_team(w, scale, bias, x, y, m, n, k);                                             \
@@ -468,7 +551,7 @@ static void quantize_rows(const float *x, int m, int k, int16_t *xq, float *xs, 
 
 /* fp32: block b is [k][16] */
 #define F32_PASS(KERNEL) KERNEL(w + (size_t)b * k * BLOCK, x + (size_t)r * k, yr, bias, b * BLOCK, n, k)
-GEMV(gemv_f32, float, F32_ROWS, (void)scale;, F32_PASS, )
+GEMV(gemv_f32, float, f16, F32_ROWS, (void)scale;, F32_PASS, )
 
 /* int8: each thread quantizes every row for itself (no barrier before the products); block b
  * is [ceil(k / 2)][16][2], its scales [groups][16]. */
@@ -481,7 +564,7 @@ GEMV(gemv_f32, float, F32_ROWS, (void)scale;, F32_PASS, )
 #define I8_PASS(KERNEL)                                                                         \
     KERNEL(w + (size_t)b * ((k + 1) / 2) * 2 * BLOCK, xq + r * row, xs + (size_t)r * groups,     \
            scale + (size_t)b * groups * BLOCK, yr, bias, b * BLOCK, n, k)
-GEMV(gemv_i8, int8_t, I8_ROWS, I8_PREPARE, I8_PASS, free(xq);)
+GEMV(gemv_i8, int8_t, f16, I8_ROWS, I8_PREPARE, I8_PASS, free(xq);)
 
 /* 4-bit: as int8, with the rows' group sums; block b is [k / 2][16] bytes, its steps and
  * offsets [groups][2][16]. */
@@ -495,7 +578,14 @@ GEMV(gemv_i8, int8_t, I8_ROWS, I8_PREPARE, I8_PASS, free(xq);)
     KERNEL(w + (size_t)b * (k / 2) * BLOCK, xq + r * row, xs + (size_t)r * groups,              \
            xsum + (size_t)r * groups, scale + (size_t)b * groups * 2 * BLOCK, yr, bias,         \
            b * BLOCK, n, k)
-GEMV(gemv_q4, uint8_t, Q4_ROWS, Q4_PREPARE, Q4_PASS, free(xq);)
+GEMV(gemv_q4, uint8_t, f16, Q4_ROWS, Q4_PREPARE, Q4_PASS, free(xq);)
+GEMV(gemv_q4k, uint8_t, float, Q4K_ROWS, Q4_PREPARE, Q4_PASS, free(xq);)
+
+/* Q6_K: as int8, with a step per STEP inputs; block b is [k / 2][16][2], its steps [k / STEP][16]. */
+#define Q6K_PASS(KERNEL)                                                                        \
+    KERNEL(w + (size_t)b * (k / 2) * 2 * BLOCK, xq + r * row, xs + (size_t)r * groups,          \
+           scale + (size_t)b * (k / STEP) * BLOCK, yr, bias, b * BLOCK, n, k)
+GEMV(gemv_q6k, int8_t, float, Q6K_ROWS, I8_PREPARE, Q6K_PASS, free(xq);)
 
 /* y [m, n] = x [m, k] @ W.T + bias; w: W in blocks [ceil(n/16)][k][16] (zero-padded), fp32. */
 void ragspeed_gemv_f32(const float *w, const float *bias, const float *x, float *y,
@@ -516,6 +606,19 @@ void ragspeed_gemv_i8(const int8_t *w, const f16 *scale, const float *bias, cons
 void ragspeed_gemv_q4(const uint8_t *w, const f16 *scale, const float *bias, const float *x,
                       float *y, int m, int n, int k, int num_threads) {
     gemv_q4(w, scale, bias, x, y, m, n, k, num_threads);
+}
+
+/* The same with Q4_K's fp32 steps and offsets, S [ceil(n/16)][k/GROUP][2][16]. */
+void ragspeed_gemv_q4k(const uint8_t *w, const float *scale, const float *bias, const float *x,
+                       float *y, int m, int n, int k, int num_threads) {
+    gemv_q4k(w, scale, bias, x, y, m, n, k, num_threads);
+}
+
+/* The same with Q6_K's int8 q - 32 in int8's blocks [ceil(n/16)][k/2][16][2] and their fp32
+ * steps S [ceil(n/16)][k/STEP][16] (zero-padded); k a multiple of GROUP. */
+void ragspeed_gemv_q6k(const int8_t *w, const float *scale, const float *bias, const float *x,
+                       float *y, int m, int n, int k, int num_threads) {
+    gemv_q6k(w, scale, bias, x, y, m, n, k, num_threads);
 }
 
 /* Decode attention straight from the paged KV pool: one query token per request.
@@ -924,10 +1027,11 @@ void ragspeed_place_kv(const f16 *kv, const float *rotation, const int64_t *slot
  * and attention are the layer-by-layer path's own kernels; the rotation, Q/K norm and SiLU agree
  * with torch's to float rounding. Each row is computed alike whatever the number of rows. */
 
-enum { WEIGHT_F32, WEIGHT_I8, WEIGHT_Q4 };  /* a Linear's kind: its product above */
+enum { WEIGHT_F32, WEIGHT_I8, WEIGHT_Q4, WEIGHT_Q4K, WEIGHT_Q6K };  /* a Linear's kind: its product above */
 typedef struct {
-    const void *w;      /* the blocks of its kind: ragspeed_gemv_f32, _i8 or _q4 */
-    const f16 *scale;   /* int8: group scales; 4-bit: steps and offsets; fp32: NULL */
+    const void *w;      /* the blocks of its kind: ragspeed_gemv_f32, _i8, _q4, _q4k or _q6k */
+    const void *scale;  /* int8: group scales; 4-bit: steps and offsets (fp16; Q4_K fp32);
+                           Q6_K: fp32 steps; fp32: NULL */
     const float *bias;  /* padded to blocks, or NULL */
     int n, k, kind;
 } Linear;
@@ -972,6 +1076,8 @@ static void linear_team(const Linear *l, const float *x, float *y, int m) {
     switch (l->kind) {
     case WEIGHT_I8: gemv_i8_team((const int8_t *)l->w, l->scale, l->bias, x, y, m, l->n, l->k); break;
     case WEIGHT_Q4: gemv_q4_team((const uint8_t *)l->w, l->scale, l->bias, x, y, m, l->n, l->k); break;
+    case WEIGHT_Q4K: gemv_q4k_team((const uint8_t *)l->w, l->scale, l->bias, x, y, m, l->n, l->k); break;
+    case WEIGHT_Q6K: gemv_q6k_team((const int8_t *)l->w, l->scale, l->bias, x, y, m, l->n, l->k); break;
     default: gemv_f32_team((const float *)l->w, NULL, l->bias, x, y, m, l->n, l->k); break;
     }
 }

@@ -139,8 +139,10 @@ def _same_dtype(weight: torch.Tensor) -> PrefillPath:
 class GgufLinear(DenseLinear):
     """A GGUF weight decoded on the file's own blocks (engine.quant.gguf_blocks): a few rows
     read the Q4_0 / Q4_1 / Q8_0 blocks through ragspeed's kernels, 0.56 to 1.06 bytes a
-    weight; prefill products read the dense copy of their path, built from the blocks' exact
-    dequantization. A weight of any other type arrives dense and is a `DenseLinear`."""
+    weight, and the Q4_K / Q6_K blocks unpacked to the K-quant kernels' integers and fp32
+    steps, 0.75 and 1.25; prefill products read the dense copy of their path, built from the
+    blocks' exact dequantization. A weight of any other type arrives dense and is a
+    `DenseLinear`."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__(in_features, out_features, bias)

@@ -1,4 +1,4 @@
-"""A GGUF file's quantized weights as stored: its blocks of 32 weights, decoded by the kernels.
+"""A GGUF file's quantized weights as stored: its blocks, decoded by the kernels.
 
 `GgufBlocks` is one weight's rows as the file holds them, `data` [rows, bytes a row], with its
 type. The loader reorders and joins rows (the Q and K permutations, the fused QKV and gate-up
@@ -7,7 +7,9 @@ engine.cpu_kernels.BlockedWeight:
 
 - Q8_0 (32 int8 q, fp16 d: w = d q) is exactly the int8 kernel's group-wise weight;
 - Q4_1 (32 4-bit q, fp16 d and m: w = d q + m) is the 4-bit kernel's;
-- Q4_0 (w = d (q - 8)) is Q4_1 with m = -8 d, exact in fp16 (a power of two).
+- Q4_0 (w = d (q - 8)) is Q4_1 with m = -8 d, exact in fp16 (a power of two);
+- the K-quants Q4_K and Q6_K (256 weights a block, scales per sub-block) are unpacked once
+  (engine.quant.k_quants) into the K-quant kernels' integers and fp32 steps.
 
 No weight is rounded a second time: each product is the fp32 product of what
 `gguf.quants.dequantize` gives for the file, but for the activations' int16 rounding.
@@ -21,16 +23,20 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-GROUP = 32  # weights a block, for every type here (engine.cpu_kernels.blocked.INT8_GROUP)
+from ragspeed.engine.quant import k_quants
+
+GROUP = 32  # weights a Q4_0 / Q4_1 / Q8_0 block (engine.cpu_kernels.blocked.INT8_GROUP)
 # type name -> bytes a block
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, **k_quants.BLOCK_BYTES}
+# type name -> weights a block
+BLOCK_WEIGHTS = {"Q4_0": GROUP, "Q4_1": GROUP, "Q8_0": GROUP, "Q4_K": k_quants.QK_K, "Q6_K": k_quants.QK_K}
 KERNEL_TYPES = tuple(BLOCK_BYTES)
 
 
 @dataclass(frozen=True)
 class GgufBlocks:
     qtype: str  # one of KERNEL_TYPES
-    data: torch.Tensor  # uint8 [rows, in_features / GROUP * BLOCK_BYTES[qtype]]
+    data: torch.Tensor  # uint8 [rows, in_features / BLOCK_WEIGHTS[qtype] * BLOCK_BYTES[qtype]]
 
     def __post_init__(self) -> None:
         if self.qtype not in BLOCK_BYTES:
@@ -48,7 +54,7 @@ class GgufBlocks:
     @property
     def shape(self) -> tuple[int, int]:
         """[out_features, in_features], as the weight it stands for."""
-        return self.data.shape[0], self.data.shape[1] // BLOCK_BYTES[self.qtype] * GROUP
+        return self.data.shape[0], self.data.shape[1] // BLOCK_BYTES[self.qtype] * BLOCK_WEIGHTS[self.qtype]
 
     @property
     def num_bytes(self) -> int:
@@ -73,6 +79,8 @@ class GgufBlocks:
     def lookup(self, rows: torch.Tensor) -> torch.Tensor:
         """fp32 [len(rows), in_features]: those rows of `dequantize()`, the same floats (an
         embedding lookup on the blocks)."""
+        if self.qtype in k_quants.BLOCK_BYTES:
+            return k_quants.dequantize_unpacked(*k_quants.unpack(self.qtype, self.data[rows]))
         blocks = self.data[rows].view(len(rows), -1, BLOCK_BYTES[self.qtype])
         d = blocks[:, :, 0:2].contiguous().view(torch.float16).float()  # [rows, groups, 1]
         if self.qtype == "Q8_0":
@@ -88,7 +96,9 @@ class GgufBlocks:
     def kernel_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The weight and scales engine.cpu_kernels.BlockedWeight takes: Q8_0 as int8 [out, in]
         with fp16 scales [out, in / GROUP]; Q4_x as uint8 q in 0..15 [out, in] with fp16 steps
-        and offsets [out, in / GROUP, 2]."""
+        and offsets [out, in / GROUP, 2]; the K-quants as k_quants.unpack gives them (fp32)."""
+        if self.qtype in k_quants.BLOCK_BYTES:
+            return k_quants.unpack(self.qtype, self.data)
         rows, in_features = self.shape
         blocks = self._blocks()
         d = blocks[:, :, 0:2].copy().view(np.float16)  # [rows, groups, 1]
@@ -110,7 +120,9 @@ class GgufBlocks:
 def kernel_dequantize(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The fp32 weight [out, in] of a `kernel_weight()` pair, equal to the file's
     `dequantize()`: every product and sum here is exact in fp32 (d has 11 significant bits, q at
-    most 8, and Q4_0's d q - 8 d is d (q - 8))."""
+    most 8, and Q4_0's d q - 8 d is d (q - 8)); the K-quants' fp32 steps round once, as gguf's."""
+    if scales.dtype == torch.float32:
+        return k_quants.dequantize_unpacked(values, scales)
     rows, in_features = values.shape
     grouped = values.view(rows, -1, GROUP).float()
     if values.dtype == torch.int8:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ragspeed.engine.cpu_kernels import BlockedWeight, build, load_library
-from ragspeed.engine.cpu_kernels.blocked import INT8_GROUP
+from ragspeed.engine.cpu_kernels.blocked import INT8_GROUP, Q6K_STEP
 from ragspeed.engine.quant.groupwise import quantize_groupwise
 from tests.engine.conftest import int16_rows
 
@@ -375,3 +375,79 @@ def test_argmax_is_torchs_first_largest(fresh_build, monkeypatch, flags):
     wide = torch.randn(3, 40, generator=gen)
     assert argmax(wide[:, :33]) == wide[:, :33].argmax(dim=-1).tolist()  # rows of a wider tensor
     assert load_library() is not None
+
+
+def _k_quant(kind: str, n: int, k: int, gen: torch.Generator):
+    """Random integers and fp32 scales of a K-quant kind (engine.quant.k_quants' layouts), and
+    the fp32 weight they stand for: q4k 4-bit q with a step and an offset per 32 inputs, q6k
+    int8 q in -32..31 with a step per 16."""
+    if kind == "q4k":
+        q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+        scales = torch.randn(n, k // INT8_GROUP, 2, generator=gen) * 0.05
+        step, offset = (scales[:, :, i].repeat_interleave(INT8_GROUP, dim=1) for i in (0, 1))
+        return q, scales, q.float() * step + offset
+    q = torch.randint(-32, 32, (n, k), generator=gen, dtype=torch.int8)
+    steps = torch.randn(n, k // Q6K_STEP, generator=gen) * 0.01
+    return q, steps, q.float() * steps.repeat_interleave(Q6K_STEP, dim=1)
+
+
+@pytest.mark.parametrize("kind", ["q4k", "q6k"])
+@pytest.mark.parametrize("n, k", [(16, 32), (37, 64), (49, 576), (1, 96), (100, 1536)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_k_quant_product_equals_the_weight_it_stands_for(kind, n, k, threads):
+    gen = torch.Generator().manual_seed(n * 7 + k)
+    q, scales, reference = _k_quant(kind, n, k, gen)
+    b = torch.randn(n, generator=gen)
+    blocked = BlockedWeight(q, b, scales)
+    assert blocked.kind == kind
+    weight, unblocked_scales = blocked.unblocked()
+    assert torch.equal(weight, q) and torch.equal(unblocked_scales, scales)
+    for rows in (1, 2, 5, 6, 7, 13):
+        x = torch.randn(rows, k, generator=gen)
+        out = blocked.forward(x, threads)
+        expected = (int16_rows(x).double() @ reference.double().T + b).float()
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["q4k", "q6k"])
+def test_k_quant_rows_give_the_same_bits_alone_or_in_a_batch(kind):
+    gen = torch.Generator().manual_seed(12)
+    q, scales, _ = _k_quant(kind, 200, 96, gen)
+    blocked = BlockedWeight(q, torch.randn(200, generator=gen), scales)
+    x = torch.randn(13, 96, generator=gen)
+    alone = torch.cat([blocked.forward(x[row : row + 1], 1) for row in range(13)])
+    for num_rows in range(2, 14):
+        assert torch.equal(blocked.forward(x[:num_rows], 2), alone[:num_rows]), num_rows
+
+
+def test_k_quant_extremes_do_not_saturate():
+    """Q6_K's -32 x 32767 x 16 inputs a step stays in int32; steps of both signs add up."""
+    q = torch.full((16, 64), -32, dtype=torch.int8)
+    steps = torch.tensor([0.5, -2.0, 0.25, 1.0]).repeat(16, 1)
+    x = torch.full((1, 64), 1000.0)
+    out = BlockedWeight(q, None, steps).forward(x, 2)
+    assert torch.all(out == 16 * -32 * (0.5 - 2.0 + 0.25 + 1.0) * 1000.0)
+
+
+def test_k_quants_need_whole_groups():
+    with pytest.raises(AssertionError, match="q6k weights come in groups of 32"):
+        BlockedWeight(torch.zeros(16, 48, dtype=torch.int8), None, torch.zeros(16, 3))
+    with pytest.raises(AssertionError, match=r"q4k weights need scales of shape \(16, 2, 2\)"):
+        BlockedWeight(torch.zeros(16, 64, dtype=torch.uint8), None, torch.zeros(16, 4, 2))
+
+
+@pytest.mark.parametrize("without", ["-mno-avx512vnni", "-mno-avx2", "-mno-avx512f"])
+def test_k_quant_products_without_vnni_avx512_or_avx2(fresh_build, monkeypatch, without):
+    """Built without AVX-512 VNNI, AVX-512 or AVX2 (plain C), each K-quant kernel gives the
+    product of the weight it stands for, a row alone or in a batch."""
+    monkeypatch.setattr(build, "FLAGS", build.FLAGS + (without,))
+    gen = torch.Generator().manual_seed(5)
+    for kind in ("q4k", "q6k"):
+        q, scales, reference = _k_quant(kind, 49, 576, gen)
+        b = torch.randn(49, generator=gen)
+        blocked = BlockedWeight(q, b, scales)
+        x = torch.randn(7, 576, generator=gen)
+        out = blocked.forward(x, 2)
+        expected = (int16_rows(x).double() @ reference.double().T + b).float()
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+        assert torch.equal(blocked.forward(x[2:3], 1), out[2:3]), kind

@@ -11,9 +11,11 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize, quantize
 
 from ragspeed.engine.cpu_kernels import BlockedWeight, load_library
+from ragspeed.engine.cpu_kernels.decoder import FusedDecoder
 from ragspeed.engine.gguf import converted_copy, source_of
 from ragspeed.engine.loader import load_model
 from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME, ZOO
+from ragspeed.engine.protocol import GenerationRequest
 from ragspeed.engine.quant import QuantizationUnavailableError
 from ragspeed.engine.quant.gguf_blocks import (
     KERNEL_TYPES,
@@ -24,12 +26,20 @@ from ragspeed.engine.quant.gguf_blocks import (
 )
 from ragspeed.engine.quant.memory import resident_weight_bytes
 from ragspeed.engine.quant.quality import decode_window_logits, window_logits
+from ragspeed.engine.sampling import SamplingParams
 from tests.engine.conftest import int16_rows, make_engine
-from tests.engine.tiny_gguf import write_tiny_gguf
+from tests.engine.tiny_gguf import random_k_quant_bytes, write_tiny_gguf
+from tests.engine.tiny_models import build_tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(
     load_library() is None, reason="ragspeed's CPU kernels could not be built here"
 )
+
+QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # what gguf.quants.quantize writes
+K_QUANTS = ("Q4_K", "Q6_K")  # random valid blocks: gguf cannot write them
+# fp16 scale fields that give weights of about 0.1, as a trained model's
+K_QUANT_SCALES = {"Q4_K": (1e-4, 5e-4), "Q6_K": (2e-5, 1e-4)}
+assert set(KERNEL_TYPES) == {*QUANTIZED_TYPES, *K_QUANTS}
 
 
 def _blocks(qtype: str, rows: int, cols: int, seed: int) -> GgufBlocks:
@@ -54,10 +64,19 @@ def _assert_product_of_dequantized(blocks: GgufBlocks, gen: torch.Generator) -> 
         torch.testing.assert_close(blocked.forward(x, 2), x @ reference.T, rtol=0, atol=2e-3)
 
 
-@pytest.mark.parametrize("qtype", KERNEL_TYPES)
+@pytest.mark.parametrize("qtype", QUANTIZED_TYPES)
 @pytest.mark.parametrize("rows, cols", [(16, 32), (37, 96), (100, 576)])
 def test_random_blocks_multiply_as_their_dequantization(qtype, rows, cols):
     blocks = _blocks(qtype, rows, cols, seed=rows + cols)
+    assert blocks.shape == (rows, cols)
+    _assert_product_of_dequantized(blocks, torch.Generator().manual_seed(rows))
+
+
+@pytest.mark.parametrize("qtype", K_QUANTS)
+@pytest.mark.parametrize("rows, cols", [(16, 256), (37, 512), (100, 1536)])
+def test_k_quant_blocks_multiply_as_their_dequantization(qtype, rows, cols):
+    data = random_k_quant_bytes(qtype, rows, cols, rows + cols, K_QUANT_SCALES[qtype])
+    blocks = GgufBlocks(qtype, torch.from_numpy(data))
     assert blocks.shape == (rows, cols)
     _assert_product_of_dequantized(blocks, torch.Generator().manual_seed(rows))
 
@@ -88,11 +107,26 @@ def test_rows_move_and_join_without_touching_a_block():
     assert isinstance(mixed, torch.Tensor) and mixed.shape == (12, 64)
 
 
+def test_k_quant_rows_join_as_blocks_of_one_type_only():
+    """Q4_K rows join as blocks (a fused gate-up); Q4_K beside Q6_K (Q4_K_M's QKV, whose V is
+    Q6_K) becomes one dense fp32 weight, the blocks' exact dequantization."""
+    a, b = (GgufBlocks("Q4_K", torch.from_numpy(random_k_quant_bytes("Q4_K", 8, 512, s))) for s in (1, 2))
+    joined = cat_rows([a, b])
+    assert isinstance(joined, GgufBlocks) and joined.shape == (16, 512)
+    assert torch.equal(joined.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    v = GgufBlocks("Q6_K", torch.from_numpy(random_k_quant_bytes("Q6_K", 4, 512, 3)))
+    mixed = cat_rows([a, v])
+    assert isinstance(mixed, torch.Tensor)
+    assert torch.equal(mixed, torch.cat([a.dequantize(), v.dequantize()]))
+
+
 def test_bad_blocks_are_named():
     with pytest.raises(ValueError, match="no kernel for GGUF type Q5_0"):
         GgufBlocks("Q5_0", torch.zeros(2, 22, dtype=torch.uint8))
     with pytest.raises(ValueError, match="whole blocks of 20 bytes"):
         GgufBlocks("Q4_1", torch.zeros(2, 30, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="whole blocks of 210 bytes"):
+        GgufBlocks("Q6_K", torch.zeros(2, 144, dtype=torch.uint8))
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +164,49 @@ def test_gguf_weights_need_a_gguf_model(tiny_checkpoints):
         load_model(tiny_checkpoints["llama"], quantization="gguf")
     # auto on a checkpoint of floats: int8, which the engine's weights gate keeps or drops
     assert load_model(tiny_checkpoints["llama"], quantization="auto").quantization == "int8"
+
+
+@pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory):
+    """In-features of 256, a whole K-quant block."""
+    return build_tiny_checkpoint(
+        "llama", tmp_path_factory.mktemp("wide") / "hf", seed=5, hidden_size=256, intermediate_size=256
+    )
+
+
+@pytest.mark.parametrize("qtype", K_QUANTS)
+def test_an_engine_decodes_k_quant_blocks(wide_llama, tmp_path, monkeypatch, qtype):
+    """A model of Q4_K or Q6_K matrices (and embeddings) decodes on their blocks, every decode
+    step in one call of the kernels (engine.cpu_kernels.decoder), and agrees with the fp32
+    model of the file's dequantized weights: greedy tokens and each position's logits."""
+    path = write_tiny_gguf(
+        wide_llama,
+        tmp_path / f"{qtype}.gguf",
+        qtype,
+        k_quant_seed=7,
+        k_quant_scale_range=K_QUANT_SCALES[qtype],
+    )
+    folder = converted_copy(path, tmp_path / "converted")
+    engine = make_engine(folder, quantization="auto")
+    assert engine.loaded.quantization == "gguf"
+    assert engine.weights["decode"] == f"{qtype} blocks x9"  # 2 layers of 4 and the LM head
+    model = engine.loaded.model
+    assert isinstance(model.embed_tokens, GgufBlocks) and model.embed_tokens.qtype == qtype
+    reference = load_model(folder)
+    # A decode step reads 0.75 (Q4_K) or 1.25 (Q6_K) bytes a weight, not 4.
+    assert model.num_weight_bytes_per_token < reference.model.num_weight_bytes_per_token / 3
+    ids = list(range(5, 69))
+    blocks_logits = decode_window_logits(engine.loaded, ids)
+    reference_logits = window_logits(reference, ids)
+    assert torch.equal(blocks_logits.argmax(-1), reference_logits.argmax(-1))
+    torch.testing.assert_close(blocks_logits, reference_logits, rtol=0, atol=2e-3)
+
+    request = GenerationRequest(
+        "r", tuple(ids[:12]), SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    )
+    fused_steps = []
+    run = FusedDecoder._run
+    monkeypatch.setattr(FusedDecoder, "_run", lambda self, *a: fused_steps.append(1) or run(self, *a))
+    tokens = engine.generate([request])["r"]["token_ids"]
+    assert len(fused_steps) >= 15  # every decode step in one call
+    assert tokens == make_engine(folder).generate([request])["r"]["token_ids"]

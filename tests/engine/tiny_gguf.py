@@ -17,6 +17,9 @@ CHAT_TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</
 # the float16 scale fields (byte offsets in a block) set to small values. Other types (Q8_K, which
 # nothing dequantizes) get random bytes only.
 K_QUANT_SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+# Q4_K's dmin (byte offset, as a multiple of d): 7.5 d, so that the mins cancel the mean of the
+# values (q in 0..15) as a trained model's do, and the random model does not favour one token.
+K_QUANT_MINS = {"Q4_K": (2, 7.5)}
 
 _LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -52,15 +55,20 @@ def interleave_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, 2, head_dim // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def random_k_quant_bytes(qtype_name: str, rows: int, cols: int, seed: int) -> np.ndarray:
+def random_k_quant_bytes(
+    qtype_name: str, rows: int, cols: int, seed: int, scale_range: tuple[float, float] = (0.001, 0.01)
+) -> np.ndarray:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype_name]]
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, size=(rows * cols // block_size, type_size), dtype=np.uint8)
-    scales = (rng.uniform(0.001, 0.01, size=(blocks.shape[0], 1))).astype(np.float16).view(np.uint8)
+    scales = (rng.uniform(*scale_range, size=(blocks.shape[0], 1))).astype(np.float16).view(np.uint8)
     for offset in K_QUANT_SCALE_OFFSETS.get(qtype_name, ()):
         blocks[:, offset : offset + 2] = scales
+    if qtype_name in K_QUANT_MINS:
+        offset, ratio = K_QUANT_MINS[qtype_name]
+        blocks[:, offset : offset + 2] = (scales.view(np.float16) * ratio).view(np.uint8)
     return blocks.reshape(rows, cols // block_size * type_size)
 
 
@@ -72,10 +80,12 @@ def write_tiny_gguf(
     architecture: str = "llama",
     with_tokenizer: bool = True,
     k_quant_seed: int | None = None,
+    k_quant_scale_range: tuple[float, float] = (0.001, 0.01),
 ) -> Path:
     """`hf_dir`'s checkpoint as a GGUF file at `out`. `qtype`: the type of the matrices (F32, F16,
     BF16, Q8_0, Q4_0, Q4_1, ... any type gguf.quants.quantize writes); with `k_quant_seed`, `qtype`
-    is a K-quant and the matrices are random valid blocks of it instead of the checkpoint's."""
+    is a K-quant and the matrices are random valid blocks of it instead of the checkpoint's, their
+    fp16 scale fields drawn from `k_quant_scale_range`."""
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
 
@@ -107,7 +117,7 @@ def write_tiny_gguf(
         if array.ndim == 1:  # norms and biases stay F32, as llama.cpp writes them
             writer.add_tensor(gguf_name(name), array.astype(np.float32))
         elif k_quant_seed is not None:
-            data = random_k_quant_bytes(qtype, *array.shape, seed=k_quant_seed + i)
+            data = random_k_quant_bytes(qtype, *array.shape, k_quant_seed + i, k_quant_scale_range)
             writer.add_tensor(gguf_name(name), data, raw_dtype=kind)
         else:
             writer.add_tensor(gguf_name(name), quantize(array, kind), raw_dtype=kind)
