@@ -11,6 +11,9 @@ engine.cpu_kernels.BlockedWeight:
 - the K-quants Q4_K and Q6_K (256 weights a block, scales per sub-block) are unpacked once
   (engine.quant.k_quants) into the K-quant kernels' integers and fp32 steps.
 
+`as_mixed` converts every type's rows exactly to one form, int8 values with an fp32 step per 16
+inputs and an fp32 offset per 32: the mixed kernel's.
+
 No weight is rounded a second time: each product is the fp32 product of what
 `gguf.quants.dequantize` gives for the file, but for the activations' int16 rounding.
 """
@@ -117,13 +120,38 @@ class GgufBlocks:
         return torch.from_numpy(q), torch.from_numpy(scales)
 
 
+def as_mixed(values: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A `kernel_weight()` pair of any type in the mixed kind's form, the same weights: int8
+    values [out, in] and fp32 scales [out, in / GROUP, 3], each group's step for its first and
+    its second 16 inputs and its offset (w = step q + offset). Q8_0's fp16 d and Q4_x's d and m
+    widen exactly; Q4_K's step and offset per 32 serve both halves; Q6_K's offset is 0."""
+    rows, in_features = values.shape
+    if in_features % GROUP:
+        raise ValueError(f"mixed rows come in groups of {GROUP} inputs, got {in_features}")
+    groups = in_features // GROUP
+    if scales.dim() == 2 and scales.dtype == torch.float16:  # Q8_0: a step per 32
+        steps = scales.float().unsqueeze(-1).expand(rows, groups, 2)
+        offsets = torch.zeros(rows, groups, 1)
+    elif scales.dim() == 2:  # Q6_K: a step per 16
+        steps = scales.view(rows, groups, 2)
+        offsets = torch.zeros(rows, groups, 1)
+    else:  # Q4_0, Q4_1, Q4_K: a step and an offset per 32
+        step, offset = scales.float().unbind(-1)
+        steps, offsets = step.unsqueeze(-1).expand(rows, groups, 2), offset.unsqueeze(-1)
+    return values.to(torch.int8), torch.cat([steps, offsets], dim=-1).contiguous()
+
+
 def kernel_dequantize(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The fp32 weight [out, in] of a `kernel_weight()` pair, equal to the file's
+    """The fp32 weight [out, in] of a `kernel_weight()` or `as_mixed` pair, equal to the file's
     `dequantize()`: every product and sum here is exact in fp32 (d has 11 significant bits, q at
     most 8, and Q4_0's d q - 8 d is d (q - 8)); the K-quants' fp32 steps round once, as gguf's."""
+    rows, in_features = values.shape
+    if scales.dtype == torch.float32 and scales.dim() == 3 and scales.shape[-1] == 3:  # mixed
+        halves = values.view(rows, -1, 2, GROUP // 2).float()
+        weight = halves * scales[:, :, :2].unsqueeze(-1) + scales[:, :, 2:].unsqueeze(-1)
+        return weight.view(rows, in_features)
     if scales.dtype == torch.float32:
         return k_quants.dequantize_unpacked(values, scales)
-    rows, in_features = values.shape
     grouped = values.view(rows, -1, GROUP).float()
     if values.dtype == torch.int8:
         return (grouped * scales.float().unsqueeze(-1)).view(rows, in_features)
