@@ -11,8 +11,10 @@ engine.cpu_kernels.BlockedWeight:
 - the K-quants Q4_K and Q6_K (256 weights a block, scales per sub-block) are unpacked once
   (engine.quant.k_quants) into the K-quant kernels' integers and fp32 steps.
 
-`as_mixed` converts every type's rows exactly to one form, int8 values with an fp32 step per 16
-inputs and an fp32 offset per 32: the mixed kernel's.
+A fused projection whose parts the file stores in different types (Q4_K_M's QKV: Q and K in
+Q4_K, V in Q6_K) is `MixedBlocks`: each part's rows converted (`as_mixed`) to one form every type
+takes exactly, int8 values with an fp32 step per 16 inputs and an fp32 offset per 32, the
+mixed kernel's (1.375 bytes a weight, where one dense fp32 weight would take 4).
 
 No weight is rounded a second time: each product is the fp32 product of what
 `gguf.quants.dequantize` gives for the file, but for the activations' int16 rounding.
@@ -120,6 +122,40 @@ class GgufBlocks:
         return torch.from_numpy(q), torch.from_numpy(scales)
 
 
+@dataclass(frozen=True)
+class MixedBlocks:
+    """A projection's rows stacked from parts of different types, each part the file's blocks."""
+
+    parts: tuple[GgufBlocks, ...]
+
+    def __post_init__(self) -> None:
+        if len({part.shape[1] for part in self.parts}) != 1:
+            widths = [part.shape[1] for part in self.parts]
+            raise ValueError(f"stacked rows need one in_features, got {widths}")
+
+    @property
+    def qtype(self) -> str:
+        """Its parts' types in order, e.g. "Q4_K+Q6_K"."""
+        return "+".join(dict.fromkeys(part.qtype for part in self.parts))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(part.shape[0] for part in self.parts), self.parts[0].shape[1]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(part.num_bytes for part in self.parts)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([part.dequantize() for part in self.parts])
+
+    def kernel_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mixed kind's int8 values [out, in] and fp32 scales [out, in / GROUP, 3] of
+        every part's rows (`as_mixed`)."""
+        pairs = [as_mixed(*part.kernel_weight()) for part in self.parts]
+        return torch.cat([values for values, _ in pairs]), torch.cat([scales for _, scales in pairs])
+
+
 def as_mixed(values: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A `kernel_weight()` pair of any type in the mixed kind's form, the same weights: int8
     values [out, in] and fp32 scales [out, in / GROUP, 3], each group's step for its first and
@@ -159,15 +195,19 @@ def kernel_dequantize(values: torch.Tensor, scales: torch.Tensor) -> torch.Tenso
     return (grouped * d.unsqueeze(-1) + m.unsqueeze(-1)).view(rows, in_features)
 
 
-def cat_rows(weights: list[torch.Tensor | GgufBlocks]) -> torch.Tensor | GgufBlocks:
-    """Weights stacked by rows: blocks of one type stay blocks; anything else becomes fp32."""
-    if all(isinstance(w, GgufBlocks) for w in weights) and len({w.qtype for w in weights}) == 1:
-        return GgufBlocks(weights[0].qtype, torch.cat([w.data for w in weights]))
-    return torch.cat([dense(w) for w in weights])
+def cat_rows(weights: list[torch.Tensor | GgufBlocks]) -> torch.Tensor | GgufBlocks | MixedBlocks:
+    """Weights stacked by rows: blocks of one type stay blocks, blocks of several types are
+    `MixedBlocks`; anything with a dense weight among them becomes fp32."""
+    blocks = [w for w in weights if isinstance(w, GgufBlocks)]
+    if len(blocks) < len(weights):
+        return torch.cat([dense(w) for w in weights])
+    if len({w.qtype for w in blocks}) == 1:
+        return GgufBlocks(blocks[0].qtype, torch.cat([w.data for w in blocks]))
+    return MixedBlocks(tuple(blocks))
 
 
-def dense(weight: torch.Tensor | GgufBlocks) -> torch.Tensor:
-    return weight.dequantize() if isinstance(weight, GgufBlocks) else weight
+def dense(weight: torch.Tensor | GgufBlocks | MixedBlocks) -> torch.Tensor:
+    return weight if isinstance(weight, torch.Tensor) else weight.dequantize()
 
 
 def map_rows(weight: torch.Tensor | GgufBlocks, reorder: Callable[[torch.Tensor], torch.Tensor]):
