@@ -151,15 +151,28 @@ def print_table(result: dict[str, float], shapes, rows, echo=click.echo) -> None
 @click.option(
     "--footprint-mib", default=128, type=int, help="MiB of weight copies each contender cycles over"
 )
-def bench_kquant(json_path: str | None, threads: int, repeats: int, footprint_mib: int) -> None:
+@click.option(
+    "--shape",
+    "shape_names",
+    multiple=True,
+    help="one of the shapes (in x out, e.g. 576x960) to run, repeatable; default: all",
+)
+def bench_kquant(
+    json_path: str | None, threads: int, repeats: int, footprint_mib: int, shape_names: tuple[str, ...]
+) -> None:
     """K-quant products on their blocks against the fp32 product of the dequantized weights."""
+    known = [f"{i}x{o}" for i, o in SHAPES]
+    unknown = sorted(set(shape_names) - set(known))
+    if unknown:
+        raise click.UsageError(f"unknown shape {', '.join(unknown)}; these run: {', '.join(known)}")
+    shapes = tuple(s for s, name in zip(SHAPES, known, strict=True) if not shape_names or name in shape_names)
     try:
         result = bench_k_quants(
-            SHAPES, ROWS, footprint=footprint_mib * 2**20, repeats=repeats, threads=threads
+            shapes, ROWS, footprint=footprint_mib * 2**20, repeats=repeats, threads=threads
         )
     except (RuntimeError, ValueError) as error:
         raise click.UsageError(str(error)) from error
     click.echo(machine_line(threads))
     click.echo(f"cpu: {read_cpu_features().describe()}")
-    print_table(result, SHAPES, ROWS)
+    print_table(result, shapes, ROWS)
     write_json(Path(json_path) if json_path else None, result)

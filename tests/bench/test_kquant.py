@@ -41,5 +41,12 @@ def test_cli_prints_a_table_and_writes_json(tmp_path, monkeypatch, small_probe):
     assert outcome.exit_code == 0, outcome.output
     assert "q6k        64x32    1" in outcome.output and "machine:" in outcome.output
     assert json.loads(path.read_text())["footprint_bytes"] == 2**20
+    one = CliRunner().invoke(
+        kquant.bench_kquant,
+        ["--footprint-mib", "1", "--repeats", "1", "--shape", "64x32", "--shape", "64x32"],
+    )
+    assert one.exit_code == 0 and one.output.count("64x32") == 2 * len(kquant.KINDS), one.output
+    unknown = CliRunner().invoke(kquant.bench_kquant, ["--shape", "7x7"])
+    assert unknown.exit_code == 2 and "unknown shape 7x7; these run: 64x32" in unknown.output
     bad = CliRunner().invoke(kquant.bench_kquant, ["--footprint-mib", "0"])
     assert bad.exit_code == 2 and "footprint, repeats and threads must be >= 1" in bad.output
