@@ -14,7 +14,8 @@ where the CPU multiplies bf16 at speed, prefill products may read a bf16 copy of
 With quantization 'gguf' (what 'auto' picks on CPU for a converted GGUF file), the matrices
 whose type the kernels decode (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) are read from the source file as
 its blocks (engine.quant.gguf_blocks) instead of the copy's fp32 values; rows are permuted and
-fused the same way, block rows as they are.
+fused the same way, block rows as they are (a fused projection whose parts differ in type, as
+Q4_K_M's QKV, holds each part's blocks and decodes on the mixed kernel).
 """
 
 from __future__ import annotations

@@ -10,7 +10,10 @@ a byte, `[ceil(n / 16), k / 2, 16]` bytes (value i of a pair's 32 in the low nib
 value 16 + i in its high one), with each group's fp16 step and offset `[ceil(n / 16), k /
 INT8_GROUP, 2, 16]`. GGUF's K-quants, unpacked (engine.quant.k_quants), take the same layouts
 with fp32 scales: Q4_K the 4-bit one, its steps and offsets fp32; Q6_K the int8 one, with an
-fp32 step per `Q6K_STEP` inputs, `[ceil(n / 16), k / Q6K_STEP, 16]`. The int8, 4-bit and K-quant
+fp32 step per `Q6K_STEP` inputs, `[ceil(n / 16), k / Q6K_STEP, 16]`. A projection whose rows
+come in several GGUF types (engine.quant.gguf_blocks.as_mixed) takes the int8 layout too, with
+an fp32 step per `Q6K_STEP` inputs and an fp32 offset per `INT8_GROUP`, `[ceil(n / 16), k /
+INT8_GROUP, 3, 16]` (a group's two steps, then its offset). The int8, 4-bit, K-quant and mixed
 kernels quantize each input row per group to int16, sum each group's products exactly in int32
 and scale it once (kernels.c): the activations' rounding is far below the weights'.
 
@@ -32,13 +35,14 @@ from ragspeed.engine.cpu_kernels.build import load_library
 BLOCK = 16
 INT8_GROUP = 32  # kernels.c's GROUP; the library reports its own (test_cpu_kernels checks)
 Q6K_STEP = 16  # kernels.c's STEP: inputs a Q6_K step scales
-# (weight dtype, scales dtype) -> kind
+# (weight dtype, scales dtype, scales dimensions) -> kind
 _KINDS = {
-    (torch.float32, None): "fp32",
-    (torch.int8, torch.float16): "int8",
-    (torch.uint8, torch.float16): "q4",
-    (torch.uint8, torch.float32): "q4k",
-    (torch.int8, torch.float32): "q6k",
+    (torch.float32, None, None): "fp32",
+    (torch.int8, torch.float16, 2): "int8",
+    (torch.uint8, torch.float16, 3): "q4",
+    (torch.uint8, torch.float32, 3): "q4k",
+    (torch.int8, torch.float32, 2): "q6k",
+    (torch.int8, torch.float32, 3): "kmix",
 }
 
 # Set by the model runner and the draft proposer around a step whose chunks are all small.
@@ -80,15 +84,18 @@ def _pad_to_blocks(vector: torch.Tensor, num_blocks: int) -> torch.Tensor:
 
 
 class BlockedWeight:
-    """W [out_features, in_features] and an optional bias in the kernel's layout, one of five
-    kinds by the dtypes of the weight and its scales:
+    """W [out_features, in_features] and an optional bias in the kernel's layout, one of six
+    kinds by the dtypes of the weight and its scales (and the scales' dimensions):
 
     - fp32;
     - int8 with fp16 group `scales` [out_features, ceil(in_features / INT8_GROUP)];
     - uint8 4-bit values q in 0..15 with fp16 `scales` [out_features, in_features / INT8_GROUP,
       2] holding each group's step d and offset m (W = d * q + m);
     - q4k: the same with fp32 scales (GGUF's Q4_K);
-    - q6k: int8 with fp32 steps [out_features, in_features / Q6K_STEP] (GGUF's Q6_K).
+    - q6k: int8 with fp32 steps [out_features, in_features / Q6K_STEP] (GGUF's Q6_K);
+    - kmix: int8 with fp32 `scales` [out_features, in_features / INT8_GROUP, 3], each group's
+      step for its first and second `Q6K_STEP` inputs and its offset (W = step * q + offset):
+      rows of several GGUF types in one projection.
 
     `forward(x)` is `x @ W.T + bias`, for all but fp32 with x rounded per group to int16.
     """
@@ -99,7 +106,8 @@ class BlockedWeight:
         library = load_library()
         assert library is not None, "blocked_kernels_available() first"
         self.out_features, self.in_features = weight.shape
-        kind = _KINDS.get((weight.dtype, None if scales is None else scales.dtype))
+        key = (weight.dtype, None, None) if scales is None else (weight.dtype, scales.dtype, scales.dim())
+        kind = _KINDS.get(key)
         assert kind is not None, f"no blocked kernel for {weight.dtype} weights with these scales"
         self.kind = kind
         num_groups = -(-self.in_features // INT8_GROUP)
@@ -109,6 +117,7 @@ class BlockedWeight:
             "q4": (self.out_features, num_groups, 2),
             "q4k": (self.out_features, num_groups, 2),
             "q6k": (self.out_features, self.in_features // Q6K_STEP),
+            "kmix": (self.out_features, num_groups, 3),
         }[kind]
         assert wanted is None or (scales is not None and tuple(scales.shape) == wanted), (
             f"{kind} weights need scales of shape {wanted}"
@@ -122,6 +131,7 @@ class BlockedWeight:
             "q4": library.ragspeed_gemv_q4,
             "q4k": library.ragspeed_gemv_q4k,
             "q6k": library.ragspeed_gemv_q6k,
+            "kmix": library.ragspeed_gemv_kmix,
         }[kind]
         num_blocks = -(-self.out_features // BLOCK)
         if self.kind == "fp32":  # [blocks, k, 16]
@@ -137,7 +147,7 @@ class BlockedWeight:
             values = self.blocks.view(num_blocks, -1, 2, BLOCK)
             self.blocks = (values[:, :, 0] | (values[:, :, 1] << 4)).contiguous()
         # int8: [num_blocks, num_groups, 16]; 4-bit [num_blocks, num_groups, 2, 16]; q6k
-        # [num_blocks, in_features / Q6K_STEP, 16]
+        # [num_blocks, in_features / Q6K_STEP, 16]; kmix [num_blocks, num_groups, 3, 16]
         self.scales = None
         if scales is not None:
             padded_scales = torch.zeros(num_blocks * BLOCK, *scales.shape[1:], dtype=scales.dtype)

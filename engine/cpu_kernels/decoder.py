@@ -11,11 +11,11 @@ blocks) and the LM head's product join the same call, the head in the same paral
 `greedy_steps` runs a draft model's whole proposal (catch-up and k greedy steps) in one call
 the same way.
 
-It applies to models whose every projection has a blocked copy (fp32, int8, 4-bit or a GGUF
-K-quant's, on a CPU with the kernels built) and to steps whose every query is a row of the
-decode-attention kernel (decodes, verifications, a draft's short catch-up:
-engine.cpu_kernels.decode_step). Rows are computed alike whatever their number, so greedy
-output stays the same with and without speculation.
+It applies to models whose every projection has a blocked copy (fp32, int8, 4-bit, a GGUF
+K-quant's or a mix of GGUF types', on a CPU with the kernels built) and to steps whose every
+query is a row of the decode-attention kernel (decodes, verifications, a draft's short
+catch-up: engine.cpu_kernels.decode_step). Rows are computed alike whatever their number, so
+greedy output stays the same with and without speculation.
 Elsewhere (prefill chunks, GPUs) the model runs layer by layer.
 """
 
@@ -46,7 +46,7 @@ class _Linear(ctypes.Structure):
 
 
 # BlockedWeight.kind -> kernels.c's WEIGHT_* of a Linear
-_KINDS = {"fp32": 0, "int8": 1, "q4": 2, "q4k": 3, "q6k": 4}
+_KINDS = {"fp32": 0, "int8": 1, "q4": 2, "q4k": 3, "q6k": 4, "kmix": 5}
 
 
 class _Layer(ctypes.Structure):

@@ -517,6 +517,138 @@ static void quantize_rows(const float *x, int m, int k, int16_t *xq, float *xs, 
     }
 #endif
 
+/* Mixed products: one projection whose rows come in several GGUF types (Q4_K_M's fused QKV: Q
+ * and K Q4_K, V Q6_K), each converted exactly to one form (engine.quant.gguf_blocks.as_mixed):
+ * int8 values in int8's layout of pairs, an fp32 step per STEP inputs and an fp32 offset per
+ * GROUP, w = step q + offset (Q4_K: its q in 0..15, its step and offset per GROUP on both
+ * STEPs; Q6_K: q - 32 and offset 0; Q8_0 and Q4_x: their fp16 d and m widened). The products
+ * of each STEP inputs are summed exactly in int32 (16 x 128 x 32767 < 2^31) and scaled once by
+ * the step times the row's scale; the offset multiplies the row's group sum, as for 4-bit. A
+ * block's scales [k / GROUP][3][16]: the group's first STEP's 16 steps, its second's, its 16
+ * offsets. k a multiple of GROUP. */
+#if defined(__AVX512BW__) && defined(__AVX512F__)
+/* AVX-512: a pair's 32 bytes widened to 16 bits are its 16 columns' two inputs, so one
+ * multiply-add of them with the row's input pair sums all 16 columns. */
+#define KMIX_ROWS(NAME, R)                                                                       \
+    static inline void NAME(const int8_t *block, const int16_t *xq, const float *xs,             \
+                            const float *xsum, const float *scales, float *y, const float *bias, \
+                            int first, int n, int k) {                                          \
+        int groups = k / GROUP;                                                                 \
+        __m512 total[R];                                                                        \
+        for (int r = 0; r < R; r++) total[r] = _mm512_setzero_ps();                             \
+        for (int g = 0; g < groups; g++) {                                                      \
+            const float *sc = scales + (size_t)g * 3 * BLOCK;                                   \
+            for (int h = 0; h < 2; h++) {                                                       \
+                __m512i acc[R];                                                                 \
+                _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512(); \
+                int start = g * PAIRS + h * STEP / 2;                                           \
+                _Pragma("GCC unroll 8") for (int j = start; j < start + STEP / 2; j++) {        \
+                    const int8_t *p = block + (size_t)j * 2 * BLOCK;                            \
+                    __builtin_prefetch(p + 48 * 2 * BLOCK);                                     \
+                    __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p));   \
+                    _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                       \
+                        int32_t pair;                                                           \
+                        memcpy(&pair, xq + (size_t)r * groups * GROUP + 2 * j, sizeof pair);    \
+                        acc[r] = MADD_ADD512(acc[r], w, _mm512_set1_epi32(pair));               \
+                    }                                                                           \
+                }                                                                               \
+                __m512 s = _mm512_loadu_ps(sc + h * BLOCK);                                     \
+                _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                           \
+                    __m512 sx = _mm512_set1_ps(xs[(size_t)r * groups + g]);                     \
+                    total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(s, sx), total[r]); \
+                }                                                                               \
+            }                                                                                   \
+            __m512 offset = _mm512_loadu_ps(sc + 2 * BLOCK);                                    \
+            _Pragma("GCC unroll 6") for (int r = 0; r < R; r++)                                 \
+                total[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum[(size_t)r * groups + g]), total[r]); \
+        }                                                                                       \
+        _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                                   \
+            float sums[BLOCK];                                                                  \
+            _mm512_storeu_ps(sums, total[r]);                                                   \
+            store_sums(y + (size_t)r * n, sums, bias, first, n);                                \
+        }                                                                                       \
+    }
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define KMIX_ROWS(NAME, R)                                                                       \
+    static inline void NAME(const int8_t *block, const int16_t *xq, const float *xs,             \
+                            const float *xsum, const float *scales, float *y, const float *bias, \
+                            int first, int n, int k) {                                          \
+        int groups = k / GROUP;                                                                 \
+        __m256 total[R][2];                                                                     \
+        for (int r = 0; r < R; r++) total[r][0] = total[r][1] = _mm256_setzero_ps();           \
+        for (int g = 0; g < groups; g++) {                                                      \
+            const float *sc = scales + (size_t)g * 3 * BLOCK;                                   \
+            for (int h = 0; h < 2; h++) {                                                       \
+                __m256i acc[R][2];                                                              \
+                _Pragma("GCC unroll 6") for (int r = 0; r < R; r++)                             \
+                    acc[r][0] = acc[r][1] = _mm256_setzero_si256();                             \
+                int start = g * PAIRS + h * STEP / 2;                                           \
+                _Pragma("GCC unroll 8") for (int j = start; j < start + STEP / 2; j++) {        \
+                    const int8_t *p = block + (size_t)j * 2 * BLOCK;                            \
+                    __builtin_prefetch(p + 48 * 2 * BLOCK);                                     \
+                    __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));     \
+                    __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 16))); \
+                    _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                       \
+                        int32_t pair;                                                           \
+                        memcpy(&pair, xq + (size_t)r * groups * GROUP + 2 * j, sizeof pair);    \
+                        __m256i xb = _mm256_set1_epi32(pair);                                   \
+                        acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(w0, xb));     \
+                        acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(w1, xb));     \
+                    }                                                                           \
+                }                                                                               \
+                __m256 s0 = _mm256_loadu_ps(sc + h * BLOCK), s1 = _mm256_loadu_ps(sc + h * BLOCK + 8); \
+                _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                           \
+                    __m256 sx = _mm256_set1_ps(xs[(size_t)r * groups + g]);                     \
+                    total[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][0]), _mm256_mul_ps(s0, sx), total[r][0]); \
+                    total[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][1]), _mm256_mul_ps(s1, sx), total[r][1]); \
+                }                                                                               \
+            }                                                                                   \
+            __m256 m0 = _mm256_loadu_ps(sc + 2 * BLOCK), m1 = _mm256_loadu_ps(sc + 2 * BLOCK + 8); \
+            _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                               \
+                __m256 xm = _mm256_set1_ps(xsum[(size_t)r * groups + g]);                       \
+                total[r][0] = _mm256_fmadd_ps(m0, xm, total[r][0]);                             \
+                total[r][1] = _mm256_fmadd_ps(m1, xm, total[r][1]);                             \
+            }                                                                                   \
+        }                                                                                       \
+        _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                                   \
+            float sums[BLOCK];                                                                  \
+            _mm256_storeu_ps(sums, total[r][0]);                                                \
+            _mm256_storeu_ps(sums + 8, total[r][1]);                                            \
+            store_sums(y + (size_t)r * n, sums, bias, first, n);                                \
+        }                                                                                       \
+    }
+#else /* the same sums in plain C */
+#define KMIX_ROWS(NAME, R)                                                                       \
+    static inline void NAME(const int8_t *block, const int16_t *xq, const float *xs,             \
+                            const float *xsum, const float *scales, float *y, const float *bias, \
+                            int first, int n, int k) {                                          \
+        int groups = k / GROUP;                                                                 \
+        float total[R][BLOCK] = {{0}};                                                          \
+        for (int g = 0; g < groups; g++) {                                                      \
+            const float *sc = scales + (size_t)g * 3 * BLOCK;                                   \
+            for (int h = 0; h < 2; h++) {                                                       \
+                int32_t acc[R][BLOCK] = {{0}};                                                  \
+                int start = g * PAIRS + h * STEP / 2;                                           \
+                for (int j = start; j < start + STEP / 2; j++) {                                \
+                    const int8_t *p = block + (size_t)j * 2 * BLOCK;                            \
+                    for (int r = 0; r < R; r++) {                                               \
+                        const int16_t *xr = xq + (size_t)r * groups * GROUP + 2 * j;            \
+                        for (int c = 0; c < BLOCK; c++)                                         \
+                            acc[r][c] += p[2 * c] * xr[0] + p[2 * c + 1] * xr[1];               \
+                    }                                                                           \
+                }                                                                               \
+                for (int r = 0; r < R; r++)                                                     \
+                    for (int c = 0; c < BLOCK; c++)                                             \
+                        total[r][c] += (float)acc[r][c] * (sc[h * BLOCK + c] * xs[(size_t)r * groups + g]); \
+            }                                                                                   \
+            for (int r = 0; r < R; r++)                                                         \
+                for (int c = 0; c < BLOCK; c++)                                                 \
+                    total[r][c] += sc[2 * BLOCK + c] * xsum[(size_t)r * groups + g];            \
+        }                                                                                       \
+        for (int r = 0; r < R; r++) store_sums(y + (size_t)r * n, total[r], bias, first, n);   \
+    }
+#endif
+
 /* The products of one weight type (WTYPE values, STYPE scales): blocks split across the threads
  * of the enclosing parallel region (NAME##_team, ending in its barrier), rows in passes of ROWS;
  * NAME opens a region.
@@ -587,6 +719,14 @@ GEMV(gemv_q4k, uint8_t, float, Q4K_ROWS, Q4_PREPARE, Q4_PASS, free(xq);)
            scale + (size_t)b * (k / STEP) * BLOCK, yr, bias, b * BLOCK, n, k)
 GEMV(gemv_q6k, int8_t, float, Q6K_ROWS, I8_PREPARE, Q6K_PASS, free(xq);)
 
+/* Mixed: as 4-bit, with the rows' group sums; block b is [k / 2][16][2], its steps and offsets
+ * [groups][3][16]. */
+#define KMIX_PASS(KERNEL)                                                                       \
+    KERNEL(w + (size_t)b * (k / 2) * 2 * BLOCK, xq + r * row, xs + (size_t)r * groups,          \
+           xsum + (size_t)r * groups, scale + (size_t)b * groups * 3 * BLOCK, yr, bias,         \
+           b * BLOCK, n, k)
+GEMV(gemv_kmix, int8_t, float, KMIX_ROWS, Q4_PREPARE, KMIX_PASS, free(xq);)
+
 /* y [m, n] = x [m, k] @ W.T + bias; w: W in blocks [ceil(n/16)][k][16] (zero-padded), fp32. */
 void ragspeed_gemv_f32(const float *w, const float *bias, const float *x, float *y,
                        int m, int n, int k, int num_threads) {
@@ -619,6 +759,14 @@ void ragspeed_gemv_q4k(const uint8_t *w, const float *scale, const float *bias, 
 void ragspeed_gemv_q6k(const int8_t *w, const float *scale, const float *bias, const float *x,
                        float *y, int m, int n, int k, int num_threads) {
     gemv_q6k(w, scale, bias, x, y, m, n, k, num_threads);
+}
+
+/* The same with a projection of mixed types converted to int8 values in int8's blocks
+ * [ceil(n/16)][k/2][16][2] with fp32 steps per STEP and offsets per GROUP, S
+ * [ceil(n/16)][k/GROUP][3][16] (zero-padded); k a multiple of GROUP. */
+void ragspeed_gemv_kmix(const int8_t *w, const float *scale, const float *bias, const float *x,
+                        float *y, int m, int n, int k, int num_threads) {
+    gemv_kmix(w, scale, bias, x, y, m, n, k, num_threads);
 }
 
 /* Decode attention straight from the paged KV pool: one query token per request.
@@ -1027,11 +1175,11 @@ void ragspeed_place_kv(const f16 *kv, const float *rotation, const int64_t *slot
  * and attention are the layer-by-layer path's own kernels; the rotation, Q/K norm and SiLU agree
  * with torch's to float rounding. Each row is computed alike whatever the number of rows. */
 
-enum { WEIGHT_F32, WEIGHT_I8, WEIGHT_Q4, WEIGHT_Q4K, WEIGHT_Q6K };  /* a Linear's kind: its product above */
+enum { WEIGHT_F32, WEIGHT_I8, WEIGHT_Q4, WEIGHT_Q4K, WEIGHT_Q6K, WEIGHT_KMIX };  /* a Linear's kind: its product above */
 typedef struct {
-    const void *w;      /* the blocks of its kind: ragspeed_gemv_f32, _i8, _q4, _q4k or _q6k */
+    const void *w;      /* the blocks of its kind: ragspeed_gemv_f32, _i8, _q4, _q4k, _q6k or _kmix */
     const void *scale;  /* int8: group scales; 4-bit: steps and offsets (fp16; Q4_K fp32);
-                           Q6_K: fp32 steps; fp32: NULL */
+                           Q6_K: fp32 steps; mixed: fp32 steps and offsets; fp32: NULL */
     const float *bias;  /* padded to blocks, or NULL */
     int n, k, kind;
 } Linear;
@@ -1078,6 +1226,7 @@ static void linear_team(const Linear *l, const float *x, float *y, int m) {
     case WEIGHT_Q4: gemv_q4_team((const uint8_t *)l->w, l->scale, l->bias, x, y, m, l->n, l->k); break;
     case WEIGHT_Q4K: gemv_q4k_team((const uint8_t *)l->w, l->scale, l->bias, x, y, m, l->n, l->k); break;
     case WEIGHT_Q6K: gemv_q6k_team((const int8_t *)l->w, l->scale, l->bias, x, y, m, l->n, l->k); break;
+    case WEIGHT_KMIX: gemv_kmix_team((const int8_t *)l->w, l->scale, l->bias, x, y, m, l->n, l->k); break;
     default: gemv_f32_team((const float *)l->w, NULL, l->bias, x, y, m, l->n, l->k); break;
     }
 }

@@ -24,6 +24,8 @@ void ragspeed_gemv_q4k(const uint8_t *w, const float *scale, const float *bias, 
                        float *y, int m, int n, int k, int num_threads);
 void ragspeed_gemv_q6k(const int8_t *w, const float *scale, const float *bias, const float *x,
                        float *y, int m, int n, int k, int num_threads);
+void ragspeed_gemv_kmix(const int8_t *w, const float *scale, const float *bias, const float *x,
+                        float *y, int m, int n, int k, int num_threads);
 void ragspeed_paged_decode_attention(const float *q, const void *k_cache, const void *v_cache,
                                      const int64_t *block_tables, const int64_t *context_lens,
                                      float *out, int num_seqs, int num_heads, int num_kv_heads,

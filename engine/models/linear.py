@@ -28,7 +28,7 @@ from ragspeed.engine.cpu_kernels import BlockedWeight, blocked_kernels_available
 from ragspeed.engine.linear_kind import LinearKind
 from ragspeed.engine.packed import PackedLinear, bf16_missing
 from ragspeed.engine.quant import QUANT_KINDS
-from ragspeed.engine.quant.gguf_blocks import GgufBlocks, dense, kernel_dequantize
+from ragspeed.engine.quant.gguf_blocks import GgufBlocks, MixedBlocks, dense, kernel_dequantize
 from ragspeed.engine.quant.prefill import PrefillPath, bf16_speedup, fp32_speedup, runs_anywhere
 from ragspeed.engine.threads import linear_threads
 
@@ -140,16 +140,18 @@ class GgufLinear(DenseLinear):
     """A GGUF weight decoded on the file's own blocks (engine.quant.gguf_blocks): a few rows
     read the Q4_0 / Q4_1 / Q8_0 blocks through ragspeed's kernels, 0.56 to 1.06 bytes a
     weight, and the Q4_K / Q6_K blocks unpacked to the K-quant kernels' integers and fp32
-    steps, 0.75 and 1.25; prefill products read the dense copy of their path, built from the
-    blocks' exact dequantization. A weight of any other type arrives dense and is a
-    `DenseLinear`."""
+    steps, 0.75 and 1.25; a fused projection of rows of several of these types reads them
+    converted to the mixed kernel's int8 values with fp32 steps and offsets, 1.375. Prefill
+    products read the dense copy of their path, built from the blocks' exact dequantization. A
+    weight of any other type arrives dense and is a `DenseLinear`."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__(in_features, out_features, bias)
-        self.qtype: str | None = None  # the file's block type, when it decodes on its blocks
+        # the file's block type ("Q4_K+Q6_K" for mixed rows), when it decodes on its blocks
+        self.qtype: str | None = None
 
-    def load(self, weight: torch.Tensor | GgufBlocks, bias: torch.Tensor | None = None) -> None:
-        if not isinstance(weight, GgufBlocks) or not blocked_kernels_available(torch.device("cpu")):
+    def load(self, weight: torch.Tensor | GgufBlocks | MixedBlocks, bias: torch.Tensor | None = None) -> None:
+        if isinstance(weight, torch.Tensor) or not blocked_kernels_available(torch.device("cpu")):
             super().load(dense(weight), bias)
             return
         self.check_weights(weight, bias)

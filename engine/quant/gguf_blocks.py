@@ -11,6 +11,11 @@ engine.cpu_kernels.BlockedWeight:
 - the K-quants Q4_K and Q6_K (256 weights a block, scales per sub-block) are unpacked once
   (engine.quant.k_quants) into the K-quant kernels' integers and fp32 steps.
 
+A fused projection whose parts the file stores in different types (Q4_K_M's QKV: Q and K in
+Q4_K, V in Q6_K) is `MixedBlocks`: each part's rows converted (`as_mixed`) to one form every type
+takes exactly, int8 values with an fp32 step per 16 inputs and an fp32 offset per 32, the
+mixed kernel's (1.375 bytes a weight, where one dense fp32 weight would take 4).
+
 No weight is rounded a second time: each product is the fp32 product of what
 `gguf.quants.dequantize` gives for the file, but for the activations' int16 rounding.
 """
@@ -117,13 +122,72 @@ class GgufBlocks:
         return torch.from_numpy(q), torch.from_numpy(scales)
 
 
+@dataclass(frozen=True)
+class MixedBlocks:
+    """A projection's rows stacked from parts of different types, each part the file's blocks."""
+
+    parts: tuple[GgufBlocks, ...]
+
+    def __post_init__(self) -> None:
+        if len({part.shape[1] for part in self.parts}) != 1:
+            widths = [part.shape[1] for part in self.parts]
+            raise ValueError(f"stacked rows need one in_features, got {widths}")
+
+    @property
+    def qtype(self) -> str:
+        """Its parts' types in order, e.g. "Q4_K+Q6_K"."""
+        return "+".join(dict.fromkeys(part.qtype for part in self.parts))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(part.shape[0] for part in self.parts), self.parts[0].shape[1]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(part.num_bytes for part in self.parts)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([part.dequantize() for part in self.parts])
+
+    def kernel_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mixed kind's int8 values [out, in] and fp32 scales [out, in / GROUP, 3] of
+        every part's rows (`as_mixed`)."""
+        pairs = [as_mixed(*part.kernel_weight()) for part in self.parts]
+        return torch.cat([values for values, _ in pairs]), torch.cat([scales for _, scales in pairs])
+
+
+def as_mixed(values: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A `kernel_weight()` pair of any type in the mixed kind's form, the same weights: int8
+    values [out, in] and fp32 scales [out, in / GROUP, 3], each group's step for its first and
+    its second 16 inputs and its offset (w = step q + offset). Q8_0's fp16 d and Q4_x's d and m
+    widen exactly; Q4_K's step and offset per 32 serve both halves; Q6_K's offset is 0."""
+    rows, in_features = values.shape
+    if in_features % GROUP:
+        raise ValueError(f"mixed rows come in groups of {GROUP} inputs, got {in_features}")
+    groups = in_features // GROUP
+    if scales.dim() == 2 and scales.dtype == torch.float16:  # Q8_0: a step per 32
+        steps = scales.float().unsqueeze(-1).expand(rows, groups, 2)
+        offsets = torch.zeros(rows, groups, 1)
+    elif scales.dim() == 2:  # Q6_K: a step per 16
+        steps = scales.view(rows, groups, 2)
+        offsets = torch.zeros(rows, groups, 1)
+    else:  # Q4_0, Q4_1, Q4_K: a step and an offset per 32
+        step, offset = scales.float().unbind(-1)
+        steps, offsets = step.unsqueeze(-1).expand(rows, groups, 2), offset.unsqueeze(-1)
+    return values.to(torch.int8), torch.cat([steps, offsets], dim=-1).contiguous()
+
+
 def kernel_dequantize(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The fp32 weight [out, in] of a `kernel_weight()` pair, equal to the file's
+    """The fp32 weight [out, in] of a `kernel_weight()` or `as_mixed` pair, equal to the file's
     `dequantize()`: every product and sum here is exact in fp32 (d has 11 significant bits, q at
     most 8, and Q4_0's d q - 8 d is d (q - 8)); the K-quants' fp32 steps round once, as gguf's."""
+    rows, in_features = values.shape
+    if scales.dtype == torch.float32 and scales.dim() == 3 and scales.shape[-1] == 3:  # mixed
+        halves = values.view(rows, -1, 2, GROUP // 2).float()
+        weight = halves * scales[:, :, :2].unsqueeze(-1) + scales[:, :, 2:].unsqueeze(-1)
+        return weight.view(rows, in_features)
     if scales.dtype == torch.float32:
         return k_quants.dequantize_unpacked(values, scales)
-    rows, in_features = values.shape
     grouped = values.view(rows, -1, GROUP).float()
     if values.dtype == torch.int8:
         return (grouped * scales.float().unsqueeze(-1)).view(rows, in_features)
@@ -131,15 +195,19 @@ def kernel_dequantize(values: torch.Tensor, scales: torch.Tensor) -> torch.Tenso
     return (grouped * d.unsqueeze(-1) + m.unsqueeze(-1)).view(rows, in_features)
 
 
-def cat_rows(weights: list[torch.Tensor | GgufBlocks]) -> torch.Tensor | GgufBlocks:
-    """Weights stacked by rows: blocks of one type stay blocks; anything else becomes fp32."""
-    if all(isinstance(w, GgufBlocks) for w in weights) and len({w.qtype for w in weights}) == 1:
-        return GgufBlocks(weights[0].qtype, torch.cat([w.data for w in weights]))
-    return torch.cat([dense(w) for w in weights])
+def cat_rows(weights: list[torch.Tensor | GgufBlocks]) -> torch.Tensor | GgufBlocks | MixedBlocks:
+    """Weights stacked by rows: blocks of one type stay blocks, blocks of several types are
+    `MixedBlocks`; anything with a dense weight among them becomes fp32."""
+    blocks = [w for w in weights if isinstance(w, GgufBlocks)]
+    if len(blocks) < len(weights):
+        return torch.cat([dense(w) for w in weights])
+    if len({w.qtype for w in blocks}) == 1:
+        return GgufBlocks(blocks[0].qtype, torch.cat([w.data for w in blocks]))
+    return MixedBlocks(tuple(blocks))
 
 
-def dense(weight: torch.Tensor | GgufBlocks) -> torch.Tensor:
-    return weight.dequantize() if isinstance(weight, GgufBlocks) else weight
+def dense(weight: torch.Tensor | GgufBlocks | MixedBlocks) -> torch.Tensor:
+    return weight if isinstance(weight, torch.Tensor) else weight.dequantize()
 
 
 def map_rows(weight: torch.Tensor | GgufBlocks, reorder: Callable[[torch.Tensor], torch.Tensor]):

@@ -5,6 +5,8 @@ Contenders, for each shape and row count, side by side in one process:
 
 - `q4k` / `q6k`: the K-quant kernels (engine.cpu_kernels.BlockedWeight on Q4_K's or Q6_K's
   unpacked integers and fp32 steps, engine.quant.k_quants), with random valid values;
+- `kmix`: the mixed kernel on rows of both, four fifths Q4_K and the rest Q6_K (Q4_K_M's fused
+  QKV of SmolLM2: Q and K Q4_K, V Q6_K), converted by engine.quant.gguf_blocks.as_mixed;
 - `fp32`: ragspeed's fp32 kernel on the weight those values stand for, the blocked copy a
   dense weight decodes with;
 - `torch`: `x @ W.T` on that weight.
@@ -31,17 +33,25 @@ from ragspeed.bench.engine import BandwidthProbe
 from ragspeed.engine.cpu_features import read_cpu_features
 from ragspeed.engine.cpu_kernels import BlockedWeight, blocked_kernels_available
 from ragspeed.engine.cpu_kernels.blocked import INT8_GROUP, Q6K_STEP
-from ragspeed.engine.quant.k_quants import dequantize_unpacked
+from ragspeed.engine.quant.gguf_blocks import as_mixed, kernel_dequantize
 
-# (in_features, out_features): SmolLM2-135M's output, gate (or up) and down projections.
-SHAPES = ((576, 576), (576, 1536), (1536, 576))
-KINDS = ("q4k", "q6k")
+# (in_features, out_features): SmolLM2-135M's output, gate (or up), down and fused QKV projections.
+SHAPES = ((576, 576), (576, 1536), (1536, 576), (576, 960))
+KINDS = ("q4k", "q6k", "kmix")
 ROWS = (1, 4)  # a decode step; a verification of three drafts
 
 
 def _k_quant(kind: str, in_features: int, out_features: int, gen: torch.Generator):
     """Random integers and fp32 scales of `kind`, of a trained model's magnitudes."""
     shape = (out_features, in_features)
+    if kind == "kmix":
+        num_q4k = out_features * 4 // 5
+        parts = [
+            _k_quant("q4k", in_features, num_q4k, gen),
+            _k_quant("q6k", in_features, out_features - num_q4k, gen),
+        ]
+        pairs = [as_mixed(*part) for part in parts]
+        return torch.cat([q for q, _ in pairs]), torch.cat([scales for _, scales in pairs])
     if kind == "q4k":
         q = torch.randint(0, 16, shape, generator=gen, dtype=torch.uint8)
         return q, torch.randn(out_features, in_features // INT8_GROUP, 2, generator=gen) * 0.01
@@ -89,7 +99,7 @@ def bench_k_quants(
         for in_features, out_features in shapes:
             shape = f"{in_features}x{out_features}"
             q, scales = _k_quant(kind, in_features, out_features, gen)
-            weight = dequantize_unpacked(q, scales)
+            weight = kernel_dequantize(q, scales)
             own, fp32 = BlockedWeight(q, None, scales), BlockedWeight(weight)
             # copies in memory of their own, as many as fill the footprint
             weights = {
@@ -141,15 +151,28 @@ def print_table(result: dict[str, float], shapes, rows, echo=click.echo) -> None
 @click.option(
     "--footprint-mib", default=128, type=int, help="MiB of weight copies each contender cycles over"
 )
-def bench_kquant(json_path: str | None, threads: int, repeats: int, footprint_mib: int) -> None:
+@click.option(
+    "--shape",
+    "shape_names",
+    multiple=True,
+    help="one of the shapes (in x out, e.g. 576x960) to run, repeatable; default: all",
+)
+def bench_kquant(
+    json_path: str | None, threads: int, repeats: int, footprint_mib: int, shape_names: tuple[str, ...]
+) -> None:
     """K-quant products on their blocks against the fp32 product of the dequantized weights."""
+    known = [f"{i}x{o}" for i, o in SHAPES]
+    unknown = sorted(set(shape_names) - set(known))
+    if unknown:
+        raise click.UsageError(f"unknown shape {', '.join(unknown)}; these run: {', '.join(known)}")
+    shapes = tuple(s for s, name in zip(SHAPES, known, strict=True) if not shape_names or name in shape_names)
     try:
         result = bench_k_quants(
-            SHAPES, ROWS, footprint=footprint_mib * 2**20, repeats=repeats, threads=threads
+            shapes, ROWS, footprint=footprint_mib * 2**20, repeats=repeats, threads=threads
         )
     except (RuntimeError, ValueError) as error:
         raise click.UsageError(str(error)) from error
     click.echo(machine_line(threads))
     click.echo(f"cpu: {read_cpu_features().describe()}")
-    print_table(result, SHAPES, ROWS)
+    print_table(result, shapes, ROWS)
     write_json(Path(json_path) if json_path else None, result)

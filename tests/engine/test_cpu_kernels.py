@@ -12,6 +12,7 @@ import torch
 
 from ragspeed.engine.cpu_kernels import BlockedWeight, build, load_library
 from ragspeed.engine.cpu_kernels.blocked import INT8_GROUP, Q6K_STEP
+from ragspeed.engine.quant.gguf_blocks import as_mixed, kernel_dequantize
 from ragspeed.engine.quant.groupwise import quantize_groupwise
 from tests.engine.conftest import int16_rows
 
@@ -380,7 +381,16 @@ def test_argmax_is_torchs_first_largest(fresh_build, monkeypatch, flags):
 def _k_quant(kind: str, n: int, k: int, gen: torch.Generator):
     """Random integers and fp32 scales of a K-quant kind (engine.quant.k_quants' layouts), and
     the fp32 weight they stand for: q4k 4-bit q with a step and an offset per 32 inputs, q6k
-    int8 q in -32..31 with a step per 16."""
+    int8 q in -32..31 with a step per 16; kmix rows of both and of Q8_0's full int8 with an
+    fp16 step per 32, converted to the mixed kind (engine.quant.gguf_blocks.as_mixed), the
+    weight `kernel_dequantize` gives for them."""
+    if kind == "kmix":
+        parts = [_k_quant("q4k", n - n // 2, k, gen)[:2], _k_quant("q6k", n // 3, k, gen)[:2]]
+        q8 = torch.randint(-128, 128, (n // 2 - n // 3, k), generator=gen, dtype=torch.int8)
+        parts.append((q8, (torch.rand(len(q8), k // INT8_GROUP, generator=gen) * 0.001).half()))
+        pairs = [as_mixed(*part) for part in parts]
+        q, scales = torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
+        return q, scales, kernel_dequantize(q, scales)
     if kind == "q4k":
         q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
         scales = torch.randn(n, k // INT8_GROUP, 2, generator=gen) * 0.05
@@ -391,7 +401,7 @@ def _k_quant(kind: str, n: int, k: int, gen: torch.Generator):
     return q, steps, q.float() * steps.repeat_interleave(Q6K_STEP, dim=1)
 
 
-@pytest.mark.parametrize("kind", ["q4k", "q6k"])
+@pytest.mark.parametrize("kind", ["q4k", "q6k", "kmix"])
 @pytest.mark.parametrize("n, k", [(16, 32), (37, 64), (49, 576), (1, 96), (100, 1536)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_k_quant_product_equals_the_weight_it_stands_for(kind, n, k, threads):
@@ -409,7 +419,7 @@ def test_k_quant_product_equals_the_weight_it_stands_for(kind, n, k, threads):
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["q4k", "q6k"])
+@pytest.mark.parametrize("kind", ["q4k", "q6k", "kmix"])
 def test_k_quant_rows_give_the_same_bits_alone_or_in_a_batch(kind):
     gen = torch.Generator().manual_seed(12)
     q, scales, _ = _k_quant(kind, 200, 96, gen)
@@ -427,6 +437,12 @@ def test_k_quant_extremes_do_not_saturate():
     x = torch.full((1, 64), 1000.0)
     out = BlockedWeight(q, None, steps).forward(x, 2)
     assert torch.all(out == 16 * -32 * (0.5 - 2.0 + 0.25 + 1.0) * 1000.0)
+    # The mixed kind: Q8_0's -128 x 32767 x 16 a step; each group's offset on its 32 inputs.
+    q = torch.full((16, 64), -128, dtype=torch.int8)
+    scales = torch.tensor([[0.5, -2.0, 3.0], [0.25, 1.0, -1.0]]).repeat(16, 1, 1)
+    out = BlockedWeight(q, None, scales).forward(x, 2)
+    expected = (16 * -128 * (0.5 - 2.0 + 0.25 + 1.0) + 32 * (3.0 - 1.0)) * 1000.0
+    torch.testing.assert_close(out, torch.full((1, 16), expected), rtol=1e-6, atol=0)
 
 
 def test_k_quants_need_whole_groups():
@@ -434,6 +450,8 @@ def test_k_quants_need_whole_groups():
         BlockedWeight(torch.zeros(16, 48, dtype=torch.int8), None, torch.zeros(16, 3))
     with pytest.raises(AssertionError, match=r"q4k weights need scales of shape \(16, 2, 2\)"):
         BlockedWeight(torch.zeros(16, 64, dtype=torch.uint8), None, torch.zeros(16, 4, 2))
+    with pytest.raises(AssertionError, match=r"kmix weights need scales of shape \(16, 2, 3\)"):
+        BlockedWeight(torch.zeros(16, 64, dtype=torch.int8), None, torch.zeros(16, 2, 2))
 
 
 @pytest.mark.parametrize("without", ["-mno-avx512vnni", "-mno-avx2", "-mno-avx512f"])
@@ -442,7 +460,7 @@ def test_k_quant_products_without_vnni_avx512_or_avx2(fresh_build, monkeypatch, 
     product of the weight it stands for, a row alone or in a batch."""
     monkeypatch.setattr(build, "FLAGS", build.FLAGS + (without,))
     gen = torch.Generator().manual_seed(5)
-    for kind in ("q4k", "q6k"):
+    for kind in ("q4k", "q6k", "kmix"):
         q, scales, reference = _k_quant(kind, 49, 576, gen)
         b = torch.randn(49, generator=gen)
         blocked = BlockedWeight(q, b, scales)

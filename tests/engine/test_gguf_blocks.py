@@ -15,11 +15,13 @@ from ragspeed.engine.cpu_kernels.decoder import FusedDecoder
 from ragspeed.engine.gguf import converted_copy, source_of
 from ragspeed.engine.loader import load_model
 from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME, ZOO
+from ragspeed.engine.models.linear import GgufLinear
 from ragspeed.engine.protocol import GenerationRequest
 from ragspeed.engine.quant import QuantizationUnavailableError
 from ragspeed.engine.quant.gguf_blocks import (
     KERNEL_TYPES,
     GgufBlocks,
+    MixedBlocks,
     cat_rows,
     kernel_dequantize,
     map_rows,
@@ -103,21 +105,49 @@ def test_rows_move_and_join_without_touching_a_block():
     assert torch.equal(joined.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
     flipped = map_rows(a, lambda rows: rows.flip(0))
     assert torch.equal(flipped.dequantize(), a.dequantize().flip(0))
-    mixed = cat_rows([a, _blocks("Q8_0", 4, 64, 3)])  # two types: one dense fp32 weight
-    assert isinstance(mixed, torch.Tensor) and mixed.shape == (12, 64)
+    c = _blocks("Q8_0", 4, 64, 3)
+    mixed = cat_rows([a, c])  # two types: blocks of both, stacked
+    assert isinstance(mixed, MixedBlocks) and mixed.qtype == "Q4_1+Q8_0" and mixed.shape == (12, 64)
+    assert mixed.num_bytes == a.num_bytes + c.num_bytes
+    assert torch.equal(mixed.dequantize(), torch.cat([a.dequantize(), c.dequantize()]))
+    dense_weight = torch.zeros(4, 64)  # a dense part: one dense fp32 weight
+    assert torch.equal(cat_rows([a, dense_weight]), torch.cat([a.dequantize(), dense_weight]))
 
 
-def test_k_quant_rows_join_as_blocks_of_one_type_only():
-    """Q4_K rows join as blocks (a fused gate-up); Q4_K beside Q6_K (Q4_K_M's QKV, whose V is
-    Q6_K) becomes one dense fp32 weight, the blocks' exact dequantization."""
-    a, b = (GgufBlocks("Q4_K", torch.from_numpy(random_k_quant_bytes("Q4_K", 8, 512, s))) for s in (1, 2))
-    joined = cat_rows([a, b])
-    assert isinstance(joined, GgufBlocks) and joined.shape == (16, 512)
-    assert torch.equal(joined.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
-    v = GgufBlocks("Q6_K", torch.from_numpy(random_k_quant_bytes("Q6_K", 4, 512, 3)))
-    mixed = cat_rows([a, v])
-    assert isinstance(mixed, torch.Tensor)
-    assert torch.equal(mixed, torch.cat([a.dequantize(), v.dequantize()]))
+def _k_blocks(qtype: str, rows: int, cols: int, seed: int) -> GgufBlocks:
+    return GgufBlocks(
+        qtype, torch.from_numpy(random_k_quant_bytes(qtype, rows, cols, seed, K_QUANT_SCALES[qtype]))
+    )
+
+
+def test_k_quant_rows_join_as_blocks_of_their_types():
+    """Q4_K rows join as blocks (a fused gate-up). Q4_K beside Q6_K (Q4_K_M's QKV, whose V is
+    Q6_K) and Q8_0 load as the mixed kind, whose weight is the parts' exact dequantization and
+    whose product is the dense weight's."""
+    q, k = _k_blocks("Q4_K", 32, 512, 1), _k_blocks("Q4_K", 16, 512, 2)
+    joined = cat_rows([q, k])
+    assert isinstance(joined, GgufBlocks) and joined.shape == (48, 512)
+    assert torch.equal(joined.dequantize(), torch.cat([q.dequantize(), k.dequantize()]))
+    for parts, qtype in (
+        ([q, k, _k_blocks("Q6_K", 16, 512, 3)], "Q4_K+Q6_K"),
+        ([q, _blocks("Q8_0", 5, 512, 4)], "Q4_K+Q8_0"),
+    ):
+        mixed = cat_rows(parts)
+        assert isinstance(mixed, MixedBlocks) and mixed.qtype == qtype
+        reference = torch.cat([part.dequantize() for part in parts])
+        linear = GgufLinear(512, mixed.shape[0], bias=False)
+        linear.load(mixed)
+        assert linear.qtype == qtype and linear.blocked.kind == "kmix"
+        # int8 values, an fp32 step per 16 and an fp32 offset per 32: 1.375 bytes a weight (of
+        # the rows padded to whole blocks of 16)
+        assert linear.num_weight_bytes == -(-mixed.shape[0] // 16) * 16 * 512 * 11 // 8
+        assert torch.equal(kernel_dequantize(*linear.blocked.unblocked()), reference)
+        gen = torch.Generator().manual_seed(len(parts))
+        for num_rows in (1, 5):
+            x = torch.randn(num_rows, 512, generator=gen)
+            expected = (int16_rows(x).double() @ reference.double().T).float()
+            torch.testing.assert_close(linear.forward(x), expected, rtol=1e-5, atol=1e-4)
+            torch.testing.assert_close(linear.forward(x), x @ reference.T, rtol=0, atol=2e-3)
 
 
 def test_bad_blocks_are_named():
@@ -174,26 +204,38 @@ def wide_llama(tmp_path_factory):
     )
 
 
-@pytest.mark.parametrize("qtype", K_QUANTS)
-def test_an_engine_decodes_k_quant_blocks(wide_llama, tmp_path, monkeypatch, qtype):
-    """A model of Q4_K or Q6_K matrices (and embeddings) decodes on their blocks, every decode
-    step in one call of the kernels (engine.cpu_kernels.decoder), and agrees with the fp32
-    model of the file's dequantized weights: greedy tokens and each position's logits."""
+@pytest.mark.parametrize(
+    "qtype, types, decode",
+    [
+        ("Q4_K", {}, "Q4_K blocks x9"),  # 2 layers of 4 and the LM head
+        ("Q6_K", {}, "Q6_K blocks x9"),
+        # Q4_K_M's attention: V in Q6_K, so each fused QKV holds rows of both (the mixed kind)
+        ("Q4_K", {"v_proj.weight": "Q6_K"}, "Q4_K blocks x7, Q4_K+Q6_K blocks x2"),
+    ],
+)
+def test_an_engine_decodes_k_quant_blocks(wide_llama, tmp_path, monkeypatch, qtype, types, decode):
+    """A model of Q4_K or Q6_K matrices (and embeddings), or of Q4_K with V in Q6_K, decodes on
+    their blocks, every decode step in one call of the kernels (engine.cpu_kernels.decoder),
+    and agrees with the fp32 model of the file's dequantized weights: greedy tokens and each
+    position's logits."""
     path = write_tiny_gguf(
         wide_llama,
         tmp_path / f"{qtype}.gguf",
         qtype,
         k_quant_seed=7,
-        k_quant_scale_range=K_QUANT_SCALES[qtype],
+        k_quant_scale_range=K_QUANT_SCALES,
+        types=types,
     )
     folder = converted_copy(path, tmp_path / "converted")
     engine = make_engine(folder, quantization="auto")
     assert engine.loaded.quantization == "gguf"
-    assert engine.weights["decode"] == f"{qtype} blocks x9"  # 2 layers of 4 and the LM head
+    assert engine.weights["decode"] == decode
     model = engine.loaded.model
+    kinds = {layer.self_attn.qkv_proj.blocked.kind for layer in model.layers}
+    assert kinds == ({"kmix"} if types else {qtype.lower().replace("_", "")})
     assert isinstance(model.embed_tokens, GgufBlocks) and model.embed_tokens.qtype == qtype
     reference = load_model(folder)
-    # A decode step reads 0.75 (Q4_K) or 1.25 (Q6_K) bytes a weight, not 4.
+    # A decode step reads 0.75 (Q4_K), 1.25 (Q6_K) or 1.375 (mixed) bytes a weight, not 4.
     assert model.num_weight_bytes_per_token < reference.model.num_weight_bytes_per_token / 3
     ids = list(range(5, 69))
     blocks_logits = decode_window_logits(engine.loaded, ids)

@@ -80,12 +80,15 @@ def write_tiny_gguf(
     architecture: str = "llama",
     with_tokenizer: bool = True,
     k_quant_seed: int | None = None,
-    k_quant_scale_range: tuple[float, float] = (0.001, 0.01),
+    k_quant_scale_range: tuple[float, float] | dict[str, tuple[float, float]] = (0.001, 0.01),
+    types: dict[str, str] | None = None,
 ) -> Path:
     """`hf_dir`'s checkpoint as a GGUF file at `out`. `qtype`: the type of the matrices (F32, F16,
     BF16, Q8_0, Q4_0, Q4_1, ... any type gguf.quants.quantize writes); with `k_quant_seed`, `qtype`
     is a K-quant and the matrices are random valid blocks of it instead of the checkpoint's, their
-    fp16 scale fields drawn from `k_quant_scale_range`."""
+    fp16 scale fields drawn from `k_quant_scale_range` (a dict: by type). `types` gives some
+    matrices another type, by the end of their transformers name (as Q4_K_M files keep V in
+    Q6_K: `{"v_proj.weight": "Q6_K"}`)."""
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
 
@@ -107,8 +110,9 @@ def write_tiny_gguf(
     if with_tokenizer:
         add_tokenizer(writer, hf_dir)
 
-    kind = GGMLQuantizationType[qtype]
     for i, (name, tensor) in enumerate(tensors.items()):
+        tensor_type = next((t for end, t in (types or {}).items() if name.endswith(end)), qtype)
+        kind = GGMLQuantizationType[tensor_type]
         array = tensor.float().numpy()
         if architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
             array = interleave_rotary_rows(array, num_heads)
@@ -117,7 +121,12 @@ def write_tiny_gguf(
         if array.ndim == 1:  # norms and biases stay F32, as llama.cpp writes them
             writer.add_tensor(gguf_name(name), array.astype(np.float32))
         elif k_quant_seed is not None:
-            data = random_k_quant_bytes(qtype, *array.shape, k_quant_seed + i, k_quant_scale_range)
+            scale_range = (
+                k_quant_scale_range[tensor_type]
+                if isinstance(k_quant_scale_range, dict)
+                else k_quant_scale_range
+            )
+            data = random_k_quant_bytes(tensor_type, *array.shape, k_quant_seed + i, scale_range)
             writer.add_tensor(gguf_name(name), data, raw_dtype=kind)
         else:
             writer.add_tensor(gguf_name(name), quantize(array, kind), raw_dtype=kind)
