@@ -450,6 +450,7 @@ def bench_load_run(
         *server_args,
     ]
     with ServerProcess(args) as server:
+        assert server.process is not None  # started by `with`
         figures = asyncio.run(
             run_load(server.url, config, server_pid=server.process.pid, prompts=prompts, arrival_rows=rows)
         )

@@ -162,6 +162,7 @@ class Killer:
 
 
 def _killed(server: ServerProcess) -> None:
+    assert server.process is not None  # start() spawns it before the killer can act
     server.process.wait()
     server.stop()
 
@@ -220,15 +221,15 @@ def run_restarts_bench(model: str, kills: int, *, seed: int, max_tokens: int, se
             tensor_file = directory / f"{BASE}.safetensors"
             tensor_file.write_bytes(tensor_file.read_bytes()[:-7] + b"corrupt")
             killer = Killer(server, directory, pattern=TRIGGERS["kv-write"])
-            checker = None
+            started: Checker | None = None  # None when killed before it was ready
             try:
-                checker = Checker(server.start(), max_tokens)
-                checker.wait_until_pinned()
+                started = Checker(server.start(), max_tokens)
+                started.wait_until_pinned()
             except (RuntimeError, httpx.TransportError):  # killed before it was ready, or pinned
                 pass
             killer.done()
-            if checker is not None:
-                checker.close()
+            if started is not None:
+                started.close()
             _killed(server)
             left = "mid-write" if _temporaries(directory) else "outside-write"
             rounds.append({"kind": kind, "prompt": BASE, "left": left})
