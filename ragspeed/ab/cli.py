@@ -40,7 +40,7 @@ def run_ab(
         with click.progressbar(
             length=total,
             label="A/B requests",
-            file=click.get_text_stream("stderr"),
+            file=sys.stderr,
             show_pos=True,
             show_eta=True,
         ) as bar:
