@@ -187,12 +187,12 @@ def train_draft(
     if not (target_dir / "config.json").is_file():
         raise click.BadParameter(f"no model in {target_dir} (no config.json)", param_hint="--target")
     zoo_draft = ZOO.get(ZOO_DRAFTS.get(target, ""))
-    if out is None and not isinstance(zoo_draft, TrainedDraftModel):
-        raise click.BadParameter(
-            f"the zoo has no trained draft for {target!r} to write: pass --out DIR", param_hint="--out"
-        )
     default_out = out is None
-    if default_out:
+    if out is None:
+        if not isinstance(zoo_draft, TrainedDraftModel):
+            raise click.BadParameter(
+                f"the zoo has no trained draft for {target!r} to write: pass --out DIR", param_hint="--out"
+            )
         out = zoo_draft.local_dir(default_cache_dir())
     options = {
         "--target": target if target != DEFAULT_MODEL_NAME else None,
