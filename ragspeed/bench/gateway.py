@@ -31,7 +31,7 @@ from typing import Any
 
 import click
 
-from ragspeed.bench.common import json_option, machine_line, percentile, write_json
+from ragspeed.bench.common import json_option, machine_line, max_tokens_option, percentile, write_json
 from ragspeed.bench.instant_upstream import event_loop_factory
 from ragspeed.bench.launcher import ServerProcess
 from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
@@ -290,7 +290,7 @@ def report_lines(r: dict[str, Any]) -> list[str]:
 )
 @click.option("--model", default=DEFAULT_MODEL_NAME, show_default=True, help="The gateway's tokenizer.")
 @click.option("--requests", "num_requests", type=click.IntRange(min=5), default=200, show_default=True)
-@click.option("--max-tokens", type=click.IntRange(min=1), default=16, show_default=True)
+@max_tokens_option(16)
 @click.option("--concurrency", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option(
     "--seconds",

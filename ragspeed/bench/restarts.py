@@ -40,7 +40,7 @@ from pathlib import Path
 import click
 import httpx
 
-from ragspeed.bench.common import machine_line, write_json
+from ragspeed.bench.common import machine_line, max_tokens_option, seed_option, write_json
 from ragspeed.bench.launcher import ServerProcess
 from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
 from ragspeed.prompt_cache.store import TEMPORARY_GLOB
@@ -283,8 +283,8 @@ def _summary(rounds: list[dict], final: dict, start_s: list[float], window_s: fl
 @click.command(name="restarts")
 @click.option("--model", default=DEFAULT_MODEL_NAME, show_default=True)
 @click.option("--kills", type=click.IntRange(min=1), default=20, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--max-tokens", type=click.IntRange(min=1), default=12, show_default=True)
+@seed_option()
+@max_tokens_option(12)
 @click.option("--server-args", default="", help="More `ragspeed serve` flags, one string.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 def bench_restarts(
