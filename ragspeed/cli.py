@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import sys
 import types
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -144,7 +143,9 @@ def serve(config_file: str | None, **flags: Any) -> None:
             port=settings.port,
             log_level=settings.log_level,
             access_log=settings.access_log,
-            timeout_graceful_shutdown=settings.shutdown_drain_s,
+            # uvicorn annotates int seconds but hands the value to asyncio.timeout, which takes
+            # the float the setting is.
+            timeout_graceful_shutdown=settings.shutdown_drain_s,  # type: ignore[arg-type]
         )
     )
     server.run()
@@ -206,6 +207,7 @@ def chat(
                     click.echo(piece.text, nl=False)
                     result = piece.result or result
                 click.echo()
+                assert result is not None  # chat_stream's last chunk carries the result
             else:
                 result = client.chat(question, **kwargs)
                 click.echo(result.text)
@@ -249,4 +251,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -53,7 +53,10 @@ class SentenceTransformerEmbedder:
         if batch_size < 1:
             raise RetrievalError(f"batch_size must be >= 1, got {batch_size}", "batch_size")
         self.name = "all-MiniLM-L6-v2" if model_path is None else str(model_path)
-        self.dim = int(self._model.get_embedding_dimension())
+        dim = self._model.get_embedding_dimension()
+        if dim is None:
+            raise RetrievalError(f"embedding model {path!r} does not declare its vector size", "model")
+        self.dim = dim
         self.batch_size = batch_size
         self.progress_min_texts = progress_min_texts
 
@@ -62,8 +65,9 @@ class SentenceTransformerEmbedder:
         return self._model.tokenizer
 
     @property
-    def max_tokens(self) -> int:
-        return int(self._model.max_seq_length)
+    def max_tokens(self) -> int | None:
+        """Tokens the model reads of each text (the rest is cut); None when it sets no limit."""
+        return self._model.max_seq_length
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         if len(texts) == 0:

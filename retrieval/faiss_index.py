@@ -101,7 +101,8 @@ def _build_ivf(plan: IndexPlan, dim: int, vectors: np.ndarray, config: IndexConf
     quantizer = faiss.IndexFlatIP(dim)
     index = faiss.IndexIVFFlat(quantizer, dim, plan.num_cells, faiss.METRIC_INNER_PRODUCT)
     index.own_fields = True
-    quantizer.this.disown()  # the IVF index frees its quantizer
+    # The IVF index frees its quantizer. SWIG's `this` is not in faiss's stubs.
+    quantizer.this.disown()  # type: ignore[attr-defined]
     index.cp.niter = config.ivf_kmeans_iterations
     index.cp.spherical = True  # unit-norm centroids suit cosine similarity
     index.cp.seed = config.seed
@@ -146,12 +147,12 @@ class VectorIndex:
         self.dim = dim
         self.config = config or IndexConfig()
         self.plan: IndexPlan | None = None
-        self._index: faiss.Index | None = None  # what is searched and persisted
+        self._index: faiss.IndexIVF | faiss.IndexIDMap2 | None = None  # what is searched and persisted
         self._base: faiss.Index | None = None  # the flat / IVF / HNSW index, for its parameters
         self._tombstones: set[int] = set()
         self._gpu_index: faiss.Index | None = None  # search copy of self._base
         self._gpu_labels: np.ndarray | None = None  # [ntotal] position -> label, flat only
-        self._gpu_resources = None
+        self._gpu_resources: faiss.StandardGpuResources | None = None
         self._owner: faiss.Index | None = None  # keeps a deserialised index alive
 
     # ---- size and kind ----------------------------------------------------------------
@@ -170,16 +171,19 @@ class VectorIndex:
 
     @property
     def nprobe(self) -> int:
-        return int(self._base.nprobe) if self.kind == "ivf" else 0
+        return int(self._base.nprobe) if isinstance(self._base, faiss.IndexIVF) else 0
 
-    def _wrap(self, base: faiss.Index) -> None:
+    def _wrap(self, base: faiss.Index) -> faiss.IndexIVF | faiss.IndexIDMap2:
+        """Set `base` as the index and return what holds its labels (itself, or an id map)."""
         self._base = base
         if isinstance(base, faiss.IndexIVF):
             # A hash table from label to list position: reconstruct and remove by label.
-            base.set_direct_map_type(faiss.DirectMap.Hashtable)
+            # faiss's stubs lack DirectMap.
+            base.set_direct_map_type(faiss.DirectMap.Hashtable)  # type: ignore[attr-defined]
             self._index = base
         else:
             self._index = faiss.IndexIDMap2(base)
+        return self._index
 
     # ---- mutation ---------------------------------------------------------------------
     def build(self, labels: np.ndarray, vectors: np.ndarray, *, calibrate: bool = True) -> None:
@@ -187,11 +191,11 @@ class VectorIndex:
         vectors = _check_vectors(vectors, self.dim)
         labels = np.ascontiguousarray(labels, dtype=np.int64)
         plan = plan_index(len(vectors), self.config)
-        self._wrap(INDEX_BUILDERS[plan.kind](plan, self.dim, vectors, self.config))
-        self._index.add_with_ids(vectors, labels)
+        index = self._wrap(INDEX_BUILDERS[plan.kind](plan, self.dim, vectors, self.config))
+        index.add_with_ids(vectors, labels)
         self.plan, self._tombstones = plan, set()
-        if calibrate and plan.kind == "ivf":
-            calibrate_nprobe(self._base, labels, vectors, self.config.seed)
+        if calibrate and isinstance(index, faiss.IndexIVF):
+            calibrate_nprobe(index, labels, vectors, self.config.seed)
         self._invalidate_gpu()
 
     def add(self, labels: np.ndarray, vectors: np.ndarray) -> None:
@@ -218,7 +222,7 @@ class VectorIndex:
         if self._index is None or len(labels) == 0:
             return 0
         labels = np.ascontiguousarray(labels, dtype=np.int64)
-        if self.plan.kind == "hnsw":  # no in-place removal in HNSW graphs
+        if self.kind == "hnsw":  # no in-place removal in HNSW graphs
             present = (set(labels.tolist()) & set(self.labels().tolist())) - self._tombstones
             self._tombstones |= present
             if len(self._tombstones) > max(
@@ -228,6 +232,7 @@ class VectorIndex:
                 # than a rebuild.
                 self.build(*self._live_contents())
             return len(present)
+        selector: faiss.IDSelector
         if isinstance(self._index, faiss.IndexIVF):
             # The label hash table (direct map) only takes an explicit array of labels.
             selector = faiss.IDSelectorArray(len(labels), faiss.swig_ptr(labels))
@@ -243,6 +248,7 @@ class VectorIndex:
             return np.zeros(0, np.int64)
         if isinstance(self._index, faiss.IndexIVF):
             invlists = self._index.invlists
+            assert invlists is not None  # an IVF index owns its inverted lists
             parts = [
                 faiss.rev_swig_ptr(invlists.get_ids(cell), invlists.list_size(cell)).copy()
                 for cell in range(self._index.nlist)
@@ -269,7 +275,7 @@ class VectorIndex:
             empty = np.zeros((len(queries), 0))
             return empty.astype(np.float32), empty.astype(np.int64)
         fetch = min(k + len(self._tombstones), self._index.ntotal)
-        if self.plan.device == "gpu":
+        if self.device == "gpu":
             scores, labels = self._gpu_search(queries, fetch)
         else:
             scores, labels = self._index.search(queries, fetch)
@@ -277,7 +283,9 @@ class VectorIndex:
             scores, labels = self._drop_tombstones(scores, labels, k)
         return scores[:, :k], labels[:, :k]
 
-    def _drop_tombstones(self, scores: np.ndarray, labels: np.ndarray, k: int):
+    def _drop_tombstones(
+        self, scores: np.ndarray, labels: np.ndarray, k: int
+    ) -> tuple[np.ndarray, np.ndarray]:
         out_scores = np.full((len(labels), k), -np.inf, dtype=np.float32)
         out_labels = np.full((len(labels), k), -1, dtype=np.int64)
         for row in range(len(labels)):
@@ -294,10 +302,11 @@ class VectorIndex:
 
     def _gpu_search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         if self._gpu_index is None:
+            assert self._base is not None  # searches of an empty index return before this
             if self._gpu_resources is None:
                 self._gpu_resources = faiss.StandardGpuResources()
             self._gpu_index = faiss.index_cpu_to_gpu(self._gpu_resources, 0, self._base)
-            if not isinstance(self._base, faiss.IndexIVF):
+            if isinstance(self._index, faiss.IndexIDMap2):
                 # A GPU flat index returns positions; id_map turns them into labels.
                 self._gpu_labels = faiss.vector_to_array(self._index.id_map).astype(np.int64)
         scores, found = self._gpu_index.search(queries, k)
@@ -308,7 +317,7 @@ class VectorIndex:
     # ---- persistence ------------------------------------------------------------------
     def to_state(self) -> tuple[dict, bytes]:
         """(JSON-able description, faiss bytes); bytes are empty for an empty index."""
-        if self._index is None:
+        if self._index is None or self.plan is None:
             return {"kind": "empty"}, b""
         data = faiss.serialize_index(self._index).tobytes()
         state = {
@@ -335,9 +344,12 @@ class VectorIndex:
             index._base = index._index = loaded
             loaded.nprobe = int(state["nprobe"])
         elif isinstance(loaded, faiss.IndexIDMap2):
-            index._index, index._base = loaded, faiss.downcast_index(loaded.index)
+            base = faiss.downcast_index(loaded.index)
             if kind == "hnsw":
-                index._base.hnsw.efSearch = config.hnsw_ef_search
+                if not isinstance(base, faiss.IndexHNSW):
+                    raise ValueError(f"state says hnsw, but the index holds {type(base).__name__}")
+                base.hnsw.efSearch = config.hnsw_ef_search
+            index._index, index._base = loaded, base
         else:
             raise ValueError(f"unexpected faiss index type {type(loaded).__name__}")
         index.plan = IndexPlan(kind, int(state["num_cells"]), choose_device(config.device, kind, gpu_count()))

@@ -40,38 +40,46 @@ class IngestReport:
     num_files: int
 
 
-def _read_text(path: Path) -> tuple[str | None, str | None]:
-    """(text, None) or (None, reason the file is not text)."""
+class _NotText(Exception):
+    """A file skipped as not UTF-8 text; the message says why."""
+
+
+def _read_text(path: Path) -> str:
+    """The file's text; raises `_NotText` for a binary or non-UTF-8 file."""
     data = path.read_bytes()
     if b"\x00" in data[:SNIFF_BYTES]:
-        return None, f"{path}: skipped, not a text file (NUL byte in the first {SNIFF_BYTES} bytes)"
+        raise _NotText(f"{path}: skipped, not a text file (NUL byte in the first {SNIFF_BYTES} bytes)")
     try:
-        return data.decode("utf-8"), None
+        return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        return None, f"{path}: skipped, not UTF-8 text (invalid byte at offset {exc.start})"
+        raise _NotText(f"{path}: skipped, not UTF-8 text (invalid byte at offset {exc.start})") from None
 
 
 def load_plain_text(path: Path) -> tuple[list[SourceRecord], list[str]]:
-    text, problem = _read_text(path)
-    if text is None:
-        return [], [problem]
+    try:
+        text = _read_text(path)
+    except _NotText as exc:
+        return [], [str(exc)]
     return [SourceRecord(source=str(path), text=text, title=path.stem)], []
 
 
 def load_markdown(path: Path) -> tuple[list[SourceRecord], list[str]]:
-    text, problem = _read_text(path)
-    if text is None:
-        return [], [problem]
+    try:
+        text = _read_text(path)
+    except _NotText as exc:
+        return [], [str(exc)]
     # The first level-1 heading is the title when there is one.
     title = next((line[2:].strip() for line in text.splitlines() if line.startswith("# ")), path.stem)
     return [SourceRecord(source=str(path), text=text, title=title)], []
 
 
 def load_jsonl(path: Path) -> tuple[list[SourceRecord], list[str]]:
-    text, problem = _read_text(path)
-    if text is None:
-        return [], [problem]
-    records, skipped = [], []
+    try:
+        text = _read_text(path)
+    except _NotText as exc:
+        return [], [str(exc)]
+    records: list[SourceRecord] = []
+    skipped: list[str] = []
     for line_number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -108,7 +116,8 @@ LOADERS: dict[str, Callable[[Path], tuple[list[SourceRecord], list[str]]]] = {
 
 
 def _expand(paths: Iterable[str | Path]) -> tuple[list[Path], list[str]]:
-    files, skipped = [], []
+    files: list[Path] = []
+    skipped: list[str] = []
     for raw in paths:
         path = Path(raw)
         if path.is_dir():

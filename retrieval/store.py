@@ -9,6 +9,7 @@ milliseconds); the gateway calls them from a worker thread.
 
 from __future__ import annotations
 
+import builtins
 import json
 import logging
 import re
@@ -191,6 +192,8 @@ class CollectionStore:
                 self._save(collection)
             return removed
 
-    def query(self, name: str, text: str, top_k: int = 5, mode: str | None = None) -> list[Hit]:
+    def query(
+        self, name: str, text: str, top_k: int = 5, mode: str | None = None
+    ) -> builtins.list[Hit]:  # `list` here is the method above
         with self._lock:
             return self.get(name).query(text, top_k, mode)

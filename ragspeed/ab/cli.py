@@ -16,6 +16,7 @@ from ragspeed.ab.arms import Arm, ArmError, load_all_arms, with_overrides
 from ragspeed.ab.report import build_report, format_text, render_html, require_matplotlib
 from ragspeed.ab.runner import LoadShape, Observation, arm_servers, replay
 from ragspeed.ab.workload import Workload, load_workload
+from ragspeed.bench.common import max_tokens_option, seed_option
 
 
 def run_ab(
@@ -40,7 +41,7 @@ def run_ab(
         with click.progressbar(
             length=total,
             label="A/B requests",
-            file=click.get_text_stream("stderr"),
+            file=sys.stderr,
             show_pos=True,
             show_eta=True,
         ) as bar:
@@ -118,13 +119,7 @@ def _json_safe(value: Any) -> Any:
     show_default=True,
     help="Unrecorded requests per arm before measuring.",
 )
-@click.option(
-    "--max-tokens",
-    type=click.IntRange(min=1),
-    default=16,
-    show_default=True,
-    help="max_tokens of RAG QA requests.",
-)
+@max_tokens_option(16, help="max_tokens of RAG QA requests.")
 @click.option(
     "--documents",
     "num_documents",
@@ -138,7 +133,7 @@ def _json_safe(value: Any) -> Any:
     default=None,
     help="Static system prompt placed before every RAG QA request.",
 )
-@click.option("--seed", type=int, default=0, show_default=True, help="Seeds the Poisson arrival times.")
+@seed_option(help="Seeds the Poisson arrival times.")
 @click.option(
     "--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the JSON report."
 )

@@ -43,7 +43,7 @@ def summarize_arm(
         "request": dict(arm.request),
         "num_requests": len(observations),
         "num_errors": len(observations) - len(ok),
-        "errors": sorted({o.error for o in observations if not o.ok})[:5],
+        "errors": sorted({o.error for o in observations if not o.ok and o.error is not None})[:5],
     }
     for metric in LATENCY_METRICS:
         values = [getattr(o, metric) for o in ok if getattr(o, metric) is not None]
@@ -60,8 +60,8 @@ def summarize_arm(
     out["compressed_tokens_mean"] = _mean(
         [o.compressed_tokens for o in ok if o.compressed_tokens is not None]
     )
-    judged = [o for o in ok if o.answer_in_prompt is not None]
-    out["retention"] = _mean([float(o.answer_in_prompt) for o in judged])
+    judged = [float(o.answer_in_prompt) for o in ok if o.answer_in_prompt is not None]
+    out["retention"] = _mean(judged)
     out["retention_n"] = len(judged)
     out["exact_match"] = _mean([o.exact_match for o in ok if o.exact_match is not None])
     out["f1"] = _mean([o.f1 for o in ok if o.f1 is not None])
@@ -194,7 +194,7 @@ def _ci(est: dict[str, float] | None, digits: int = 1) -> str:
 
 
 def summary_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
-    rows = [
+    rows: list[tuple[str, ...]] = [
         (
             "arm",
             "n",
@@ -243,7 +243,7 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
 
 
 def comparison_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
-    rows = [
+    rows: list[tuple[str, ...]] = [
         ("a → b", "metric", "median b - a ms [95% CI]", "ratio a / b [95% CI]", "p (Mann-Whitney)", "sig.")
     ]
     for c in report["comparisons"]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -112,12 +113,18 @@ def run_bench_cache(
             resources.files("ragspeed.bench").joinpath("system_prompt.txt").read_text(encoding="utf-8")
         )
     system_text = system_prompt.strip()
-    base = dict(
-        model=str(path), max_model_len=4096, num_kv_cache_tokens=16384, max_num_batched_tokens=4096, seed=seed
+    max_model_len = 4096
+    cached_config = EngineConfig(
+        model=str(path),
+        max_model_len=max_model_len,
+        num_kv_cache_tokens=16384,
+        max_num_batched_tokens=4096,
+        seed=seed,
+        enable_prefix_caching=True,
     )
-    cached = LLMEngine(EngineConfig(**base, enable_prefix_caching=True))
+    cached = LLMEngine(cached_config)
     plain = LLMEngine(
-        EngineConfig(**base, enable_prefix_caching=False), loaded=cached.loaded, tokenizer=cached.tokenizer
+        replace(cached_config, enable_prefix_caching=False), loaded=cached.loaded, tokenizer=cached.tokenizer
     )
     tokenizer = cached.tokenizer
     # Static prefix first (docs/architecture.md, contract 1); the question after it.
@@ -126,8 +133,10 @@ def run_bench_cache(
         static + tuple(tokenizer.encode(f"User: {q}\nAssistant:", add_special_tokens=False))
         for q in QUESTIONS[:num_questions]
     ]
-    if max(len(p) for p in prompts) + 1 > base["max_model_len"]:
-        raise ValueError(f"the prompt has {max(len(p) for p in prompts)} tokens; max_model_len is 4096")
+    if max(len(p) for p in prompts) + 1 > max_model_len:
+        raise ValueError(
+            f"the prompt has {max(len(p) for p in prompts)} tokens; max_model_len is {max_model_len}"
+        )
 
     with torch.inference_mode():
         # Warm-up: both engines run once (allocators, kernels); this also caches the static

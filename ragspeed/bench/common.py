@@ -110,6 +110,20 @@ repeats_option = click.option(
 threads_option = click.option("--threads", default=2, type=int, help="torch CPU threads")
 
 
+def max_tokens_option(
+    default: int, help: str | None = None
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """`--max-tokens N` (at least 1) of the commands that send requests to a server."""
+    return click.option(
+        "--max-tokens", type=click.IntRange(min=1), default=default, show_default=True, help=help
+    )
+
+
+def seed_option(help: str | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """`--seed N`, 0 by default."""
+    return click.option("--seed", type=int, default=0, show_default=True, help=help)
+
+
 def qa_data_option(
     help: str, *names: str, **kwargs: Any
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

@@ -86,7 +86,7 @@ def shipped_trials(num_trials: int) -> list[tuple[str, list[Document]]]:
 def file_trials(path: Path, num_trials: int) -> list[tuple[str, list[Document]]]:
     """The first `num_trials` questions of a QA file (one JSON object a line, `question` and
     `documents` as strings or {title, text})."""
-    trials = []
+    trials: list[tuple[str, list[Document]]] = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if len(trials) == num_trials:
             break

@@ -86,7 +86,7 @@ class BandwidthProbe:
     JSON keeps the spread.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.first = read_bandwidth_samples()
         self.last: list[float] = []
 

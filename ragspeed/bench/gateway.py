@@ -31,7 +31,8 @@ from typing import Any
 
 import click
 
-from ragspeed.bench.common import json_option, machine_line, percentile, write_json
+from ragspeed.bench.common import json_option, machine_line, max_tokens_option, percentile, write_json
+from ragspeed.bench.instant_upstream import event_loop_factory
 from ragspeed.bench.launcher import ServerProcess
 from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
 
@@ -253,11 +254,7 @@ def run_gateway_bench(config: GatewayBenchConfig) -> dict[str, Any]:
         gateway_flags = ["--engine", "openai", "--model", config.model, "--upstream", upstream_url]
         gateway_flags += ["--upstream-model", UPSTREAM_MODEL, *GATEWAY_ARGS, *config.gateway_args]
         with ServerProcess(gateway_flags) as gateway:
-            try:
-                from uvloop import new_event_loop as loop_factory
-            except ImportError:
-                loop_factory = None
-            with asyncio.Runner(loop_factory=loop_factory) as runner:
+            with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
                 return runner.run(measure(config, upstream_url, gateway.url))
 
 
@@ -293,7 +290,7 @@ def report_lines(r: dict[str, Any]) -> list[str]:
 )
 @click.option("--model", default=DEFAULT_MODEL_NAME, show_default=True, help="The gateway's tokenizer.")
 @click.option("--requests", "num_requests", type=click.IntRange(min=5), default=200, show_default=True)
-@click.option("--max-tokens", type=click.IntRange(min=1), default=16, show_default=True)
+@max_tokens_option(16)
 @click.option("--concurrency", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option(
     "--seconds",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -79,7 +80,7 @@ def answer(path: str, body: dict[str, Any]) -> bytes:
         )
     piece = _sse({**base, "object": obj, "choices": [{"index": 0, **token, "finish_reason": None}]})
     events += [piece] * num_tokens
-    end = {"delta": {}} if chat else {"text": ""}
+    end: dict[str, Any] = {"delta": {}} if chat else {"text": ""}
     events.append(_sse({**base, "object": obj, "choices": [{"index": 0, **end, "finish_reason": "length"}]}))
     if (body.get("stream_options") or {}).get("include_usage"):
         events.append(_sse({**base, "object": obj, "choices": [], "usage": _usage(num_tokens)}))
@@ -173,15 +174,21 @@ async def serve(host: str, port: int) -> None:
         await upstream.server.serve_forever()
 
 
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop when it is installed (less client overhead per request), else None:
+    asyncio's default."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 @click.command()
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, required=True)
 def main(host: str, port: int) -> None:
-    try:
-        from uvloop import new_event_loop as loop_factory
-    except ImportError:
-        loop_factory = None
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
         runner.run(serve(host, port))
 
 

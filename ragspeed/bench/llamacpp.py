@@ -107,7 +107,10 @@ def write_requantized(source: Path, out: Path, type_name: str) -> None:
     qtype = gguf.GGMLQuantizationType[type_name]
     file_type = gguf.LlamaFileType[f"MOSTLY_{type_name}"]
     reader = gguf.GGUFReader(source)
-    arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
+    arch_field = reader.get_field(gguf.Keys.General.ARCHITECTURE)
+    if arch_field is None:
+        raise ValueError(f"{source} has no {gguf.Keys.General.ARCHITECTURE} field: not a model GGUF")
+    arch = arch_field.contents()
     writer = gguf.GGUFWriter(out, arch)
     # GGUF.* are the reader's virtual fields; the writer adds the architecture itself.
     skipped = {gguf.Keys.General.ARCHITECTURE, gguf.Keys.General.FILE_TYPE}

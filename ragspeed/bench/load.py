@@ -38,7 +38,7 @@ from typing import Any
 import click
 import httpx
 
-from ragspeed.bench.common import machine_line, percentile, write_json
+from ragspeed.bench.common import machine_line, max_tokens_option, percentile, seed_option, write_json
 from ragspeed.bench.launcher import ServerProcess
 from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
 
@@ -450,6 +450,7 @@ def bench_load_run(
         *server_args,
     ]
     with ServerProcess(args) as server:
+        assert server.process is not None  # started by `with`
         figures = asyncio.run(
             run_load(server.url, config, server_pid=server.process.pid, prompts=prompts, arrival_rows=rows)
         )
@@ -523,10 +524,8 @@ _TABLE_KEYS = (
     show_default=True,
     help="Share of requests whose client hangs up mid-stream.",
 )
-@click.option(
-    "--max-tokens", type=click.IntRange(min=1), default=48, show_default=True, help="Most tokens per request."
-)
-@click.option("--seed", type=int, default=0, show_default=True)
+@max_tokens_option(48, help="Most tokens per request.")
+@seed_option()
 @click.option(
     "--data",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),

@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 import statistics
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -158,9 +159,7 @@ def run_bench_quant(
         gguf_reports = {
             name: compare_logits(
                 lambda ids: reference[tuple(ids)],
-                lambda ids, kv_dtype=kv_dtype: decode_window_logits(
-                    engines["gguf"].loaded, ids, kv_dtype=kv_dtype
-                ),
+                partial(decode_window_logits, engines["gguf"].loaded, kv_dtype=kv_dtype),
                 windows,
             )
             for name, kv_dtype in (("gguf_decode", torch.float32), ("default", torch.float16))

@@ -40,7 +40,7 @@ from pathlib import Path
 import click
 import httpx
 
-from ragspeed.bench.common import machine_line, write_json
+from ragspeed.bench.common import machine_line, max_tokens_option, seed_option, write_json
 from ragspeed.bench.launcher import ServerProcess
 from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
 from ragspeed.prompt_cache.store import TEMPORARY_GLOB
@@ -162,6 +162,7 @@ class Killer:
 
 
 def _killed(server: ServerProcess) -> None:
+    assert server.process is not None  # start() spawns it before the killer can act
     server.process.wait()
     server.stop()
 
@@ -220,15 +221,15 @@ def run_restarts_bench(model: str, kills: int, *, seed: int, max_tokens: int, se
             tensor_file = directory / f"{BASE}.safetensors"
             tensor_file.write_bytes(tensor_file.read_bytes()[:-7] + b"corrupt")
             killer = Killer(server, directory, pattern=TRIGGERS["kv-write"])
-            checker = None
+            started: Checker | None = None  # None when killed before it was ready
             try:
-                checker = Checker(server.start(), max_tokens)
-                checker.wait_until_pinned()
+                started = Checker(server.start(), max_tokens)
+                started.wait_until_pinned()
             except (RuntimeError, httpx.TransportError):  # killed before it was ready, or pinned
                 pass
             killer.done()
-            if checker is not None:
-                checker.close()
+            if started is not None:
+                started.close()
             _killed(server)
             left = "mid-write" if _temporaries(directory) else "outside-write"
             rounds.append({"kind": kind, "prompt": BASE, "left": left})
@@ -282,8 +283,8 @@ def _summary(rounds: list[dict], final: dict, start_s: list[float], window_s: fl
 @click.command(name="restarts")
 @click.option("--model", default=DEFAULT_MODEL_NAME, show_default=True)
 @click.option("--kills", type=click.IntRange(min=1), default=20, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--max-tokens", type=click.IntRange(min=1), default=12, show_default=True)
+@seed_option()
+@max_tokens_option(12)
 @click.option("--server-args", default="", help="More `ragspeed serve` flags, one string.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 def bench_restarts(

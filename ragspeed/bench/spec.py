@@ -51,9 +51,9 @@ SYSTEM = "Answer the question by quoting the documents."
 INSTRUCTION = "Quote the passage that answers the question: {question}"
 
 
-def rag_prompts(data_path: Path, tokenizer, num_prompts: int, num_documents: int) -> list[tuple]:
+def rag_prompts(data_path: Path, tokenizer, num_prompts: int, num_documents: int) -> list[tuple[int, ...]]:
     """Chat prompts: numbered documents, then the instruction, through the chat template."""
-    prompts = []
+    prompts: list[tuple[int, ...]] = []
     with open(data_path) as f:
         for line in f:
             if len(prompts) == num_prompts:
@@ -198,6 +198,7 @@ def run_bench_spec(
         for prompt in prompts[:num_prompts]:
             c.run([prompt], max_tokens)
         c.run(prompts[:16], 4)
+    assert ceiling.speculator is not None  # spec_config asks for one
     ceiling.speculator.proposer = ReplayProposer(
         {p: ids for p, (ids, _) in zip(prompts, contenders["plain"].run(prompts[:num_prompts], max_tokens))}
     )

@@ -19,7 +19,7 @@ import statistics
 import string
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ragspeed.compression.base import Compressor, Tokenizer
@@ -42,7 +42,7 @@ def load_examples(path: str | Path, limit: int | None = None) -> list[EvalExampl
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"--data: no file at {path}")
-    examples = []
+    examples: list[EvalExample] = []
     with path.open() as f:
         for line in f:
             if limit is not None and len(examples) >= limit:
@@ -56,6 +56,18 @@ def load_examples(path: str | Path, limit: int | None = None) -> list[EvalExampl
                 EvalExample(str(row.get("id", len(examples))), row["question"], tuple(row["answers"]), docs)
             )
     return examples
+
+
+@dataclass
+class _FactorTally:
+    """One method at one factor, summed over the examples as they run."""
+
+    hits: int = 0  # examples whose kept text still holds a gold answer
+    ratios: list[float] = field(default_factory=list)
+    cold: list[float] = field(default_factory=list)  # seconds per call
+    warm: list[float] = field(default_factory=list)
+    compressed: int = 0  # tokens kept
+    original: int = 0  # document tokens before compression
 
 
 def normalize_answer(text: str) -> str:
@@ -93,10 +105,7 @@ def evaluate(
     results: dict = {}
     for name, compressor in compressors.items():
         clear = getattr(compressor, "clear_caches", None)
-        stats = {
-            f: {"hits": 0, "ratios": [], "cold": [], "warm": [], "compressed": 0, "original": 0}
-            for f in factors
-        }
+        stats = {f: _FactorTally() for f in factors}
         for ex in examples:
             for k, factor in enumerate(factors):
                 s = stats[factor]
@@ -106,29 +115,29 @@ def evaluate(
                     result = compressor.compress(
                         ex.question, ex.documents, Budget(tokenizer, rate=1.0 / factor)
                     )
-                    s["cold"].append(time.perf_counter() - t)
+                    s.cold.append(time.perf_counter() - t)
                 t = time.perf_counter()
                 result = compressor.compress(ex.question, ex.documents, Budget(tokenizer, rate=1.0 / factor))
-                s["warm"].append(time.perf_counter() - t)
+                s.warm.append(time.perf_counter() - t)
                 if clear is None:  # nothing cached: every call is cold
-                    s["cold"].append(s["warm"][-1])
-                s["hits"] += answer_retained(result.text, ex.answers)
-                s["ratios"].append(result.ratio)
-                s["compressed"] += result.num_compressed_tokens
-                s["original"] += result.num_original_tokens
+                    s.cold.append(s.warm[-1])
+                s.hits += answer_retained(result.text, ex.answers)
+                s.ratios.append(result.ratio)
+                s.compressed += result.num_compressed_tokens
+                s.original += result.num_original_tokens
         per_factor = {}
         for factor, s in stats.items():
             per_factor[factor] = {
-                "retention": s["hits"] / len(examples),
-                "ratio": s["original"] / max(s["compressed"], 1),  # pooled over examples
-                "ratio_median": statistics.median(s["ratios"]),
+                "retention": s.hits / len(examples),
+                "ratio": s.original / max(s.compressed, 1),  # pooled over examples
+                "ratio_median": statistics.median(s.ratios),
                 # Document tokens in the served model's tokenizer, summed over the examples.
-                "original_tokens": s["original"],
-                "compressed_tokens": s["compressed"],
-                "latency_p50_ms": 1000 * _percentile(s["cold"], 0.5),
-                "latency_p95_ms": 1000 * _percentile(s["cold"], 0.95),
-                "latency_warm_p50_ms": 1000 * _percentile(s["warm"], 0.5),
-                "latency_warm_p95_ms": 1000 * _percentile(s["warm"], 0.95),
+                "original_tokens": s.original,
+                "compressed_tokens": s.compressed,
+                "latency_p50_ms": 1000 * _percentile(s.cold, 0.5),
+                "latency_p95_ms": 1000 * _percentile(s.cold, 0.95),
+                "latency_warm_p50_ms": 1000 * _percentile(s.warm, 0.5),
+                "latency_warm_p95_ms": 1000 * _percentile(s.warm, 0.95),
             }
         results[name] = per_factor
     return results

@@ -351,8 +351,9 @@ def observe(
 ) -> RagObservation:
     """A `StreamedReply` scored against the example's answers (`cold`: the first-sight reply of
     a document-cache configuration)."""
-    if reply.error is not None or (cold is not None and cold.error is not None):
-        return RagObservation(config.name, index, ok=False, error=reply.error or (cold and cold.error))
+    error = reply.error if reply.error is not None else cold.error if cold is not None else None
+    if error is not None:
+        return RagObservation(config.name, index, ok=False, error=error)
     usage, ragspeed = reply.usage, reply.ragspeed
     compression = ragspeed.get("compression")
     documents = ragspeed.get("document_cache") or {}
@@ -582,18 +583,23 @@ def summarize(run: RagRun, *, num_resamples: int = 2000, seed: int = 0) -> dict[
         summary["num_uncompressed"] = sum(1 for o in ok if o.compressed is False)
         summary["accuracy_minus_full"] = None
         if full is not None:
-            pairs = [(full[i], o) for i, o in answered.items() if o.ok and i in full and full[i].ok]
+            both = [(full[i].accuracy, o.accuracy) for i, o in answered.items() if i in full]
+            pairs = [(a, b) for a, b in both if a is not None and b is not None]  # both scored
             if pairs:
                 estimate = paired_bootstrap_difference(
-                    [a.accuracy for a, _ in pairs],
-                    [b.accuracy for _, b in pairs],
+                    [a for a, _ in pairs],
+                    [b for _, b in pairs],
                     num_resamples=num_resamples,
                     seed=seed,
                 )
                 summary["accuracy_minus_full"] = {**estimate.as_dict(), "num_pairs": len(pairs)}
         by_position = {}
         for position in positions:
-            scored = [o.accuracy for o in ok if run.examples[o.example].gold_index == position]
+            scored = [
+                o.accuracy
+                for o in ok
+                if o.accuracy is not None and run.examples[o.example].gold_index == position
+            ]
             by_position[str(position)] = {"accuracy": _mean(scored), "n": len(scored)}
         summary["accuracy_by_gold_index"] = by_position
         configs[config.name] = summary

@@ -229,7 +229,7 @@ def evaluate_scale(
         "scale_num_clusters": num_clusters,
         "scale_num_queries": num_queries,
         "scale_index_kind": index.kind,
-        "scale_num_cells": index.plan.num_cells,
+        "scale_num_cells": index.plan.num_cells if index.plan is not None else 0,
         "scale_nprobe": index.nprobe,
         "scale_generate_time_s": round(generate_s, 2),
         "scale_exact_truth_time_s": round(truth_s, 2),

@@ -314,7 +314,9 @@ def train_rag_adapter(
     adapters = add_adapters(model, recipe.rank, recipe.alpha, recipe.seed)
     params = [p for a in adapters.values() for p in (a.lora_a, a.lora_b)]
     stop_ids = {
-        i for i in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")) if i is not None
+        i
+        for i in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"))
+        if isinstance(i, int)
     }
 
     train = read_records(data_dir, NQ_TRAIN_LINES, NQ_FILE) + read_records(data_dir, None, HOTPOT_FILE)

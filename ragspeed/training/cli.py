@@ -18,6 +18,21 @@ from ragspeed.shipped_data import DATA_DIR
 
 _DATA_DIR_HELP = "Folder with wiki_passages.txt and wikitext2_raw_test.txt."
 
+# The step cap every training command takes, and the thread count of the two whose default
+# (None: the recipe's one thread) suits a shared CPU.
+max_steps_option = click.option(
+    "--max-steps",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Stop after this many steps, if sooner than the budget.",
+)
+shared_cpu_threads_option = click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=None,
+    help="torch threads (default 1: fastest on a shared CPU).",
+)
+
 
 def _check_data_dir(data_dir: Path) -> None:
     from ragspeed.training.corpus import PASSAGES_FILE, WIKITEXT_FILE
@@ -60,18 +75,8 @@ def run_train_demo(
     help="Training time budget in minutes (the learning-rate schedule spans it).",
 )
 @click.option("--seed", type=int, default=0, help="Seed of the data split, examples, and weights.")
-@click.option(
-    "--max-steps",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Stop after this many steps, if sooner than the budget.",
-)
-@click.option(
-    "--threads",
-    type=click.IntRange(min=1),
-    default=None,
-    help="torch threads (default 1: fastest on a shared CPU).",
-)
+@max_steps_option
+@shared_cpu_threads_option
 def train_demo(
     out: Path, data_dir: Path, minutes: float, seed: int, max_steps: int | None, threads: int | None
 ) -> None:
@@ -139,18 +144,8 @@ def run_train_draft(
     " default is the shipped draft's recipe, within an hour).",
 )
 @click.option("--seed", type=int, default=0, help="Seed of the prompts, sampling, data order and weights.")
-@click.option(
-    "--max-steps",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Stop after this many steps, if sooner than the budget.",
-)
-@click.option(
-    "--threads",
-    type=click.IntRange(min=1),
-    default=None,
-    help="torch threads (default 1: fastest on a shared CPU).",
-)
+@max_steps_option
+@shared_cpu_threads_option
 @click.option(
     "--num-layers",
     type=click.IntRange(1, 4),
@@ -187,12 +182,12 @@ def train_draft(
     if not (target_dir / "config.json").is_file():
         raise click.BadParameter(f"no model in {target_dir} (no config.json)", param_hint="--target")
     zoo_draft = ZOO.get(ZOO_DRAFTS.get(target, ""))
-    if out is None and not isinstance(zoo_draft, TrainedDraftModel):
-        raise click.BadParameter(
-            f"the zoo has no trained draft for {target!r} to write: pass --out DIR", param_hint="--out"
-        )
     default_out = out is None
-    if default_out:
+    if out is None:
+        if not isinstance(zoo_draft, TrainedDraftModel):
+            raise click.BadParameter(
+                f"the zoo has no trained draft for {target!r} to write: pass --out DIR", param_hint="--out"
+            )
         out = zoo_draft.local_dir(default_cache_dir())
     options = {
         "--target": target if target != DEFAULT_MODEL_NAME else None,
@@ -240,12 +235,7 @@ def train_draft(
     help="Training time budget (the learning-rate schedule spans it; the shipped adapter's recipe).",
 )
 @click.option("--seed", type=int, default=0, help="Seed of the prompts, data order and adapter weights.")
-@click.option(
-    "--max-steps",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Stop after this many steps, if sooner than the budget.",
-)
+@max_steps_option
 @click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True, help="torch threads.")
 def train_rag(
     base: str, out: Path, data_dir: Path, minutes: float, seed: int, max_steps: int | None, threads: int

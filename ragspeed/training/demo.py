@@ -19,12 +19,21 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
-from transformers import GenerationConfig, LlamaConfig, PreTrainedModel, PreTrainedTokenizerFast
+from transformers import (
+    BatchEncoding,
+    GenerationConfig,
+    GenerationMixin,
+    LlamaConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
 
 from ragspeed.training.corpus import Corpus, load_corpus
 from ragspeed.training.examples import (
+    ExtractiveExample,
     Message,
     make_extractive_example,
     make_generic_example,
@@ -72,7 +81,7 @@ class DemoRecipe:
             num_attention_heads=self.num_attention_heads,
             num_key_value_heads=self.num_key_value_heads,
             max_position_embeddings=self.max_position_embeddings,
-            rope_theta=self.rope_theta,
+            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
             tie_word_embeddings=True,
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
@@ -126,6 +135,7 @@ def make_chat_piece(
     """One chat example of a kind drawn by the fractions (the rest extractive); None when the
     drawn example found no unique key."""
     draw = rng.random()
+    example: ExtractiveExample | None
     if draw < repeat_fraction:
         example = make_repeat_example(corpus_passages, rng, max_passages=min(max_passages, 3))
     elif draw < repeat_fraction + generic_fraction:
@@ -184,16 +194,25 @@ def build_phases(recipe: DemoRecipe, corpus: Corpus, tokenizer: PreTrainedTokeni
     return [make_phase(*spec) for spec in recipe.phases]
 
 
-@torch.no_grad()
-def generate_reply(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerFast,
-    messages: Sequence[Message],
-    max_new_tokens: int = 80,
-) -> str:
-    prompt_ids = tokenizer.apply_chat_template(
+def chat_prompt_ids(tokenizer: PreTrainedTokenizerFast, messages: Sequence[Message]) -> torch.Tensor:
+    """[1, num_prompt_tokens]: `messages` through the chat template, the reply's turn opened."""
+    encoded = tokenizer.apply_chat_template(
         list(messages), add_generation_prompt=True, return_tensors="pt", return_dict=True
-    )["input_ids"]
+    )
+    assert isinstance(encoded, BatchEncoding)  # return_dict=True
+    return encoded["input_ids"]
+
+
+class Generator(Protocol):
+    """What the evaluation needs of a model: Hugging Face's `generate`."""
+
+    def generate(self, inputs: torch.Tensor, **kwargs: Any) -> Any: ...
+
+
+def greedy_reply_ids(
+    model: Generator, tokenizer: PreTrainedTokenizerFast, prompt_ids: torch.Tensor, max_new_tokens: int
+) -> torch.Tensor:
+    """[num_reply_tokens]: the greedy continuation of the one prompt in `prompt_ids`."""
     output = model.generate(
         prompt_ids,
         max_new_tokens=max_new_tokens,
@@ -201,11 +220,30 @@ def generate_reply(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    return tokenizer.decode(output[0, prompt_ids.shape[1] :], skip_special_tokens=True)
+    return output[0, prompt_ids.shape[1] :]
+
+
+@torch.no_grad()
+def generate_reply(
+    model: Generator,
+    tokenizer: PreTrainedTokenizerFast,
+    messages: Sequence[Message],
+    max_new_tokens: int = 80,
+) -> str:
+    reply_ids = greedy_reply_ids(model, tokenizer, chat_prompt_ids(tokenizer, messages), max_new_tokens)
+    text = tokenizer.decode(reply_ids, skip_special_tokens=True)
+    assert isinstance(text, str)  # one sequence
+    return text
 
 
 def copy_exact_match(
-    model, tokenizer, passages: Sequence[str], *, num_examples: int, max_passages: int, seed: int
+    model: Generator,
+    tokenizer: PreTrainedTokenizerFast,
+    passages: Sequence[str],
+    *,
+    num_examples: int,
+    max_passages: int,
+    seed: int,
 ) -> float:
     """Share of held-out extractive examples whose greedy reply is exactly the sentence."""
     rng = random.Random(seed)
@@ -234,8 +272,8 @@ SAMPLE_MESSAGES: tuple[Message, ...] = (
 def save_demo_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, out_dir: Path) -> None:
     """HF format; weights stored in bf16 to stay small, config says float32 (load it so: bf16
     matmuls are very slow on CPUs without native bf16)."""
-    model.to(torch.bfloat16).save_pretrained(str(out_dir), safe_serialization=True)
-    model.to(torch.float32)
+    model.bfloat16().save_pretrained(str(out_dir), safe_serialization=True)
+    model.float()
     config_path = out_dir / "config.json"
     config = json.loads(config_path.read_text())
     config["dtype"] = "float32"
@@ -254,23 +292,15 @@ def save_demo_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, 
 
 @torch.no_grad()
 def copied_share(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, examples: Sequence, max_new_tokens: int = 48
+    model: Generator, tokenizer: PreTrainedTokenizerFast, examples: Sequence, max_new_tokens: int = 48
 ) -> float:
     """Copying in free generation: over greedy replies to `examples`, the share of reply tokens
     (after the first) that occur in the prompt right after the reply's token before them. A
     reply that loops on itself scores ~0; teacher-forced accuracy says nothing of either."""
     hits = count = 0
     for example in examples:
-        prompt = tokenizer.apply_chat_template(
-            list(example.messages), add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )["input_ids"]
-        reply = model.generate(
-            prompt,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )[0, prompt.shape[1] :].tolist()
+        prompt = chat_prompt_ids(tokenizer, example.messages)
+        reply = greedy_reply_ids(model, tokenizer, prompt, max_new_tokens).tolist()
         ids = prompt[0].tolist()
         pairs = set(zip(ids, ids[1:]))
         hits += sum(pair in pairs for pair in zip(reply, reply[1:]))
@@ -290,6 +320,7 @@ def evaluate_demo(
     (greedy, exact match), the share of a whole-passage quote's tokens predicted right
     (teacher-forced), and the share of a greedy passage quote's tokens copied from the prompt
     (copied_share)."""
+    assert isinstance(model, GenerationMixin)  # a causal LM, as the trainer builds
     pad_id = tokenizer.pad_token_id
     heldout_documents = encode_documents(tokenizer, corpus.heldout_passages + corpus.heldout_articles)
     rng = random.Random(seed + 3)

@@ -49,21 +49,23 @@ import random
 import shutil
 import tempfile
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
 
 from ragspeed.training.corpus import load_corpus
 from ragspeed.training.demo import ChatEncoder, chunk_documents, encode_documents, make_chat_pieces
 from ragspeed.training.examples import make_extractive_example, make_generic_example, make_repeat_example
 from ragspeed.training.trainer import Phase, Piece, TrainingConfig, TrainingLog, train_loop
+
+T = TypeVar("T")
 
 # Files of the target's folder that are not the draft's own (weights, config, card, and the
 # manifest of a target converted from GGUF, engine.gguf).
@@ -185,11 +187,11 @@ def rag_prompts(
     return prompts
 
 
-def interleave(groups: Sequence[Sequence], shares: Sequence[float]) -> list:
+def interleave(groups: Sequence[Sequence[T]], shares: Sequence[float]) -> list[T]:
     """The groups' items merged so that every prefix holds them about in `shares` (a group
     that runs out leaves the rest to the others)."""
     taken = [0] * len(groups)
-    merged = []
+    merged: list[T] = []
     while True:
         open_groups = [g for g in range(len(groups)) if taken[g] < len(groups[g]) and shares[g] > 0]
         if not open_groups:
@@ -209,7 +211,7 @@ def frequency_sub_vocab(
     target's continuation tokens plus its share of the text tokens (each source weighs the
     same however long), `always` (special tokens: eos ends answers) included; ascending, so a
     tie of the draft's logits breaks toward the lower id, as the target's argmax does."""
-    scores: Counter = Counter()
+    scores: defaultdict[int, float] = defaultdict(float)
     for stream in (continuations, texts):
         counts = Counter(t for ids in stream for t in ids)
         total = sum(counts.values())
@@ -432,8 +434,8 @@ def save_draft(
     """HF folder: bf16 safetensors (config says float32: load it so), with `d2t` (int64) beside
     the weights for a sub-vocabulary head, and the target's tokenizer and generation config
     copied unchanged."""
-    draft.to(torch.bfloat16).save_pretrained(str(out_dir), safe_serialization=True)
-    draft.to(torch.float32)
+    draft.bfloat16().save_pretrained(str(out_dir), safe_serialization=True)
+    draft.float()
     if d2t is not None:
         weights_path = out_dir / "model.safetensors"
         weights = load_file(str(weights_path))
@@ -483,6 +485,9 @@ def distill_draft(
     torch.set_num_threads(training.num_threads)
     target_dir = Path(target_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    if not isinstance(tokenizer, PreTrainedTokenizerFast):
+        # The text pieces are encoded by the fast tokenizer's backend (demo.encode_documents).
+        raise ValueError(f"{target_dir}: distillation needs a fast tokenizer (tokenizer.json), found none")
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
     for p in target.parameters():
         p.requires_grad_(False)

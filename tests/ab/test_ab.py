@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from ragspeed.ab.quality import accuracy, contains_answer, exact_match, f1
 from ragspeed.ab.report import build_report, format_text, render_html
 from ragspeed.ab.runner import LoadShape, Observation, RunResult, arm_order, blocks, request_body
 from ragspeed.ab.stats import bootstrap_median_difference, bootstrap_quantiles, mann_whitney_u
-from ragspeed.ab.workload import keep_documents, load_workload
+from ragspeed.ab.workload import Workload, keep_documents, load_workload
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -349,6 +350,25 @@ def test_replay_against_a_running_server(transformers_server, tmp_path, shared_d
         assert summary["stage_ms_mean"]["engine_first_token"] > 0
     order = [o["arm"] for o in report["observations"]]
     assert order == ["plain"] * 2 + ["again"] * 2 + ["again"] * 2 + ["plain"] * 2  # AB, then BA
+
+
+def test_the_progress_bar_counts_every_request_without_deprecated_click_calls(tmp_path, monkeypatch):
+    # click.get_text_stream is deprecated in Click 8.5 and gone in 9: the bar writes to sys.stderr.
+    arms = load_all_arms([str(write(tmp_path / "a.yaml", "engine: transformers\n"))])
+    done = []
+
+    async def replay(arms, urls, items, shape, on_done):
+        for item in items:
+            on_done(item)
+            done.append(item)
+        return "result"
+
+    monkeypatch.setattr("ragspeed.ab.cli.replay", replay)
+    monkeypatch.setattr("ragspeed.ab.cli.build_report", lambda arms, workload, shape, result, **_: result)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        result = run_ab(arms, Workload("w.jsonl", items=("x", "y", "z")), LoadShape(), urls={}, progress=True)
+    assert (result, done) == ("result", ["x", "y", "z"])
 
 
 def test_cli_refuses_a_bad_arm_before_starting_anything(tmp_path):

@@ -104,6 +104,19 @@ def test_a_copy_holds_the_sources_values_in_its_type(tiny_q4_1, tmp_path, type_n
         assert np.abs(gguf.quants.dequantize(b.data, b.tensor_type) - expected).max() <= max_error
 
 
+def test_a_gguf_without_an_architecture_is_refused_by_name(tmp_path):
+    source = tmp_path / "no_arch.gguf"
+    writer = gguf.GGUFWriter(str(source), "llama")
+    writer.kv_data[0].pop(gguf.Keys.General.ARCHITECTURE)
+    writer.add_tensor("weight", np.zeros((4, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="no_arch.gguf has no general.architecture field"):
+        llamacpp.write_requantized(source, tmp_path / "out.gguf", "F16")
+
+
 def test_a_copy_is_written_once_and_again_for_a_changed_source(tiny_q4_1, tmp_path):
     first = llamacpp.requantized_copy(tiny_q4_1, "F16", tmp_path)
     stamp = first.stat().st_mtime_ns

@@ -91,6 +91,15 @@ def test_add_search_remove_roundtrip(kind):
     assert loaded.search(x[:1], 1)[1].tolist() == [[5000]]
 
 
+def test_state_whose_kind_does_not_match_the_bytes_is_a_value_error():
+    # The store reports ValueError as a corrupt collection; an AttributeError would escape it.
+    index = VectorIndex(16, IndexConfig(kind="flat"))
+    index.add(np.arange(10), _unit_vectors(10))
+    state, data = index.to_state()
+    with pytest.raises(ValueError, match="state says hnsw, but the index holds IndexFlatIP"):
+        VectorIndex.from_state(16, index.config, {**state, "kind": "hnsw"}, data)
+
+
 def test_auto_index_upgrades_to_ivf_when_it_grows():
     x = _unit_vectors(3000)
     index = VectorIndex(16, IndexConfig(exact_max_vectors=1000, ivf_nprobe=4))
