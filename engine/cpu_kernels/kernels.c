@@ -680,21 +680,26 @@ static size_t attention_partials(int num_seqs, int num_heads, int head_dim, int6
     return (size_t)num_seqs * num_heads * ((longest + CHUNK - 1) / CHUNK) * (head_dim + 2);
 }
 
-/* The next chunk's rows (keys and values, every head), prefetched into L2 a line of each per
- * call while the thread computes the current one, so that the prefetches spread over the
- * arithmetic (all of a chunk's lines prefetched at its start are no faster than none at all). */
+/* The next chunk's slots, and a KV head's part of them in one cache (`rows`: the cache plus the
+ * head's offset), prefetched into L2 a key at a time while the thread computes the same key of
+ * the current chunk: the prefetches spread over the arithmetic (all of a chunk's lines
+ * prefetched at its start are no faster than none at all). */
 typedef struct {
-    const char *k_cache, *v_cache;
-    size_t row_bytes, slots[CHUNK];
-    int count, row, line; /* the next chunk's rows; the next line to prefetch */
+    size_t slots[CHUNK];
+    int count;
 } Ahead;
 
-static inline void prefetch_ahead(Ahead *a) {
-    if (a->row >= a->count) return;
-    size_t offset = a->slots[a->row] * a->row_bytes + (size_t)a->line * 64;
-    __builtin_prefetch(a->k_cache + offset, 0, 2);
-    __builtin_prefetch(a->v_cache + offset, 0, 2);
-    if ((size_t)++a->line * 64 >= a->row_bytes) a->line = 0, a->row++;
+typedef struct {
+    const char *rows;
+    const size_t *slots;
+    size_t row_bytes, bytes;  /* a slot's row in the cache; the head's part of it */
+    int count;
+} Prefetch;
+
+static inline void prefetch_row(const Prefetch *p, int t) {
+    if (t >= p->count) return;
+    const char *row = p->rows + p->slots[t] * p->row_bytes;
+    for (size_t offset = 0; offset < p->bytes; offset += 64) __builtin_prefetch(row + offset, 0, 2);
 }
 
 /* Rows [first, end) of a step over one context: `keys` keys in the blocks of `table` (its last
@@ -707,12 +712,11 @@ typedef struct {
 
 static inline int run_chunks(const Run *run) { return (int)((run->keys + CHUNK - 1) / CHUNK); }
 
-/* Chunk c of a run: its rows' slots, none prefetched yet. */
+/* Chunk c of a run: its rows' slots. */
 static void chunk_rows(Ahead *a, const Run *run, int c, int block_size) {
     int64_t first = (int64_t)c * CHUNK;
     const int64_t *table = run->table;
     a->count = run->keys - first < CHUNK ? (int)(run->keys - first) : CHUNK;
-    a->row = a->line = 0;
     for (int t = 0; t < a->count; t++) {
         int64_t p = first + t;
         a->slots[t] = (size_t)table[p / block_size] * block_size + p % block_size;
@@ -757,13 +761,13 @@ static inline void sum4(const vecf *acc, float *out) {
  * vector loaded (and widened) once for all the heads, each (head, key) its own sum. */
 static inline __attribute__((always_inline)) void score_heads(const float *q, int heads, const void *const *keys,
                                                               int count, int head_dim, float scale,
-                                                              float *scores, Ahead *ahead, int half) {
+                                                              float *scores, const Prefetch *ahead, int half) {
     int whole = head_dim / LANES * LANES;
     for (int t = 0; t < count; t += KEYS) {
         const void *row[KEYS];
         _Pragma("GCC unroll 4") for (int j = 0; j < KEYS; j++) {
             row[j] = keys[t + j < count ? t + j : count - 1];  /* past the end: the last key again, unused */
-            prefetch_ahead(ahead);
+            prefetch_row(ahead, t + j);
         }
         vecf acc[SCORE_HEADS][KEYS];
         _Pragma("GCC unroll 4") for (int g = 0; g < heads; g++)
@@ -790,7 +794,7 @@ static inline __attribute__((always_inline)) void score_heads(const float *q, in
 /* scores [group][CHUNK]: those of the group's query heads q [group, head_dim] over `count` keys;
  * the first ceil(count / KEYS) * KEYS of each written. */
 static void chunk_scores(const float *q, int group, const void *const *keys, int count, int head_dim,
-                         float scale, float *scores, Ahead *ahead, int half) {
+                         float scale, float *scores, const Prefetch *ahead, int half) {
     for (int g = 0; g < group; g += SCORE_HEADS) {
         const float *qg = q + (size_t)g * head_dim;
         float *sg = scores + g * CHUNK;
@@ -809,13 +813,13 @@ static void chunk_scores(const float *q, int group, const void *const *keys, int
  * query heads: each value vector loaded (and widened) once for all of them. */
 static inline __attribute__((always_inline)) void value_heads(const float *weights, int heads, int vecs,
                                                               const void *const *values, int count, int d,
-                                                              float *out, size_t out_stride, Ahead *ahead,
+                                                              float *out, size_t out_stride, const Prefetch *ahead,
                                                               int half) {
     vecf acc[VALUE_HEADS][VALUE_VECS];
     _Pragma("GCC unroll 4") for (int g = 0; g < heads; g++)
         _Pragma("GCC unroll 4") for (int j = 0; j < vecs; j++) acc[g][j] = (vecf){0};
     for (int t = 0; t < count; t++) {
-        prefetch_ahead(ahead);
+        if (ahead) prefetch_row(ahead, t);
         vecf v[VALUE_VECS];
         _Pragma("GCC unroll 4") for (int j = 0; j < vecs; j++) v[j] = load_kv(values[t], d + j * LANES, half);
         _Pragma("GCC unroll 4") for (int g = 0; g < heads; g++) {
@@ -829,12 +833,12 @@ static inline __attribute__((always_inline)) void value_heads(const float *weigh
 
 static inline __attribute__((always_inline)) void value_vecs(const float *weights, int heads, const void *const *values,
                                                              int count, int head_dim, float *out, size_t out_stride,
-                                                             Ahead *ahead, int half) {
+                                                             const Prefetch *ahead, int half) {
     int d = 0;
     for (; d + VALUE_VECS * LANES <= head_dim; d += VALUE_VECS * LANES)
-        value_heads(weights, heads, VALUE_VECS, values, count, d, out, out_stride, ahead, half);
+        value_heads(weights, heads, VALUE_VECS, values, count, d, out, out_stride, d ? NULL : ahead, half);
     for (; d + LANES <= head_dim; d += LANES)
-        value_heads(weights, heads, 1, values, count, d, out, out_stride, ahead, half);
+        value_heads(weights, heads, 1, values, count, d, out, out_stride, d ? NULL : ahead, half);
     for (; d < head_dim; d++)
         for (int g = 0; g < heads; g++) {
             float a = 0.0f;
@@ -846,7 +850,7 @@ static inline __attribute__((always_inline)) void value_vecs(const float *weight
 /* out[g][d] = the sum over t of weights[g][t] * values[t][d] for the group's query heads
  * (weights [group][CHUNK]; out's heads out_stride floats apart). */
 static void chunk_values(const float *weights, int group, const void *const *values, int count, int head_dim,
-                         float *out, size_t out_stride, Ahead *ahead, int half) {
+                         float *out, size_t out_stride, const Prefetch *ahead, int half) {
     for (int g = 0; g < group; g += VALUE_HEADS) {
         const float *wg = weights + g * CHUNK;
         float *og = out + g * out_stride;
@@ -865,8 +869,12 @@ static void chunk_values(const float *weights, int group, const void *const *val
  * head_dim]: their partials [group][2 + head_dim] (max, sum, unnormalised output). */
 static void attention_chunk(const float *q, const void *k_cache, const void *v_cache,
                             const size_t *slots, int count, int h, int group, int num_kv_heads,
-                            int head_dim, float scale, float *partials, Ahead *ahead, int half) {
+                            int head_dim, float scale, float *partials, const Ahead *ahead, int half) {
     size_t element = half ? sizeof(f16) : sizeof(float), row_bytes = element * num_kv_heads * head_dim;
+    Prefetch next_keys = {(const char *)k_cache + element * h * head_dim, ahead->slots, row_bytes,
+                          element * head_dim, ahead->count};
+    Prefetch next_values = next_keys;
+    next_values.rows = (const char *)v_cache + element * h * head_dim;
     const void *keys[CHUNK], *values[CHUNK];
     for (int t = 0; t < count; t++) {
         keys[t] = (const char *)k_cache + slots[t] * row_bytes + element * h * head_dim;
@@ -874,7 +882,7 @@ static void attention_chunk(const float *q, const void *k_cache, const void *v_c
     }
     int padded = (count + LANES - 1) / LANES * LANES;
     float scores[MAX_GROUP * CHUNK] __attribute__((aligned(64)));  /* [group][CHUNK] */
-    chunk_scores(q, group, keys, count, head_dim, scale, scores, ahead, half);
+    chunk_scores(q, group, keys, count, head_dim, scale, scores, &next_keys, half);
     for (int g = 0; g < group; g++) {  /* each head's softmax within the chunk */
         float *partial = partials + (size_t)g * (head_dim + 2), *s = scores + g * CHUNK;
         for (int t = count; t < padded; t++) s[t] = -__builtin_inff();
@@ -895,7 +903,7 @@ static void attention_chunk(const float *q, const void *k_cache, const void *v_c
         partial[0] = top;
         partial[1] = reduce_add(sum);
     }
-    chunk_values(scores, group, values, count, head_dim, partials + 2, head_dim + 2, ahead, half);
+    chunk_values(scores, group, values, count, head_dim, partials + 2, head_dim + 2, &next_values, half);
 }
 
 /* The tasks split across the threads of the enclosing parallel region, ending in its barrier;
@@ -928,18 +936,14 @@ static void paged_decode_attention_team(const float *q, const void *k_cache, con
     int u = 0, c = begin;  /* chunk `begin`: run u's chunk c */
     while (u < num_runs && c >= run_chunks(runs + u)) c -= run_chunks(runs + u++);
     Ahead ahead[2];  /* chunk i's rows: ahead[i % 2]; none until chunk_rows fills one */
-    for (int j = 0; j < 2; j++) {
-        memset(ahead + j, 0, sizeof ahead[j]);
-        ahead[j].k_cache = (const char *)k_cache, ahead[j].v_cache = (const char *)v_cache;
-        ahead[j].row_bytes = (half ? sizeof(f16) : sizeof(float)) * num_kv_heads * head_dim;
-    }
+    ahead[0].count = ahead[1].count = 0;
     if (begin < end) chunk_rows(ahead + begin % 2, runs + u, c, block_size);
     for (int i = begin; i < end; i++) {
         Ahead *current = ahead + i % 2, *next = ahead + (i + 1) % 2;
         const Run *run = runs + u;
         int chunk = c;
         for (c++; u < num_runs && c >= run_chunks(runs + u); c = 0) u++;  /* the next chunk */
-        next->count = next->row = next->line = 0;  /* the stretch's last chunk: nothing to prefetch */
+        next->count = 0;  /* the stretch's last chunk: nothing to prefetch */
         if (i + 1 < end) chunk_rows(next, runs + u, c, block_size);
         for (int r = run->first; r < run->end; r++) {
             int64_t left = context_lens[r] - (int64_t)chunk * CHUNK;  /* this row's keys in the chunk */
