@@ -723,9 +723,11 @@ static void chunk_rows(Ahead *a, const Run *run, int c, int block_size) {
     }
 }
 
-/* out[j] = the sum of acc[j]'s lanes, for 4 vectors: the lanes added in pairs as reduce_add adds
- * them (AVX-512: lanes i and i + 8, then i + 4, i + 2, i + 1), four vectors in each shuffle. */
-static inline void sum4(const vecf *acc, float *out) {
+typedef float vec4 __attribute__((vector_size(16)));
+
+/* The sums of acc[0..3]'s lanes: the lanes added in pairs as reduce_add adds them (AVX-512: lanes
+ * i and i + 8, then i + 4, i + 2, i + 1), four vectors in each shuffle. */
+static inline vec4 sum4(const vecf *acc) {
 #if defined(__AVX512F__)
     __m512 a = (__m512)acc[0], b = (__m512)acc[1], c = (__m512)acc[2], d = (__m512)acc[3];
     __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xee));
@@ -734,13 +736,26 @@ static inline void sum4(const vecf *acc, float *out) {
     s = _mm512_add_ps(s, _mm512_permute_ps(s, 0x4e));
     s = _mm512_add_ps(s, _mm512_permute_ps(s, 0xb1));
     s = _mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), s);
-    _mm_storeu_ps(out, _mm512_castps512_ps128(s));
+    return (vec4)_mm512_castps512_ps128(s);
 #elif defined(__AVX2__) && H == 2
     __m256 h01 = _mm256_hadd_ps((__m256)acc[0], (__m256)acc[1]), h23 = _mm256_hadd_ps((__m256)acc[2], (__m256)acc[3]);
     __m256 h = _mm256_hadd_ps(h01, h23);
-    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    return (vec4)_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 #else
-    for (int j = 0; j < 4; j++) out[j] = reduce_add(acc[j]);
+    return (vec4){reduce_add(acc[0]), reduce_add(acc[1]), reduce_add(acc[2]), reduce_add(acc[3])};
+#endif
+}
+
+/* A vector of x in every lane. */
+static inline vecf splat(float x) {
+#if defined(__AVX512F__)
+    return (vecf)_mm512_set1_ps(x);
+#elif defined(__AVX__)
+    return (vecf)_mm256_set1_ps(x);
+#else
+    vecf v;
+    for (int i = 0; i < LANES; i++) v[i] = x;
+    return v;
 #endif
 }
 
@@ -781,12 +796,11 @@ static inline __attribute__((always_inline)) void score_heads(const float *q, in
             }
         }
         _Pragma("GCC unroll 4") for (int g = 0; g < heads; g++) {
-            float sums[KEYS], *s = scores + g * CHUNK + t;
-            sum4(acc[g], sums);
-            for (int j = 0; j < KEYS; j++) {
-                for (int d = whole; d < head_dim; d++) sums[j] += q[(size_t)g * head_dim + d] * kv_at(row[j], d, half);
-                s[j] = sums[j] * scale;
-            }
+            vec4 sums = sum4(acc[g]);
+            for (int d = whole; d < head_dim; d++)
+                for (int j = 0; j < KEYS; j++) sums[j] += q[(size_t)g * head_dim + d] * kv_at(row[j], d, half);
+            sums *= scale;
+            memcpy(scores + g * CHUNK + t, &sums, sizeof sums);
         }
     }
 }
@@ -823,7 +837,7 @@ static inline __attribute__((always_inline)) void value_heads(const float *weigh
         vecf v[VALUE_VECS];
         _Pragma("GCC unroll 4") for (int j = 0; j < vecs; j++) v[j] = load_kv(values[t], d + j * LANES, half);
         _Pragma("GCC unroll 4") for (int g = 0; g < heads; g++) {
-            vecf w = (vecf){0} + weights[g * CHUNK + t];
+            vecf w = splat(weights[g * CHUNK + t]);
             _Pragma("GCC unroll 4") for (int j = 0; j < vecs; j++) acc[g][j] += w * v[j];
         }
     }
