@@ -785,12 +785,11 @@ void ragspeed_gemv_kmix(const int8_t *w, const float *scale, const float *bias, 
  * run together, so a chunk is read from memory once for all of them. A row's chunks depend only
  * on its own context length, so its result is the same in any batch and on any thread count.
  *
- * Scores take eight keys at a time (eight sums in registers, one load of the query for all),
- * value sums four vectors of the output at a time. SmolLM2-135M's shape, every layer in turn
- * (K/V far beyond the caches), 2 threads, the 2-core Zen 3; before, a task per (sequence, KV
- * head), each score one chain of FMAs and a horizontal sum, the value sums through memory:
- * - one row: 256 keys 7.4 -> 2.0 ms a step, 2,048 keys 67 -> 11 ms;
- * - five rows of one verification at 2,048 keys: 173 -> 18 ms.
+ * A KV head's key and value rows are read once for its whole group of query heads: scores take
+ * four keys by up to four query heads at a time (their sums in registers, each key vector
+ * loaded and widened once for all), value sums a few vectors of the output by up to four query
+ * heads. Each (query head, key) sum and each output element adds its terms in the order it
+ * would alone, so grouping the heads does not change a bit.
  */
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
@@ -808,15 +807,6 @@ static inline float reduce_add(vecf v) {
     for (int i = 0; i < LANES; i++) s += v[i];
     return s;
 #endif
-}
-
-static inline float dot_kv(const float *a, const void *row, int d, int half) {
-    vecf acc = {0};
-    int i = 0;
-    for (; i + LANES <= d; i += LANES) acc += loadv_f32(a + i) * load_kv(row, i, half);
-    float s = reduce_add(acc);
-    for (; i < d; i++) s += a[i] * kv_at(row, i, half);
-    return s;
 }
 
 /* e^x for x <= 0 (scores minus their maximum), a vector at a time: x = n ln2 + r, |r| <= ln2 / 2,
@@ -838,55 +828,26 @@ static size_t attention_partials(int num_seqs, int num_heads, int head_dim, int6
     return (size_t)num_seqs * num_heads * ((longest + CHUNK - 1) / CHUNK) * (head_dim + 2);
 }
 
-/* out[j] = the sum of acc[j]'s lanes, for 8 vectors. */
-static inline void sum8(const vecf *acc, float *out) {
-#if defined(__AVX2__) && H == 2
-    __m256 h01 = _mm256_hadd_ps((__m256)acc[0], (__m256)acc[1]), h23 = _mm256_hadd_ps((__m256)acc[2], (__m256)acc[3]);
-    __m256 h45 = _mm256_hadd_ps((__m256)acc[4], (__m256)acc[5]), h67 = _mm256_hadd_ps((__m256)acc[6], (__m256)acc[7]);
-    __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
-    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20),
-                                        _mm256_permute2f128_ps(h0123, h4567, 0x31)));
-#else
-    for (int j = 0; j < 8; j++) out[j] = reduce_add(acc[j]);
-#endif
-}
-
-/* scores[t] = q . keys[t] * scale: eight keys at a time, each with its own sum (one load of
- * a q vector serves eight products). */
-static void chunk_scores(const float *q, const void *const *keys, int count, int head_dim,
-                         float scale, float *scores, int half) {
-    int t = 0, whole = head_dim / LANES * LANES;
-    for (; t + 8 <= count; t += 8) {
-        vecf acc[8];
-        _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) acc[j] = (vecf){0};
-        for (int d = 0; d < whole; d += LANES) {
-            vecf qv = loadv_f32(q + d);
-            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) acc[j] += qv * load_kv(keys[t + j], d, half);
-        }
-        sum8(acc, scores + t);
-        for (int j = 0; j < 8; j++) {
-            for (int d = whole; d < head_dim; d++) scores[t + j] += q[d] * kv_at(keys[t + j], d, half);
-            scores[t + j] *= scale;
-        }
-    }
-    for (; t < count; t++) scores[t] = dot_kv(q, keys[t], head_dim, half) * scale;
-}
-
-/* The next chunk's rows (keys and values, every head), prefetched a line of each per call while
- * the thread computes the current one, so that the prefetches spread over the arithmetic (all
- * 1,536 of a chunk's lines prefetched at its start measured no faster than none at all). */
+/* The next chunk's slots, and a KV head's part of them in one cache (`rows`: the cache plus the
+ * head's offset), prefetched into L2 a key at a time while the thread computes the same key of
+ * the current chunk: the prefetches spread over the arithmetic (all of a chunk's lines
+ * prefetched at its start are no faster than none at all). */
 typedef struct {
-    const char *k_cache, *v_cache;
-    size_t row_bytes, slots[CHUNK];
-    int count, row, line; /* the next chunk's rows; the next line to prefetch */
+    size_t slots[CHUNK];
+    int count;
 } Ahead;
 
-static inline void prefetch_ahead(Ahead *a) {
-    if (a->row >= a->count) return;
-    size_t offset = a->slots[a->row] * a->row_bytes + (size_t)a->line * 64;
-    __builtin_prefetch(a->k_cache + offset);
-    __builtin_prefetch(a->v_cache + offset);
-    if ((size_t)++a->line * 64 >= a->row_bytes) a->line = 0, a->row++;
+typedef struct {
+    const char *rows;
+    const size_t *slots;
+    size_t row_bytes, bytes;  /* a slot's row in the cache; the head's part of it */
+    int count;
+} Prefetch;
+
+static inline void prefetch_row(const Prefetch *p, int t) {
+    if (t >= p->count) return;
+    const char *row = p->rows + p->slots[t] * p->row_bytes;
+    for (size_t offset = 0; offset < p->bytes; offset += 64) __builtin_prefetch(row + offset, 0, 2);
 }
 
 /* Rows [first, end) of a step over one context: `keys` keys in the blocks of `table` (its last
@@ -899,43 +860,170 @@ typedef struct {
 
 static inline int run_chunks(const Run *run) { return (int)((run->keys + CHUNK - 1) / CHUNK); }
 
-/* Chunk c of a run: its rows' slots, none prefetched yet. */
+/* Chunk c of a run: its rows' slots. */
 static void chunk_rows(Ahead *a, const Run *run, int c, int block_size) {
     int64_t first = (int64_t)c * CHUNK;
     const int64_t *table = run->table;
     a->count = run->keys - first < CHUNK ? (int)(run->keys - first) : CHUNK;
-    a->row = a->line = 0;
     for (int t = 0; t < a->count; t++) {
         int64_t p = first + t;
         a->slots[t] = (size_t)table[p / block_size] * block_size + p % block_size;
     }
 }
 
-/* out[d] = sum over t of weights[t] * values[t][d]: four vectors of out at a time in registers. */
-static void chunk_values(const float *weights, const void *const *values, int count, int head_dim,
-                         float *out, Ahead *ahead, int half) {
-    int d = 0;
-    for (; d + 4 * LANES <= head_dim; d += 4 * LANES) {
-        vecf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-        for (int t = 0; t < count; t++) {
-            prefetch_ahead(ahead);
-            const void *v = values[t];
-            vecf w = (vecf){0} + weights[t];
-            a0 += w * load_kv(v, d, half); a1 += w * load_kv(v, d + LANES, half);
-            a2 += w * load_kv(v, d + 2 * LANES, half); a3 += w * load_kv(v, d + 3 * LANES, half);
+typedef float vec4 __attribute__((vector_size(16)));
+
+/* The sums of acc[0..3]'s lanes: the lanes added in pairs as reduce_add adds them (AVX-512: lanes
+ * i and i + 8, then i + 4, i + 2, i + 1), four vectors in each shuffle. */
+static inline vec4 sum4(const vecf *acc) {
+#if defined(__AVX512F__)
+    __m512 a = (__m512)acc[0], b = (__m512)acc[1], c = (__m512)acc[2], d = (__m512)acc[3];
+    __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xee));
+    __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xee));
+    __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xdd));
+    s = _mm512_add_ps(s, _mm512_permute_ps(s, 0x4e));
+    s = _mm512_add_ps(s, _mm512_permute_ps(s, 0xb1));
+    s = _mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), s);
+    return (vec4)_mm512_castps512_ps128(s);
+#elif defined(__AVX2__) && H == 2
+    __m256 h01 = _mm256_hadd_ps((__m256)acc[0], (__m256)acc[1]), h23 = _mm256_hadd_ps((__m256)acc[2], (__m256)acc[3]);
+    __m256 h = _mm256_hadd_ps(h01, h23);
+    return (vec4)_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+#else
+    return (vec4){reduce_add(acc[0]), reduce_add(acc[1]), reduce_add(acc[2]), reduce_add(acc[3])};
+#endif
+}
+
+/* A vector of x in every lane. */
+static inline vecf splat(float x) {
+#if defined(__AVX512F__)
+    return (vecf)_mm512_set1_ps(x);
+#elif defined(__AVX__)
+    return (vecf)_mm256_set1_ps(x);
+#else
+    vecf v;
+    for (int i = 0; i < LANES; i++) v[i] = x;
+    return v;
+#endif
+}
+
+/* Query heads per pass over the keys or values (their sums in registers): KEYS keys by SCORE_HEADS
+ * heads of scores, VALUE_VECS vectors of the output by VALUE_HEADS heads of value sums. */
+#define KEYS 4
+#if H == 1
+#define SCORE_HEADS 4
+#define VALUE_HEADS 4
+#define VALUE_VECS 4
+#else
+#define SCORE_HEADS 2
+#define VALUE_HEADS 3
+#define VALUE_VECS 2
+#endif
+
+/* scores[g][t] = q[g] . keys[t] * scale for `heads` query heads, KEYS keys at a time: each key
+ * vector loaded (and widened) once for all the heads, each (head, key) its own sum. */
+static inline __attribute__((always_inline)) void score_heads(const float *q, int heads, const void *const *keys,
+                                                              int count, int head_dim, float scale,
+                                                              float *scores, const Prefetch *ahead, int half) {
+    int whole = head_dim / LANES * LANES;
+    for (int t = 0; t < count; t += KEYS) {
+        const void *row[KEYS];
+        _Pragma("GCC unroll 4") for (int j = 0; j < KEYS; j++) {
+            row[j] = keys[t + j < count ? t + j : count - 1];  /* past the end: the last key again, unused */
+            prefetch_row(ahead, t + j);
         }
-        storev_f32(out + d, a0); storev_f32(out + d + LANES, a1);
-        storev_f32(out + d + 2 * LANES, a2); storev_f32(out + d + 3 * LANES, a3);
+        vecf acc[SCORE_HEADS][KEYS];
+        _Pragma("GCC unroll 4") for (int g = 0; g < heads; g++)
+            _Pragma("GCC unroll 4") for (int j = 0; j < KEYS; j++) acc[g][j] = (vecf){0};
+        for (int d = 0; d < whole; d += LANES) {
+            vecf k[KEYS];
+            _Pragma("GCC unroll 4") for (int j = 0; j < KEYS; j++) k[j] = load_kv(row[j], d, half);
+            _Pragma("GCC unroll 4") for (int g = 0; g < heads; g++) {
+                vecf qv = loadv_f32(q + (size_t)g * head_dim + d);
+                _Pragma("GCC unroll 4") for (int j = 0; j < KEYS; j++) acc[g][j] += qv * k[j];
+            }
+        }
+        _Pragma("GCC unroll 4") for (int g = 0; g < heads; g++) {
+            vec4 sums = sum4(acc[g]);
+            for (int d = whole; d < head_dim; d++)
+                for (int j = 0; j < KEYS; j++) sums[j] += q[(size_t)g * head_dim + d] * kv_at(row[j], d, half);
+            sums *= scale;
+            memcpy(scores + g * CHUNK + t, &sums, sizeof sums);
+        }
     }
-    for (; d + LANES <= head_dim; d += LANES) {
-        vecf a = {0};
-        for (int t = 0; t < count; t++) a += ((vecf){0} + weights[t]) * load_kv(values[t], d, half);
-        storev_f32(out + d, a);
+}
+
+/* scores [group][CHUNK]: those of the group's query heads q [group, head_dim] over `count` keys;
+ * the first ceil(count / KEYS) * KEYS of each written. */
+static void chunk_scores(const float *q, int group, const void *const *keys, int count, int head_dim,
+                         float scale, float *scores, const Prefetch *ahead, int half) {
+    for (int g = 0; g < group; g += SCORE_HEADS) {
+        const float *qg = q + (size_t)g * head_dim;
+        float *sg = scores + g * CHUNK;
+        switch (group - g < SCORE_HEADS ? group - g : SCORE_HEADS) {
+#if SCORE_HEADS > 3
+        case 4: score_heads(qg, 4, keys, count, head_dim, scale, sg, ahead, half); break;
+#endif
+        case 3: score_heads(qg, 3, keys, count, head_dim, scale, sg, ahead, half); break;
+        case 2: score_heads(qg, 2, keys, count, head_dim, scale, sg, ahead, half); break;
+        default: score_heads(qg, 1, keys, count, head_dim, scale, sg, ahead, half); break;
+        }
     }
-    for (; d < head_dim; d++) {
-        float a = 0.0f;
-        for (int t = 0; t < count; t++) a += weights[t] * kv_at(values[t], d, half);
-        out[d] = a;
+}
+
+/* out[g][d .. d + vecs * LANES) = the sum over t of weights[g][t] * values[t][d ..] for `heads`
+ * query heads: each value vector loaded (and widened) once for all of them. */
+static inline __attribute__((always_inline)) void value_heads(const float *weights, int heads, int vecs,
+                                                              const void *const *values, int count, int d,
+                                                              float *out, size_t out_stride, const Prefetch *ahead,
+                                                              int half) {
+    vecf acc[VALUE_HEADS][VALUE_VECS];
+    _Pragma("GCC unroll 4") for (int g = 0; g < heads; g++)
+        _Pragma("GCC unroll 4") for (int j = 0; j < vecs; j++) acc[g][j] = (vecf){0};
+    for (int t = 0; t < count; t++) {
+        if (ahead) prefetch_row(ahead, t);
+        vecf v[VALUE_VECS];
+        _Pragma("GCC unroll 4") for (int j = 0; j < vecs; j++) v[j] = load_kv(values[t], d + j * LANES, half);
+        _Pragma("GCC unroll 4") for (int g = 0; g < heads; g++) {
+            vecf w = splat(weights[g * CHUNK + t]);
+            _Pragma("GCC unroll 4") for (int j = 0; j < vecs; j++) acc[g][j] += w * v[j];
+        }
+    }
+    _Pragma("GCC unroll 4") for (int g = 0; g < heads; g++)
+        _Pragma("GCC unroll 4") for (int j = 0; j < vecs; j++) storev_f32(out + g * out_stride + d + j * LANES, acc[g][j]);
+}
+
+static inline __attribute__((always_inline)) void value_vecs(const float *weights, int heads, const void *const *values,
+                                                             int count, int head_dim, float *out, size_t out_stride,
+                                                             const Prefetch *ahead, int half) {
+    int d = 0;
+    for (; d + VALUE_VECS * LANES <= head_dim; d += VALUE_VECS * LANES)
+        value_heads(weights, heads, VALUE_VECS, values, count, d, out, out_stride, d ? NULL : ahead, half);
+    for (; d + LANES <= head_dim; d += LANES)
+        value_heads(weights, heads, 1, values, count, d, out, out_stride, d ? NULL : ahead, half);
+    for (; d < head_dim; d++)
+        for (int g = 0; g < heads; g++) {
+            float a = 0.0f;
+            for (int t = 0; t < count; t++) a += weights[g * CHUNK + t] * kv_at(values[t], d, half);
+            out[g * out_stride + d] = a;
+        }
+}
+
+/* out[g][d] = the sum over t of weights[g][t] * values[t][d] for the group's query heads
+ * (weights [group][CHUNK]; out's heads out_stride floats apart). */
+static void chunk_values(const float *weights, int group, const void *const *values, int count, int head_dim,
+                         float *out, size_t out_stride, const Prefetch *ahead, int half) {
+    for (int g = 0; g < group; g += VALUE_HEADS) {
+        const float *wg = weights + g * CHUNK;
+        float *og = out + g * out_stride;
+        switch (group - g < VALUE_HEADS ? group - g : VALUE_HEADS) {
+#if VALUE_HEADS > 3
+        case 4: value_vecs(wg, 4, values, count, head_dim, og, out_stride, ahead, half); break;
+#endif
+        case 3: value_vecs(wg, 3, values, count, head_dim, og, out_stride, ahead, half); break;
+        case 2: value_vecs(wg, 2, values, count, head_dim, og, out_stride, ahead, half); break;
+        default: value_vecs(wg, 1, values, count, head_dim, og, out_stride, ahead, half); break;
+        }
     }
 }
 
@@ -943,22 +1031,26 @@ static void chunk_values(const float *weights, const void *const *values, int co
  * head_dim]: their partials [group][2 + head_dim] (max, sum, unnormalised output). */
 static void attention_chunk(const float *q, const void *k_cache, const void *v_cache,
                             const size_t *slots, int count, int h, int group, int num_kv_heads,
-                            int head_dim, float scale, float *partials, Ahead *ahead, int half) {
+                            int head_dim, float scale, float *partials, const Ahead *ahead, int half) {
     size_t element = half ? sizeof(f16) : sizeof(float), row_bytes = element * num_kv_heads * head_dim;
+    Prefetch next_keys = {(const char *)k_cache + element * h * head_dim, ahead->slots, row_bytes,
+                          element * head_dim, ahead->count};
+    Prefetch next_values = next_keys;
+    next_values.rows = (const char *)v_cache + element * h * head_dim;
     const void *keys[CHUNK], *values[CHUNK];
     for (int t = 0; t < count; t++) {
         keys[t] = (const char *)k_cache + slots[t] * row_bytes + element * h * head_dim;
         values[t] = (const char *)v_cache + slots[t] * row_bytes + element * h * head_dim;
     }
     int padded = (count + LANES - 1) / LANES * LANES;
-    float scores[CHUNK] __attribute__((aligned(64)));
-    for (int g = 0; g < group; g++) {
-        float *partial = partials + (size_t)g * (head_dim + 2);
-        chunk_scores(q + (size_t)g * head_dim, keys, count, head_dim, scale, scores, half);
-        for (int t = count; t < padded; t++) scores[t] = -__builtin_inff();
-        vecf tops = loadv_f32(scores);  /* count >= 1 */
+    float scores[MAX_GROUP * CHUNK] __attribute__((aligned(64)));  /* [group][CHUNK] */
+    chunk_scores(q, group, keys, count, head_dim, scale, scores, &next_keys, half);
+    for (int g = 0; g < group; g++) {  /* each head's softmax within the chunk */
+        float *partial = partials + (size_t)g * (head_dim + 2), *s = scores + g * CHUNK;
+        for (int t = count; t < padded; t++) s[t] = -__builtin_inff();
+        vecf tops = loadv_f32(s);  /* count >= 1 */
         for (int t = LANES; t < padded; t += LANES) {
-            vecf x = loadv_f32(scores + t);
+            vecf x = loadv_f32(s + t);
             veci larger = x > tops;
             tops = (vecf)(((veci)x & larger) | ((veci)tops & ~larger));
         }
@@ -966,14 +1058,14 @@ static void attention_chunk(const float *q, const void *k_cache, const void *v_c
         for (int i = 0; i < LANES; i++) top = tops[i] > top ? tops[i] : top;
         vecf sum = {0};
         for (int t = 0; t < padded; t += LANES) {
-            vecf e = exp_nonpositive(loadv_f32(scores + t) - top);
-            storev_f32(scores + t, e);
+            vecf e = exp_nonpositive(loadv_f32(s + t) - top);
+            storev_f32(s + t, e);
             sum += e;
         }
         partial[0] = top;
         partial[1] = reduce_add(sum);
-        chunk_values(scores, values, count, head_dim, partial + 2, ahead, half);
     }
+    chunk_values(scores, group, values, count, head_dim, partials + 2, head_dim + 2, &next_values, half);
 }
 
 /* The tasks split across the threads of the enclosing parallel region, ending in its barrier;
@@ -1006,18 +1098,14 @@ static void paged_decode_attention_team(const float *q, const void *k_cache, con
     int u = 0, c = begin;  /* chunk `begin`: run u's chunk c */
     while (u < num_runs && c >= run_chunks(runs + u)) c -= run_chunks(runs + u++);
     Ahead ahead[2];  /* chunk i's rows: ahead[i % 2]; none until chunk_rows fills one */
-    for (int j = 0; j < 2; j++) {
-        memset(ahead + j, 0, sizeof ahead[j]);
-        ahead[j].k_cache = (const char *)k_cache, ahead[j].v_cache = (const char *)v_cache;
-        ahead[j].row_bytes = (half ? sizeof(f16) : sizeof(float)) * num_kv_heads * head_dim;
-    }
+    ahead[0].count = ahead[1].count = 0;
     if (begin < end) chunk_rows(ahead + begin % 2, runs + u, c, block_size);
     for (int i = begin; i < end; i++) {
         Ahead *current = ahead + i % 2, *next = ahead + (i + 1) % 2;
         const Run *run = runs + u;
         int chunk = c;
         for (c++; u < num_runs && c >= run_chunks(runs + u); c = 0) u++;  /* the next chunk */
-        next->count = next->row = next->line = 0;  /* the stretch's last chunk: nothing to prefetch */
+        next->count = 0;  /* the stretch's last chunk: nothing to prefetch */
         if (i + 1 < end) chunk_rows(next, runs + u, c, block_size);
         for (int r = run->first; r < run->end; r++) {
             int64_t left = context_lens[r] - (int64_t)chunk * CHUNK;  /* this row's keys in the chunk */

@@ -257,6 +257,53 @@ def check_decode_attention(score_scale, block_size, head_dim, kv_dtype=torch.flo
         assert torch.equal(together[i], row[0])
 
 
+def check_every_group_size(kv_dtype, head_dim=64, block_size=16):
+    """Query heads per KV head 1 to 5, contexts of odd lengths across block and chunk boundaries
+    in one batch: each row equals softmax(q K^T) V of the pool's keys and values widened to fp32,
+    and has the bits it has alone."""
+    from ragspeed.engine.cpu_kernels.attention import paged_decode_attention
+
+    gen = torch.Generator().manual_seed(5)
+    lengths = [1, 3, 15, 17, 63, 65, 127, 131, 333]
+    num_kv_heads, score_scale = 2, head_dim**-0.5
+    num_blocks = -(-max(lengths) // block_size)
+    pool_blocks = num_blocks + 5
+    tables = torch.stack([torch.randperm(pool_blocks, generator=gen)[:num_blocks] for _ in lengths])
+    lens = torch.tensor(lengths)
+    k_cache = torch.randn(pool_blocks * block_size, num_kv_heads, head_dim, generator=gen).to(kv_dtype)
+    v_cache = torch.randn(pool_blocks * block_size, num_kv_heads, head_dim, generator=gen).to(kv_dtype)
+    for group in (1, 2, 3, 4, 5):
+        num_heads = group * num_kv_heads
+        q = torch.randn(len(lengths), num_heads, head_dim, generator=gen) * 2
+        out = paged_decode_attention(q, k_cache, v_cache, tables, lens, block_size, score_scale, 2)
+        for i, (table, n) in enumerate(zip(tables, lengths)):
+            slots = (table[:, None] * block_size + torch.arange(block_size)).flatten()[:n]
+            keys = k_cache[slots].float().repeat_interleave(group, dim=1)  # [n, H, D]
+            values = v_cache[slots].float().repeat_interleave(group, dim=1)
+            weights = (torch.einsum("hd,thd->ht", q[i], keys) * score_scale).softmax(-1)
+            expected = torch.einsum("ht,thd->hd", weights, values)
+            torch.testing.assert_close(out[i], expected, rtol=1e-4, atol=1e-5, msg=f"group {group}, {n} keys")
+            alone = paged_decode_attention(
+                q[i : i + 1], k_cache, v_cache, tables[i : i + 1], lens[i : i + 1], block_size, score_scale
+            )
+            assert torch.equal(alone[0], out[i]), f"group {group}, {n} keys"
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("head_dim, block_size", [(64, 16), (40, 5)])
+def test_decode_attention_for_every_group_size(kv_dtype, head_dim, block_size):
+    check_every_group_size(kv_dtype, head_dim, block_size)
+
+
+@pytest.mark.parametrize("without", ["-mno-avx512f", "-mno-avx2"])
+def test_decode_attention_for_every_group_size_without_avx512_or_avx2(fresh_build, monkeypatch, without):
+    """Built without AVX-512 (its AVX2 sums) or without AVX2 (plain C), the same attention."""
+    monkeypatch.setattr(build, "FLAGS", build.FLAGS + (without,))
+    for kv_dtype in (torch.float32, torch.float16):
+        check_every_group_size(kv_dtype)
+        check_every_group_size(kv_dtype, head_dim=40, block_size=5)
+
+
 @pytest.mark.parametrize("rows, dim", [(1, 576), (3, 37), (100, 64)])  # 100 rows: threaded
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_add_rms_norm_equals_torch(rows, dim, with_residual):
