@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -59,7 +59,7 @@ def _k_quant(kind: str, in_features: int, out_features: int, gen: torch.Generato
     return q, torch.randn(out_features, in_features // Q6K_STEP, generator=gen) * 0.003
 
 
-def _per_product(products: list[Callable[[], object]], repeats: int) -> float:
+def _per_product(products: Sequence[Callable[[], object]], repeats: int) -> float:
     """Median seconds a product over `repeats` cycles through `products`, after one cycle."""
     for product in products:
         product()
