@@ -55,7 +55,7 @@ class ModelRunner:
         may be a buffer the next step overwrites."""
         bs = self.block_size
         input_ids: list[int] = []
-        positions: list[int] = []
+        position_spans: list[tuple[int, int]] = []  # (first position, count), in batch order
         slot_mapping: list[int] = []
         sample_index: list[int] = []
         for chunk in output.chunks:
@@ -65,17 +65,17 @@ class ModelRunner:
             if chunk.positions:  # scattered: an assembled request's fresh tokens
                 token_ids = chunk.request.all_token_ids
                 input_ids.extend(token_ids[p] for p in chunk.positions)
-                positions.extend(chunk.positions)
+                position_spans.extend((p, 1) for p in chunk.positions)
                 slot_mapping.extend(slots_at(table, chunk.positions, bs))
             else:
                 input_ids.extend(chunk.request.all_token_ids[start : end - len(drafts)])
                 input_ids.extend(drafts)
-                positions.extend(range(start, end))
+                position_spans.append((start, end - start))
                 slot_mapping.extend(slots(table, start, end, bs))
             if chunk.samples:
                 last = len(input_ids) - 1
                 sample_index.extend(range(last - len(drafts), last + 1))
-        ids, freqs_cis, slots_t = self.buffers.tokens(input_ids, positions, slot_mapping)
+        ids, freqs_cis, slots_t = self.buffers.tokens(input_ids, slot_mapping, position_spans)
         meta = self._metadata(output, self._on_device(slots_t))
         ids, freqs_cis = self._on_device(ids), self._on_device(freqs_cis)
         chunk_sizes = [c.num_tokens for c in output.chunks]

@@ -4,8 +4,9 @@ A decode step of a small model on a CPU is short, so what surrounds the kernels'
 every fresh tensor (`torch.tensor` of a list, `torch.empty`) and every torch op costs
 microseconds, and several times more right after the call has streamed the weights through
 the caches. So the model runner's per-step inputs live in buffers allocated once and grown
-when a step needs more rows: lists are written through numpy views of the buffers (no torch
-op), and the tensor views a step hands on are made once per row count.
+when a step needs more rows: lists are written through ctypes arrays over the buffers' memory
+(no torch op; numpy's assignment costs twice as much there), and the tensor views a step hands
+on are made once per row count.
 
 Block tables are written incrementally: each row remembers the table last written to it; a
 table that is the same object (the manager's tuple of an unchanged table:
@@ -17,6 +18,7 @@ valid blocks) is never read unmasked.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 
 import torch
@@ -24,15 +26,14 @@ import torch
 
 class RowBuffer:
     """A CPU tensor `[capacity, *row_shape]` kept across steps; `rows(n)` is a view of its
-    first n rows (the same view object for the same n), `array` a numpy view of all of it."""
+    first n rows (the same view object for the same n); `words`, for an int64 buffer, a ctypes
+    array over all its elements."""
 
     def __init__(self, row_shape: tuple[int, ...], dtype: torch.dtype):
         self.row_shape = row_shape
         self.dtype = dtype
-        self.capacity = 0
-        self.tensor = torch.zeros(0, *row_shape, dtype=dtype)
-        self.array = self.tensor.numpy()
-        self._views: dict[int, torch.Tensor] = {}
+        self.capacity = -1
+        self.reserve(0)
 
     def reserve(self, num_rows: int) -> bool:
         """Room for `num_rows` rows; True when the buffer was replaced (by zeros)."""
@@ -40,8 +41,12 @@ class RowBuffer:
             return False
         self.capacity = max(num_rows, 2 * self.capacity)
         self.tensor = torch.zeros(self.capacity, *self.row_shape, dtype=self.dtype)
-        self.array = self.tensor.numpy()
-        self._views = {}
+        self.address = self.tensor.data_ptr()
+        self.row_bytes = self.tensor[0].nbytes if self.capacity else 0
+        self.words = None
+        if self.dtype == torch.long:
+            self.words = (ctypes.c_int64 * self.tensor.numel()).from_address(self.address)
+        self._views: dict[int, torch.Tensor] = {}
         return True
 
     def rows(self, num_rows: int) -> torch.Tensor:
@@ -59,27 +64,41 @@ class StepBuffers:
 
     def __init__(self, rotations: torch.Tensor, block_size: int):
         # [max_positions, head_dim/2] complex64: RotaryEmbedding.freqs_cis, read on the CPU.
-        table = rotations.cpu()
-        self._rotation_table = table.numpy()
+        self._rotation_table = rotations.cpu().contiguous()
+        self._num_positions, half = self._rotation_table.shape
+        self._rotation_address = self._rotation_table.data_ptr()
         self.token_ids = RowBuffer((), torch.long)
         self.slot_mapping = RowBuffer((), torch.long)
-        self.rotations = RowBuffer((1, table.shape[1]), table.dtype)  # [n, 1, head_dim/2]
+        self.rotations = RowBuffer((1, half), self._rotation_table.dtype)  # [n, 1, head_dim/2]
         self.context_lens = RowBuffer((), torch.long)
-        self._table_width = -(-table.shape[0] // block_size)
+        self._table_width = -(-self._num_positions // block_size)
         self.block_tables = RowBuffer((self._table_width,), torch.long)
         self._written: list[Sequence[int]] = []  # the table last written to each row
 
     def tokens(
-        self, token_ids: Sequence[int], positions: Sequence[int], slot_mapping: Sequence[int]
+        self,
+        token_ids: Sequence[int],
+        slot_mapping: Sequence[int],
+        position_spans: Sequence[tuple[int, int]],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The step's tokens: ids [n] int64, rotations [n, 1, head_dim/2] (as
-        RotaryEmbedding.lookup gives them) and slots [n] int64."""
+        RotaryEmbedding.lookup gives them) and slots [n] int64. `position_spans`: the tokens'
+        positions in order, as (first position, number of consecutive positions)."""
         n = len(token_ids)
         for buffer in (self.token_ids, self.slot_mapping, self.rotations):
             buffer.reserve(n)
-        self.token_ids.array[:n] = token_ids
-        self.slot_mapping.array[:n] = slot_mapping
-        self.rotations.array[:n, 0] = self._rotation_table[positions]
+        self.token_ids.words[:n] = token_ids
+        self.slot_mapping.words[:n] = slot_mapping
+        table, row_bytes = self._rotation_address, self.rotations.row_bytes
+        address = self.rotations.address
+        for first, count in position_spans:
+            if not 0 <= first <= first + count <= self._num_positions:
+                raise IndexError(
+                    f"positions {first}..{first + count} past the {self._num_positions} rotations"
+                )
+            ctypes.memmove(address, table + first * row_bytes, count * row_bytes)
+            address += count * row_bytes
+        assert address == self.rotations.address + n * row_bytes, "the spans do not cover the tokens"
         return self.token_ids.rows(n), self.rotations.rows(n), self.slot_mapping.rows(n)
 
     def kernel_rows(
@@ -95,16 +114,16 @@ class StepBuffers:
         if self.block_tables.reserve(n):
             self._written = [()] * self.block_tables.capacity
         self.context_lens.reserve(n)
-        self.context_lens.array[:n] = context_lens
-        array, written = self.block_tables.array, self._written
+        self.context_lens.words[:n] = context_lens
+        words, written, width = self.block_tables.words, self._written, self._table_width
         for row, table in enumerate(tables):
             before = written[row]
             if table is before:
                 continue
-            num_kept = len(before)
+            start, num_kept = row * width, len(before)
             if len(table) >= num_kept and table[:num_kept] == before:  # it gained blocks
-                array[row, num_kept : len(table)] = table[num_kept:]
+                words[start + num_kept : start + len(table)] = table[num_kept:]
             else:
-                array[row, : len(table)] = table
+                words[start : start + len(table)] = table
             written[row] = table
         return self.block_tables.rows(n), self.context_lens.rows(n)

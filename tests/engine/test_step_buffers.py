@@ -3,6 +3,7 @@ step's batch, whatever was written before, as the batch grows, shrinks and chang
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ragspeed.engine.models.rotary import RotaryEmbedding
@@ -25,12 +26,14 @@ def _rows(buffers: StepBuffers, tables, lens) -> tuple[list[list[int]], list[int
 
 def test_tokens_are_the_lists_and_their_rotations():
     buffers, rotary = _buffers()
-    ids, rotations, slot_mapping = buffers.tokens([7, 8, 9], [3, 0, 17], [11, 4, 30])
-    assert ids.tolist() == [7, 8, 9] and ids.dtype == torch.long
-    assert slot_mapping.tolist() == [11, 4, 30]
-    assert torch.equal(rotations, rotary.lookup(torch.tensor([3, 0, 17])))
-    ids, rotations, _ = buffers.tokens([5], [9], [2])  # fewer tokens: the first rows only
+    ids, rotations, slot_mapping = buffers.tokens([7, 8, 9, 6], [11, 4, 30, 31], [(3, 1), (16, 3)])
+    assert ids.tolist() == [7, 8, 9, 6] and ids.dtype == torch.long
+    assert slot_mapping.tolist() == [11, 4, 30, 31]
+    assert torch.equal(rotations, rotary.lookup(torch.tensor([3, 16, 17, 18])))
+    ids, rotations, _ = buffers.tokens([5], [2], [(9, 1)])  # fewer tokens: the first rows only
     assert ids.tolist() == [5] and torch.equal(rotations, rotary.lookup(torch.tensor([9])))
+    with pytest.raises(IndexError, match="past the 32 rotations"):
+        buffers.tokens([5, 6], [2, 3], [(31, 2)])
 
 
 def test_block_tables_follow_the_batch_as_it_changes():
@@ -60,6 +63,6 @@ def test_a_row_buffer_hands_the_same_view_until_it_grows():
     assert buffer.reserve(3) and not buffer.reserve(2)
     view = buffer.rows(2)
     assert buffer.rows(2) is view and view.shape == (2, 2)
-    buffer.array[1] = (1.0, 2.0)
+    view[1] = torch.tensor([1.0, 2.0])
     assert view.tolist() == [[0.0, 0.0], [1.0, 2.0]]
     assert buffer.reserve(7) and buffer.capacity == 7 and buffer.rows(2) is not view
