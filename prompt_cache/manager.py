@@ -458,6 +458,7 @@ class KVCacheManager:
             assert len(ids) == len(set(ids)), f"request {request_id!r} holds a block twice"
             holders.update(ids)
             assert state.num_cached_blocks <= len(state.blocks)
+            assert state.table in (None, tuple(ids)), f"request {request_id!r}: block_ids is stale"
         free_set = set(free_ids)
         for block in pool.blocks:
             assert block.ref_cnt >= 0, f"block {block.block_id} has ref_cnt {block.ref_cnt}"
