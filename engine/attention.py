@@ -28,6 +28,7 @@ queries are rows of the decode kernel on CPU, or one SDPA call with the mask of 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -156,6 +157,35 @@ def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return zeros.masked_fill_(~mask, float("-inf"))
 
 
+def decode_kernel_rows(
+    decode_tables: Sequence[Sequence[int]],
+    decode_context_lens: Sequence[int],
+    prefill_tables: Sequence[Sequence[int]],
+    prefill_context_lens: Sequence[int],
+    prefill_num_queries: Sequence[int],
+    prefill_query_positions: Sequence[tuple[int, ...] | None],
+    device: torch.device,
+) -> tuple[list[Sequence[int]], list[int]] | None:
+    """Each query of the flat batch as a row of the decode kernel, (block tables, context
+    lengths), on a CPU when every contiguous chunk is small; else None. A scattered chunk, of any
+    size, is rows too: it reads its context once per chunk of keys there, and SDPA would need a
+    mask as large as its queries times its context."""
+    contiguous = [n for n, p in zip(prefill_num_queries, prefill_query_positions) if p is None]
+    small = prefill_num_queries and (not contiguous or max(contiguous) <= SMALL_CHUNK_QUERIES)
+    if not small or device.type != "cpu":
+        return None
+    tables, lens = list(decode_tables), list(decode_context_lens)
+    for table, context_len, num_queries, positions in zip(
+        prefill_tables, prefill_context_lens, prefill_num_queries, prefill_query_positions
+    ):  # query i of the chunk sees the keys up to its own position
+        if positions is not None:
+            lens += [p + 1 for p in positions]
+        else:
+            lens += range(context_len - num_queries + 1, context_len + 1)
+        tables += [table] * (len(lens) - len(tables))
+    return tables, lens
+
+
 def build_metadata(
     decode_tables: list[list[int]],
     decode_context_lens: list[int],
@@ -181,23 +211,19 @@ def build_metadata(
         decode_tables_t = padded_tables(decode_tables, -(-max_len // block_size), device)
         decode_lens_t = torch.tensor(decode_context_lens, dtype=torch.long, device=device)
     row_tables = row_lens = None
-    # Rows of the decode kernel, on a CPU, when every contiguous chunk is small (a scattered
-    # one, of any size, reads its context once per chunk of keys there, and SDPA would need a
-    # mask as large as its queries times its context).
-    contiguous = [n for n, p in zip(prefill_num_queries, scattered) if p is None]
-    small = prefill_num_queries and (not contiguous or max(contiguous) <= SMALL_CHUNK_QUERIES)
-    if small and torch.device(device).type == "cpu":
-        rows = [(t, n) for t, n in zip(decode_tables, decode_context_lens)]
-        for table, context_len, num_queries, positions in zip(
-            prefill_tables, prefill_context_lens, prefill_num_queries, scattered
-        ):  # query i of the chunk sees the keys up to its own position
-            if positions is not None:
-                rows += [(table, p + 1) for p in positions]
-            else:
-                rows += [(table, context_len - num_queries + i + 1) for i in range(num_queries)]
-        longest = max(n for _, n in rows)
-        row_tables = padded_tables([t for t, _ in rows], -(-longest // block_size), device)
-        row_lens = torch.tensor([n for _, n in rows], dtype=torch.long, device=device)
+    rows = decode_kernel_rows(
+        decode_tables,
+        decode_context_lens,
+        prefill_tables,
+        prefill_context_lens,
+        prefill_num_queries,
+        scattered,
+        torch.device(device),
+    )
+    if rows is not None:
+        tables, lens = rows
+        row_tables = padded_tables([list(t) for t in tables], -(-max(lens) // block_size), device)
+        row_lens = torch.tensor(lens, dtype=torch.long, device=device)
     return AttentionMetadata(
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
         num_decodes=num_decodes,
@@ -248,13 +274,14 @@ def gather_context(
     """cache [num_slots, kv_heads, D], block_tables [n, blocks] -> [n, context_len, kv_heads, D],
     in `dtype` (default the cache's: an fp16 pool is widened for fp32 queries).
 
-    Whole blocks are copied (index_select on the block axis: few, contiguous copies), then the
-    padding past the longest context is cut off.
+    Whole blocks are copied (index_select on the block axis: few, contiguous copies), those
+    the longest context needs (a table may be wider), then the padding past it is cut off.
     """
     num_slots, num_kv_heads, head_dim = cache.shape
     blocks = cache.view(num_slots // block_size, block_size, num_kv_heads, head_dim)
-    n, num_blocks = block_tables.shape
-    gathered = blocks.index_select(0, block_tables.view(-1))
+    n = block_tables.shape[0]
+    num_blocks = -(-context_len // block_size)
+    gathered = blocks.index_select(0, block_tables[:, :num_blocks].reshape(-1))
     context = gathered.view(n, num_blocks * block_size, num_kv_heads, head_dim)[:, :context_len]
     return context if dtype is None else context.to(dtype)
 

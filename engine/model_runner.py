@@ -4,6 +4,8 @@ The flat batch: decode tokens first (one per request), then each prefill chunk's
 every token: its id, its position and its slot (where its K/V goes). Only the chunks that
 reach their request's last token get logits (`[num_sampling_rows, vocab]`, in chunk order): one
 row each, or 1 + k rows for a decode carrying k draft tokens (its last token and every draft).
+The batch and its attention metadata are written into tensors kept across steps
+(engine.step_buffers), so a decode step makes no tensor of its own.
 
 Threads (CPU): the forward pass runs on `num_threads` torch threads (EngineConfig.num_threads,
 by default torch's count when the engine was built), set around each step and restored after;
@@ -17,11 +19,12 @@ from __future__ import annotations
 
 import torch
 
-from ragspeed.engine.attention import build_metadata, slots, slots_at
+from ragspeed.engine.attention import AttentionMetadata, decode_kernel_rows, slots, slots_at
 from ragspeed.engine.kv_cache import KVCachePool
 from ragspeed.engine.models.decoder import DecoderLM
 from ragspeed.engine.models.rotary import RotaryEmbedding
 from ragspeed.engine.scheduler import SchedulerOutput
+from ragspeed.engine.step_buffers import StepBuffers
 from ragspeed.engine.threads import forward_pass
 
 
@@ -40,13 +43,19 @@ class ModelRunner:
         self.kv_pool = kv_pool
         self.block_size = kv_pool.block_size
         self.device = torch.device(device)
+        self.buffers = StepBuffers(rotary.freqs_cis, self.block_size)
+
+    def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A buffer's view (CPU) where the model runs."""
+        return tensor if self.device.type == "cpu" else tensor.to(self.device)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> torch.Tensor | None:
-        """Run one step; logits of the sampling chunks, or None when none samples."""
+        """Run one step; logits of the sampling chunks, or None when none samples. The logits
+        may be a buffer the next step overwrites."""
         bs = self.block_size
         input_ids: list[int] = []
-        positions: list[int] = []
+        position_spans: list[tuple[int, int]] = []  # (first position, count), in batch order
         slot_mapping: list[int] = []
         sample_index: list[int] = []
         for chunk in output.chunks:
@@ -56,38 +65,63 @@ class ModelRunner:
             if chunk.positions:  # scattered: an assembled request's fresh tokens
                 token_ids = chunk.request.all_token_ids
                 input_ids.extend(token_ids[p] for p in chunk.positions)
-                positions.extend(chunk.positions)
+                position_spans.extend((p, 1) for p in chunk.positions)
                 slot_mapping.extend(slots_at(table, chunk.positions, bs))
             else:
                 input_ids.extend(chunk.request.all_token_ids[start : end - len(drafts)])
                 input_ids.extend(drafts)
-                positions.extend(range(start, end))
+                position_spans.append((start, end - start))
                 slot_mapping.extend(slots(table, start, end, bs))
             if chunk.samples:
                 last = len(input_ids) - 1
                 sample_index.extend(range(last - len(drafts), last + 1))
-        meta = build_metadata(
-            decode_tables=[list(c.block_table) for c in output.decodes],
-            decode_context_lens=[c.context_len for c in output.decodes],
-            prefill_tables=[list(c.block_table) for c in output.prefills],
-            prefill_context_lens=[c.context_len for c in output.prefills],
-            prefill_num_queries=[c.num_tokens for c in output.prefills],
-            prefill_query_positions=[c.positions or None for c in output.prefills],
-            slot_mapping=slot_mapping,
-            block_size=bs,
-            device=self.device,
-            dtype=self.model.dtype,
-            num_threads=self.num_threads,
-        )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        ids, freqs_cis, slots_t = self.buffers.tokens(input_ids, slot_mapping, position_spans)
+        meta = self._metadata(output, self._on_device(slots_t))
+        ids, freqs_cis = self._on_device(ids), self._on_device(freqs_cis)
         chunk_sizes = [c.num_tokens for c in output.chunks]
         caches = self.kv_pool.k_caches, self.kv_pool.v_caches
         with forward_pass(chunk_sizes, self.num_threads, self.device):
             if not sample_index:
-                self.model(ids, self.rotary.lookup(pos), *caches, meta)
+                self.model(ids, freqs_cis, *caches, meta)
                 return None
             rows = None
             if len(sample_index) < len(input_ids):
                 rows = torch.tensor(sample_index, device=self.device)
-            return self.model.sample_logits(ids, self.rotary.lookup(pos), *caches, meta, rows)
+            return self.model.sample_logits(ids, freqs_cis, *caches, meta, rows)
+
+    def _metadata(self, output: SchedulerOutput, slot_mapping: torch.Tensor) -> AttentionMetadata:
+        """The step's AttentionMetadata (engine.attention.build_metadata's), its tensors views of
+        the step buffers: the decode rows first in the kernel's rows, then each small chunk's."""
+        decodes, prefills = output.decodes, output.prefills
+        num_decodes = len(decodes)
+        decode_tables = [c.block_table for c in decodes]
+        decode_lens = [c.context_len for c in decodes]
+        prefill_lens = [c.context_len for c in prefills]
+        prefill_queries = [c.num_tokens for c in prefills]
+        scattered = [c.positions or None for c in prefills]
+        rows = decode_kernel_rows(
+            decode_tables,
+            decode_lens,
+            [c.block_table for c in prefills],
+            prefill_lens,
+            prefill_queries,
+            scattered,
+            self.device,
+        )
+        buffers = self.buffers
+        row_tables, row_lens = buffers.kernel_rows(*(rows or (decode_tables, decode_lens)))
+        return AttentionMetadata(
+            slot_mapping=slot_mapping,
+            num_decodes=num_decodes,
+            decode_block_tables=self._on_device(buffers.block_tables.rows(num_decodes)) if decodes else None,
+            decode_context_len=max(decode_lens, default=0),
+            decode_context_lens=self._on_device(buffers.context_lens.rows(num_decodes)) if decodes else None,
+            prefill_chunks=tuple(
+                zip([list(c.block_table) for c in prefills], prefill_lens, prefill_queries, scattered)
+            ),
+            block_size=self.block_size,
+            dtype=self.model.dtype,
+            row_block_tables=None if rows is None else row_tables,
+            row_context_lens=None if rows is None else row_lens,
+            num_threads=self.num_threads,
+        )

@@ -402,7 +402,7 @@ class Scheduler:
             request=request,
             start=request.num_computed_tokens,
             num_tokens=num_new,
-            block_table=tuple(self.manager.block_table(request.request_id)),
+            block_table=self.manager.block_ids(request.request_id),
             draft_token_ids=tuple(drafts),
         )
 

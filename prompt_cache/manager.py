@@ -62,6 +62,8 @@ class _RequestState:
     # be cached (its hash is taken by other content), no later block of the request is.
     chain_cache_id: int | None = None
     chain_broken: bool = False
+    # `blocks`' ids as a tuple, made when first asked for after the table changed (block_ids).
+    table: tuple[int, ...] | None = None
 
     @property
     def num_cached_blocks(self) -> int:
@@ -119,6 +121,17 @@ class KVCacheManager:
         """The request's block ids in token order (empty for an unknown request)."""
         state = self._requests.get(request_id)
         return [] if state is None else [block.block_id for block in state.blocks]
+
+    def block_ids(self, request_id: str) -> tuple[int, ...]:
+        """`block_table` as a tuple: the same object until the table changes, so a reader that
+        keeps what it was last handed knows at a glance whether a table is new (the model
+        runner's step buffers write a request's row only then: engine.step_buffers)."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return ()
+        if state.table is None:
+            state.table = tuple(block.block_id for block in state.blocks)
+        return state.table
 
     def has_request(self, request_id: str) -> bool:
         """Whether the request holds a block table (allocated and not freed)."""
@@ -252,7 +265,9 @@ class KVCacheManager:
             state.chain_cache_id = computed[-1].cache_id if computed else None
             self._commit_pending_stats()
         new_blocks = self.block_pool.get_new_blocks(num_new)
-        state.blocks.extend(new_blocks)
+        if new_blocks:
+            state.blocks.extend(new_blocks)
+            state.table = None
         return [block.block_id for block in new_blocks]
 
     def _validate_computed_blocks(
@@ -344,6 +359,7 @@ class KVCacheManager:
         num_keep = self.num_blocks_for(num_tokens)
         dropped = state.blocks[num_keep:]
         del state.blocks[num_keep:]
+        state.table = None
         # Trimmed blocks hold uncommitted (draft) tokens: no hash, so their order does not matter
         # for the cache; reverse keeps the convention of `free`.
         self.block_pool.free_blocks(reversed(dropped))
@@ -442,6 +458,7 @@ class KVCacheManager:
             assert len(ids) == len(set(ids)), f"request {request_id!r} holds a block twice"
             holders.update(ids)
             assert state.num_cached_blocks <= len(state.blocks)
+            assert state.table in (None, tuple(ids)), f"request {request_id!r}: block_ids is stale"
         free_set = set(free_ids)
         for block in pool.blocks:
             assert block.ref_cnt >= 0, f"block {block.block_id} has ref_cnt {block.ref_cnt}"

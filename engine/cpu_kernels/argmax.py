@@ -11,9 +11,10 @@ import torch
 from ragspeed.engine.cpu_kernels.build import load_library
 
 
-def argmax(logits: torch.Tensor) -> list[int]:
+def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> list[int]:
     """logits [rows, vocab] -> each row's index of its largest value (the first of equals, as
-    torch.argmax)."""
+    torch.argmax). `out`: a CPU int64 buffer [rows] the kernel writes them into (the caller's,
+    kept across steps), else a fresh one."""
     library = load_library()
     if (
         library is None
@@ -23,6 +24,8 @@ def argmax(logits: torch.Tensor) -> list[int]:
     ):
         return logits.argmax(dim=-1).tolist()
     rows, vocab = logits.shape
-    out = torch.empty(rows, dtype=torch.long)
+    if out is None:
+        out = torch.empty(rows, dtype=torch.long)
+    assert out.dtype == torch.long and out.shape == (rows,)
     library.ragspeed_argmax(logits.data_ptr(), rows, vocab, logits.stride(0), out.data_ptr())
     return out.tolist()

@@ -29,6 +29,7 @@ import torch
 from ragspeed.engine.cpu_kernels.attention import KV_DTYPES, MAX_GROUP, MAX_HEAD_DIM
 from ragspeed.engine.cpu_kernels.blocked import BlockedWeight, in_decode_step
 from ragspeed.engine.cpu_kernels.build import load_library
+from ragspeed.engine.step_buffers import RowBuffer
 
 if TYPE_CHECKING:
     from ragspeed.engine.attention import AttentionMetadata
@@ -150,6 +151,11 @@ class FusedDecoder:
             _Linear() if lm_head is None else _linear(lm_head),
         )
         self._caches: tuple[tuple[int, int], ctypes.Array, ctypes.Array] | None = None
+        # The logits call's buffers, kept across steps: the embeddings it looks up, the final
+        # hidden states it writes beside the logits, and the logits it returns.
+        self._embeddings = RowBuffer((arch.hidden_size,), torch.float32)
+        self._final = RowBuffer((arch.hidden_size,), torch.float32)
+        self._scores = RowBuffer((0 if lm_head is None else lm_head.out_features,), torch.float32)
 
     def _float(self, tensor: torch.Tensor) -> int:
         return self._keep_pointer(tensor.float())
@@ -221,20 +227,27 @@ class FusedDecoder:
         rows: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         """The LM head's fp32 logits of every token [num_tokens, num_logits] (where `head` is
-        set): the embedding lookup (where `embeds`), the layers and the head in one call."""
+        set): the embedding lookup (where `embeds`), the layers and the head in one call. The
+        logits are a buffer that the next call of `logits` overwrites."""
         assert self.head is not None, "the LM head has no blocked copy"
-        scores = torch.empty(len(input_ids), self.head.out_features, dtype=torch.float32)
+        num_tokens = input_ids.shape[0]
+        self._scores.reserve(num_tokens)
+        self._final.reserve(num_tokens)
         ids = None
         if hidden is None:
             assert self.embeds, "these embeddings are looked up in Python"
-            hidden = torch.empty(len(input_ids), self.model.hidden, dtype=torch.float32)
+            self._embeddings.reserve(num_tokens)
+            hidden = self._embeddings.rows(num_tokens)
             ids = input_ids.contiguous()
-        return self._run(ids, hidden.contiguous(), freqs_cis, k_caches, v_caches, meta, rows, scores)
+        scores = self._scores.rows(num_tokens)
+        out = self._final.rows(num_tokens)
+        return self._run(ids, hidden.contiguous(), freqs_cis, k_caches, v_caches, meta, rows, scores, out)
 
-    def _run(self, ids, hidden, freqs_cis, k_caches, v_caches, meta, rows, scores) -> torch.Tensor:
+    def _run(self, ids, hidden, freqs_cis, k_caches, v_caches, meta, rows, scores, out=None) -> torch.Tensor:
         tables, context_lens = rows
         rotations = freqs_cis.contiguous()
-        out = torch.empty_like(hidden)
+        if out is None:
+            out = torch.empty_like(hidden)
         k_pointers, v_pointers = self._cache_arrays(k_caches, v_caches)
         self.library.ragspeed_decode_forward(
             ctypes.byref(self.model),

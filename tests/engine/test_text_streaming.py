@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from transformers import AutoTokenizer
 
-from ragspeed.engine.detokenizer import IncrementalDetokenizer
+from ragspeed.engine.detokenizer import IncrementalDetokenizer, text_decoder
 from ragspeed.engine.model_zoo import resolve_model
 from ragspeed.engine.stop import StopStringMatcher
 
@@ -51,3 +51,15 @@ def test_detokenizer_streams_a_long_text_exactly():
     pieces = [detok.add([t]) for t in ids] + [detok.flush()]
     assert "".join(pieces) == detok.text == tokenizer.decode(ids, skip_special_tokens=True)
     assert len(ids) > 1000
+
+
+def test_the_backend_decodes_what_the_tokenizer_decodes():
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("ragspeed-demo"))
+    decode = text_decoder(tokenizer)
+    assert decode.func == tokenizer.backend_tokenizer.decode  # transformers' layers skipped
+    ids = tokenizer.encode("Röntgen won 🎉 in 1901 — 東京", add_special_tokens=False)
+    specials = [tokenizer.convert_tokens_to_ids(t) for t in tokenizer.all_special_tokens]
+    for window in (ids, specials + ids[:3], ids[2:5] + specials, ids[:1]):
+        assert decode(window) == tokenizer.decode(window, skip_special_tokens=True)
+    tokenizer.clean_up_tokenization_spaces = True  # transformers' decode may change the text
+    assert text_decoder(tokenizer).func == tokenizer.decode

@@ -232,6 +232,21 @@ def test_trim_rolls_back_draft_blocks_but_never_cached_ones():
     manager.check_invariants()
 
 
+def test_block_ids_is_one_tuple_until_the_table_changes():
+    manager = KVCacheManager(num_blocks=8, block_size=4)
+    run_prefill(manager, "a", [1, 2, 3, 4, 5])
+    table = manager.block_ids("a")
+    assert table == (0, 1)
+    assert manager.allocate_slots("a", 8) == [] and manager.block_ids("a") is table
+    assert manager.allocate_slots("a", 9) == [2]  # a new block: a new tuple
+    grown = manager.block_ids("a")
+    assert grown == (0, 1, 2) and table == (0, 1)
+    manager.trim("a", 8)
+    assert manager.block_ids("a") == (0, 1) and manager.block_ids("a") is not grown
+    manager.free("a")
+    assert manager.block_ids("a") == ()
+
+
 def test_pinned_blocks_survive_pressure_until_unpinned():
     manager = KVCacheManager(num_blocks=4, block_size=4)
     run_prefill(manager, "warm", COMMON)

@@ -144,7 +144,9 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def invariants_hold(self):
-        self.manager.check_invariants()
+        self.manager.check_invariants()  # block_ids, cached below, must follow every change
+        for request_id in self.requests:
+            assert list(self.manager.block_ids(request_id)) == self.manager.block_table(request_id)
         if self.manager.stats().hash_collisions:
             event("hash collision seen")
         if self.manager.stats().evictions:
