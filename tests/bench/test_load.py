@@ -161,8 +161,13 @@ def test_compressed_arrivals_are_timed_alone_and_beside_the_streams(native_serve
     figures = asyncio.run(run_load(native_server.url, config, server_pid=native_server.process.pid))
     assert figures["server_errors"] == 0 and figures["transport_errors"] == 0
     assert figures["arrival_alone_ttft_p50_ms"] > 0 and figures["arrival_ttft_p50_ms"] > 0
-    assert 0 < figures["gap_p50_ms"] <= figures["gap_p90_ms"] <= figures["gap_p99_ms"]
-    assert 0 < figures["gap_alone_p50_ms"] <= figures["gap_alone_p99_ms"]
+    # Chunks that reach the client in one read are 0 ms apart: a busy machine can make most
+    # gaps 0, so only the slowest must be positive.
+    assert (
+        0 <= figures["gap_p50_ms"] <= figures["gap_p90_ms"] <= figures["gap_p99_ms"]
+        and figures["gap_p99_ms"] > 0
+    )
+    assert 0 <= figures["gap_alone_p50_ms"] <= figures["gap_alone_p99_ms"] and figures["gap_alone_p99_ms"] > 0
     assert figures["refused"] == 0 and figures["refusal_p99_ms"] is None
     assert figures["goodput_per_min"] > 0
 
