@@ -100,3 +100,20 @@ def fake(monkeypatch, demo_tokenizer):
     from tests.gateway.fake_engine import install
 
     return install(monkeypatch, demo_tokenizer)
+
+
+@pytest.fixture
+def assembled_documents(monkeypatch) -> list[tuple]:
+    """The documents each request's prompt is assembled from, in order: the gateway's
+    `assemble_prompt` watched, its result unchanged."""
+    from ragspeed.gateway import prepare
+
+    seen: list[tuple] = []
+    real_assemble = prepare.assemble_prompt
+
+    def assemble_prompt(tokenizer, segments, documents, **kwargs):
+        seen.append(tuple(documents))
+        return real_assemble(tokenizer, segments, documents, **kwargs)
+
+    monkeypatch.setattr(prepare, "assemble_prompt", assemble_prompt)
+    return seen

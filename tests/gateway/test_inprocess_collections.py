@@ -66,17 +66,9 @@ async def test_collection_lifecycle_query_and_retrieval_in_chat(fake, tmp_path):
         assert (await client.get(f"{base}/wiki")).json()["num_documents"] == 2
 
 
-async def test_retrieved_documents_keep_their_metadata_through_compression(fake, tmp_path, monkeypatch):
-    from ragspeed.gateway import prepare
-
-    seen = []
-
-    def assemble_prompt(tokenizer, segments, documents, **kwargs):
-        seen.append(tuple(documents))
-        return real_assemble(tokenizer, segments, documents, **kwargs)
-
-    real_assemble = prepare.assemble_prompt
-    monkeypatch.setattr(prepare, "assemble_prompt", assemble_prompt)
+async def test_retrieved_documents_keep_their_metadata_through_compression(
+    fake, tmp_path, assembled_documents
+):
     passages = [
         {**p, "metadata": {"source": f"wiki/{p['id']}", "year": 2000 + i}} for i, p in enumerate(PASSAGES)
     ]
@@ -101,7 +93,7 @@ async def test_retrieved_documents_keep_their_metadata_through_compression(fake,
         )
     assert chat.status_code == 200, chat.text
     assert chat.json()["ragspeed"]["compression"]["skipped_reason"] is None
-    (kept,) = seen
+    (kept,) = assembled_documents
     assert [d.id for d in kept][:1] == ["eiffel"]
     years = {p["id"]: 2000 + i for i, p in enumerate(PASSAGES)}
     for doc in kept:  # the caller's metadata, and the chunk's number that ingestion adds

@@ -66,17 +66,7 @@ async def test_per_request_compression_shrinks_the_prompt(fake, documents):
     assert "compression" not in plain["ragspeed"]  # the server default is off
 
 
-async def test_document_metadata_reaches_the_prompt_through_compression(fake, documents, monkeypatch):
-    from ragspeed.gateway import prepare
-
-    seen = []
-
-    def assemble_prompt(tokenizer, segments, documents, **kwargs):
-        seen.append(tuple(documents))
-        return real_assemble(tokenizer, segments, documents, **kwargs)
-
-    real_assemble = prepare.assemble_prompt
-    monkeypatch.setattr(prepare, "assemble_prompt", assemble_prompt)
+async def test_document_metadata_reaches_the_prompt_through_compression(fake, documents, assembled_documents):
     docs, question = documents
     sent = [
         {**d, "id": f"d{i}", "metadata": {"url": f"https://example.org/{i}", "rank": i, "tags": ["nq"]}}
@@ -92,7 +82,7 @@ async def test_document_metadata_reaches_the_prompt_through_compression(fake, do
             )
         ).json()
     assert body["ragspeed"]["compression"]["skipped_reason"] is None
-    (kept,) = seen
+    (kept,) = assembled_documents
     by_id = {d["id"]: d for d in sent}
     assert 0 < len(kept) <= len(sent)
     assert sum(len(d.text) for d in kept) < 0.5 * sum(len(d["text"]) for d in sent)  # compressed
