@@ -65,7 +65,9 @@ def make_engine(path, features=None, **overrides) -> LLMEngine:
     with AVX512-BF16 or AMX, whose rounding depends on the batch's rows, and the fp16 KV cache
     of `--kv-cache-dtype auto` rounds every key and value, while these tests compare runs token
     for token and against fp32 references (engine.precision's own tests choose paths with
-    injected CPU features; test_kv_dtype covers the fp16 pool)."""
+    injected CPU features; test_kv_dtype covers the fp16 pool). No step time budget unless
+    asked: it sizes chunks by the machine's measured speed, so a busy machine would change the
+    steps these tests count (test_stall_free covers the budget)."""
     kwargs = dict(
         model=str(path),
         max_model_len=256,
@@ -73,6 +75,7 @@ def make_engine(path, features=None, **overrides) -> LLMEngine:
         block_size=8,
         dtype="float32",
         kv_cache_dtype="fp32",
+        tpot_target_ms=None,
     )
     kwargs.update(overrides)
     return LLMEngine(EngineConfig(**kwargs), features=features)
