@@ -12,9 +12,10 @@ that use them take them from `current()` and read no environment themselves:
 - `RAGSPEED_CPU_KERNELS=0`: no CPU kernels (oneDNN / fbgemm for every product).
 - `CC`: the compiler of the CPU kernels (default `cc`, else `gcc`).
 
-The `ragspeed` command calls `configure()` at start-up; a program that drives the engine or
-the compressors from Python calls it (or `configure(Environment(...))`) before building them.
-The CPU kernels are built on first use with the values of that moment, and kept.
+The `ragspeed` command calls `configure()` at start-up; without it, the first `current()` reads
+the process's environment. A program may hand values of its own with
+`configure(Environment(...))` before building the engine or the compressors. The CPU kernels
+are built on first use with the values of that moment, and kept.
 """
 
 from __future__ import annotations
@@ -52,12 +53,12 @@ def read_environment(environ: Mapping[str, str] = os.environ) -> Environment:
     )
 
 
-_current = Environment()
+_current: Environment | None = None
 
 
 def current() -> Environment:
-    """What `configure` handed down last (the defaults before it ran)."""
-    return _current
+    """What `configure` handed down last (the process's environment before it ran)."""
+    return _current if _current is not None else configure()
 
 
 def configure(environment: Environment | None = None) -> Environment:

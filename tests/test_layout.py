@@ -163,3 +163,11 @@ def test_the_environment_is_read_once_and_handed_down(monkeypatch, tmp_path):
     assert model_zoo.default_cache_dir() == Path.home() / ".cache" / "ragspeed" / "models"
     assert static_encoder.cache_dir() == Path.home() / ".cache" / "ragspeed"
     assert build.cache_dir() == Path.home() / ".cache" / "ragspeed" / "kernels"
+
+
+def test_a_program_that_never_configures_gets_the_process_environment(monkeypatch, tmp_path):
+    from ragspeed import environment
+
+    monkeypatch.setenv("RAGSPEED_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(environment, "_current", None)
+    assert environment.current().cache_dir == tmp_path
