@@ -29,7 +29,6 @@ needed), a local folder (as is), a `.gguf` file (its converted copy in the cache
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import shutil
 import tempfile
@@ -39,6 +38,8 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+from ragspeed.environment import current
+
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 DEMO_MODEL_NAME = "ragspeed-demo"
@@ -47,7 +48,6 @@ DEFAULT_DRAFT_MODEL_NAME = "smollm2-135m-instruct-draft"
 RAG_MODEL_NAME = "smollm2-135m-instruct-rag"
 # The draft each zoo model speculates with when none is given (`--speculative draft`).
 ZOO_DRAFTS = {DEMO_MODEL_NAME: DEMO_DRAFT_MODEL_NAME, DEFAULT_MODEL_NAME: DEFAULT_DRAFT_MODEL_NAME}
-CACHE_DIR_ENV = "RAGSPEED_CACHE_DIR"
 # Files copied from the demo model into every bench model.
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -69,9 +69,9 @@ class ModelUnavailableError(FileNotFoundError):
 
 
 def default_cache_dir() -> Path:
-    """`$RAGSPEED_CACHE_DIR` if set, else ~/.cache/ragspeed/models; models live in <dir>/<name>."""
-    configured = os.environ.get(CACHE_DIR_ENV)
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "ragspeed" / "models"
+    """The configured cache folder (`$RAGSPEED_CACHE_DIR`: ragspeed.environment), else
+    ~/.cache/ragspeed/models; models live in <dir>/<name>."""
+    return current().cache_dir or Path.home() / ".cache" / "ragspeed" / "models"
 
 
 class ZooModel(Protocol):

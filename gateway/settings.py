@@ -1,4 +1,7 @@
-"""Settings: the only place that reads environment variables and the config file.
+"""Settings: the serving options, read from the command line, the environment and the config file.
+
+The environment is read here and in ragspeed.environment (the cache folders and the CPU
+kernels' switches, beneath the serving options), nowhere else.
 
 Precedence, highest first: command-line flags, `RAGSPEED_*` environment variables, the config
 file (YAML or TOML, `--config`), the defaults below. Every field is one documented option.

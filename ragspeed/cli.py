@@ -17,6 +17,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import click
 
+from ragspeed import environment
 from ragspeed.gateway.settings import ConfigError, Settings, load_settings
 
 _FLAG_NAMES = {"upstreams": "upstream"}  # list options read better in the singular
@@ -105,6 +106,7 @@ class LazyGroup(click.Group):
 @click.version_option(_version(), prog_name="ragspeed")
 def cli() -> None:
     """ragspeed: a RAG-aware latency middleware with an OpenAI-compatible API."""
+    environment.configure()
 
 
 @settings_options

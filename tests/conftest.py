@@ -10,6 +10,11 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
+from ragspeed import environment  # noqa: E402
+
+# What `ragspeed` does at start-up: RAGSPEED_CACHE_DIR, RAGSPEED_KERNEL_CACHE, ... of the run.
+SESSION_ENVIRONMENT = environment.configure()
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # The QA and text data: ../shared/data beside the checkout, or where RAGSPEED_DATA_DIR says.
 SHARED_DATA = Path(os.environ.get("RAGSPEED_DATA_DIR") or REPO_ROOT.parent / "shared" / "data")
@@ -29,6 +34,13 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"{SHARED_DATA} not found (../shared/data beside the checkout, or set RAGSPEED_DATA_DIR)")
     return SHARED_DATA
+
+
+@pytest.fixture(autouse=True)
+def session_environment():
+    """A test that configures its own environment (ragspeed.environment) leaves the run's."""
+    yield
+    environment.configure(SESSION_ENVIRONMENT)
 
 
 @pytest.fixture(autouse=True)

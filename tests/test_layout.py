@@ -116,3 +116,58 @@ def test_no_source_or_page_tells_the_story_of_an_issue():
     pattern = re.compile(r"\bissues? #?\d+|development CPU", re.IGNORECASE)
     naming = [str(p.relative_to(root)) for p in files if pattern.search(p.read_text(errors="ignore"))]
     assert naming == []
+
+
+def test_the_packages_beneath_the_gateway_read_no_environment():
+    """gateway.settings and ragspeed.environment read it; the packages take what they hand down.
+    Allowed: the native engine's default for the tokenizers' own thread pool."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    reading = re.compile(r"os\.environ|getenv")
+    allowed = 'os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")'
+    found = [
+        f"{path.relative_to(root)}:{number}: {line.strip()}"
+        for package in ("engine", "compression", "retrieval", "prompt_cache")
+        for path in sorted((root / package).rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if reading.search(line) and line.strip() != allowed
+    ]
+    assert found == []
+
+
+def test_the_environment_is_read_once_and_handed_down(monkeypatch, tmp_path):
+    from pathlib import Path
+
+    from ragspeed import environment
+    from ragspeed.compression.scoring import static_encoder
+    from ragspeed.engine import model_zoo
+    from ragspeed.engine.cpu_kernels import build
+
+    values = {"RAGSPEED_CACHE_DIR": str(tmp_path / "c"), "RAGSPEED_KERNEL_CACHE": str(tmp_path / "k")}
+    read = environment.read_environment({**values, "RAGSPEED_CPU_KERNELS": "0", "CC": "clang"})
+    assert read == environment.Environment(
+        tmp_path / "c", tmp_path / "k", cpu_kernels=False, compiler="clang"
+    )
+    assert environment.read_environment({}) == environment.Environment()
+    for name, value in values.items():
+        monkeypatch.setenv(name, value)
+    environment.configure()
+    assert model_zoo.default_cache_dir() == tmp_path / "c"
+    assert static_encoder.cache_dir() == tmp_path / "c"
+    assert build.cache_dir() == tmp_path / "k"
+    monkeypatch.setenv("RAGSPEED_CACHE_DIR", str(tmp_path / "later"))  # read at start-up only
+    assert model_zoo.default_cache_dir() == tmp_path / "c"
+    environment.configure(environment.Environment())
+    assert model_zoo.default_cache_dir() == Path.home() / ".cache" / "ragspeed" / "models"
+    assert static_encoder.cache_dir() == Path.home() / ".cache" / "ragspeed"
+    assert build.cache_dir() == Path.home() / ".cache" / "ragspeed" / "kernels"
+
+
+def test_a_program_that_never_configures_gets_the_process_environment(monkeypatch, tmp_path):
+    from ragspeed import environment
+
+    monkeypatch.setenv("RAGSPEED_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(environment, "_current", None)
+    assert environment.current().cache_dir == tmp_path

@@ -2,13 +2,13 @@
 
 `model2vec.distill` runs MiniLM over its vocabulary once (about 30-50 s on 2 cores) and keeps a
 [vocab, 256] table; a text's embedding is then a mean of table rows: no transformer at request
-time. The table (15 MB in float16) is cached on disk under $RAGSPEED_CACHE_DIR (default
-~/.cache/ragspeed) and rebuilt only when absent.
+time. The table (15 MB in float16) is cached on disk under the configured cache folder
+(`$RAGSPEED_CACHE_DIR`: ragspeed.environment; default ~/.cache/ragspeed) and rebuilt only when
+absent.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import time
@@ -18,12 +18,13 @@ from pathlib import Path
 import numpy as np
 
 from ragspeed.compression.scoring.embedding_cache import EmbeddingCache, encode_cached
+from ragspeed.environment import current
 
 STATIC_MODEL_NAME = "minilm-l6-static-256"
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("RAGSPEED_CACHE_DIR") or Path.home() / ".cache" / "ragspeed")
+    return current().cache_dir or Path.home() / ".cache" / "ragspeed"
 
 
 def minilm_path() -> str:

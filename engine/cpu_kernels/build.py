@@ -1,13 +1,15 @@
 """Compile kernels.c once per machine and load it with ctypes.
 
-The library goes to `~/.cache/ragspeed/kernels/kernels-<hash>.so` (or `$RAGSPEED_KERNEL_CACHE`),
+The library goes to `~/.cache/ragspeed/kernels/kernels-<hash>.so` (or the configured kernel
+cache, `$RAGSPEED_KERNEL_CACHE`: ragspeed.environment),
 the hash covering the source and its header, the compiler command and the CPU's model and flags,
 so a changed source or another machine builds its own. It is compiled to a temporary name and
 renamed, so processes starting at once never load half a file. It links the OpenMP runtime torch
 already loaded (libgomp): the kernels share torch's threads instead of bringing their own. The
 ctypes signatures are read from kernels.h, the header kernels.c includes, so the two cannot disagree.
 
-`RAGSPEED_CPU_KERNELS=0` turns the kernels off (oneDNN / fbgemm for every product).
+`RAGSPEED_CPU_KERNELS=0` turns the kernels off (oneDNN / fbgemm for every product); `CC` names
+the compiler.
 """
 
 from __future__ import annotations
@@ -25,14 +27,14 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
+from ragspeed.environment import current
+
 log = logging.getLogger(__name__)
 
 # Package data; a file on disk in every install (the compiler is given its path).
 SOURCE = Path(str(resources.files("ragspeed.engine.cpu_kernels") / "kernels.c"))
 HEADER = SOURCE.with_name("kernels.h")  # the exported prototypes, read for the ctypes signatures
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-lm", "-Werror=missing-prototypes")
-ENABLE_ENV = "RAGSPEED_CPU_KERNELS"
-CACHE_ENV = "RAGSPEED_KERNEL_CACHE"
 
 
 def _cpu_signature() -> str:
@@ -45,9 +47,9 @@ def _cpu_signature() -> str:
     return "\n".join(wanted) or platform.machine()
 
 
-def _cache_dir() -> Path:
-    configured = os.environ.get(CACHE_ENV)
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "ragspeed" / "kernels"
+def cache_dir() -> Path:
+    """The folder of the compiled kernels (and of what is measured with them)."""
+    return current().kernel_cache or Path.home() / ".cache" / "ragspeed" / "kernels"
 
 
 def _compile(compiler: str, target: Path) -> None:
@@ -100,16 +102,16 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
 def load_library() -> ctypes.CDLL | None:
     """The compiled kernels, or None (turned off, not x86/ARM Linux, no compiler, or the build
     failed: logged once)."""
-    if os.environ.get(ENABLE_ENV, "1") == "0":
+    if not current().cpu_kernels:
         return None
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    compiler = shutil.which(current().compiler) or shutil.which("gcc")
     if platform.system() != "Linux" or compiler is None:
         log.info("CPU kernels off: needs Linux and a C compiler")
         return None
     key = hashlib.sha256(
         "\n".join([SOURCE.read_text(), HEADER.read_text(), compiler, *FLAGS, _cpu_signature()]).encode()
     ).hexdigest()[:16]
-    target = _cache_dir() / f"kernels-{key}.so"
+    target = cache_dir() / f"kernels-{key}.so"
     try:
         if not target.exists():
             _compile(compiler, target)

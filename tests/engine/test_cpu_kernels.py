@@ -10,6 +10,7 @@ import subprocess
 import pytest
 import torch
 
+from ragspeed import environment
 from ragspeed.engine.cpu_kernels import BlockedWeight, build, load_library
 from ragspeed.engine.cpu_kernels.blocked import INT8_GROUP, Q6K_STEP
 from ragspeed.engine.quant.gguf_blocks import as_mixed, kernel_dequantize
@@ -105,7 +106,8 @@ def test_non_contiguous_input_and_bytes():
 @pytest.fixture
 def fresh_build(tmp_path, monkeypatch):
     """load_library() as a new process sees it, with its cache in tmp_path."""
-    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("RAGSPEED_KERNEL_CACHE", str(tmp_path))
+    environment.configure()
     load_library.cache_clear()
     yield tmp_path
     load_library.cache_clear()
@@ -123,11 +125,13 @@ def test_the_library_is_compiled_once_into_the_cache(fresh_build):
 
 
 def test_turned_off_or_failed_build_means_no_kernels(fresh_build, monkeypatch, caplog):
-    monkeypatch.setenv(build.ENABLE_ENV, "0")
+    monkeypatch.setenv("RAGSPEED_CPU_KERNELS", "0")
+    environment.configure()
     assert load_library() is None
-    monkeypatch.delenv(build.ENABLE_ENV)
-    load_library.cache_clear()
+    monkeypatch.delenv("RAGSPEED_CPU_KERNELS")
     monkeypatch.setenv("CC", "false")  # a compiler that fails
+    environment.configure()
+    load_library.cache_clear()
     monkeypatch.setattr(build, "FLAGS", build.FLAGS + ("-DRAGSPEED_TEST_FLAGS",))  # a new cache key
     assert load_library() is None
     assert "CPU kernels off: building kernels.c failed" in caplog.text

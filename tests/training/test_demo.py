@@ -11,6 +11,7 @@ import torch
 from click.testing import CliRunner
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from ragspeed import environment
 from ragspeed.engine.model_zoo import resolve_model
 from ragspeed.training.cli import train_demo, train_draft
 from ragspeed.training.corpus import detokenize_wikitext, load_corpus, read_wikitext_articles
@@ -374,7 +375,8 @@ def test_train_draft_of_the_default_model_writes_its_zoo_draft_by_default(tmp_pa
     target = tmp_path / "target"
     target.mkdir()
     (target / "config.json").write_text("{}")
-    monkeypatch.setenv(model_zoo.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv("RAGSPEED_CACHE_DIR", str(tmp_path / "cache"))
+    environment.configure()
     monkeypatch.setattr(model_zoo, "resolve_model", lambda name: str(target))
     calls = []
     monkeypatch.setattr(cli, "run_train_draft", lambda *args: calls.append(args) or {})
