@@ -20,10 +20,11 @@ from __future__ import annotations
 import torch
 
 from ragspeed.engine.attention import AttentionMetadata, decode_kernel_rows, slots, slots_at
+from ragspeed.engine.cpu_kernels.decoder import FusedDecoder
 from ragspeed.engine.kv_cache import KVCachePool
 from ragspeed.engine.models.decoder import DecoderLM
 from ragspeed.engine.models.rotary import RotaryEmbedding
-from ragspeed.engine.scheduler import SchedulerOutput
+from ragspeed.engine.scheduler import ScheduledChunk, SchedulerOutput
 from ragspeed.engine.step_buffers import StepBuffers
 from ragspeed.engine.threads import forward_pass
 
@@ -43,16 +44,43 @@ class ModelRunner:
         self.kv_pool = kv_pool
         self.block_size = kv_pool.block_size
         self.device = torch.device(device)
+        self._on_cpu = self.device.type == "cpu"
         self.buffers = StepBuffers(rotary.freqs_cis, self.block_size)
 
     def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """A buffer's view (CPU) where the model runs."""
         return tensor if self.device.type == "cpu" else tensor.to(self.device)
 
-    @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> torch.Tensor | None:
         """Run one step; logits of the sampling chunks, or None when none samples. The logits
         may be a buffer the next step overwrites."""
+        if not output.prefills and self._on_cpu:
+            fused = self.model._fused_decoder()
+            if fused is not None and fused.head is not None and fused.embeds:
+                decodes = output.decodes
+                if all(not c.request.prefill_only for c in decodes):
+                    return self._fused_decodes(fused, decodes)
+        return self._execute(output)
+
+    def _fused_decodes(self, fused: FusedDecoder, decodes: tuple[ScheduledChunk, ...]) -> torch.Tensor:
+        """A step of decodes alone, every one sampling, in one call of the fused decoder: the
+        logits [num_decodes, vocab]. No torch op runs, so neither torch's threads nor autograd's
+        mode are touched; the kernels get the engine's threads."""
+        bs = self.block_size
+        starts = [c.start for c in decodes]
+        tables = [c.block_table for c in decodes]
+        self.buffers.tokens(
+            [c.request.all_token_ids[c.start] for c in decodes],
+            [table[p // bs] * bs + p % bs for table, p in zip(tables, starts)],
+            [(p, 1) for p in starts],
+        )
+        self.buffers.kernel_rows(tables, [p + 1 for p in starts])
+        caches = self.kv_pool.k_caches, self.kv_pool.v_caches
+        return fused.decode_logits(self.buffers, len(decodes), bs, *caches, self.num_threads)
+
+    @torch.inference_mode()
+    def _execute(self, output: SchedulerOutput) -> torch.Tensor | None:
+        """`execute`, layer by layer or in the fused decoder's call as the model decides."""
         bs = self.block_size
         input_ids: list[int] = []
         position_spans: list[tuple[int, int]] = []  # (first position, count), in batch order

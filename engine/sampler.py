@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ragspeed.engine.cpu_kernels.argmax import argmax
+from ragspeed.engine.cpu_kernels.argmax import GreedyArgmax
 from ragspeed.engine.sampling import SamplingState
-from ragspeed.engine.step_buffers import RowBuffer
 
 
 def _filter_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
@@ -36,14 +35,13 @@ class Sampler:
         # Requests without a seed draw from the engine's generator (seeded by EngineConfig.seed).
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
-        self._greedy_tokens = RowBuffer((), torch.long)  # the argmax kernel's output
+        self._argmax = GreedyArgmax()
 
     def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> list[int]:
         """logits [num_requests, vocab] fp32 -> one token id per request."""
         greedy = [s.params.greedy for s in states]
         if any(greedy):
-            self._greedy_tokens.reserve(len(states))
-            tokens = argmax(logits, self._greedy_tokens.rows(len(states)))
+            tokens = self._argmax(logits)
             if all(greedy):
                 return tokens
         else:

@@ -29,7 +29,7 @@ import torch
 from ragspeed.engine.cpu_kernels.attention import KV_DTYPES, MAX_GROUP, MAX_HEAD_DIM
 from ragspeed.engine.cpu_kernels.blocked import BlockedWeight, in_decode_step
 from ragspeed.engine.cpu_kernels.build import load_library
-from ragspeed.engine.step_buffers import RowBuffer
+from ragspeed.engine.step_buffers import RowBuffer, StepBuffers
 
 if TYPE_CHECKING:
     from ragspeed.engine.attention import AttentionMetadata
@@ -150,7 +150,9 @@ class FusedDecoder:
             self._keep_pointer(embed.data) if q8_embed else None,
             _Linear() if lm_head is None else _linear(lm_head),
         )
-        self._caches: tuple[tuple[int, int], ctypes.Array, ctypes.Array] | None = None
+        # The last pools' first K and V tensors (identity: tensors hold their memory), pointers.
+        self._caches: tuple[tuple[torch.Tensor, torch.Tensor], ctypes.Array, ctypes.Array] | None = None
+        self._kv_half = False  # whether the pool of `_caches` holds fp16
         # The logits call's buffers, kept across steps: the embeddings it looks up, the final
         # hidden states it writes beside the logits, and the logits it returns.
         self._embeddings = RowBuffer((arch.hidden_size,), torch.float32)
@@ -194,11 +196,12 @@ class FusedDecoder:
         return None
 
     def _cache_arrays(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]):
-        key = (k_caches[0].data_ptr(), v_caches[0].data_ptr())
-        if self._caches is None or self._caches[0] != key:
+        cached = self._caches
+        if cached is None or cached[0][0] is not k_caches[0] or cached[0][1] is not v_caches[0]:
+            self._kv_half = _half(k_caches)
             pointers = ctypes.c_void_p * len(k_caches)
             self._caches = (
-                key,
+                (k_caches[0], v_caches[0]),
                 pointers(*(c.data_ptr() for c in k_caches)),
                 pointers(*(c.data_ptr() for c in v_caches)),
             )
@@ -242,6 +245,47 @@ class FusedDecoder:
         scores = self._scores.rows(num_tokens)
         out = self._final.rows(num_tokens)
         return self._run(ids, hidden.contiguous(), freqs_cis, k_caches, v_caches, meta, rows, scores, out)
+
+    def decode_logits(
+        self,
+        buffers: StepBuffers,  # the step's tokens and kernel rows, written
+        num_tokens: int,
+        block_size: int,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+        num_threads: int,
+    ) -> torch.Tensor:
+        """`logits` of a step whose every token is a row of the decode kernel, read from the
+        model runner's step buffers (StepBuffers.tokens, then .kernel_rows) as they are: the
+        embedding lookup, the layers and the head in one call, touching no tensor on the way
+        (after the weights streamed through the caches, each torch call costs microseconds).
+        The same buffer as `logits`'."""
+        assert self.head is not None and self.embeds, "the head and the embeddings must be the kernels'"
+        embeddings, final, scores = self._embeddings, self._final, self._scores
+        embeddings.reserve(num_tokens)
+        final.reserve(num_tokens)
+        scores.reserve(num_tokens)
+        k_pointers, v_pointers = self._cache_arrays(k_caches, v_caches)
+        tables = buffers.block_tables
+        self.library.ragspeed_decode_forward(
+            ctypes.byref(self.model),
+            k_pointers,
+            v_pointers,
+            buffers.token_ids.address,
+            embeddings.address,
+            final.address,
+            scores.address,
+            buffers.rotations.address,
+            buffers.slot_mapping.address,
+            tables.address,
+            buffers.context_lens.address,
+            tables.row_shape[0],
+            block_size,
+            num_tokens,
+            self._kv_half,
+            num_threads,
+        )
+        return scores.rows(num_tokens)
 
     def _run(self, ids, hidden, freqs_cis, k_caches, v_caches, meta, rows, scores, out=None) -> torch.Tensor:
         tables, context_lens = rows

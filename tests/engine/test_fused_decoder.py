@@ -12,7 +12,8 @@ from ragspeed.engine.cpu_kernels import blocked_kernels_available, decode_step
 from ragspeed.engine.gguf import converted_copy
 from ragspeed.engine.kv_cache import KVCachePool
 from ragspeed.engine.loader import load_model
-from tests.engine.conftest import FAMILIES
+from ragspeed.engine.protocol import GenerationRequest, SamplingParams
+from tests.engine.conftest import FAMILIES, make_engine
 from tests.engine.tiny_gguf import write_tiny_gguf
 from tests.engine.tiny_models import build_tiny_checkpoint
 
@@ -146,3 +147,30 @@ def test_prefill_steps_and_unsupported_models_take_the_layer_by_layer_path(tiny_
         assert FusedDecoder.rows(meta, 20) is None  # its queries are not decode-kernel rows
     loaded.model.layers[1].mlp.down_proj.blocked = None  # a projection without a blocked copy
     assert not FusedDecoder.supports(loaded.model) and loaded.model._fused_decoder() is None
+
+
+def test_a_step_of_decodes_alone_gives_the_logits_and_kv_of_the_general_path(tiny_checkpoints):
+    """The model runner's path for steps of decodes alone (straight from the step buffers into
+    the fused call) against its general one: the same logits and the same K/V, bit for bit, as
+    the batch grows and shrinks (requests of different lengths finish at different steps)."""
+    engine = make_engine(tiny_checkpoints["llama"])
+    for i, (prompt_len, max_tokens) in enumerate([(5, 12), (19, 4), (9, 8)]):
+        prompt = tuple(range(3 + i, 3 + i + prompt_len))
+        engine.add_request(GenerationRequest(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens)))
+    fused = engine.loaded.model._fused_decoder()
+    assert fused is not None and fused.head is not None and fused.embeds  # the path applies
+    runner, kv = engine.runner, engine.kv_pool.kv
+    num_decode_steps = 0
+    while engine.has_unfinished():
+        output = engine.scheduler.schedule()
+        if not output.prefills:
+            kv_before = kv.clone()
+            general = runner._execute(output).clone()
+            kv_general = kv.clone()
+            kv.copy_(kv_before)
+            fast = runner.execute(output)
+            assert torch.equal(fast, general)
+            assert torch.equal(kv, kv_general) and not torch.equal(kv, kv_before)
+            num_decode_steps += 1
+        engine._run_step(output)
+    assert num_decode_steps >= 10

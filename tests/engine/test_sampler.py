@@ -20,6 +20,21 @@ def test_greedy_is_argmax():
     assert sampler(LOGITS, states(*[SamplingParams(temperature=0.0)] * 2)) == [1, 2]
 
 
+def test_greedy_reads_a_reused_logits_buffer_afresh():
+    """A step buffer's logits come back as the same tensor with new values, and with more rows
+    as another tensor: each call reads what the tensor holds now."""
+    sampler = Sampler("cpu")
+    greedy = states(*[SamplingParams(temperature=0.0)] * 2)
+    buffer = LOGITS.clone()
+    assert sampler(buffer, greedy) == [1, 2]
+    buffer.copy_(LOGITS.flip(1))
+    assert sampler(buffer, greedy) == [2, 1]
+    assert sampler(buffer, greedy) == [2, 1]
+    wider = torch.cat([LOGITS, LOGITS.flip(0)])
+    assert sampler(wider, greedy * 2) == [1, 2, 2, 1]
+    assert sampler(buffer[:1], greedy[:1]) == [2]
+
+
 def test_filters_that_leave_one_token_act_greedy():
     sampler = Sampler("cpu", seed=1)
     for params in (
