@@ -70,6 +70,7 @@ class Int8Linear(LinearKind):
         available, build = INT8_KERNELS.get(weight.device.type, (lambda: False, None))
         if not available():
             check_quantization("int8", weight.device)  # raises, listing what runs there
+        assert build is not None  # a device with no int8 kernel raised above
         self.kernel = build(weight, bias, weight.dtype)
 
     def blocked_weight(self):
@@ -88,6 +89,7 @@ class Int8Linear(LinearKind):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, in_features] -> [num_tokens, out_features]."""
+        assert self.kernel is not None, "load() first"
         if x.device.type != "cpu":
             return self.kernel.forward(x)
         return linear_threads(self.num_threads, self.kernel.forward, x)
