@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
+from ragspeed.engine import cpu_features
 from ragspeed.engine.config import EngineConfig
-from ragspeed.engine.cpu_features import CpuFeatures, read_cpu_features
+from ragspeed.engine.cpu_features import CpuFeatures
 from ragspeed.engine.detokenizer import IncrementalDetokenizer
 from ragspeed.engine.document_kv import DocumentKVCache, document_fingerprint
 from ragspeed.engine.kv_cache import KVCachePool, plan_num_blocks, resolve_kv_dtype
@@ -114,7 +115,7 @@ class LLMEngine:
                 )
         # The prefill path (CPU): the fastest the plan offers that passes the quality gate.
         if features is None and self.device.type == "cpu":
-            features = read_cpu_features()
+            features = cpu_features.read_cpu_features()  # through the module: tests replace it
         if prefill_probe is None:
             prefill_probe = machine_probe(loaded.arch.hidden_size, num_threads)
         plan = plan_prefill(config.dtype, loaded.quantization, config.device, features, prefill_probe)
