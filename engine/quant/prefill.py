@@ -73,6 +73,7 @@ def runs_anywhere(features: CpuFeatures) -> str | None:
 
 
 def as_float(weight: torch.Tensor) -> torch.Tensor:
+    """A dense path's `prepare`: it builds from the float weight itself."""
     return weight
 
 
