@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
+from ragspeed.engine import cpu_features
 from ragspeed.engine.config import EngineConfig
-from ragspeed.engine.cpu_features import CpuFeatures, read_cpu_features
+from ragspeed.engine.cpu_features import CpuFeatures
 from ragspeed.engine.detokenizer import IncrementalDetokenizer
 from ragspeed.engine.document_kv import DocumentKVCache, document_fingerprint
 from ragspeed.engine.kv_cache import KVCachePool, plan_num_blocks, resolve_kv_dtype
@@ -43,6 +44,7 @@ from ragspeed.engine.protocol import (
     check_context_length,
 )
 from ragspeed.engine.quant import resident_weight_bytes, unquantized_weight_bytes
+from ragspeed.engine.quant.probe import PrefillProbe, machine_probe
 from ragspeed.engine.request import Request
 from ragspeed.engine.sampler import Sampler
 from ragspeed.engine.sampling import SamplingState, validate_sampling
@@ -69,6 +71,7 @@ class LLMEngine:
         loaded: LoadedModel | None = None,
         tokenizer: Any = None,
         features: CpuFeatures | None = None,  # default: this CPU's (engine.cpu_features)
+        prefill_probe: PrefillProbe | None = None,  # default: measured here, cached (engine.quant.probe)
     ):
         self.config = config
         self.device = torch.device(config.device)
@@ -112,8 +115,10 @@ class LLMEngine:
                 )
         # The prefill path (CPU): the fastest the plan offers that passes the quality gate.
         if features is None and self.device.type == "cpu":
-            features = read_cpu_features()
-        plan = plan_prefill(config.dtype, loaded.quantization, config.device, features)
+            features = cpu_features.read_cpu_features()  # through the module: tests replace it
+        if prefill_probe is None:
+            prefill_probe = machine_probe(loaded.arch.hidden_size, num_threads)
+        plan = plan_prefill(config.dtype, loaded.quantization, config.device, features, prefill_probe)
         self.prefill_choice: PrefillChoice | None = None
         if plan is not None:
             with cpu_threads(num_threads):
