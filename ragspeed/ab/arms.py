@@ -12,10 +12,11 @@ Two layouts are accepted:
       baseline: {engine: transformers}
       full: {engine: native, quantization: int8, request: {ragspeed: {compression: {rate: 0.25}}}}
 
-Keys are `gateway.settings.Settings` fields (dashes or underscores), plus `request`: a mapping
-merged into every chat request body sent to that arm (per-request options the gateway controls,
-such as `ragspeed.compression`). Everything is checked before any server starts or request is sent:
-an unknown key or a bad value is an `ArmError` naming the file, the line and the key.
+Keys are `ragspeed serve` options by their flat names (`gateway.settings.OPTIONS`; dashes or
+underscores), plus `request`: a mapping merged into every chat request body sent to that arm
+(per-request options the gateway controls, such as `ragspeed.compression`). Everything is
+checked before any server starts or request is sent: an unknown key or a bad value is an
+`ArmError` naming the file, the line and the key.
 """
 
 from __future__ import annotations

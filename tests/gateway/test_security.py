@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -155,3 +156,7 @@ def test_tenant_salt_overrides_the_client_salt(tiny_model):
         _current_principal.reset(token)
     assert prepared.generation.cache_salt == tenant_cache_salt("acme")
     assert prepared.principal.tenant == "acme"
+    # Built complete, then never changed: the request's arm and echo are set at construction.
+    assert (prepared.arm, prepared.return_prompt) == ("default", False)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        prepared.arm = "b"  # type: ignore[misc]
