@@ -46,6 +46,10 @@ Options left unset take the defaults below. List options repeat their flag
 environment (`RAGSPEED_UPSTREAMS='["http://a:8000/v1", "http://b:8000/v1"]'`). Boolean options
 have a `--no-` flag as well. An unknown key, a value of the wrong type or out of its range stops
 the server at start-up with a message naming the option.
+
+The options are grouped below by the part of the server that reads them (one section of
+`Settings` each); the names are flat all the same: a section is no part of a flag, a variable or
+a key.
 """
 
 
