@@ -3,20 +3,18 @@
     python docs/gen_configuration.py           # rewrite docs/configuration.md
     python docs/gen_configuration.py --check   # exit 1 when the file is out of date
 
-Every row comes from the code: the field's name, type, constraints, default and description from
-`Settings.model_fields`, the environment variable from the settings' `env_prefix`, the flag from
-the options of the `ragspeed serve` command itself, and the section headings from the comment
-lines (`# Server`, ...) that group the fields in settings.py. tests/test_docs.py fails when the
-committed file differs from what this script writes.
+Every row comes from the code: one table per section of `Settings` (`Settings.compression`, ...),
+headed by the section's docstring; in it one row per option (`OPTIONS`), with its name, type,
+constraints, default and description from its field, the environment variable from `Option.env`
+and the flag from the options of the `ragspeed serve` command itself. tests/test_docs.py fails
+when the committed file differs from what this script writes.
 """
 
 from __future__ import annotations
 
 import inspect
-import re
 import sys
 import types
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any, Union, get_args, get_origin
 
@@ -26,7 +24,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from ragspeed import cli
-from ragspeed.gateway.settings import Settings
+from ragspeed.gateway.settings import OPTIONS, Option, Settings
 
 OUTPUT = Path(__file__).resolve().parent / "configuration.md"
 COMMAND = "python docs/gen_configuration.py"
@@ -48,6 +46,10 @@ Options left unset take the defaults below. List options repeat their flag
 environment (`RAGSPEED_UPSTREAMS='["http://a:8000/v1", "http://b:8000/v1"]'`). Boolean options
 have a `--no-` flag as well. An unknown key, a value of the wrong type or out of its range stops
 the server at start-up with a message naming the option.
+
+The options are grouped below by the part of the server that reads them (one section of
+`Settings` each); the names are flat all the same: a section is no part of a flag, a variable or
+a key.
 """
 
 
@@ -111,32 +113,24 @@ def _serve_flags() -> dict[str, str]:
         )
     flags = {}
     for param in command.params:
-        if isinstance(param, click.Option) and param.name in Settings.model_fields:
+        if isinstance(param, click.Option) and param.name in OPTIONS:
             names = [*param.opts, *param.secondary_opts]
             flags[param.name] = " / ".join(f"`{name}`" for name in names)
     return flags
 
 
-def _sections() -> Iterator[tuple[str, list[str]]]:
-    """(heading, field names) in the order of settings.py, headed by its `# ...` comment lines."""
-    heading, names = "Options", list[str]()
-    seen: set[str] = set()
-    for line in inspect.getsource(Settings).splitlines():
-        comment = re.match(r"^    # (.+)$", line)
-        field = re.match(r"^    (\w+):", line)
-        if comment:
-            if names:
-                yield heading, names
-            # "Limits (gateway/limits.py)" -> "Limits": the heading, not the comment's aside
-            heading, names = re.split(r" \(|:", comment.group(1))[0].strip(), []
-        elif field and field.group(1) in Settings.model_fields:
-            names.append(field.group(1))
-            seen.add(field.group(1))
-    if names:
-        yield heading, names
-    rest = [name for name in Settings.model_fields if name not in seen]
-    if rest:
-        yield "Other", rest
+def _sections() -> list[tuple[str, str, list[Option]]]:
+    """(heading, prose, options) per section of Settings, in its order; the section's docstring
+    reads "Heading (aside): prose." and gives both."""
+    sections = []
+    for section, info in Settings.model_fields.items():
+        assert isinstance(info.annotation, type)
+        doc = " ".join((inspect.getdoc(info.annotation) or section).split())
+        title, _, prose = doc.partition(": ")
+        heading = title.split(" (")[0]
+        prose = prose[:1].upper() + prose[1:]
+        sections.append((heading, prose, [o for o in OPTIONS.values() if o.section == section]))
+    return sections
 
 
 def _nested_models() -> list[type[BaseModel]]:
@@ -151,31 +145,32 @@ def _nested_models() -> list[type[BaseModel]]:
         for arg in get_args(annotation):
             walk(arg)
 
-    for info in Settings.model_fields.values():
-        walk(info.annotation)
+    for option in OPTIONS.values():
+        walk(option.info.annotation)
     return found
 
 
 def render() -> str:
-    env_prefix = Settings.model_config.get("env_prefix", "")
     flags = _serve_flags()
     out = [_HEADER]
-    for heading, names in _sections():
+    for heading, prose, options in _sections():
         out += [
             f"## {heading}",
+            "",
+            _prose(prose),
             "",
             "| option | flag | environment | type | default | description |",
             "|---|---|---|---|---|---|",
         ]
-        for name in names:
-            info = Settings.model_fields[name]
+        for option in options:
+            info = option.info
             kind = _type_name(info.annotation)
             bounds = _constraints(info)
             if bounds:
                 kind = f"{kind} ({bounds})"
-            flag = flags.get(name, "(none)")
+            flag = flags.get(option.name, "(none)")
             out.append(
-                f"| `{name}` | {flag} | `{env_prefix}{name.upper()}` | `{_cell(kind)}` | "
+                f"| `{option.name}` | {flag} | `{option.env}` | `{_cell(kind)}` | "
                 f"`{_default(info)!r}` | {_prose(info.description or '')} |"
             )
         out.append("")

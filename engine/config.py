@@ -1,4 +1,5 @@
-"""The engine's one frozen config, built at the edge (CLI, settings file) and passed down."""
+"""The engine's frozen configs, built at the edge (CLI, settings file) and passed down:
+`EngineConfig` for every backend, `UpstreamConfig` beside it for the remote (openai) one."""
 
 from __future__ import annotations
 
@@ -43,19 +44,23 @@ class EngineConfig:
     document_cache_dir: str | None = None
     document_cache_dtype: str = "float16"
 
-    # Remote (openai) backend.
-    upstreams: tuple[str, ...] = ()
-    upstream_api_key: str | None = None
-    upstream_model: str | None = None  # model name to send upstream; defaults to `model`
-    connect_timeout_s: float = 5.0
-    read_timeout_s: float = 60.0
-    upstream_max_retries: int = 2  # retries of requests that failed to connect (nothing sent)
-    upstream_circuit_failures: int = 5  # failures in a row that open an upstream's circuit
-    upstream_circuit_reset_s: float = 30.0
-    upstream_affinity: bool = True  # same static prefix -> same upstream (backends/routing.py)
-
     def __post_init__(self) -> None:
         # "none" (a command line, a settings file) means off.
         for name in ("quantization", "draft_quantization", "speculative"):
             if getattr(self, name) == "none":
                 object.__setattr__(self, name, None)
+
+
+@dataclass(frozen=True)
+class UpstreamConfig:
+    """The remote (openai) backend's upstreams; its model, tokenizer and context are EngineConfig's."""
+
+    urls: tuple[str, ...] = ()  # OpenAI-compatible base URLs
+    api_key: str | None = None
+    model: str | None = None  # model name to send upstream; defaults to EngineConfig.model
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 60.0
+    max_retries: int = 2  # retries of requests that failed to connect (nothing sent)
+    circuit_failures: int = 5  # failures in a row that open an upstream's circuit
+    circuit_reset_s: float = 30.0
+    affinity: bool = True  # same static prefix -> same upstream (backends/routing.py)

@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from ragspeed.engine.backends import build_engine
-from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.config import EngineConfig, UpstreamConfig
 from ragspeed.engine.protocol import EngineClient
 from ragspeed.gateway.admission import TTFTAdmission
 from ragspeed.gateway.compress import CompressionStage
@@ -46,52 +46,57 @@ logger = logging.getLogger("ragspeed.gateway")
 def create_app(
     settings: Settings,
     *,
-    engine_factory: Callable[[EngineConfig], EngineClient] = build_engine,
+    engine_factory: Callable[[EngineConfig, UpstreamConfig], EngineClient] = build_engine,
     on_start_failure: Callable[[str], None] | None = None,
 ) -> FastAPI:
     """The app; `engine_factory` builds the main engine and each A/B arm's own (tests pass a
     fake). `on_start_failure(error)` is called when loading fails (`ragspeed serve` exits);
     without it the app stays up, its /healthz answering 503 with the error."""
     check_settings(settings)
-    keyring = KeyRing(settings.api_keys, settings.admin_key_hashes)
+    keyring = KeyRing(settings.security.api_keys, settings.security.admin_key_hashes)
     rejections = Rejections()
+    limits = settings.limits
     experiment = None
-    if settings.experiment:
+    if settings.experiments.path:
         try:
-            experiment = build_live_experiment(settings.experiment, settings.model_dump())
+            experiment = build_live_experiment(settings.experiments.path, settings.options())
         except ArmError as exc:
             raise ConfigError(f"experiment: {exc}") from exc
 
+    def build(arm_settings: Settings) -> EngineClient:
+        return engine_factory(arm_settings.engine.config(), arm_settings.upstreams.config())
+
     try:  # built here (nothing loads before `start`), so that a refused option fails at once
-        engine = engine_factory(settings.engine_config())
+        engine = build(settings)
         # A/B arms with `engine` overrides get an engine of their own, started with the main one.
         arm_engines = {
-            arm.name: engine_factory(settings.model_copy(update=dict(arm.engine)).engine_config())
+            arm.name: build(settings.with_options(arm.engine))
             for arm in (experiment.spec.arms if experiment else ())
             if arm.engine
         }
     except ValueError as exc:
-        raise ConfigError(f"engine {settings.engine}: {exc}") from exc
+        raise ConfigError(f"engine {settings.engine.backend}: {exc}") from exc
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        warn_if_exposed(settings.host, keyring, logger)
+        warn_if_exposed(settings.server.host, keyring, logger)
         metrics = GatewayMetrics()
         metrics.registry.register(rejections.counter)
         metrics.watch_engine(engine.stats, settings.model_id)
         admission = TTFTAdmission(
-            settings.ttft_deadline_ms / 1000 if settings.ttft_deadline_ms is not None else None
+            limits.ttft_deadline_ms / 1000 if limits.ttft_deadline_ms is not None else None
         )
         metrics.watch_admission(admission.snapshot, settings.model_id)
         state = AppState(
             settings=settings,
             metrics=metrics,
             engine=engine,
-            retrieval=RetrievalService(settings),
-            prompts=PromptService(engine, settings.prompt_cache_dir),
+            retrieval=RetrievalService(settings.retrieval),
+            prompts=PromptService(engine, settings.prompts.cache_dir),
             started_at=int(time.time()),
             experiment=experiment,
             arm_engines=arm_engines,
+            admission=admission,
         )
         app.state.services = state
 
@@ -105,30 +110,23 @@ def create_app(
                 if hasattr(engine, "estimate_new_tokens"):  # an engine on this machine: time it
                     await admission.calibrate(engine)
                 state.precompute = DocumentPrecompute(engine, engine.tokenizer, metrics)
-                state.compression = CompressionStage(settings, engine.tokenizer)
+                state.compression = CompressionStage(settings.compression, engine.tokenizer)
                 await asyncio.to_thread(state.compression.warm)
                 await asyncio.to_thread(state.retrieval.warm)
             except Exception as exc:
                 state.engine_error = f"{type(exc).__name__}: {exc}"
-                logger.error("engine %s failed to start: %s", settings.engine, state.engine_error)
+                logger.error("engine %s failed to start: %s", settings.engine.backend, state.engine_error)
                 logger.debug("the failure's traceback", exc_info=True)
                 if on_start_failure is not None:
                     on_start_failure(state.engine_error)
                 return
             # Every service is loaded: the pipeline is complete from its first request on.
-            state.pipeline = Pipeline(
-                settings=settings,
-                engine=engine,
-                metrics=metrics,
-                compress=state.compression,
-                retrieve=state.retrieval if state.retrieval.enabled else None,
-                prompts=state.prompts,
-                experiment=experiment,
-                arm_engines=arm_engines,
-                admission=admission,
-            )
+            state.pipeline = Pipeline(state)
             logger.info(
-                "engine %s ready with %s in %.1f s", settings.engine, settings.model, time.perf_counter() - t0
+                "engine %s ready with %s in %.1f s",
+                settings.engine.backend,
+                settings.engine.model,
+                time.perf_counter() - t0,
             )
 
         loading = asyncio.create_task(load())
@@ -151,11 +149,11 @@ def create_app(
     app.add_middleware(
         AdmissionMiddleware,
         queue=AdmissionQueue(
-            settings.max_concurrent_requests, settings.max_queued_requests, settings.queue_timeout_s
+            limits.max_concurrent_requests, limits.max_queued_requests, limits.queue_timeout_s
         ),
         rejections=rejections,
     )
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes, rejections=rejections)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=limits.max_body_bytes, rejections=rejections)
     app.add_middleware(SecurityMiddleware, keyring=keyring, rejections=rejections)
     if experiment is not None:
         app.add_middleware(ArmHintsMiddleware)

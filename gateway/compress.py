@@ -1,7 +1,7 @@
 """The compression stage of the pipeline: the server's default method and rate, per-request
 overrides (`ragspeed.compression`), the break-even policy and failing open.
 
-Every method the server offers (`compression_methods`) is built at start-up (`warm`, before
+Every method the server offers (`compression_methods`: the compression section's `methods`) is built at start-up (`warm`, before
 the app reports ready), one compressor per method sharing one embedding cache. They run
 in a worker thread (a compression takes tens to hundreds of milliseconds of CPU and must not
 stall the event loop), one at a time.
@@ -26,18 +26,18 @@ from ragspeed.gateway.errors import APIError
 from ragspeed.gateway.prepare import CompressionReport
 from ragspeed.gateway.prompt import Segments
 from ragspeed.gateway.protocol import CompressionOptions
-from ragspeed.gateway.settings import Settings
+from ragspeed.gateway.settings import CompressionSettings
 
 
 class CompressionStage:
-    def __init__(self, settings: Settings, tokenizer: Any):
+    def __init__(self, settings: CompressionSettings, tokenizer: Any):
         self._settings = settings
         self._tokenizer = tokenizer
-        self._policy = CompressionPolicy(min_document_tokens=settings.compression_min_document_tokens)
-        self._cache = EmbeddingCache(settings.compression_cache_entries)
+        self._policy = CompressionPolicy(min_document_tokens=settings.min_document_tokens)
+        self._cache = EmbeddingCache(settings.cache_entries)
         # Options that only some methods take, from the settings.
         self._method_options: dict[str, dict[str, Any]] = {
-            "llmlingua2": {"model_path": settings.compression_llmlingua2_model}
+            "llmlingua2": {"model_path": settings.llmlingua2_model}
         }
         self._compressors: dict[str, Any] = {}
         self._lock = threading.Lock()
@@ -51,7 +51,7 @@ class CompressionStage:
         self._compressors[method] = build_compressor(
             method,
             cache=self._cache,
-            order=self._settings.compression_order,
+            order=self._settings.order,
             **self._method_options.get(method, {}),
         )
         self.num_loads += 1
@@ -63,11 +63,11 @@ class CompressionStage:
                 f"unknown compression method {method!r}; known: {sorted(COMPRESSORS)}",
                 param="ragspeed.compression.method",
             )
-        if method not in self._settings.compression_methods:
+        if method not in self._settings.methods:
             raise APIError(
                 400,
                 f"this server does not offer the compression method {method!r}; offered: "
-                f"{list(self._settings.compression_methods)} (compression_methods)",
+                f"{list(self._settings.methods)} (compression_methods)",
                 param="ragspeed.compression.method",
             )
         if method not in self._compressors:  # only before `warm` (the app warms before serving)
@@ -79,7 +79,7 @@ class CompressionStage:
         load; thread-blocking, run it in a worker thread. A compressor that cannot be built
         (a missing model folder or package) raises: the server cannot offer it."""
         with self._lock:
-            for method in self._settings.compression_methods:
+            for method in self._settings.methods:
                 if method not in self._compressors:
                     self._load(method)
 
@@ -87,12 +87,12 @@ class CompressionStage:
         """The method a request runs: the one it names; else, when it asks for compression
         (`ragspeed.compression` given, e.g. a rate alone), the server's compressor; else the
         server's every-request compressor, if any (None: no compression, "none" included)."""
-        every_request = self._settings.compression_method
+        every_request = self._settings.method
         if every_request == "none":
             every_request = None
         method = every_request
         if options is not None:
-            method = options.method or every_request or self._settings.compression_default_method
+            method = options.method or every_request or self._settings.default_method
         return None if method == "none" else method
 
     def runs(self, options: CompressionOptions | None) -> bool:
@@ -108,8 +108,8 @@ class CompressionStage:
         rate = options.rate if options else None
         target_tokens = options.target_tokens if options else None
         if rate is None and target_tokens is None:
-            rate = self._settings.compression_rate
-            target_tokens = self._settings.compression_target_tokens
+            rate = self._settings.rate
+            target_tokens = self._settings.target_tokens
         protected = sum(
             len(self._tokenizer.encode(text, add_special_tokens=False))
             for text in (

@@ -13,7 +13,7 @@ An experiment file (settings key `experiment: path.yaml`):
 Terms:
 
 - *arm*: per-request options the gateway controls (`ragspeed`: the same object clients send;
-  the arm's keys win over the client's) and optionally `engine`: Settings keys that, applied to
+  the arm's keys win over the client's) and optionally `engine`: settings options that, applied to
   the server's settings, build a second engine that serves only this arm.
 - *sticky*: a caller's arm is a pure function of a hash of (experiment name, caller key), so the
   same caller always lands in the same arm while weights stay the same; callers with no key are

@@ -10,14 +10,13 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 from jinja2 import TemplateError
 
-from ragspeed.document import Document
 from ragspeed.engine.protocol import (
     PRIORITY_BATCH,
     PRIORITY_INTERACTIVE,
@@ -28,11 +27,9 @@ from ragspeed.engine.protocol import (
     check_context_length,
 )
 from ragspeed.gateway.errors import APIError
-from ragspeed.gateway.experiments import LiveExperiment, current_hints
+from ragspeed.gateway.experiments import current_hints
 from ragspeed.gateway.limits import arrival_time
-from ragspeed.gateway.metrics import GatewayMetrics
-from ragspeed.gateway.prompt import Prompt, Segments, assemble_prompt, split_segments
-from ragspeed.gateway.prompt_registry import PromptService
+from ragspeed.gateway.prompt import Prompt, assemble_prompt, split_segments
 from ragspeed.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -41,7 +38,9 @@ from ragspeed.gateway.protocol import (
     _SamplingFields,
 )
 from ragspeed.gateway.security import Principal, current_principal
-from ragspeed.gateway.settings import Settings
+
+if TYPE_CHECKING:  # gateway.state holds the pipeline that holds the preparer
+    from ragspeed.gateway.state import AppState
 
 DEFAULT_ARM = "default"
 
@@ -72,9 +71,10 @@ class CompressionReport:
     skipped_reason: str | None = None  # e.g. below the break-even length
 
 
-@dataclass
+@dataclass(frozen=True)
 class PreparedRequest:
-    """A request ready for the engine: what `run.Generation` needs, and what it reports."""
+    """A request ready for the engine: what `run.Generation` needs, and what it reports. Built
+    complete by `Preparer` (the timer inside it keeps counting the stages that follow)."""
 
     request_id: str
     generation: GenerationRequest
@@ -85,22 +85,6 @@ class PreparedRequest:
     principal: Principal | None = None  # the authenticated caller; None with auth off
     return_prompt: bool = False  # echo the prompt as sent in `ragspeed.prompt`
     deadline_ms: float | None = None  # `ragspeed.deadline_ms`: this request's TTFT deadline
-
-
-class Compress(Protocol):
-    """The compression stage the app builds before the pipeline (gateway.compress)."""
-
-    def runs(self, options: Any) -> bool:
-        """Whether a request with these `ragspeed.compression` options is compressed."""
-        ...
-
-    def __call__(
-        self, segments: Segments, documents: tuple[Document, ...], options: Any
-    ) -> tuple[tuple[Document, ...], CompressionReport | None]: ...
-
-
-# Retrieval plugs in as a callable: retrieve(question, options) -> documents
-Retrieve = Callable[[str, Any], list[Document]]
 
 
 def sampling_params(req: _SamplingFields, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
@@ -142,22 +126,22 @@ def _reject_lone_surrogates(value: Any, path: str) -> None:
 
 @dataclass(frozen=True)
 class Preparer:
-    """Turns a parsed request into a `PreparedRequest`; raises APIError for what cannot run."""
+    """Turns a parsed request into a `PreparedRequest`; raises APIError for what cannot run.
+    It reads the app's services (engines, compression, retrieval, registered prompts, A/B arms)
+    and options (the prompts and limits sections) from `state`."""
 
-    settings: Settings
-    engine: EngineClient
-    metrics: GatewayMetrics
-    compress: Compress | None = None
-    retrieve: Retrieve | None = None
-    prompts: PromptService | None = None  # `ragspeed.system_prompt` names a registered prompt
-    experiment: LiveExperiment | None = None  # live A/B arms; None: every request is DEFAULT_ARM
-    arm_engines: Mapping[str, EngineClient] = field(default_factory=dict)  # arms that own an engine
+    state: AppState
+
+    @property
+    def engine(self) -> EngineClient:
+        return self.state.engine
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.settings.model_id:
+        model_id = self.state.settings.model_id
+        if model is not None and model != model_id:
             raise APIError(
                 404,
-                f"the model '{model}' does not exist; this server serves '{self.settings.model_id}'",
+                f"the model '{model}' does not exist; this server serves '{model_id}'",
                 param="model",
                 code="model_not_found",
             )
@@ -165,50 +149,46 @@ class Preparer:
     async def chat(self, req: ChatCompletionRequest) -> PreparedRequest:
         self.check_model(req.model)
         self.check_input(req)
-        arm = self.experiment.assign(req.user, current_hints()) if self.experiment is not None else None
+        state, prompts = self.state, self.state.settings.prompts
+        arm = state.experiment.assign(req.user, current_hints()) if state.experiment is not None else None
         if arm is not None:
             req = arm.apply(req)  # the arm's per-request options win over the client's
-        engine = self.arm_engines.get(arm.name, self.engine) if arm is not None else self.engine
+        arm_name = arm.name if arm is not None else DEFAULT_ARM
+        engine = state.arm_engines.get(arm_name, state.engine)
         timer = StageTimer()
         with timer.stage("segments"):
             segments = split_segments(
                 req.messages,
                 req.documents,
-                start_marker=self.settings.document_start_marker,
-                end_marker=self.settings.document_end_marker,
+                start_marker=prompts.document_start_marker,
+                end_marker=prompts.document_end_marker,
             )
         options = req.ragspeed
         if options and options.system_prompt:
-            if self.prompts is None:
-                raise APIError(400, "this server has no prompt registry", param="ragspeed.system_prompt")
-            segments = self.prompts.apply(segments, options.system_prompt)
+            segments = state.prompts.apply(segments, options.system_prompt)
         documents = segments.documents
         if options and options.retrieval:
-            if self.retrieve is None:
+            if not state.retrieval.enabled:
                 raise APIError(400, "retrieval is not enabled on this server", param="ragspeed.retrieval")
             with timer.stage("retrieval"):
-                retrieved = await self._cpu_job(self.retrieve, segments.question, options.retrieval)
+                retrieved = await self._cpu_job(state.retrieval, segments.question, options.retrieval)
                 documents = documents + tuple(retrieved)
-        if len(documents) > self.settings.max_documents:
+        max_documents = state.settings.limits.max_documents
+        if len(documents) > max_documents:
             raise APIError(
                 400,
-                f"the request has {len(documents)} documents; the limit is "
-                f"{self.settings.max_documents} (max_documents)",
+                f"the request has {len(documents)} documents; the limit is {max_documents} (max_documents)",
                 param="documents",
                 code="too_many_documents",
             )
         report = None
         compression = options.compression if options else None
-        if (
-            documents
-            and self.compress is not None
-            and compression is not False
-            and self.compress.runs(compression)
-        ):
+        compress = state.compression
+        if documents and compress is not None and compression is not False and compress.runs(compression):
             with timer.stage("compression"):
-                documents, report = await self._cpu_job(self.compress, segments, documents, compression)
+                documents, report = await self._cpu_job(compress, segments, documents, compression)
             if report is not None:
-                self._count_compression(report, arm.name if arm is not None else DEFAULT_ARM)
+                self._count_compression(report, arm_name)
         compressed = report is not None and not report.failed and report.skipped_reason is None
         document_cache = self.document_cache(options, compressed=compressed)
         with timer.stage("prompt"):
@@ -224,11 +204,9 @@ class Preparer:
                     code="invalid_messages",
                 ) from None
         max_tokens = req.max_completion_tokens or req.max_tokens
-        prepared = self._prepared(req, prompt, timer, max_tokens, report, engine, options, document_cache)
-        if arm is not None:
-            prepared.arm = arm.name
-        prepared.return_prompt = bool(options and options.return_prompt)
-        return prepared
+        return self._prepared(
+            req, prompt, timer, max_tokens, report, engine, options, document_cache, arm_name
+        )
 
     async def _cpu_job(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Compression or retrieval embedding, off the event loop: beside a native engine, on a
@@ -247,10 +225,10 @@ class Preparer:
         went uncompressed (`eval rag`: reuse after top-docs selection lost 0.09 of accuracy
         against the selection alone; after no compression, 0.02, within the noise)."""
         asked = options.document_cache if options is not None else None
-        if asked is False or (asked is None and (self.settings.document_cache == "off" or compressed)):
+        settings = self.state.settings.prompts
+        if asked is False or (asked is None and (settings.document_cache == "off" or compressed)):
             return None
         given = asked if isinstance(asked, DocumentCacheIn) else DocumentCacheIn()
-        settings = self.settings
         return DocumentCacheOptions(
             policy=given.policy or settings.document_cache_policy,
             num_tokens=settings.document_cache_tokens if given.tokens is None else given.tokens,
@@ -259,11 +237,12 @@ class Preparer:
         )
 
     def _count_compression(self, report: CompressionReport, arm: str) -> None:
-        labels = {"model": self.settings.model_id, "arm": arm}
-        self.metrics.documents_tokens.labels(**labels, phase="original").inc(report.original_tokens)
-        self.metrics.documents_tokens.labels(**labels, phase="compressed").inc(report.compressed_tokens)
+        labels = {"model": self.state.settings.model_id, "arm": arm}
+        metrics = self.state.metrics
+        metrics.documents_tokens.labels(**labels, phase="original").inc(report.original_tokens)
+        metrics.documents_tokens.labels(**labels, phase="compressed").inc(report.compressed_tokens)
         if report.failed:
-            self.metrics.compression_fallbacks.labels(**labels).inc()
+            metrics.compression_fallbacks.labels(**labels).inc()
 
     def check_input(self, req: _SamplingFields) -> None:
         """What the schema cannot say: text that is valid JSON but not valid Unicode (a lone
@@ -303,14 +282,16 @@ class Preparer:
         engine: EngineClient,
         options: RagspeedOptions | None,
         document_cache: DocumentCacheOptions | None = None,
+        arm: str = DEFAULT_ARM,
     ) -> PreparedRequest:
-        sampling = sampling_params(req, max_tokens, self.settings.default_max_tokens)
+        settings = self.state.settings
+        sampling = sampling_params(req, max_tokens, settings.prompts.default_max_tokens)
         # The one context check (the engines run the same one on their own inputs): here, before
         # the key's token budget is charged.
         check_context_length(len(prompt.token_ids), sampling.max_tokens, engine.max_model_len)
         if not prompt.token_ids:
             raise APIError(400, "the prompt is empty", param="prompt")
-        max_prompt_tokens = self.settings.max_prompt_tokens
+        max_prompt_tokens = settings.limits.max_prompt_tokens
         if max_prompt_tokens is not None and len(prompt.token_ids) > max_prompt_tokens:
             raise APIError(
                 400,
@@ -341,6 +322,8 @@ class Preparer:
             timer,
             engine,
             report,
+            arm=arm,
             principal=principal,
+            return_prompt=bool(options and options.return_prompt),
             deadline_ms=options.deadline_ms if options is not None else None,
         )

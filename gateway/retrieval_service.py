@@ -15,20 +15,20 @@ from typing import Any, TypeVar
 from ragspeed.document import Document
 from ragspeed.gateway.errors import APIError
 from ragspeed.gateway.protocol import RetrievalOptions
-from ragspeed.gateway.settings import Settings
+from ragspeed.gateway.settings import RetrievalSettings
 
 T = TypeVar("T")
 
 
 class RetrievalService:
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: RetrievalSettings):
         self._settings = settings
         self._store: Any = None
         self._lock = threading.Lock()
 
     @property
     def enabled(self) -> bool:
-        return self._settings.enable_retrieval
+        return self._settings.enabled
 
     @property
     def loaded(self) -> bool:

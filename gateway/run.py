@@ -11,26 +11,24 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ragspeed.engine.protocol import DocumentReuse, PromptTooLongError, TokenDelta, TokenLogprob
 from ragspeed.gateway.admission import Ticket, TTFTAdmission, estimate_new_tokens
 from ragspeed.gateway.errors import APIError
-from ragspeed.gateway.experiments import LiveExperiment
 from ragspeed.gateway.limits import DeadlineExceeded, next_before
-from ragspeed.gateway.metrics import GatewayMetrics
 from ragspeed.gateway.prepare import PreparedRequest
-from ragspeed.gateway.settings import Settings
+
+if TYPE_CHECKING:  # gateway.state holds the pipeline that builds generations
+    from ragspeed.gateway.state import AppState
 
 
 @dataclass
 class Generation:
     """One request running in its engine: iterate `deltas()`; the figures fill in as it goes."""
 
-    settings: Settings
-    metrics: GatewayMetrics
+    state: AppState  # the app's services: metrics, the experiment observing its arms' latencies
     prepared: PreparedRequest
-    experiment: LiveExperiment | None = None  # observes the arm's latencies
     admission: TTFTAdmission | None = None  # refuses a request predicted to miss its deadline
     text_parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # when the request asked
@@ -47,11 +45,11 @@ class Generation:
 
     @property
     def model_id(self) -> str:
-        return self.settings.model_id
+        return self.state.settings.model_id
 
     @property
     def labels(self) -> dict[str, str]:
-        return {"model": self.settings.model_id, "arm": self.prepared.arm}
+        return {"model": self.model_id, "arm": self.prepared.arm}
 
     @property
     def text(self) -> str:
@@ -85,22 +83,22 @@ class Generation:
                 deadline_s,
             )
         except APIError:
-            self.metrics.ttft_refused.labels(model=self.settings.model_id).inc()
+            self.state.metrics.ttft_refused.labels(model=self.model_id).inc()
             raise
         self.predicted_ttft_s = ticket.predicted_s
         if ticket.predicted_s is not None:
-            self.metrics.ttft_predicted.labels(**self.labels).observe(ticket.predicted_s)
+            self.state.metrics.ttft_predicted.labels(**self.labels).observe(ticket.predicted_s)
         return ticket
 
     async def deltas(self) -> AsyncGenerator[TokenDelta, None]:
-        metrics, labels = self.metrics, self.labels
+        metrics, labels = self.state.metrics, self.labels
         timer = self.prepared.timer
         ticket = self._admit()
         metrics.in_flight.labels(**labels).inc()
         outcome = "error"
         self._engine_start = time.perf_counter()
         counted_ids = 0
-        timeout_s = self.settings.request_timeout_s
+        timeout_s = self.state.settings.limits.request_timeout_s
         deadline = None  # event-loop time; the deadline counts from the request's arrival
         if timeout_s is not None:
             deadline = asyncio.get_running_loop().time() + timeout_s - (self._engine_start - timer.start)
@@ -154,7 +152,7 @@ class Generation:
                 self._record(outcome)
 
     def _record(self, outcome: str) -> None:
-        metrics, labels, timer = self.metrics, self.labels, self.prepared.timer
+        metrics, labels, timer = self.state.metrics, self.labels, self.prepared.timer
         end = time.perf_counter()
         self.e2e_s = end - timer.start
         if not self.num_prompt_tokens:
@@ -169,8 +167,8 @@ class Generation:
         if self.tpot_s is not None:
             metrics.tpot.labels(**labels).observe(self.tpot_s)
         metrics.e2e.labels(**labels).observe(self.e2e_s)
-        if self.experiment is not None:
-            self.experiment.observe(self.prepared.arm, self.ttft_s, self.tpot_s, self.e2e_s)
+        if self.state.experiment is not None:
+            self.state.experiment.observe(self.prepared.arm, self.ttft_s, self.tpot_s, self.e2e_s)
         metrics.prompt_tokens.labels(**labels).inc(self.num_prompt_tokens)
         metrics.cached_tokens.labels(**labels).inc(self.num_cached_tokens)
         metrics.generation_tokens.labels(**labels).inc(self.num_completion_tokens)

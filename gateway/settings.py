@@ -5,22 +5,37 @@ kernels' switches, beneath the serving options), nowhere else.
 
 Precedence, highest first: command-line flags, `RAGSPEED_*` environment variables, the config
 file (YAML or TOML, `--config`), the defaults below. Every field is one documented option.
+
+Terms: an *option* is one setting as users name it, flat: `compression_rate` is the flag
+`--compression-rate`, the variable `RAGSPEED_COMPRESSION_RATE` and the config-file key. A
+*section* groups the options one part of the server takes (`Settings.compression` is what the
+compression stage reads, as `rate`); a field whose name inside its section differs from its
+option's carries the option's name as its alias. The sections are the settings' shape in code,
+the flat names their shape outside it: every option keeps its name.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from types import MappingProxyType
+from typing import Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import Field, ValidationError, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from ragspeed.compression.registry import COMPRESSORS, DEFAULT_METHOD, OFFERED_METHODS
-from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.config import EngineConfig, UpstreamConfig
 from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
 from ragspeed.gateway.security import ApiKeyEntry, KeyHash
+
+ENV_PREFIX = "RAGSPEED_"
 
 # The keys of engine.dtypes.DTYPES (kept here as a type: settings import no torch).
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -35,24 +50,51 @@ class ConfigError(ValueError):
     """A configuration file or option that cannot be used; the message names the culprit."""
 
 
-class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="RAGSPEED_", extra="forbid", frozen=True)
+class Section(BaseModel):
+    # Built from option names (aliases) by Settings, from field names by code and tests.
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_by_name=True, validate_by_alias=True)
 
-    # Server
+
+class ServerSettings(Section):
+    """Server: where it listens, what it logs and the model name it answers to."""
+
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8000, ge=0, le=65535, description="Port to listen on (0: any free port).")
     log_level: str = Field("info", description="Log level: debug, info, warning, error.")
     access_log: bool = Field(True, description="Log one line per HTTP request (uvicorn's access log).")
+    served_model_name: str | None = Field(
+        None, description="Model name clients use; default: the --model value."
+    )
+    shutdown_drain_s: float = Field(
+        10.0, ge=0, description="On SIGTERM: seconds to let in-flight requests finish before aborting them."
+    )
 
-    # Model and engine
+
+class SecuritySettings(Section):
+    """Security (gateway/security.py): API keys and admin keys; auth is off while no key is
+    configured."""
+
+    api_keys: list[ApiKeyEntry] = Field(
+        default_factory=list,
+        description="API keys as {hash, tenant, requests_per_minute, tokens_per_minute}; on the command line 'sha256:<hex>,tenant=NAME,requests_per_minute=N,tokens_per_minute=N'.",
+    )
+    admin_key_hashes: list[KeyHash] = Field(
+        default_factory=list,
+        description="sha256:<hex> hashes of admin keys (needed for /v1/prompts, /v1/collections, /v1/experiments).",
+    )
+
+
+class EngineSettings(Section):
+    """Model and engine: the model, the backend and the native engine's KV cache, scheduler,
+    weights, speculative decoding and document KV store."""
+
     model: str = Field(
         DEFAULT_MODEL_NAME,
         description=f"Model: a zoo name ({DEFAULT_MODEL_NAME}, bench-135m, bench-0.5b), a local HF-format folder, a .gguf file or a hub id (org/name).",
     )
-    served_model_name: str | None = Field(
-        None, description="Model name clients use; default: the --model value."
+    backend: str = Field(
+        "native", alias="engine", description="Engine backend: native, transformers, openai or vllm."
     )
-    engine: str = Field("native", description="Engine backend: native, transformers, openai or vllm.")
     tokenizer: str | None = Field(None, description="Tokenizer path or id; default: the model's.")
     device: str = Field("cpu", description="Device for embedded engines: cpu or cuda.")
     dtype: Dtype = Field(
@@ -87,10 +129,6 @@ class Settings(BaseSettings):
         description="Time budget of an engine step that carries decodes, ms: the prefill chunks beside them are sized to fit it (native; none: the token budget alone).",
     )
     enable_prefix_caching: bool = Field(True, description="Reuse the KV of shared prompt prefixes (native).")
-    prompt_cache_dir: str | None = Field(
-        ".ragspeed/prompts",
-        description="Folder where registered prompts (their text, and their pinned KV) are saved and restored from at start-up (native; a prompt whose KV cannot be used is prefilled again); none: not persisted.",
-    )
     kv_cache_dtype: Literal["auto", "fp32", "fp16"] = Field(
         "auto",
         description="KV cache dtype (native): auto (fp16 on a CPU with ragspeed's kernels for an fp32 model, else the model's dtype), fp32 or fp16. fp16 halves what decode attention reads and what the pool, the document store and the prefix store hold.",
@@ -109,8 +147,148 @@ class Settings(BaseSettings):
         description="Draft model weights: auto (int8 on a CPU, else as --quantization), none or int8. The target verifies every draft, so this moves acceptance, never the output.",
     )
     num_speculative_tokens: int = Field(4, ge=1, description="Draft tokens proposed per step.")
+    document_cache_bytes: int = Field(
+        256 * 2**20, ge=0, description="RAM budget of the document KV store, bytes (LRU beyond it)."
+    )
+    document_cache_dir: str | None = Field(
+        None,
+        description="Folder of the document KV store's disk tier (one checksummed file per document); none: RAM only.",
+    )
+    document_cache_dtype: DocumentCacheDtype = Field(
+        "float16", description="Precision of stored document KV: float16, bfloat16 or float32."
+    )
 
-    # Document KV reuse (native; per request: `ragspeed.document_cache`)
+    def config(self) -> EngineConfig:
+        # The fields are EngineConfig's, by the same names.
+        return EngineConfig(**self.model_dump())
+
+
+class UpstreamSettings(Section):
+    """Remote upstreams: the OpenAI-compatible servers that `--engine openai` forwards to."""
+
+    urls: list[str] = Field(
+        default_factory=list,
+        alias="upstreams",
+        description="OpenAI-compatible upstream base URLs (engine=openai).",
+    )
+    api_key: str | None = Field(None, alias="upstream_api_key", description="Bearer key sent to upstreams.")
+    model: str | None = Field(
+        None, alias="upstream_model", description="Model name sent upstream; default: --model."
+    )
+    connect_timeout_s: float = Field(5.0, gt=0, description="Upstream connect timeout, seconds.")
+    read_timeout_s: float = Field(60.0, gt=0, description="Upstream read timeout between chunks, seconds.")
+    max_retries: int = Field(
+        2,
+        alias="upstream_max_retries",
+        ge=0,
+        description="Retries, with jitter, of an upstream request that failed to connect (nothing sent yet).",
+    )
+    circuit_failures: int = Field(
+        5,
+        alias="upstream_circuit_failures",
+        ge=1,
+        description="Failures in a row that open an upstream's circuit breaker.",
+    )
+    circuit_reset_s: float = Field(
+        30.0,
+        alias="upstream_circuit_reset_s",
+        gt=0,
+        description="Seconds an open circuit waits before one trial request.",
+    )
+    affinity: bool = Field(
+        True,
+        alias="upstream_affinity",
+        description="Send requests with the same static prefix to the same upstream (consistent hashing with bounded load), so its prefix cache hits.",
+    )
+
+    def config(self) -> UpstreamConfig:
+        # The fields are UpstreamConfig's, by the same names.
+        return UpstreamConfig(**{**self.model_dump(), "urls": tuple(self.urls)})
+
+
+class CompressionSettings(Section):
+    """Compression: how the documents are compressed (a request's `ragspeed.compression`
+    overrides these defaults)."""
+
+    # Every option here is `compression_` and the field's name.
+    model_config = ConfigDict(alias_generator=lambda name: f"compression_{name}")  # and Section's
+
+    method: str | None = Field(
+        None,
+        description="Default compressor for every request: coarse-to-fine, fast, bm25, top-docs, first-docs, llmlingua2, identity; none: only when a request asks.",
+    )
+    default_method: str = Field(
+        DEFAULT_METHOD,
+        description="Compressor for a request whose `ragspeed.compression` names no method (a rate or target_tokens alone), when compression_method is unset.",
+    )
+    methods: list[str] = Field(
+        default_factory=lambda: list(OFFERED_METHODS),
+        description="Compressors this server offers, each loaded at start-up so that no request pays a load; a request naming another gets 400. llmlingua2 also needs compression_llmlingua2_model.",
+    )
+    llmlingua2_model: str | None = Field(
+        None,
+        description="Local LLMLingua-2 model folder for the llmlingua2 compressor (needs the llmlingua extra).",
+    )
+    rate: float = Field(0.25, gt=0, le=1, description="Default share of document tokens to keep (0.25 = 4x).")
+    target_tokens: int | None = Field(
+        None, ge=1, description="Default prompt-token target instead of a rate."
+    )
+    min_document_tokens: int = Field(
+        256, ge=0, description="Break-even: documents shorter than this go through uncompressed."
+    )
+    order: str = Field(
+        "original", description="Order of kept documents: original, or edges (most relevant first and last)."
+    )
+    cache_entries: int = Field(
+        100_000, ge=0, description="Sentence embeddings kept in the content-hash cache."
+    )
+
+    @field_validator("methods")
+    @classmethod
+    def _known_compressors(cls, methods: list[str]) -> list[str]:
+        unknown = sorted(set(methods) - set(COMPRESSORS))
+        if unknown:
+            raise ValueError(
+                f"unknown compressor(s) {', '.join(unknown)}; known: {', '.join(sorted(COMPRESSORS))}"
+            )
+        return methods
+
+
+class RetrievalSettings(Section):
+    """Retrieval: the collections behind `ragspeed.retrieval` and /v1/collections."""
+
+    collections_dir: str = Field(
+        ".ragspeed/collections",
+        description="Folder of persisted document collections (loaded at start-up when retrieval is enabled).",
+    )
+    enabled: bool = Field(
+        True,
+        alias="enable_retrieval",
+        description="Serve retrieval (`ragspeed.retrieval`, /v1/collections); its embedding model loads at start-up.",
+    )
+    embedding_model: str | None = Field(
+        None, description="sentence-transformers model for retrieval; default: the bundled all-MiniLM-L6-v2."
+    )
+
+
+class PromptSettings(Section):
+    """Prompts: how a request becomes a prompt (document markers, max_tokens, document KV
+    reuse) and where registered prompts are kept."""
+
+    cache_dir: str | None = Field(
+        ".ragspeed/prompts",
+        alias="prompt_cache_dir",
+        description="Folder where registered prompts (their text, and their pinned KV) are saved and restored from at start-up (native; a prompt whose KV cannot be used is prefilled again); none: not persisted.",
+    )
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none.")
+    document_start_marker: str = Field(
+        "<document>",
+        min_length=1,
+        description="Marks the start of a document inside a message, for clients that cannot send `documents`.",
+    )
+    document_end_marker: str = Field(
+        "</document>", min_length=1, description="Marks the end of a document inside a message."
+    )
     document_cache: Literal["off", "on"] = Field(
         "on",
         description="Reuse each document's stored KV at any position instead of prefilling it again: on applies document_cache_policy to every request whose documents go uncompressed (compressed ones only when they ask: after document selection, reuse costs answers); off only to requests that ask (`ragspeed.document_cache`). Token-level compression makes new documents; document selection keeps them whole and reusable.",
@@ -127,112 +305,11 @@ class Settings(BaseSettings):
         "reuse",
         description="The text between two documents (separator and number): recompute (in context) or reuse (stored and placed as a document is; fewer fresh tokens).",
     )
-    document_cache_bytes: int = Field(
-        256 * 2**20, ge=0, description="RAM budget of the document KV store, bytes (LRU beyond it)."
-    )
-    document_cache_dir: str | None = Field(
-        None,
-        description="Folder of the document KV store's disk tier (one checksummed file per document); none: RAM only.",
-    )
-    document_cache_dtype: DocumentCacheDtype = Field(
-        "float16", description="Precision of stored document KV: float16, bfloat16 or float32."
-    )
 
-    # Remote upstreams (engine=openai)
-    upstreams: list[str] = Field(
-        default_factory=list, description="OpenAI-compatible upstream base URLs (engine=openai)."
-    )
-    upstream_api_key: str | None = Field(None, description="Bearer key sent to upstreams.")
-    upstream_model: str | None = Field(None, description="Model name sent upstream; default: --model.")
-    connect_timeout_s: float = Field(5.0, gt=0, description="Upstream connect timeout, seconds.")
-    read_timeout_s: float = Field(60.0, gt=0, description="Upstream read timeout between chunks, seconds.")
-    upstream_max_retries: int = Field(
-        2,
-        ge=0,
-        description="Retries, with jitter, of an upstream request that failed to connect (nothing sent yet).",
-    )
-    upstream_circuit_failures: int = Field(
-        5, ge=1, description="Failures in a row that open an upstream's circuit breaker."
-    )
-    upstream_circuit_reset_s: float = Field(
-        30.0, gt=0, description="Seconds an open circuit waits before one trial request."
-    )
-    upstream_affinity: bool = Field(
-        True,
-        description="Send requests with the same static prefix to the same upstream (consistent hashing with bounded load), so its prefix cache hits.",
-    )
 
-    # Compression of the documents (per request: `ragspeed.compression`)
-    compression_method: str | None = Field(
-        None,
-        description="Default compressor for every request: coarse-to-fine, fast, bm25, top-docs, first-docs, llmlingua2, identity; none: only when a request asks.",
-    )
-    compression_default_method: str = Field(
-        DEFAULT_METHOD,
-        description="Compressor for a request whose `ragspeed.compression` names no method (a rate or target_tokens alone), when compression_method is unset.",
-    )
-    compression_methods: list[str] = Field(
-        default_factory=lambda: list(OFFERED_METHODS),
-        description="Compressors this server offers, each loaded at start-up so that no request pays a load; a request naming another gets 400. llmlingua2 also needs compression_llmlingua2_model.",
-    )
-    compression_llmlingua2_model: str | None = Field(
-        None,
-        description="Local LLMLingua-2 model folder for the llmlingua2 compressor (needs the llmlingua extra).",
-    )
-    compression_rate: float = Field(
-        0.25, gt=0, le=1, description="Default share of document tokens to keep (0.25 = 4x)."
-    )
-    compression_target_tokens: int | None = Field(
-        None, ge=1, description="Default prompt-token target instead of a rate."
-    )
-    compression_min_document_tokens: int = Field(
-        256, ge=0, description="Break-even: documents shorter than this go through uncompressed."
-    )
-    compression_order: str = Field(
-        "original", description="Order of kept documents: original, or edges (most relevant first and last)."
-    )
-    compression_cache_entries: int = Field(
-        100_000, ge=0, description="Sentence embeddings kept in the content-hash cache."
-    )
+class LimitSettings(Section):
+    """Limits (gateway/limits.py): what one request may ask, and how many run at once."""
 
-    # Retrieval (collections for `ragspeed.retrieval`)
-    collections_dir: str = Field(
-        ".ragspeed/collections",
-        description="Folder of persisted document collections (loaded at start-up when retrieval is enabled).",
-    )
-    enable_retrieval: bool = Field(
-        True,
-        description="Serve retrieval (`ragspeed.retrieval`, /v1/collections); its embedding model loads at start-up.",
-    )
-    embedding_model: str | None = Field(
-        None, description="sentence-transformers model for retrieval; default: the bundled all-MiniLM-L6-v2."
-    )
-
-    # Requests
-    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none.")
-    document_start_marker: str = Field(
-        "<document>",
-        min_length=1,
-        description="Marks the start of a document inside a message, for clients that cannot send `documents`.",
-    )
-    document_end_marker: str = Field(
-        "</document>", min_length=1, description="Marks the end of a document inside a message."
-    )
-    experiment: str | None = Field(
-        None, description="Live A/B experiment: a YAML file of weighted arms (see gateway/experiments.py)."
-    )
-
-    # Security (gateway/security.py): auth is off while no key is configured
-    api_keys: list[ApiKeyEntry] = Field(
-        default_factory=list,
-        description="API keys as {hash, tenant, requests_per_minute, tokens_per_minute}; on the command line 'sha256:<hex>,tenant=NAME,requests_per_minute=N,tokens_per_minute=N'.",
-    )
-    admin_key_hashes: list[KeyHash] = Field(
-        default_factory=list,
-        description="sha256:<hex> hashes of admin keys (needed for /v1/prompts, /v1/collections, /v1/experiments).",
-    )
-
-    # Limits (gateway/limits.py)
     max_body_bytes: int = Field(
         4 * 1024 * 1024, ge=1024, description="Largest request body, bytes (413 above)."
     )
@@ -259,72 +336,156 @@ class Settings(BaseSettings):
         gt=0,
         description="Deadline of one request from its arrival, seconds: then it is aborted and its KV blocks freed (504, or finish_reason abort once streaming).",
     )
-    shutdown_drain_s: float = Field(
-        10.0, ge=0, description="On SIGTERM: seconds to let in-flight requests finish before aborting them."
+
+
+class ExperimentSettings(Section):
+    """Experiments (gateway/experiments.py): the live A/B arms."""
+
+    path: str | None = Field(
+        None,
+        alias="experiment",
+        description="Live A/B experiment: a YAML file of weighted arms (see gateway/experiments.py).",
     )
 
-    @field_validator("compression_methods")
-    @classmethod
-    def _known_compressors(cls, methods: list[str]) -> list[str]:
-        unknown = sorted(set(methods) - set(COMPRESSORS))
-        if unknown:
-            raise ValueError(
-                f"unknown compressor(s) {', '.join(unknown)}; known: {', '.join(sorted(COMPRESSORS))}"
-            )
-        return methods
 
-    def engine_config(self) -> EngineConfig:
-        return EngineConfig(
-            backend=self.engine,
-            model=self.model,
-            tokenizer=self.tokenizer,
-            device=self.device,
-            dtype=self.dtype,
-            num_threads=self.num_threads,
-            max_model_len=self.max_model_len,
-            block_size=self.block_size,
-            num_kv_cache_tokens=self.num_kv_cache_tokens,
-            kv_cache_memory_fraction=self.kv_cache_memory_fraction,
-            kv_cache_dtype=self.kv_cache_dtype,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            tpot_target_ms=self.tpot_target_ms,
-            enable_prefix_caching=self.enable_prefix_caching,
-            quantization=self.quantization,
-            speculative=self.speculative,
-            draft_model=self.draft_model,
-            draft_quantization=self.draft_quantization,
-            num_speculative_tokens=self.num_speculative_tokens,
-            document_cache_bytes=self.document_cache_bytes,
-            document_cache_dir=self.document_cache_dir,
-            document_cache_dtype=self.document_cache_dtype,
-            upstreams=tuple(self.upstreams),
-            upstream_api_key=self.upstream_api_key,
-            upstream_model=self.upstream_model,
-            connect_timeout_s=self.connect_timeout_s,
-            read_timeout_s=self.read_timeout_s,
-            upstream_max_retries=self.upstream_max_retries,
-            upstream_circuit_failures=self.upstream_circuit_failures,
-            upstream_circuit_reset_s=self.upstream_circuit_reset_s,
-            upstream_affinity=self.upstream_affinity,
-        )
+class _OptionsFromEnvironment(PydanticBaseSettingsSource):
+    """`RAGSPEED_<OPTION>` for every option, by its flat name (pydantic-settings' own source
+    would look for one variable per section)."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # unused: __call__ reads every option at once
+
+    def __call__(self) -> dict[str, Any]:
+        return options_from_environment(os.environ)
+
+
+class Settings(BaseSettings):
+    """Every option, in sections; `Settings(compression_rate=0.5)` takes the flat names too."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True)
+
+    server: ServerSettings = Field(default_factory=ServerSettings)
+    security: SecuritySettings = Field(default_factory=SecuritySettings)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    upstreams: UpstreamSettings = Field(default_factory=UpstreamSettings)
+    compression: CompressionSettings = Field(default_factory=CompressionSettings)
+    retrieval: RetrievalSettings = Field(default_factory=RetrievalSettings)
+    prompts: PromptSettings = Field(default_factory=PromptSettings)
+    limits: LimitSettings = Field(default_factory=LimitSettings)
+    experiments: ExperimentSettings = Field(default_factory=ExperimentSettings)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Keyword arguments over the environment; both by flat name, nested by `_nest_options`.
+        return init_settings, _OptionsFromEnvironment(settings_cls)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nest_options(cls, data: Any) -> Any:
+        """Flat option names (`compression_rate`) into their sections; a section given whole
+        (`compression={...}`) stays, the flat names of the same section over it. Two options
+        share a section's name (`engine`: the backend; `upstreams`: the URLs): a mapping or a
+        Section under such a name is the section, anything else the option."""
+        if not isinstance(data, dict):
+            return data
+        nested: dict[str, Any] = {}
+        options: list[tuple[Option, Any]] = []
+        for key, value in data.items():
+            is_section = key in cls.model_fields and isinstance(value, dict | BaseModel)
+            if key in OPTIONS and not is_section:
+                options.append((OPTIONS[key], value))
+            else:  # a section, or an unknown key that extra="forbid" names
+                nested[key] = value
+        for option, value in options:
+            section = nested.get(option.section, {})
+            if isinstance(section, BaseModel):
+                section = section.model_dump(by_alias=True)
+            nested[option.section] = {**section, option.name: value}
+        return nested
 
     @property
     def model_id(self) -> str:
         """The name this server answers to in `model` fields."""
-        return self.served_model_name or self.model
+        return self.server.served_model_name or self.engine.model
+
+    def options(self) -> dict[str, Any]:
+        """Every option's value by its flat name: what a config file of these settings holds."""
+        return {name: getattr(getattr(self, o.section), o.field) for name, o in OPTIONS.items()}
+
+    def with_options(self, overrides: Mapping[str, Any]) -> Settings:
+        """These settings with some options (flat names) changed, validated."""
+        return Settings(**{**self.options(), **overrides})
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option: `name` is its flag, its environment variable and its config-file key."""
+
+    name: str
+    section: str  # the Settings field that holds it
+    field: str  # its field in the section
+    info: FieldInfo
+
+    @property
+    def env(self) -> str:
+        return f"{ENV_PREFIX}{self.name.upper()}"
+
+
+def _options() -> dict[str, Option]:
+    options = {}
+    for section, section_info in Settings.model_fields.items():
+        model = section_info.annotation
+        assert isinstance(model, type) and issubclass(model, Section)
+        for field, info in model.model_fields.items():
+            name = info.alias or field
+            options[name] = Option(name, section, field, info)
+    return options
+
+
+# Option name -> Option, in the order of the sections and their fields.
+OPTIONS: Mapping[str, Option] = MappingProxyType(_options())
+
+
+def _is_list(annotation: Any) -> bool:
+    return get_origin(annotation) is list or any(_is_list(arg) for arg in get_args(annotation))
+
+
+def options_from_environment(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The options `RAGSPEED_*` variables set, by flat name. Names match in any case and list
+    options are JSON, as pydantic-settings read them before the settings had sections."""
+    by_name = {key.upper(): value for key, value in environ.items()}
+    values: dict[str, Any] = {}
+    for name, option in OPTIONS.items():
+        text = by_name.get(option.env)
+        if text is None:
+            continue
+        try:
+            values[name] = json.loads(text) if _is_list(option.info.annotation) else text
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"invalid settings: {option.env} is not a JSON list: {exc}") from exc
+    return values
 
 
 def check_settings(settings: Settings) -> None:
     """What no single field can check: options that must agree (every layer merged first)."""
-    for name in ("compression_default_method", "compression_method"):
-        method = getattr(settings, name)
-        if method not in (None, "none") and method not in settings.compression_methods:
+    compression = settings.compression
+    for name, method in (
+        ("compression_default_method", compression.default_method),
+        ("compression_method", compression.method),
+    ):
+        if method not in (None, "none") and method not in compression.methods:
             raise ConfigError(
                 f"invalid settings: {name}: {method!r} is not among compression_methods "
-                f"({', '.join(settings.compression_methods) or 'none'})"
+                f"({', '.join(compression.methods) or 'none'})"
             )
-    if "llmlingua2" in settings.compression_methods and not settings.compression_llmlingua2_model:
+    if "llmlingua2" in compression.methods and not compression.llmlingua2_model:
         raise ConfigError(
             "invalid settings: compression_methods: llmlingua2 needs compression_llmlingua2_model "
             "(a local LLMLingua-2 model folder)"
@@ -346,22 +507,29 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of option names to values")
     data = {key.replace("-", "_"): value for key, value in data.items()}
-    unknown = sorted(set(data) - set(Settings.model_fields))
+    unknown = sorted(set(data) - set(OPTIONS))
     if unknown:
         raise ConfigError(f"config file {path}: unknown option(s) {', '.join(unknown)}")
     return data
 
 
+def option_path(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
+    """A validation error's place, by option name: ("compression", "compression_rate") is
+    ("compression_rate",), as the option is named everywhere outside the code."""
+    return loc[1:] if len(loc) > 1 and loc[0] in Settings.model_fields else loc
+
+
 def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Settings:
     """Defaults < config file < environment < `overrides` (CLI flags; None means unset)."""
     values = read_config_file(config_file) if config_file else {}
+    values.update(options_from_environment(os.environ))
+    values.update({k: v for k, v in overrides.items() if v is not None})
     try:
-        from_env = Settings()
-        values.update({k: getattr(from_env, k) for k in from_env.model_fields_set})
-        values.update({k: v for k, v in overrides.items() if v is not None})
         settings = Settings(**values)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors())
+        problems = "; ".join(
+            f"{'.'.join(map(str, option_path(err['loc'])))}: {err['msg']}" for err in exc.errors()
+        )
         raise ConfigError(f"invalid settings: {problems}") from exc
     check_settings(settings)
     return settings

@@ -1,11 +1,13 @@
 """`AppState`: every service the app serves with, built by the lifespan (gateway.app) and kept
-on `app.state.services`; routes read it through gateway.dependencies."""
+on `app.state.services`; routes read it through gateway.dependencies, and the pipeline, its
+preparer and each running request read it too (one place, no copies of its fields)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from ragspeed.engine.protocol import EngineClient
+from ragspeed.gateway.admission import TTFTAdmission
 from ragspeed.gateway.compress import CompressionStage
 from ragspeed.gateway.document_precompute import DocumentPrecompute
 from ragspeed.gateway.experiments import LiveExperiment
@@ -26,6 +28,7 @@ class AppState:
     started_at: int  # unix seconds: `created` in /v1/models
     experiment: LiveExperiment | None = None
     arm_engines: dict[str, EngineClient] = field(default_factory=dict)  # A/B arms with an engine
+    admission: TTFTAdmission | None = None  # admission by predicted TTFT of the server's engine
     # Built once the engines have started (the stage counts tokens with the engine's tokenizer).
     compression: CompressionStage | None = None
     precompute: DocumentPrecompute | None = None  # collections' document KV, at ingestion

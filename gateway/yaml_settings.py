@@ -1,4 +1,4 @@
-"""YAML settings files with a line number for every key, checked against `Settings`.
+"""YAML settings files with a line number for every key, checked against `Settings`' options.
 
 The live experiment file (gateway.experiments) and the offline A/B runner's arm files
 (ragspeed.ab.arms) both read `ragspeed serve` settings from YAML; every problem is an `ArmError`
@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from ragspeed.gateway.settings import Settings
+from ragspeed.gateway.settings import OPTIONS, Settings, option_path
 
 
 class ArmError(ValueError):
@@ -79,19 +79,20 @@ def read_yaml(path: str | Path) -> YamlDoc:
 
 
 def check_settings(doc: YamlDoc, values: dict[str, Any], prefix: tuple[str, ...] = ()) -> None:
-    """Unknown Settings keys and bad values → ArmError with the file, line and key."""
+    """Unknown option names and bad values → ArmError with the file, line and key."""
     for key in values:
-        if key not in Settings.model_fields:
+        if key not in OPTIONS:
             raise doc.error(prefix + (key,), "unknown option (not a `ragspeed serve` setting)")
     try:
         settings = Settings(**values)
     except ValidationError as exc:
         err = exc.errors()[0]
-        key = str(err["loc"][0]) if err["loc"] else next(iter(values), "?")
+        key = str(option_path(err["loc"])[0]) if err["loc"] else next(iter(values), "?")
         raise doc.error(prefix + (key,), f"{err['msg']} (got {err.get('input')!r})") from exc
     from ragspeed.engine.backends import BACKENDS
 
-    if settings.engine not in BACKENDS:
+    backend = settings.engine.backend
+    if backend not in BACKENDS:
         raise doc.error(
-            prefix + ("engine",), f"unknown engine {settings.engine!r}; choose one of {', '.join(BACKENDS)}"
+            prefix + ("engine",), f"unknown engine {backend!r}; choose one of {', '.join(BACKENDS)}"
         )

@@ -1,7 +1,7 @@
 """The `ragspeed` command: one click application.
 
-`serve` takes every option of `gateway.settings.Settings` as a flag, generated from the settings
-fields so that `--help`, the config file and the environment variables never disagree. The other
+`serve` takes every option of `gateway.settings.Settings` as a flag, generated from the settings'
+options (`OPTIONS`: each by its flat name, whatever section holds it) so that `--help`, the config file and the environment variables never disagree. The other
 commands live beside the code they drive and load only when invoked (`ragspeed serve` never
 imports a benchmark, and `ragspeed --help` stays cheap where it can).
 """
@@ -18,7 +18,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 import click
 
 from ragspeed import environment
-from ragspeed.gateway.settings import ConfigError, Settings, load_settings
+from ragspeed.gateway.settings import OPTIONS, ConfigError, Settings, load_settings
 
 _FLAG_NAMES = {"upstreams": "upstream"}  # list options read better in the singular
 
@@ -38,12 +38,13 @@ def _base_type(annotation: Any) -> Any:
 
 
 def settings_options(command):
-    """Add one flag per Settings field; unset flags stay None so lower layers show through."""
-    for name, info in Settings.model_fields.items():
+    """Add one flag per option; unset flags stay None so lower layers show through."""
+    for name, option in OPTIONS.items():
+        info = option.info
         flag = _FLAG_NAMES.get(name, name).replace("_", "-")
         base = _base_type(info.annotation)
-        default = info.default_factory() if info.default_factory else info.default
-        help_text = f"{info.description} [env RAGSPEED_{name.upper()}; default {default!r}]"
+        default = info.get_default(call_default_factory=True)
+        help_text = f"{info.description} [env {option.env}; default {default!r}]"
         if get_origin(base) is Literal:
             choices = [str(choice) for choice in get_args(base)]
             option = click.Option(
@@ -125,8 +126,9 @@ def serve(config_file: str | None, **flags: Any) -> None:
     from ragspeed.gateway.app import create_app
 
     settings = serve_settings(config_file, flags)
+    server_settings = settings.server
     logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=server_settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     failures: list[str] = []
 
@@ -141,13 +143,13 @@ def serve(config_file: str | None, **flags: Any) -> None:
     server = uvicorn.Server(
         uvicorn.Config(
             app,
-            host=settings.host,
-            port=settings.port,
-            log_level=settings.log_level,
-            access_log=settings.access_log,
+            host=server_settings.host,
+            port=server_settings.port,
+            log_level=server_settings.log_level,
+            access_log=server_settings.access_log,
             # uvicorn annotates int seconds but hands the value to asyncio.timeout, which takes
             # the float the setting is.
-            timeout_graceful_shutdown=settings.shutdown_drain_s,  # type: ignore[arg-type]
+            timeout_graceful_shutdown=server_settings.shutdown_drain_s,  # type: ignore[arg-type]
         )
     )
     server.run()

@@ -52,11 +52,25 @@ def test_configuration_reference_matches_settings():
 
 
 def test_configuration_reference_names_every_option():
-    from ragspeed.gateway.settings import Settings
+    from ragspeed.gateway.settings import OPTIONS, Settings
 
     text = (DOCS / "configuration.md").read_text(encoding="utf-8")
     rows = re.findall(r"^\| `(\w+)` \| `--", text, flags=re.MULTILINE)
-    assert rows == list(Settings.model_fields)
+    assert rows == list(OPTIONS)
+    # One table per section of Settings, each under its heading, in the settings' order.
+    headings = re.findall(r"^## (.+)$", text, flags=re.MULTILINE)
+    assert headings[: len(Settings.model_fields)] == [
+        "Server",
+        "Security",
+        "Model and engine",
+        "Remote upstreams",
+        "Compression",
+        "Retrieval",
+        "Prompts",
+        "Limits",
+        "Experiments",
+    ]
+    assert text.count("| option | flag | environment |") == len(Settings.model_fields)
     assert "| `port` | `--port` | `RAGSPEED_PORT` | `int (≥ 0, ≤ 65535)` | `8000` |" in text
     assert "| `upstreams` | `--upstream` | `RAGSPEED_UPSTREAMS` | `list[str]` | `[]` |" in text
     assert (

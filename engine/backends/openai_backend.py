@@ -27,7 +27,7 @@ import httpx
 from transformers import AutoConfig, AutoTokenizer
 
 from ragspeed.engine.backends.routing import AffinityRouter
-from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.config import EngineConfig, UpstreamConfig
 from ragspeed.engine.model_zoo import resolve_model
 from ragspeed.engine.protocol import (
     EngineError,
@@ -169,26 +169,27 @@ def _error_message(response_body: bytes) -> str:
 
 
 class OpenAIEngine:
-    def __init__(self, config: EngineConfig):
-        if not config.upstreams:
+    def __init__(self, config: EngineConfig, upstream: UpstreamConfig):
+        if not upstream.urls:
             raise ValueError("the openai engine needs at least one upstream URL (--upstream)")
         self.config = config
+        self.upstream = upstream
         self.model_name = config.model
-        self.upstream_model = config.upstream_model or config.model
+        self.upstream_model = upstream.model or config.model
         self.max_model_len = config.max_model_len or _UNKNOWN_CONTEXT
-        self._base_urls = [upstream_base_url(u) for u in config.upstreams]
+        self._base_urls = [upstream_base_url(u) for u in upstream.urls]
         self._next_upstream = itertools.cycle(range(len(self._base_urls)))
         self._client: httpx.AsyncClient | None = None
         self._tokenizer: Any = None
         self._breakers = {
-            url: CircuitBreaker(config.upstream_circuit_failures, config.upstream_circuit_reset_s)
+            url: CircuitBreaker(upstream.circuit_failures, upstream.circuit_reset_s)
             for url in self._base_urls
         }
         self._jitter = random.Random()
         # Same static prefix -> same upstream, so its prefix cache hits (engine/backends/routing.py).
         self._router = (
             AffinityRouter(self._base_urls, block_size=config.block_size)
-            if config.upstream_affinity and len(self._base_urls) > 1
+            if upstream.affinity and len(self._base_urls) > 1
             else None
         )
         self._counters = {"requests_total": 0.0, "upstream_errors_total": 0.0, "upstream_retries_total": 0.0}
@@ -204,14 +205,14 @@ class OpenAIEngine:
             model_config = AutoConfig.from_pretrained(source)
             self.max_model_len = getattr(model_config, "max_position_embeddings", _UNKNOWN_CONTEXT)
         timeout = httpx.Timeout(
-            connect=self.config.connect_timeout_s,
-            read=self.config.read_timeout_s,
-            write=self.config.read_timeout_s,
-            pool=self.config.connect_timeout_s,
+            connect=self.upstream.connect_timeout_s,
+            read=self.upstream.read_timeout_s,
+            write=self.upstream.read_timeout_s,
+            pool=self.upstream.connect_timeout_s,
         )
         headers = {}
-        if self.config.upstream_api_key:
-            headers["Authorization"] = f"Bearer {self.config.upstream_api_key}"
+        if self.upstream.api_key:
+            headers["Authorization"] = f"Bearer {self.upstream.api_key}"
         self._client = httpx.AsyncClient(timeout=timeout, headers=headers)
 
     async def shutdown(self) -> None:
@@ -249,7 +250,7 @@ class OpenAIEngine:
                 return base_url
         error = UpstreamError(
             f"every upstream's circuit is open after repeated failures; retry in "
-            f"{self.config.upstream_circuit_reset_s:g} s",
+            f"{self.upstream.circuit_reset_s:g} s",
             code="upstream_unavailable",
         )
         error.status_code = 503
@@ -272,7 +273,7 @@ class OpenAIEngine:
         self._counters["requests_total"] += 1
         body = completion_body(self.upstream_model, request)
         tried: tuple[str, ...] = ()
-        for attempt in range(self.config.upstream_max_retries + 1):
+        for attempt in range(self.upstream.max_retries + 1):
             base_url = self._pick_upstream(request, tried)
             tried += (base_url,)
             if self._router is not None:
@@ -288,7 +289,7 @@ class OpenAIEngine:
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 # Nothing reached the upstream, so repeating the request is safe.
                 self._failed(base_url)
-                if attempt < self.config.upstream_max_retries:
+                if attempt < self.upstream.max_retries:
                     self._counters["upstream_retries_total"] += 1
                     cap = min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2**attempt)
                     await asyncio.sleep(self._jitter.uniform(0, cap))

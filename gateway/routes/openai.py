@@ -52,7 +52,7 @@ async def list_models(state: AppState = Depends(app_state)):
                 "created": state.started_at,
                 "owned_by": "ragspeed",
                 "max_model_len": state.engine.max_model_len or None,
-                "engine": state.settings.engine,
+                "engine": state.settings.engine.backend,
                 "ragspeed": {"weights": getattr(state.engine, "weights", None)},
             }
         ],

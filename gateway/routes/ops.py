@@ -21,7 +21,7 @@ async def healthz(state: AppState = Depends(app_state)):
     return {
         "status": "ok",
         "model": state.settings.model_id,
-        "engine": state.settings.engine,
+        "engine": state.settings.engine.backend,
         # What start-up loaded (gateway.app): the compressors offered, retrieval's embedder.
         "compressors": list(state.compression.loaded_methods) if state.compression else [],
         "retrieval": state.retrieval.loaded,

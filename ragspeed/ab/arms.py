@@ -12,10 +12,11 @@ Two layouts are accepted:
       baseline: {engine: transformers}
       full: {engine: native, quantization: int8, request: {ragspeed: {compression: {rate: 0.25}}}}
 
-Keys are `gateway.settings.Settings` fields (dashes or underscores), plus `request`: a mapping
-merged into every chat request body sent to that arm (per-request options the gateway controls,
-such as `ragspeed.compression`). Everything is checked before any server starts or request is sent:
-an unknown key or a bad value is an `ArmError` naming the file, the line and the key.
+Keys are `ragspeed serve` options by their flat names (`gateway.settings.OPTIONS`; dashes or
+underscores), plus `request`: a mapping merged into every chat request body sent to that arm
+(per-request options the gateway controls, such as `ragspeed.compression`). Everything is
+checked before any server starts or request is sent: an unknown key or a bad value is an
+`ArmError` naming the file, the line and the key.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import yaml
 from pydantic import ValidationError
 
 from ragspeed.gateway.protocol import ChatCompletionRequest
-from ragspeed.gateway.settings import Settings
+from ragspeed.gateway.settings import OPTIONS, Settings, option_path
 from ragspeed.gateway.yaml_settings import ArmError, YamlDoc, check_settings, read_yaml
 
 # The keys of an arm that are not Settings fields.
@@ -131,7 +132,7 @@ def with_overrides(arms: list[Arm], assignments: list[str]) -> list[Arm]:
         key = key.strip().replace("-", "_")
         if not sep or not key:
             raise ArmError(f"--set {text!r}: expected KEY=VALUE")
-        if key not in Settings.model_fields:
+        if key not in OPTIONS:
             raise ArmError(f"--set {text!r}: unknown option '{key}' (not a `ragspeed serve` setting)")
         overrides[key] = yaml.safe_load(value) if value.strip() else None
     out = []
@@ -141,6 +142,6 @@ def with_overrides(arms: list[Arm], assignments: list[str]) -> list[Arm]:
             Settings(**settings)
         except ValidationError as exc:
             err = exc.errors()[0]
-            raise ArmError(f"--set {err['loc'][0] if err['loc'] else ''}: {err['msg']}") from exc
+            raise ArmError(f"--set {option_path(err['loc'])[0] if err['loc'] else ''}: {err['msg']}") from exc
         out.append(Arm(arm.name, arm.source, settings, arm.request))
     return out

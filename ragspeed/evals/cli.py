@@ -273,7 +273,7 @@ def parse_settings(assignments: tuple[str, ...]) -> dict[str, Any]:
     """`KEY=VALUE` gateway settings (values parsed as YAML), checked against `ragspeed serve`'s."""
     import yaml
 
-    from ragspeed.gateway.settings import Settings
+    from ragspeed.gateway.settings import OPTIONS
 
     values: dict[str, Any] = {}
     for text in assignments:
@@ -281,7 +281,7 @@ def parse_settings(assignments: tuple[str, ...]) -> dict[str, Any]:
         key = key.strip().replace("-", "_")
         if not sep or not key:
             raise click.BadParameter(f"{text!r}: expected KEY=VALUE", param_hint="--set")
-        if key not in Settings.model_fields:
+        if key not in OPTIONS:
             raise click.BadParameter(
                 f"{text!r}: '{key}' is not a `ragspeed serve` setting", param_hint="--set"
             )

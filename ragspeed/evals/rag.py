@@ -524,9 +524,9 @@ def run_rag_eval(
     report = summarize(run, num_resamples=num_resamples, seed=seed)
     report["setup"] = {
         "data": str(data),
-        "model": settings.model,
-        "engine": settings.engine,
-        "compression_order": settings.compression_order,
+        "model": settings.engine.model,
+        "engine": settings.engine.backend,
+        "compression_order": settings.compression.order,
         "max_tokens": max_tokens,
         "num_examples": len(examples),
         "num_resamples": num_resamples,

@@ -164,12 +164,10 @@ def test_sampled_speculation_reports_the_raw_target_logprobs(tiny_checkpoints, h
 
 @pytest.mark.parametrize("backend", ["transformers", "openai"])
 def test_backends_without_logprobs_refuse_them_by_name(backend):
-    from ragspeed.engine.backends.openai_backend import OpenAIEngine
-    from ragspeed.engine.backends.transformers_backend import TransformersEngine
-    from ragspeed.engine.config import EngineConfig
+    from ragspeed.engine.backends import build_engine
+    from ragspeed.engine.config import EngineConfig, UpstreamConfig
 
-    engine_cls = {"transformers": TransformersEngine, "openai": OpenAIEngine}[backend]
-    engine = engine_cls(EngineConfig(backend=backend, model="unused", upstreams=("http://x",)))
+    engine = build_engine(EngineConfig(backend=backend, model="unused"), UpstreamConfig(urls=("http://x",)))
     request = GenerationRequest("r", PROMPT, SamplingParams(logprobs=2))
     with pytest.raises(EngineError) as err:
         asyncio.run(anext(engine.generate(request)))

@@ -64,7 +64,7 @@ def test_zoo_names():
 
 def test_the_default_model_everywhere():
     assert DEFAULT_MODEL_NAME == "smollm2-135m-instruct"
-    assert EngineConfig().model == Settings().model == DEFAULT_MODEL_NAME
+    assert EngineConfig().model == Settings().engine.model == DEFAULT_MODEL_NAME
 
 
 def test_the_default_models_gguf_is_found_in_its_wheel_without_importing_it():

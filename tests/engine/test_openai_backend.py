@@ -9,7 +9,7 @@ import pytest
 
 from ragspeed.bench.instant_upstream import PROMPT_TOKENS, InstantUpstream
 from ragspeed.engine.backends.openai_backend import OpenAIEngine, UpstreamStream
-from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.config import EngineConfig, UpstreamConfig
 from ragspeed.engine.protocol import GenerationRequest, SamplingParams, UpstreamError
 
 STREAM = (
@@ -59,7 +59,7 @@ def test_forwarding_reuses_one_connection_and_sends_a_burst_as_one_delta():
     async def run() -> tuple[list[list], int, int]:
         upstream = await InstantUpstream.start()
         engine = OpenAIEngine(
-            EngineConfig(backend="openai", model="ragspeed-demo", upstreams=(upstream.url,))
+            EngineConfig(backend="openai", model="ragspeed-demo"), UpstreamConfig(urls=(upstream.url,))
         )
         await engine.start()
         try:

@@ -10,7 +10,7 @@ import torch
 from ragspeed.engine.backends.native import NativeEngine
 from ragspeed.engine.backends.openai_backend import OpenAIEngine
 from ragspeed.engine.backends.transformers_backend import TransformersEngine
-from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.config import EngineConfig, UpstreamConfig
 from ragspeed.engine.protocol import GenerationRequest, PrefixCacheControl, SamplingParams
 
 PREFIX = tuple(range(10, 47))  # 37 tokens: 4 full blocks of 8
@@ -155,5 +155,5 @@ def test_backends_without_a_pinnable_cache_have_no_control(tiny_checkpoints):
     path = tiny_checkpoints["llama"]
     assert NativeEngine(_config(path, enable_prefix_caching=False)).prefix_cache() is None
     assert TransformersEngine(_config(path, backend="transformers")).prefix_cache() is None
-    remote = _config(path, backend="openai", upstreams=("http://127.0.0.1:9",))
-    assert OpenAIEngine(remote).prefix_cache() is None
+    remote = OpenAIEngine(_config(path, backend="openai"), UpstreamConfig(urls=("http://127.0.0.1:9",)))
+    assert remote.prefix_cache() is None

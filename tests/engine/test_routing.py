@@ -8,7 +8,7 @@ import pytest
 
 from ragspeed.engine.backends.openai_backend import OpenAIEngine
 from ragspeed.engine.backends.routing import AffinityRouter
-from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.config import EngineConfig, UpstreamConfig
 from ragspeed.engine.protocol import GenerationRequest
 
 UPSTREAMS = ("http://a:8000/v1", "http://b:8000/v1", "http://c:8000/v1")
@@ -74,13 +74,13 @@ def test_bad_parameters_are_refused(bad):
 
 
 def test_openai_backend_routes_by_prefix_and_fails_over_when_the_circuit_opens():
-    config = EngineConfig(backend="openai", upstreams=UPSTREAMS, upstream_circuit_failures=1)
-    backend = OpenAIEngine(config)
+    config = EngineConfig(backend="openai")
+    backend = OpenAIEngine(config, UpstreamConfig(urls=UPSTREAMS, circuit_failures=1))
     request = GenerationRequest("r", prefix(2) + (1, 2), num_static_tokens=80)
     home = backend._pick_upstream(request)
     assert {backend._pick_upstream(request) for _ in range(4)} == {home}
     assert backend._pick_upstream(request, (home,)) != home  # the retry of a failed connect
-    backend._failed(home)  # one failure opens the circuit (upstream_circuit_failures=1)
+    backend._failed(home)  # one failure opens the circuit (circuit_failures=1)
     assert backend._pick_upstream(request) != home
-    plain = OpenAIEngine(EngineConfig(backend="openai", upstreams=UPSTREAMS, upstream_affinity=False))
+    plain = OpenAIEngine(config, UpstreamConfig(urls=UPSTREAMS, affinity=False))
     assert len({plain._pick_upstream(request) for _ in range(3)}) == 3  # round robin

@@ -49,7 +49,7 @@ def test_the_pipeline_is_built_once_every_service_is_loaded(tmp_path):
     )
     engines: list[_IdleEngine] = []
 
-    def factory(config):
+    def factory(config, upstream):
         engines.append(_IdleEngine(config))
         return engines[-1]
 
@@ -75,11 +75,6 @@ def test_the_pipeline_is_built_once_every_service_is_loaded(tmp_path):
     assert isinstance(state.compression, CompressionStage)
     assert not state.prompts.pins  # the engine has no prefix cache
     assert state.compression.loaded_methods == ("bm25",) and state.retrieval.loaded
-    pipeline = state.pipeline
-    assert (pipeline.engine, pipeline.compress, pipeline.retrieve, pipeline.prompts) == (
-        engines[0],
-        state.compression,
-        state.retrieval,
-        state.prompts,
-    )
-    assert pipeline.metrics is state.metrics and pipeline.settings is settings
+    # The pipeline and its preparer read the one state, not copies of its services.
+    assert state.pipeline.state is state and state.pipeline.preparer.state is state
+    assert state.settings is settings and state.admission is not None

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ragspeed.gateway.client import _body_kwargs, build_chat_body
-from ragspeed.gateway.settings import Settings
+from ragspeed.gateway.settings import CompressionSettings, Settings
 from tests.gateway.inprocess import fake_settings, serve
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -137,18 +137,17 @@ async def test_a_method_the_server_does_not_offer_is_a_400(fake, documents, comp
 def shipped_settings(**overrides):
     """The fake engine with compression as shipped: every offered compressor loaded at start-up,
     coarse-to-fine for a request that names no method."""
-    fields = Settings.model_fields
+    shipped = CompressionSettings()
     return fake_settings(
-        compression_methods=fields["compression_methods"].default_factory(),
-        compression_default_method=fields["compression_default_method"].default,
-        **overrides,
+        compression_methods=shipped.methods, compression_default_method=shipped.default_method, **overrides
     )
 
 
 def test_the_shipped_default_compressor_is_coarse_to_fine():
     settings = Settings()
-    assert settings.compression_default_method == "coarse-to-fine" and settings.compression_method is None
-    assert settings.compression_methods == [
+    compression = settings.compression
+    assert compression.default_method == "coarse-to-fine" and compression.method is None
+    assert compression.methods == [
         "coarse-to-fine",
         "fast",
         "bm25",
@@ -156,7 +155,7 @@ def test_the_shipped_default_compressor_is_coarse_to_fine():
         "first-docs",
         "identity",
     ]
-    assert settings.enable_retrieval
+    assert settings.retrieval.enabled
 
 
 async def test_a_rate_or_target_alone_runs_the_servers_compressor(fake, documents):

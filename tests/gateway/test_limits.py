@@ -15,7 +15,7 @@ import pytest
 
 from ragspeed.bench.launcher import ServerProcess, free_port
 from ragspeed.engine.backends.openai_backend import CircuitBreaker, OpenAIEngine
-from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.config import EngineConfig, UpstreamConfig
 from ragspeed.engine.protocol import GenerationRequest, SamplingParams, UpstreamError
 from ragspeed.gateway.errors import APIError
 from ragspeed.gateway.limits import AdmissionQueue
@@ -125,13 +125,10 @@ def test_upstream_connect_errors_retry_and_open_the_circuit(tiny_model, transfor
         )
         # A dead upstream first, a live one second: the refused connect is retried on the live one.
         engine = OpenAIEngine(
-            EngineConfig(
-                backend="openai",
-                model=str(tiny_model),
-                upstream_model="tiny",
-                upstreams=(_dead_upstream(), transformers_server.url),
-                upstream_circuit_failures=1,
-            )
+            EngineConfig(backend="openai", model=str(tiny_model)),
+            UpstreamConfig(
+                urls=(_dead_upstream(), transformers_server.url), model="tiny", circuit_failures=1
+            ),
         )
         await engine.start()
         deltas = [d async for d in engine.generate(request)]
@@ -148,13 +145,8 @@ def test_upstream_connect_errors_retry_and_open_the_circuit(tiny_model, transfor
 
         # Only dead upstreams: 3 attempts, then the error; at 5 failures the circuit opens (503).
         engine = OpenAIEngine(
-            EngineConfig(
-                backend="openai",
-                model=str(tiny_model),
-                upstreams=(_dead_upstream(),),
-                upstream_max_retries=2,
-                upstream_circuit_failures=5,
-            )
+            EngineConfig(backend="openai", model=str(tiny_model)),
+            UpstreamConfig(urls=(_dead_upstream(),), max_retries=2, circuit_failures=5),
         )
         await engine.start()
         with pytest.raises(UpstreamError) as first:

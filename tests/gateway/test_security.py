@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -50,7 +51,8 @@ def test_api_key_entries_from_strings_and_settings():
         api_keys=[f'{{"hash": "{SECRET_HASH}", "tenant": "globex", "tokens_per_minute": 500}}'],
         admin_key_hashes=[hash_key("root")],
     )
-    assert settings.api_keys[0].tenant == "globex" and settings.api_keys[0].tokens_per_minute == 500.0
+    entry = settings.security.api_keys[0]
+    assert entry.tenant == "globex" and entry.tokens_per_minute == 500.0
     with pytest.raises(ConfigError, match="api_keys"):
         load_settings(api_keys=["sha256:abc,tenant=x"])  # not 64 hex digits
     with pytest.raises(ConfigError, match="admin_key_hashes"):
@@ -133,13 +135,17 @@ def test_tenant_salt_overrides_the_client_salt(tiny_model):
     from ragspeed.engine.backends import build_engine
     from ragspeed.gateway.metrics import GatewayMetrics
     from ragspeed.gateway.pipeline import Pipeline
+    from ragspeed.gateway.prompt_registry import PromptService
     from ragspeed.gateway.protocol import CompletionRequest
+    from ragspeed.gateway.retrieval_service import RetrievalService
     from ragspeed.gateway.security import _current_principal
+    from ragspeed.gateway.state import AppState
 
     settings = load_settings(engine="transformers", model=str(tiny_model))
-    engine = build_engine(settings.engine_config())
+    engine = build_engine(settings.engine.config())
     asyncio.run(engine.start())
-    pipeline = Pipeline(settings=settings, engine=engine, metrics=GatewayMetrics())
+    services = (RetrievalService(settings.retrieval), PromptService(engine, None))
+    pipeline = Pipeline(AppState(settings, GatewayMetrics(), engine, *services, started_at=0))
     request = CompletionRequest(prompt="hello there", max_tokens=2, cache_salt="steal-globex")
     assert pipeline.prepare_completion(request).generation.cache_salt == "steal-globex"  # auth off
     ring = KeyRing([ApiKeyEntry(hash=hash_key("a"), tenant="acme")], [])
@@ -150,3 +156,7 @@ def test_tenant_salt_overrides_the_client_salt(tiny_model):
         _current_principal.reset(token)
     assert prepared.generation.cache_salt == tenant_cache_salt("acme")
     assert prepared.principal.tenant == "acme"
+    # Built complete, then never changed: the request's arm and echo are set at construction.
+    assert (prepared.arm, prepared.return_prompt) == ("default", False)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        prepared.arm = "b"  # type: ignore[misc]

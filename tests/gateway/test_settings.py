@@ -10,9 +10,9 @@ from click.testing import CliRunner
 from pydantic import TypeAdapter
 
 from ragspeed.cli import serve, serve_settings
-from ragspeed.gateway.settings import ConfigError, Settings, load_settings
+from ragspeed.gateway.settings import OPTIONS, ConfigError, load_settings
 
-SETTINGS_OPTIONS = [p for p in serve.params if p.name in Settings.model_fields]
+SETTINGS_OPTIONS = [p for p in serve.params if p.name in OPTIONS]
 # Values the rules of _valid_value cannot make: each names something the settings know.
 VALID = {
     "log_level": "debug",
@@ -29,15 +29,19 @@ def test_precedence_flags_over_env_over_file(tmp_path, monkeypatch):
     config.write_text("port: 9000\nmax_num_seqs: 8\nengine: transformers\n")
     monkeypatch.setenv("RAGSPEED_MAX_NUM_SEQS", "16")
     settings = load_settings(config, engine="openai", upstreams=["http://a:1"])
-    assert (settings.port, settings.max_num_seqs, settings.engine) == (9000, 16, "openai")
-    assert settings.engine_config().upstreams == ("http://a:1",)
+    assert (settings.server.port, settings.engine.max_num_seqs, settings.engine.backend) == (
+        9000,
+        16,
+        "openai",
+    )
+    assert settings.upstreams.config().urls == ("http://a:1",)
 
 
 def test_toml_config(tmp_path):
     config = tmp_path / "ragspeed.toml"
     config.write_text('model = "bench-135m"\nblock-size = 32\n')
     settings = load_settings(config)
-    assert settings.engine_config().model == "bench-135m" and settings.block_size == 32
+    assert settings.engine.config().model == "bench-135m" and settings.engine.block_size == 32
 
 
 @pytest.mark.parametrize(
@@ -102,7 +106,7 @@ def test_compression_settings_agree_across_layers(monkeypatch):
     # agrees with the shipped default, the merged settings do.
     monkeypatch.setenv("RAGSPEED_COMPRESSION_METHODS", '["bm25"]')
     settings = load_settings(compression_default_method="bm25", compression_method="none")
-    assert (settings.compression_methods, settings.compression_default_method) == (["bm25"], "bm25")
+    assert (settings.compression.methods, settings.compression.default_method) == (["bm25"], "bm25")
 
 
 def _valid_value(option: click.Option, default: Any) -> Any:
@@ -124,7 +128,7 @@ def _valid_value(option: click.Option, default: Any) -> Any:
 
 @pytest.mark.parametrize("option", SETTINGS_OPTIONS, ids=lambda option: option.name)
 def test_every_serve_flag_parses_and_reaches_the_settings(option):
-    info = Settings.model_fields[option.name]
+    info = OPTIONS[option.name].info
     default = info.get_default(call_default_factory=True)
     value = _valid_value(option, default)
     if option.is_flag:
@@ -135,7 +139,7 @@ def test_every_serve_flag_parses_and_reaches_the_settings(option):
     params = serve.make_context("serve", args).params
     settings = serve_settings(params.pop("config_file"), params)
     expected = TypeAdapter(info.annotation).validate_python(value)
-    assert expected != default and getattr(settings, option.name) == expected
+    assert expected != default and settings.options()[option.name] == expected
 
 
 def test_a_choice_flag_lists_its_values_and_names_them_when_refused():
