@@ -93,15 +93,10 @@ def run_bench_quant(
     from ragspeed.engine.cpu_features import read_cpu_features
     from ragspeed.engine.loader import resolve_model_path
 
-    require_positive(
-        prompt_len=prompt_len,
-        output_len=output_len,
-        repeats=repeats,
-        ttft_prompt_len=ttft_prompt_len,
-        threads=threads,
-        quality_window=quality_window,
-        quality_windows=quality_windows,
+    sizes = dict(
+        prompt_len=prompt_len, output_len=output_len, ttft_prompt_len=ttft_prompt_len, repeats=repeats
     )
+    require_positive(**sizes, threads=threads, quality_window=quality_window, quality_windows=quality_windows)
     if output_len < 2:
         raise ValueError(f"output_len must be >= 2 (a TPOT needs two tokens), got {output_len}")
     if not Path(text).is_file():
@@ -133,11 +128,7 @@ def run_bench_quant(
         "repeats": repeats,
     }
     vocab = engines["fp32"].arch.vocab_size
-    results.update(
-        _measure_times(
-            contenders, list(engines), vocab, prompt_len, output_len, ttft_prompt_len, repeats, seed
-        )
-    )
+    results.update(_measure_times(contenders, list(engines), vocab, seed=seed, **sizes))
     results.update(probe.finish())
     _add_bounds(results, engines, probe.bandwidth, ttft_prompt_len, with_transformers)
     results.update(_quality_figures(quality))
@@ -233,6 +224,7 @@ def _measure_times(
     contenders: dict[str, Any],
     engine_names: list[str],
     vocab: int,
+    *,
     prompt_len: int,
     output_len: int,
     ttft_prompt_len: int,
@@ -329,6 +321,13 @@ def _targets(r: dict[str, Any]) -> dict[str, Any]:
 
 
 def print_table(r: dict[str, Any], ttft_len: int) -> None:
+    _print_contenders(r, ttft_len)
+    _print_quality(r)
+
+
+def _print_contenders(r: dict[str, Any], ttft_len: int) -> None:
+    """The machine, the engines' paths and one row of times a contender."""
+
     def fmt(value: Any) -> str:
         return "-" if value is None else f"{value:,.1f}"
 
@@ -355,6 +354,10 @@ def print_table(r: dict[str, Any], ttft_len: int) -> None:
             f"{r[f'{name}_tpot_over_bound']:>7.2f}x{fmt(ttft):>15}"
             f"{fmt(None if weight is None else weight / 1e6):>12}"
         )
+
+
+def _print_quality(r: dict[str, Any]) -> None:
+    """The ratios, every quality comparison against fp32, and the targets."""
     print(
         f"fp32/int8 TPOT {r['fp32_over_int8_tpot']:.2f}x, int8/fp32 TTFT "
         f"{r['int8_over_fp32_ttft']:.2f}x; int8 vs fp32 on {r['quality_tokens']} tokens: "
