@@ -58,6 +58,7 @@ from ragspeed.bench.common import (
     repeats_option,
     require_positive,
     threads_option,
+    transformers_option,
     write_json,
 )
 from ragspeed.engine.attention import PREFILL_ATTENTION_EVENT
@@ -566,9 +567,7 @@ def _parse_budget(value: str) -> float | None:
     help="prompt lengths of the attention share of TTFT, separated by commas ('' for none); "
     "a length past the model's context less one output token is cut to it",
 )
-@click.option(
-    "--transformers/--no-transformers", "with_transformers", default=True, help="run the baseline beside"
-)
+@transformers_option
 @click.option(
     "--llamacpp/--no-llamacpp",
     "with_llamacpp",

@@ -48,6 +48,7 @@ from ragspeed.bench.common import (
     repeats_option,
     require_positive,
     threads_option,
+    transformers_option,
     write_json,
 )
 from ragspeed.bench.engine import (
@@ -403,9 +404,7 @@ def _print_quality(r: dict[str, Any]) -> None:
 @repeats_option
 @threads_option
 @click.option("--output-len", default=32, type=int, help="tokens per TPOT run")
-@click.option(
-    "--transformers/--no-transformers", "with_transformers", default=True, help="run the baseline beside"
-)
+@transformers_option
 @click.option(
     "--text",
     default=str(WIKITEXT),

@@ -15,7 +15,14 @@ from typing import Any
 
 import click
 
-from ragspeed.bench.common import json_option, machine_line, print_rows, qa_data_option, write_json
+from ragspeed.bench.common import (
+    json_option,
+    machine_line,
+    print_rows,
+    qa_data_option,
+    seed_option,
+    write_json,
+)
 from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
 from ragspeed.evals.compression import FACTORS, evaluate, flatten, format_table, load_examples
 from ragspeed.retrieval.config import IndexConfig, RetrievalConfig
@@ -344,7 +351,7 @@ class Progress:
 )
 @click.option("--threads", default=None, type=click.IntRange(min=1), help="engine threads (default: torch's)")
 @click.option("--resamples", default=2000, type=click.IntRange(min=100), help="bootstrap resamples")
-@click.option("--seed", default=0, type=int, help="bootstrap seed")
+@seed_option(help="bootstrap seed")
 @click.option(
     "--set", "assignments", multiple=True, help="extra `ragspeed serve` setting KEY=VALUE (repeatable)"
 )
