@@ -560,49 +560,11 @@ def summarize(run: RagRun, *, num_resamples: int = 2000, seed: int = 0) -> dict[
             continue
         answered = by_config[config.name]
         ok = [o for o in answered.values() if o.ok]
-        summary: dict[str, Any] = {
-            "status": "ok",
-            "num_questions": len(run.examples),
-            "num_errors": len(answered) - len(ok),
-            "errors": sorted({o.error for o in answered.values() if o.error})[:5],
-            "accuracy": _mean([o.accuracy for o in ok if o.accuracy is not None]),
-            "exact_match": _mean([o.exact_match for o in ok if o.exact_match is not None]),
-            "f1": _mean([o.f1 for o in ok if o.f1 is not None]),
+        configs[config.name] = {
+            **_scores_and_latencies(run, answered, ok),
+            "accuracy_minus_full": _minus_full(answered, full, num_resamples, seed),
+            "accuracy_by_gold_index": _by_gold_index(run, ok, positions),
         }
-        for metric in ("ttft_ms", "e2e_ms", "cold_ttft_ms"):
-            values = [getattr(o, metric) for o in ok if getattr(o, metric) is not None]
-            summary[f"{metric}_p50"] = percentile(values, 0.5) if values else None
-            summary[f"{metric}_p95"] = percentile(values, 0.95) if values else None
-        summary["prompt_tokens_p50"] = percentile([o.prompt_tokens for o in ok], 0.5) if ok else None
-        recomputed = [o.recomputed_tokens for o in ok if o.recomputed_tokens is not None]
-        summary["recomputed_tokens_p50"] = percentile(recomputed, 0.5) if recomputed else None
-        summary["cached_tokens_mean"] = _mean([o.cached_tokens for o in ok])
-        summary["completion_tokens_mean"] = _mean([o.completion_tokens for o in ok])
-        compression = [o.compression_ms for o in ok if o.compression_ms is not None]
-        summary["compression_ms_p50"] = percentile(compression, 0.5) if compression else None
-        summary["num_uncompressed"] = sum(1 for o in ok if o.compressed is False)
-        summary["accuracy_minus_full"] = None
-        if full is not None:
-            both = [(full[i].accuracy, o.accuracy) for i, o in answered.items() if i in full]
-            pairs = [(a, b) for a, b in both if a is not None and b is not None]  # both scored
-            if pairs:
-                estimate = paired_bootstrap_difference(
-                    [a for a, _ in pairs],
-                    [b for _, b in pairs],
-                    num_resamples=num_resamples,
-                    seed=seed,
-                )
-                summary["accuracy_minus_full"] = {**estimate.as_dict(), "num_pairs": len(pairs)}
-        by_position = {}
-        for position in positions:
-            scored = [
-                o.accuracy
-                for o in ok
-                if o.accuracy is not None and run.examples[o.example].gold_index == position
-            ]
-            by_position[str(position)] = {"accuracy": _mean(scored), "n": len(scored)}
-        summary["accuracy_by_gold_index"] = by_position
-        configs[config.name] = summary
     observations = [
         {
             **asdict(o),
@@ -618,6 +580,71 @@ def summarize(run: RagRun, *, num_resamples: int = 2000, seed: int = 0) -> dict[
         "gold_positions": positions,
         "observations": observations,
     }
+
+
+def _scores_and_latencies(
+    run: RagRun, answered: dict[int, RagObservation], ok: list[RagObservation]
+) -> dict[str, Any]:
+    """One configuration's scores (over its answered questions), latency percentiles and token
+    counts."""
+    summary: dict[str, Any] = {
+        "status": "ok",
+        "num_questions": len(run.examples),
+        "num_errors": len(answered) - len(ok),
+        "errors": sorted({o.error for o in answered.values() if o.error})[:5],
+        "accuracy": _mean([o.accuracy for o in ok if o.accuracy is not None]),
+        "exact_match": _mean([o.exact_match for o in ok if o.exact_match is not None]),
+        "f1": _mean([o.f1 for o in ok if o.f1 is not None]),
+    }
+    for metric in ("ttft_ms", "e2e_ms", "cold_ttft_ms"):
+        values = [getattr(o, metric) for o in ok if getattr(o, metric) is not None]
+        summary[f"{metric}_p50"] = percentile(values, 0.5) if values else None
+        summary[f"{metric}_p95"] = percentile(values, 0.95) if values else None
+    summary["prompt_tokens_p50"] = percentile([o.prompt_tokens for o in ok], 0.5) if ok else None
+    recomputed = [o.recomputed_tokens for o in ok if o.recomputed_tokens is not None]
+    summary["recomputed_tokens_p50"] = percentile(recomputed, 0.5) if recomputed else None
+    summary["cached_tokens_mean"] = _mean([o.cached_tokens for o in ok])
+    summary["completion_tokens_mean"] = _mean([o.completion_tokens for o in ok])
+    compression = [o.compression_ms for o in ok if o.compression_ms is not None]
+    summary["compression_ms_p50"] = percentile(compression, 0.5) if compression else None
+    summary["num_uncompressed"] = sum(1 for o in ok if o.compressed is False)
+    return summary
+
+
+def _minus_full(
+    answered: dict[int, RagObservation],
+    full: dict[int, RagObservation] | None,
+    num_resamples: int,
+    seed: int,
+) -> dict[str, Any] | None:
+    """Accuracy minus `full`'s on the questions both scored (paired bootstrap); None without
+    `full` or a question both scored."""
+    if full is None:
+        return None
+    both = [(full[i].accuracy, o.accuracy) for i, o in answered.items() if i in full]
+    pairs = [(a, b) for a, b in both if a is not None and b is not None]  # both scored
+    if not pairs:
+        return None
+    estimate = paired_bootstrap_difference(
+        [a for a, _ in pairs],
+        [b for _, b in pairs],
+        num_resamples=num_resamples,
+        seed=seed,
+    )
+    return {**estimate.as_dict(), "num_pairs": len(pairs)}
+
+
+def _by_gold_index(run: RagRun, ok: list[RagObservation], positions: list[int]) -> dict[str, Any]:
+    """Accuracy of the answered questions by their gold passage's position."""
+    by_position = {}
+    for position in positions:
+        scored = [
+            o.accuracy
+            for o in ok
+            if o.accuracy is not None and run.examples[o.example].gold_index == position
+        ]
+        by_position[str(position)] = {"accuracy": _mean(scored), "n": len(scored)}
+    return by_position
 
 
 def _fmt(value: float | None, digits: int = 3) -> str:
