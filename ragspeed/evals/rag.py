@@ -409,63 +409,85 @@ async def run_configs(
     """Start the gateway of `settings`, build the retrieval collection of `passages` when a
     configuration retrieves, warm every configuration up, then answer every example with every
     configuration. `on_done(config name)` is called after each request, warm-ups included."""
-    from ragspeed.evals.rag_gateway import CompressorErrors, create_collection, running_gateway, stream_chat
+    from ragspeed.evals.rag_gateway import CompressorErrors, running_gateway
 
     setup: dict[str, Any] = {}
     failures: dict[str, str] = {}
     observations: list[RagObservation] = []
+
+    def body(
+        config: RagConfig, example: RagExample, salt: str, tokens: int, reverse: bool = False
+    ) -> dict[str, Any]:
+        return request_body(
+            config, example, system_prompt=system_prompt, max_tokens=tokens, cache_salt=salt, reverse=reverse
+        )
+
     t0 = time.perf_counter()
     with CompressorErrors() as logged:
         async with running_gateway(settings) as app:
             setup["gateway_start_s"] = round(time.perf_counter() - t0, 2)
             if any(c.needs_collection for c in configs):
-                t1 = time.perf_counter()
-                # Ids given: the store makes content ids only for documents it chunks.
-                documents = [
-                    {"id": document_id(p.title, p.text), "title": p.title, "text": p.text} for p in passages
-                ]
-                setup["collection_documents"] = await create_collection(app, COLLECTION, documents)
-                setup["collection_build_s"] = round(time.perf_counter() - t1, 2)
-
-            def body(
-                config: RagConfig, example: RagExample, salt: str, tokens: int, reverse: bool = False
-            ) -> dict[str, Any]:
-                return request_body(
-                    config,
-                    example,
-                    system_prompt=system_prompt,
-                    max_tokens=tokens,
-                    cache_salt=salt,
-                    reverse=reverse,
-                )
-
+                setup.update(await _build_collection(app, passages))
             for config in configs:
                 # A salt of its own: the warm-up must not leave the first question's KV cached.
-                reply = await stream_chat(app, body(config, examples[0], f"warmup-{config.name}", 1))
+                reply = await _stream_chat(app, body(config, examples[0], f"warmup-{config.name}", 1))
                 failure = reply.error or compressor_failure(reply, logged.errors)
                 if failure:
                     failures[config.name] = failure
                 on_done(config.name)
             for index, example in enumerate(examples):
                 for config in rotated(configs, index):
-                    if config.name in failures:
-                        on_done(config.name)
-                        continue
-                    salt = f"eval-{config.name}"
-                    cold = None
-                    if config.reuses_documents:  # first sight, in another order
-                        cold = await stream_chat(app, body(config, example, salt, max_tokens, reverse=True))
-                    reply = await stream_chat(app, body(config, example, salt, max_tokens))
-                    failure = compressor_failure(reply, logged.errors)
-                    if failure:
-                        failures[config.name] = failure
-                    else:
-                        observations.append(observe(config, index, example, reply, cold))
+                    if config.name not in failures:
+                        observation = await _answer(
+                            app, body, config, index, example, max_tokens, logged.errors
+                        )
+                        if isinstance(observation, str):
+                            failures[config.name] = observation
+                        else:
+                            observations.append(observation)
                     on_done(config.name)
     setup["run_s"] = round(time.perf_counter() - t0, 2)
     # A configuration that failed part way reports no figures: they would mix two kinds of answer.
     kept = tuple(o for o in observations if o.config not in failures)
     return RagRun(tuple(examples), tuple(configs), kept, failures, setup)
+
+
+async def _build_collection(app: Any, passages: Sequence[Passage]) -> dict[str, Any]:
+    """The retrieval collection of `passages`: its size and the seconds it took."""
+    from ragspeed.evals.rag_gateway import create_collection
+
+    t1 = time.perf_counter()
+    # Ids given: the store makes content ids only for documents it chunks.
+    documents = [{"id": document_id(p.title, p.text), "title": p.title, "text": p.text} for p in passages]
+    num_documents = await create_collection(app, COLLECTION, documents)
+    return {"collection_documents": num_documents, "collection_build_s": round(time.perf_counter() - t1, 2)}
+
+
+async def _stream_chat(app: Any, body: dict[str, Any]) -> StreamedReply:
+    """rag_gateway.stream_chat, imported when a run starts."""
+    from ragspeed.evals.rag_gateway import stream_chat
+
+    return await stream_chat(app, body)
+
+
+async def _answer(
+    app: Any,
+    body: Callable[..., dict[str, Any]],
+    config: RagConfig,
+    index: int,
+    example: RagExample,
+    max_tokens: int,
+    logged_errors: list[str],
+) -> RagObservation | str:
+    """One example answered by one configuration (its documents seen first in another order
+    when it reuses them): the observation, or why the configuration failed."""
+    salt = f"eval-{config.name}"
+    cold = None
+    if config.reuses_documents:  # first sight, in another order
+        cold = await _stream_chat(app, body(config, example, salt, max_tokens, reverse=True))
+    reply = await _stream_chat(app, body(config, example, salt, max_tokens))
+    failure = compressor_failure(reply, logged_errors)
+    return failure if failure else observe(config, index, example, reply, cold)
 
 
 def offered_methods(configs: Sequence[RagConfig], settings_values: Mapping[str, Any]) -> dict[str, Any]:

@@ -512,21 +512,9 @@ def distill_draft(
     corpus = load_corpus(Path(data_dir), seed=0)  # the demo's split: held-out text stays unseen
     rag_examples = read_rag_examples(Path(data_dir))
     budget_s = minutes * 60.0
-    max_model_len = recipe.seq_len + recipe.max_new_tokens
 
     # 1. the target's own continuations of text, chat and RAG prompts
-    from ragspeed.engine.config import EngineConfig
-    from ragspeed.engine.llm_engine import LLMEngine
-
-    generator = LLMEngine(
-        EngineConfig(
-            model=str(target_dir),
-            max_model_len=max_model_len,
-            num_kv_cache_tokens=recipe.generation_batch * max_model_len,
-            seed=seed,
-        ),
-        tokenizer=tokenizer,
-    )
+    generator = _generator(target_dir, tokenizer, recipe, seed)
     rng = random.Random(seed)
     continuations = _generate_training_continuations(
         generator, tokenizer, corpus, rag_examples, recipe, rng, seed, budget_s * recipe.generation_fraction
@@ -561,17 +549,43 @@ def distill_draft(
         "minutes": minutes,
         "seed": seed,
         "num_threads": training.num_threads,
+        **_data_figures(d2t, vocab_size, continuations),
+        "training_wall_seconds": round(training_log.wall_seconds, 1),
+    }
+    return _write_draft(
+        Path(out_dir), target_dir, draft, d2t, recipe, figures, training_log, held_out, started, log
+    )
+
+
+def _generator(target_dir: Path, tokenizer: Any, recipe: DistillRecipe, seed: int) -> Any:
+    """The native engine that writes the target's continuations."""
+    from ragspeed.engine.config import EngineConfig
+    from ragspeed.engine.llm_engine import LLMEngine
+
+    max_model_len = recipe.seq_len + recipe.max_new_tokens
+    return LLMEngine(
+        EngineConfig(
+            model=str(target_dir),
+            max_model_len=max_model_len,
+            num_kv_cache_tokens=recipe.generation_batch * max_model_len,
+            seed=seed,
+        ),
+        tokenizer=tokenizer,
+    )
+
+
+def _data_figures(
+    d2t: tuple[int, ...] | None, vocab_size: int, continuations: _Continuations
+) -> dict[str, Any]:
+    """The draft's vocabulary and the continuations it was distilled on."""
+    return {
         "draft_vocab_size": len(d2t) if d2t is not None else vocab_size,
         "target_vocab_size": vocab_size,
         "generation_seconds": round(continuations.seconds, 1),
         "num_continuations": len(continuations.pairs),
         "continuations_by_kind": dict(continuations.by_kind),
         "continuation_tokens": sum(len(p) + len(c) for p, c in continuations.pairs),
-        "training_wall_seconds": round(training_log.wall_seconds, 1),
     }
-    return _write_draft(
-        Path(out_dir), target_dir, draft, d2t, recipe, figures, training_log, held_out, started, log
-    )
 
 
 def _load_target(target_dir: Path) -> tuple[PreTrainedTokenizerFast, PreTrainedModel]:
