@@ -217,3 +217,24 @@ def test_train_rag_reads_the_dev_data_where_the_folder_has_it_and_names_what_is_
     (tmp_path / "nq_dev.jsonl").unlink()
     with pytest.raises(FileNotFoundError, match="has no hotpot_dev100.jsonl and no nq_dev100.jsonl"):
         rag_data(tmp_path)
+
+
+@pytest.mark.slow
+def test_train_rag_runs_on_the_shipped_data_by_default(tmp_path):
+    """`ragspeed train-rag --out DIR` from a fresh clone: HotpotQA trains, 20 shipped NQ
+    questions are held out (the demo model as the base, two steps)."""
+    from click.testing import CliRunner
+
+    from ragspeed.training.cli import train_rag
+
+    out = tmp_path / "adapter"
+    args = ["--base", DEMO_MODEL_NAME, "--out", str(out), "--max-steps", "2", "--threads", "1"]
+    result = CliRunner().invoke(train_rag, args)
+    assert result.exit_code == 0, result.output
+    figures = json.loads((out / "figures.json").read_text())
+    assert figures["steps"] == 2 and figures["held_out"]["questions"] == 20
+    assert figures["data"] == {
+        "train": ["the questions of `hotpot_dev100.jsonl`"],
+        "held_out": "lines 81-100 of `nq_dev100.jsonl`",
+    }
+    assert "lines 81-100 of `nq_dev100.jsonl`" in (out / "README.md").read_text()
