@@ -496,13 +496,8 @@ def distill_draft(
         raise ValueError(f"minutes must be positive, got {minutes}")
     started = time.perf_counter()
     recipe = recipe or DistillRecipe()
-    training = replace(
-        recipe.training,
-        max_minutes=minutes,
-        max_steps=max_steps,
-        seed=seed,
-        num_threads=num_threads or recipe.training.num_threads,
-    )
+    training = replace(recipe.training, max_minutes=minutes, max_steps=max_steps, seed=seed)
+    training = replace(training, num_threads=num_threads or recipe.training.num_threads)
     torch.set_num_threads(training.num_threads)
     target_dir = Path(target_dir)
     tokenizer, target = _load_target(target_dir)
@@ -528,16 +523,9 @@ def distill_draft(
     d2t, make_pieces = _training_rows(tokenizer, corpus, continuations, recipe, vocab_size, log)
     draft = build_draft(target, recipe, d2t)
     remaining_s = max(budget_s - (time.perf_counter() - started), 1.0)
+    pad_id = tokenizer.pad_token_id
     training_log = train_kd(
-        target,
-        draft,
-        make_pieces,
-        recipe,
-        training,
-        pad_id=tokenizer.pad_token_id,
-        budget_s=remaining_s,
-        d2t=d2t,
-        log=log,
+        target, draft, make_pieces, recipe, training, pad_id=pad_id, budget_s=remaining_s, d2t=d2t, log=log
     )
 
     # 3. figures on held-out prompts, then the folder
