@@ -168,21 +168,7 @@ def ab(
         arms = with_overrides(load_all_arms(list(arm_specs)), list(assignments))
     except ArmError as exc:
         raise click.UsageError(str(exc)) from exc
-    system_prompt = (
-        Path(system_prompt_file).read_text(encoding="utf-8").strip() if system_prompt_file else None
-    )
-    try:
-        workload = load_workload(
-            data_path,
-            limit=limit,
-            system_prompt=system_prompt,
-            max_tokens=max_tokens,
-            num_documents=num_documents,
-        )
-    except FileNotFoundError as exc:
-        raise click.UsageError(str(exc)) from exc
-    for skipped in workload.skipped:
-        click.echo(f"{data_path}:{skipped.line}: skipped: {skipped.reason}", err=True)
+    workload = _workload(data_path, limit, system_prompt_file, max_tokens, num_documents)
     shape = LoadShape(
         concurrency=concurrency or 1,
         rate=rate,
@@ -203,3 +189,29 @@ def ab(
     if html_path:
         Path(html_path).write_text(render_html(report), encoding="utf-8")
         click.echo(f"HTML report: {html_path}", err=True)
+
+
+def _workload(
+    data_path: str,
+    limit: int | None,
+    system_prompt_file: str | None,
+    max_tokens: int,
+    num_documents: int | None,
+) -> Workload:
+    """The requests every arm replays, the skipped lines of the QA file named on stderr."""
+    system_prompt = (
+        Path(system_prompt_file).read_text(encoding="utf-8").strip() if system_prompt_file else None
+    )
+    try:
+        workload = load_workload(
+            data_path,
+            limit=limit,
+            system_prompt=system_prompt,
+            max_tokens=max_tokens,
+            num_documents=num_documents,
+        )
+    except FileNotFoundError as exc:
+        raise click.UsageError(str(exc)) from exc
+    for skipped in workload.skipped:
+        click.echo(f"{data_path}:{skipped.line}: skipped: {skipped.reason}", err=True)
+    return workload

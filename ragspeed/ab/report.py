@@ -316,8 +316,17 @@ def plots(report: dict[str, Any]) -> dict[str, str]:
     arms = list(report["arms"])
     rows = [r for r in report["observations"] if r["ok"]]
     colors = {name: f"C{i}" for i, name in enumerate(arms)}
-    images: dict[str, str] = {}
 
+    images = {
+        "cdf": _cdf_plot(plt, np, arms, rows, colors),
+        "ttft_vs_prompt": _ttft_plot(plt, arms, rows, colors),
+        "stages": _stage_plot(plt, np, report, arms),
+    }
+    return images
+
+
+def _cdf_plot(plt: Any, np: Any, arms: list[str], rows: list[dict], colors: dict[str, str]) -> str:
+    """Latency CDFs per arm, one panel a latency metric."""
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for ax, metric in zip(axes, LATENCY_METRICS):
         for name in arms:
@@ -337,9 +346,13 @@ def plots(report: dict[str, Any]) -> dict[str, str]:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle("Latency CDFs per arm")
-    images["cdf"] = _png(fig)
+    image = _png(fig)
     plt.close(fig)
+    return image
 
+
+def _ttft_plot(plt: Any, arms: list[str], rows: list[dict], colors: dict[str, str]) -> str:
+    """TTFT against the prompt tokens sent to the engine, per arm."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name in arms:
         points = [(r["prompt_tokens"], r["ttft_ms"]) for r in rows if r["arm"] == name and r["ttft_ms"]]
@@ -352,9 +365,13 @@ def plots(report: dict[str, Any]) -> dict[str, str]:
     ax.grid(alpha=0.3)
     ax.legend()
     ax.set_title("TTFT against prompt length")
-    images["ttft_vs_prompt"] = _png(fig)
+    image = _png(fig)
     plt.close(fig)
+    return image
 
+
+def _stage_plot(plt: Any, np: Any, report: dict[str, Any], arms: list[str]) -> str:
+    """Each arm's mean server-side time per stage, stacked."""
     fig, ax = plt.subplots(figsize=(9, 0.8 + 0.7 * len(arms)))
     stages = sorted({s for name in arms for s in report["arms"][name]["stage_ms_mean"]}, key=_stage_key)
     left = np.zeros(len(arms))
@@ -365,9 +382,9 @@ def plots(report: dict[str, Any]) -> dict[str, str]:
     ax.set_xlabel("mean time per request (ms)")
     ax.set_title("Per-stage time breakdown (server side)")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=max(1, len(stages)))
-    images["stages"] = _png(fig)
+    image = _png(fig)
     plt.close(fig)
-    return images
+    return image
 
 
 def _html_table(rows: list[tuple[str, ...]]) -> str:

@@ -117,45 +117,73 @@ def request_body(item: WorkItem, arm: Arm) -> dict[str, Any]:
     return body
 
 
+@dataclass(frozen=True)
+class _Streamed:
+    """One streamed reply: its seconds (perf_counter) at the request, the first chunk with
+    content or role (None: none came) and the end; its text pieces, usage and ragspeed field."""
+
+    start: float
+    first_at: float | None
+    end: float
+    parts: list[str]
+    usage: dict[str, Any]
+    ragspeed: dict[str, Any]
+
+
 async def send(http: httpx.AsyncClient, url: str, arm: Arm, item: WorkItem) -> Observation:
+    """One request of the workload to an arm's server: its latencies and its answer's scores."""
     body = request_body(item, arm)
+    try:
+        streamed = await _stream(http, url, body)
+    except httpx.HTTPError as exc:
+        return Observation(arm.name, item.line, ok=False, error=f"{type(exc).__name__}: {exc}")
+    if isinstance(streamed, str):
+        return Observation(arm.name, item.line, ok=False, error=streamed)
+    return _observe(arm, item, body, streamed)
+
+
+async def _stream(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> _Streamed | str:
+    """Stream the chat completion of `body`; the reply, or `status: message` of an error."""
     t0 = time.perf_counter()
     first_at: float | None = None
     parts: list[str] = []
     usage: dict[str, Any] = {}
     ragspeed: dict[str, Any] = {}
-    try:
-        async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
-            if response.status_code != 200:
-                text = (await response.aread()).decode("utf-8", "replace")
-                try:
-                    message = json.loads(text)["error"]["message"]
-                except (ValueError, KeyError, TypeError):
-                    message = text[:300]
-                return Observation(arm.name, item.line, ok=False, error=f"{response.status_code}: {message}")
-            async for line in response.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                payload = line[6:]
-                if payload == "[DONE]":
-                    break
-                chunk = json.loads(payload)
-                for choice in chunk.get("choices") or []:
-                    delta = choice.get("delta") or {}
-                    if first_at is None and (delta.get("content") or delta.get("role")):
-                        first_at = time.perf_counter()
-                    if delta.get("content"):
-                        parts.append(delta["content"])
-                usage = chunk.get("usage") or usage
-                ragspeed = chunk.get("ragspeed") or ragspeed
-    except httpx.HTTPError as exc:
-        return Observation(arm.name, item.line, ok=False, error=f"{type(exc).__name__}: {exc}")
-    end = time.perf_counter()
-    e2e_ms = (end - t0) * 1000
-    ttft_ms = ((first_at or end) - t0) * 1000
+    async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            text = (await response.aread()).decode("utf-8", "replace")
+            try:
+                message = json.loads(text)["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = text[:300]
+            return f"{response.status_code}: {message}"
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            payload = line[6:]
+            if payload == "[DONE]":
+                break
+            chunk = json.loads(payload)
+            for choice in chunk.get("choices") or []:
+                delta = choice.get("delta") or {}
+                if first_at is None and (delta.get("content") or delta.get("role")):
+                    first_at = time.perf_counter()
+                if delta.get("content"):
+                    parts.append(delta["content"])
+            usage = chunk.get("usage") or usage
+            ragspeed = chunk.get("ragspeed") or ragspeed
+    end = time.perf_counter()  # the response closed, as a client sees its end
+    return _Streamed(t0, first_at, end, parts, usage, ragspeed)
+
+
+def _observe(arm: Arm, item: WorkItem, body: dict[str, Any], streamed: _Streamed) -> Observation:
+    """The observation of a streamed reply: latencies, token counts and the answer's scores."""
+    usage, ragspeed = streamed.usage, streamed.ragspeed
+    e2e_ms = (streamed.end - streamed.start) * 1000
+    ttft_ms = ((streamed.first_at or streamed.end) - streamed.start) * 1000
     completion_tokens = int(usage.get("completion_tokens") or 0)
     tpot_ms = (e2e_ms - ttft_ms) / (completion_tokens - 1) if completion_tokens > 1 else None
-    text = "".join(parts)
+    text = "".join(streamed.parts)
     compression = ragspeed.get("compression") or {}
     prompt = ragspeed.get("prompt")
     if prompt is not None:

@@ -64,6 +64,7 @@ QUESTIONS = (
     "How do I delete my account?",
 )
 _GREEDY = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+MAX_MODEL_LEN = 4096
 
 
 def _ttft_s(engine: Any, request_id: str, prompt: tuple[int, ...]) -> tuple[float, int]:
@@ -95,7 +96,6 @@ def run_bench_cache(
     `system_prompt`: the static prefix's text (default: the shipped system_prompt.txt)."""
     from ragspeed.engine.llm_engine import LLMEngine
     from ragspeed.engine.loader import resolve_model_path
-    from ragspeed.prompt_cache.hashing import hash_request_blocks
 
     require_positive(
         num_questions=num_questions,
@@ -112,11 +112,9 @@ def run_bench_cache(
         system_prompt = (
             resources.files("ragspeed.bench").joinpath("system_prompt.txt").read_text(encoding="utf-8")
         )
-    system_text = system_prompt.strip()
-    max_model_len = 4096
     cached_config = EngineConfig(
         model=str(path),
-        max_model_len=max_model_len,
+        max_model_len=MAX_MODEL_LEN,
         num_kv_cache_tokens=16384,
         max_num_batched_tokens=4096,
         seed=seed,
@@ -126,81 +124,119 @@ def run_bench_cache(
     plain = LLMEngine(
         replace(cached_config, enable_prefix_caching=False), loaded=cached.loaded, tokenizer=cached.tokenizer
     )
-    tokenizer = cached.tokenizer
+    static, prompts = shared_prefix_prompts(cached.tokenizer, system_prompt.strip(), num_questions)
+    with torch.inference_mode():
+        shared = _measure_shared_prefix(cached, plain, prompts, num_cold)
+        no_hit = _measure_no_hit(cached, plain, no_hit_prompts, no_hit_len, seed)
+    results = {
+        "model": model,
+        "prompt_tokens": len(prompts[0]),
+        "static_tokens": len(static),
+        "num_questions": num_questions,
+        "num_cold": num_cold,
+        **_shared_prefix_figures(shared, len(prompts[0])),
+        "no_hit_prompt_tokens": no_hit_len,
+        **_no_hit_figures(no_hit),
+        "threads": threads,
+    }
+    print_table(results)
+    write_json(json_path, results)
+    return results
+
+
+def shared_prefix_prompts(
+    tokenizer: Any, system_text: str, num_questions: int
+) -> tuple[tuple[int, ...], list[tuple[int, ...]]]:
+    """The static prefix's tokens, and the prompts: that prefix, then each question."""
     # Static prefix first (docs/architecture.md, contract 1); the question after it.
     static = tuple(tokenizer.encode(f"System: {system_text}\n\n", add_special_tokens=False))
     prompts = [
         static + tuple(tokenizer.encode(f"User: {q}\nAssistant:", add_special_tokens=False))
         for q in QUESTIONS[:num_questions]
     ]
-    if max(len(p) for p in prompts) + 1 > max_model_len:
+    if max(len(p) for p in prompts) + 1 > MAX_MODEL_LEN:
         raise ValueError(
-            f"the prompt has {max(len(p) for p in prompts)} tokens; max_model_len is {max_model_len}"
+            f"the prompt has {max(len(p) for p in prompts)} tokens; max_model_len is {MAX_MODEL_LEN}"
         )
+    return static, prompts
 
-    with torch.inference_mode():
-        # Warm-up: both engines run once (allocators, kernels); this also caches the static
-        # prefix in the cached engine, which is the "warm" state being measured.
-        _ttft_s(plain, "warmup-off", prompts[0])
-        _ttft_s(cached, "warmup-on", prompts[0])
-        cold, warm, cached_tokens = [], [], []
-        for i, prompt in enumerate(prompts):
-            if i < num_cold:
-                cold.append(_ttft_s(plain, f"cold-{i}", prompt)[0])
-            seconds, num_cached = _ttft_s(cached, f"warm-{i}", prompt)
-            warm.append(seconds)
-            cached_tokens.append(num_cached)
 
-        gen = torch.Generator().manual_seed(seed)
-        vocab = cached.arch.vocab_size
-        random_prompts = [
-            tuple(torch.randint(0, vocab, (no_hit_len,), generator=gen).tolist())
-            for _ in range(no_hit_prompts + 1)
-        ]
-        _ttft_s(cached, "nh-warmup-on", random_prompts[-1])
-        _ttft_s(plain, "nh-warmup-off", random_prompts[-1])
-        ratios, on_times, off_times, hits = [], [], [], 0
-        for i, prompt in enumerate(random_prompts[:-1]):
-            order = [(cached, "on"), (plain, "off")] if i % 2 == 0 else [(plain, "off"), (cached, "on")]
-            times = {}
-            for engine, label in order:
-                times[label], num_cached = _ttft_s(engine, f"nh-{label}-{i}", prompt)
-                hits += num_cached
-            ratios.append(times["on"] / times["off"])
-            on_times.append(times["on"])
-            off_times.append(times["off"])
-        block_size = cached.manager.block_size
-        hash_times = []
-        for prompt in random_prompts[:-1]:
-            start = time.perf_counter()
-            hash_request_blocks(prompt, block_size, extra_key=cached.manager.extra_key)
-            hash_times.append(time.perf_counter() - start)
+def _measure_shared_prefix(
+    cached: Any, plain: Any, prompts: list[tuple[int, ...]], num_cold: int
+) -> dict[str, list[Any]]:
+    """TTFT seconds of the first `num_cold` prompts with the cache off [cold], of every prompt
+    with the prefix cached [warm], and the cached tokens each warm request reported."""
+    # Warm-up: both engines run once (allocators, kernels); this also caches the static
+    # prefix in the cached engine, which is the "warm" state being measured.
+    _ttft_s(plain, "warmup-off", prompts[0])
+    _ttft_s(cached, "warmup-on", prompts[0])
+    cold: list[float] = []
+    warm: list[float] = []
+    cached_tokens: list[int] = []
+    for i, prompt in enumerate(prompts):
+        if i < num_cold:
+            cold.append(_ttft_s(plain, f"cold-{i}", prompt)[0])
+        seconds, num_cached = _ttft_s(cached, f"warm-{i}", prompt)
+        warm.append(seconds)
+        cached_tokens.append(num_cached)
+    return {"cold": cold, "warm": warm, "cached_tokens": cached_tokens}
 
-    warm_prefill = len(prompts[0]) - statistics.median(cached_tokens)
-    results: dict[str, Any] = {
-        "model": model,
-        "prompt_tokens": len(prompts[0]),
-        "static_tokens": len(static),
-        "num_questions": num_questions,
-        "num_cold": num_cold,
-        "ttft_cold_ms": statistics.median(cold) * 1000,
-        "ttft_warm_ms": statistics.median(warm) * 1000,
-        "ttft_speedup": statistics.median(cold) / statistics.median(warm),
-        "cached_tokens_median": statistics.median(cached_tokens),
+
+def _measure_no_hit(cached: Any, plain: Any, num_prompts: int, prompt_len: int, seed: int) -> dict[str, Any]:
+    """Random prompts that share nothing, on both engines back to back (the order alternating):
+    TTFT seconds on and off, their ratios, the cached tokens (0 expected), and the seconds
+    hashing each prompt's blocks takes alone."""
+    from ragspeed.prompt_cache.hashing import hash_request_blocks
+
+    gen = torch.Generator().manual_seed(seed)
+    vocab = cached.arch.vocab_size
+    random_prompts = [
+        tuple(torch.randint(0, vocab, (prompt_len,), generator=gen).tolist()) for _ in range(num_prompts + 1)
+    ]
+    _ttft_s(cached, "nh-warmup-on", random_prompts[-1])
+    _ttft_s(plain, "nh-warmup-off", random_prompts[-1])
+    ratios, on_times, off_times, hits = [], [], [], 0
+    for i, prompt in enumerate(random_prompts[:-1]):
+        order = [(cached, "on"), (plain, "off")] if i % 2 == 0 else [(plain, "off"), (cached, "on")]
+        times = {}
+        for engine, label in order:
+            times[label], num_cached = _ttft_s(engine, f"nh-{label}-{i}", prompt)
+            hits += num_cached
+        ratios.append(times["on"] / times["off"])
+        on_times.append(times["on"])
+        off_times.append(times["off"])
+    hash_times = []
+    for prompt in random_prompts[:-1]:
+        start = time.perf_counter()
+        hash_request_blocks(prompt, cached.manager.block_size, extra_key=cached.manager.extra_key)
+        hash_times.append(time.perf_counter() - start)
+    return {"ratios": ratios, "on": on_times, "off": off_times, "hits": hits, "hash": hash_times}
+
+
+def _shared_prefix_figures(shared: dict[str, list[Any]], prompt_tokens: int) -> dict[str, Any]:
+    cold, warm = statistics.median(shared["cold"]), statistics.median(shared["warm"])
+    cached_tokens = statistics.median(shared["cached_tokens"])
+    warm_prefill = prompt_tokens - cached_tokens
+    return {
+        "ttft_cold_ms": cold * 1000,
+        "ttft_warm_ms": warm * 1000,
+        "ttft_speedup": cold / warm,
+        "cached_tokens_median": cached_tokens,
         "warm_prefill_tokens": warm_prefill,
-        "ttft_speedup_bound": len(prompts[0]) / max(warm_prefill, 1),
-        "no_hit_prompt_tokens": no_hit_len,
-        "no_hit_ttft_on_ms": statistics.median(on_times) * 1000,
-        "no_hit_ttft_off_ms": statistics.median(off_times) * 1000,
-        "no_hit_overhead": statistics.median(ratios) - 1.0,
-        "no_hit_cached_tokens": hits,
-        "no_hit_hash_ms": statistics.median(hash_times) * 1000,
-        "no_hit_hash_share": statistics.median(hash_times) / statistics.median(off_times),
-        "threads": threads,
+        "ttft_speedup_bound": prompt_tokens / max(warm_prefill, 1),
     }
-    print_table(results)
-    write_json(json_path, results)
-    return results
+
+
+def _no_hit_figures(no_hit: dict[str, Any]) -> dict[str, Any]:
+    off = statistics.median(no_hit["off"])
+    return {
+        "no_hit_ttft_on_ms": statistics.median(no_hit["on"]) * 1000,
+        "no_hit_ttft_off_ms": off * 1000,
+        "no_hit_overhead": statistics.median(no_hit["ratios"]) - 1.0,
+        "no_hit_cached_tokens": no_hit["hits"],
+        "no_hit_hash_ms": statistics.median(no_hit["hash"]) * 1000,
+        "no_hit_hash_share": statistics.median(no_hit["hash"]) / off,
+    }
 
 
 def print_table(r: dict[str, Any]) -> None:

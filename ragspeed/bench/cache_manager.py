@@ -97,6 +97,23 @@ def bench_manager(
         "miss": run_miss,
         "hit": run_hit,
     }
+    samples = _sample(runners, rounds)
+    result: dict[str, float] = {
+        "num_tokens": num_tokens,
+        "block_size": block_size,
+        "num_requests": num_requests,
+        "rounds": rounds,
+        **_summarize(samples),
+    }
+    for manager in managers.values():
+        manager.check_invariants()
+    return result
+
+
+def _sample(
+    runners: dict[str, Callable[[], tuple[float, float]]], rounds: int
+) -> dict[str, list[tuple[float, float]]]:
+    """Each contender's (bookkeeping, caching) microseconds per round, after a warm-up round."""
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in CONTENDERS}
     for round_index in range(rounds + 1):
         for name in CONTENDERS:  # interleaved, so drift of the machine hits all alike
@@ -108,13 +125,12 @@ def bench_manager(
                 gc.enable()
             if round_index:  # round 0 warms up (and primes the `hit` cache)
                 samples[name].append(sample)
+    return samples
 
-    result: dict[str, float] = {
-        "num_tokens": num_tokens,
-        "block_size": block_size,
-        "num_requests": num_requests,
-        "rounds": rounds,
-    }
+
+def _summarize(samples: dict[str, list[tuple[float, float]]]) -> dict[str, float]:
+    """Medians per contender and the no-hit overhead (miss total minus off total)."""
+    result: dict[str, float] = {}
     for name in CONTENDERS:
         bookkeeping = statistics.median(s[0] for s in samples[name])
         caching = statistics.median(s[1] for s in samples[name])
@@ -122,8 +138,6 @@ def bench_manager(
         result[f"{name}_cache_blocks_us"] = round(caching, 2)
         result[f"{name}_total_us"] = round(bookkeeping + caching, 2)
     result["no_hit_overhead_us"] = round(result["miss_total_us"] - result["off_total_us"], 2)
-    for manager in managers.values():
-        manager.check_invariants()
     return result
 
 

@@ -108,6 +108,10 @@ repeats_option = click.option(
     "--repeats", default=3, type=int, help="runs per figure; the median is reported"
 )
 threads_option = click.option("--threads", default=2, type=int, help="torch CPU threads")
+# `--transformers/--no-transformers`: the transformers baseline beside the native engine.
+transformers_option = click.option(
+    "--transformers/--no-transformers", "with_transformers", default=True, help="run the baseline beside"
+)
 
 
 def max_tokens_option(

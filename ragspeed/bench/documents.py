@@ -146,7 +146,6 @@ def run_bench_documents(
     seed: int = 0,
 ) -> dict[str, Any]:
     """Full, cold and warm TTFT per trial; print a table, return (and write) flat JSON."""
-    from ragspeed.engine.document_kv import STORAGE_DTYPES
     from ragspeed.engine.llm_engine import LLMEngine
     from ragspeed.engine.loader import resolve_model_path
 
@@ -166,6 +165,29 @@ def run_bench_documents(
     )
     if engine.documents is None:
         raise ValueError(f"{model}: its rope cannot be shifted, so document KV cannot be reused")
+    with torch.inference_mode():
+        trial_times = _measure_trials(engine, options, trials)
+    results: dict[str, Any] = {
+        "model": model,
+        "data": str(data) if data else "shipped passages",
+        "num_trials": num_trials,
+        "policy": policy,
+        "glue": glue,
+        **_summarize(engine, trial_times, copy_bandwidth()),
+        "threads": torch.get_num_threads(),
+        "prefill": prefill_line(engine),
+    }
+    print_table(results)
+    write_json(json_path, results)
+    return results
+
+
+def _measure_trials(
+    engine: Any, options: DocumentCacheOptions, trials: list[tuple[str, list[Document]]]
+) -> dict[str, list[float]]:
+    """Per trial: TTFT seconds of the full prompt [full], of its documents new to the store
+    [cold] and stored [warm]; the warm request's fresh tokens, prompt tokens, placed tokens
+    and tokens per document."""
     tokenizer = engine.tokenizer
 
     def request(name: str, question: str, documents: list[Document], cached: bool, salt: str):
@@ -180,61 +202,63 @@ def run_bench_documents(
             document_cache=options if cached else None,
         )
 
-    full, cold, warm, fresh, prompt_tokens, placed, document_tokens = [], [], [], [], [], [], []
-    with torch.inference_mode():
-        # Warm-up (not timed): kernels, allocators, and the system prompt in the prefix cache
-        # of the full requests (salt "full"; the documents reversed, so no trial's prompt is).
-        question, documents = trials[0]
-        _ttft(engine, request("warmup-full", question, documents[::-1], False, "full"))
-        _ttft(engine, request("warmup-cached", question, documents, True, "warmup"))
-        for t, (question, documents) in enumerate(trials):
-            salt = f"trial-{t}"  # every trial's documents are new to the store
-            full_request = request(f"full-{t}", question, documents, False, "full")
-            full.append(_ttft(engine, full_request)[0])
-            cold.append(_ttft(engine, request(f"cold-{t}", question, documents[::-1], True, salt))[0])
-            warm_request = request(f"warm-{t}", question, documents, True, salt)
-            seconds, report = _ttft(engine, warm_request)
-            warm.append(seconds)
-            fresh.append(report.num_recomputed_tokens + 1)  # and the last prompt token
-            prompt_tokens.append(len(full_request.prompt_token_ids))
-            spans = warm_request.document_spans
-            placed.append(sum(e - s for s, e in spans))
-            document_tokens.append(placed[-1] / len(spans))
-    bandwidth = copy_bandwidth()
+    times: dict[str, list[float]] = {
+        key: [] for key in ("full", "cold", "warm", "fresh", "prompt_tokens", "placed", "document_tokens")
+    }
+    # Warm-up (not timed): kernels, allocators, and the system prompt in the prefix cache
+    # of the full requests (salt "full"; the documents reversed, so no trial's prompt is).
+    question, documents = trials[0]
+    _ttft(engine, request("warmup-full", question, documents[::-1], False, "full"))
+    _ttft(engine, request("warmup-cached", question, documents, True, "warmup"))
+    for t, (question, documents) in enumerate(trials):
+        salt = f"trial-{t}"  # every trial's documents are new to the store
+        full_request = request(f"full-{t}", question, documents, False, "full")
+        times["full"].append(_ttft(engine, full_request)[0])
+        times["cold"].append(_ttft(engine, request(f"cold-{t}", question, documents[::-1], True, salt))[0])
+        warm_request = request(f"warm-{t}", question, documents, True, salt)
+        seconds, report = _ttft(engine, warm_request)
+        times["warm"].append(seconds)
+        times["fresh"].append(report.num_recomputed_tokens + 1)  # and the last prompt token
+        times["prompt_tokens"].append(len(full_request.prompt_token_ids))
+        spans = warm_request.document_spans
+        times["placed"].append(sum(e - s for s, e in spans))
+        times["document_tokens"].append(times["placed"][-1] / len(spans))
+    return times
+
+
+def _summarize(engine: Any, trials: dict[str, list[float]], bandwidth: float) -> dict[str, Any]:
+    """Medians of the trials, the warm TTFT's bound (fresh tokens at the full prompt's rate
+    per token, plus the placed KV's bytes at the copy bandwidth) and the store's footprint."""
+    from ragspeed.engine.document_kv import STORAGE_DTYPES
+
+    full, cold, warm = (statistics.median(trials[key]) for key in ("full", "cold", "warm"))
     shape = engine.runner.kv_pool.kv.shape  # [2, L, blocks, block_size, H, D]
     per_token = shape[0] * shape[1] * shape[4] * shape[5]  # K and V elements of one token
     stored = STORAGE_DTYPES[engine.documents.storage_dtype].itemsize
     pool = engine.runner.kv_pool.kv.element_size()
-    placed_bytes = statistics.median(placed) * per_token * (stored + pool)  # stored read, pool written
-    per_prompt_token_s = statistics.median(f / p for f, p in zip(full, prompt_tokens))
-    bound = statistics.median(fresh) * per_prompt_token_s + placed_bytes / bandwidth
+    placed_bytes = (
+        statistics.median(trials["placed"]) * per_token * (stored + pool)
+    )  # stored read, pool written
+    per_prompt_token_s = statistics.median(f / p for f, p in zip(trials["full"], trials["prompt_tokens"]))
+    bound = statistics.median(trials["fresh"]) * per_prompt_token_s + placed_bytes / bandwidth
     weights_s = engine.runner.model.num_weight_bytes_per_token / bandwidth
-    results: dict[str, Any] = {
-        "model": model,
-        "data": str(data) if data else "shipped passages",
-        "num_trials": num_trials,
-        "policy": policy,
-        "glue": glue,
-        "prompt_tokens": statistics.median(prompt_tokens),
-        "tokens_per_document": statistics.mean(document_tokens),
-        "ttft_full_ms": statistics.median(full) * 1000,
-        "ttft_cold_ms": statistics.median(cold) * 1000,
-        "ttft_warm_ms": statistics.median(warm) * 1000,
-        "warm_over_full": statistics.median(warm) / statistics.median(full),
-        "cold_over_full": statistics.median(cold) / statistics.median(full),
-        "fresh_tokens": statistics.median(fresh),
+    tokens_per_document = statistics.mean(trials["document_tokens"])
+    return {
+        "prompt_tokens": statistics.median(trials["prompt_tokens"]),
+        "tokens_per_document": tokens_per_document,
+        "ttft_full_ms": full * 1000,
+        "ttft_cold_ms": cold * 1000,
+        "ttft_warm_ms": warm * 1000,
+        "warm_over_full": warm / full,
+        "cold_over_full": cold / full,
+        "fresh_tokens": statistics.median(trials["fresh"]),
         "ttft_warm_bound_ms": bound * 1000,
-        "warm_over_bound": statistics.median(warm) / bound,
+        "warm_over_bound": warm / bound,
         "ttft_warm_bound_weights_ms": (bound + weights_s) * 1000,
         "copy_gb_per_s": bandwidth / 1e9,
         "store_bytes_per_token": per_token * stored,
-        "store_documents_per_gb": 1e9 / (per_token * stored * statistics.mean(document_tokens)),
-        "threads": torch.get_num_threads(),
-        "prefill": prefill_line(engine),
+        "store_documents_per_gb": 1e9 / (per_token * stored * tokens_per_document),
     }
-    print_table(results)
-    write_json(json_path, results)
-    return results
 
 
 def print_table(r: dict[str, Any]) -> None:

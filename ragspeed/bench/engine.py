@@ -40,6 +40,8 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +58,7 @@ from ragspeed.bench.common import (
     repeats_option,
     require_positive,
     threads_option,
+    transformers_option,
     write_json,
 )
 from ragspeed.engine.attention import PREFILL_ATTENTION_EVENT
@@ -234,27 +237,53 @@ class _TransformersContender(TokenTimes):
         return self._generate(prompt, max_tokens)
 
 
+@dataclass(frozen=True)
+class EngineBenchOptions:
+    """What `bench_engine` runs: the workloads' sizes, the contenders beside the native engine,
+    and the native engine's settings (as serve's flags of the same names)."""
+
+    num_requests: int = 16
+    prompt_len: int = 256
+    output_len: int = 64
+    ttft_prompt_len: int = 2048
+    long_output_len: int = 16
+    attention_lens: tuple[int, ...] = (2048, 8192)
+    repeats: int = 3
+    transformers_requests: int = 4
+    threads: int = 2
+    with_transformers: bool = True
+    with_llamacpp: bool = True
+    llamacpp_gguf: tuple[str, ...] = ()
+    llamacpp_requests: int = 4
+    quantization: str | None = "auto"
+    kv_cache_dtype: str = "auto"
+    tpot_target_ms: float | None = 50.0
+    seed: int = 0
+
+    def check(self) -> None:
+        """Raise ValueError naming the first size out of range."""
+        require_positive(
+            num_requests=self.num_requests,
+            prompt_len=self.prompt_len,
+            output_len=self.output_len,
+            ttft_prompt_len=self.ttft_prompt_len,
+            repeats=self.repeats,
+            threads=self.threads,
+            transformers_requests=self.transformers_requests,
+            llamacpp_requests=self.llamacpp_requests,
+        )
+        if self.long_output_len < 2:
+            raise ValueError(
+                f"long_output_len must be >= 2 (a TPOT needs two tokens), got {self.long_output_len}"
+            )
+        for length in self.attention_lens:
+            require_positive(attention_len=length)
+
+
 def bench_engine(
     model: str = DEFAULT_MODEL_NAME,
     json_path: str | None = None,
-    *,
-    num_requests: int = 16,
-    prompt_len: int = 256,
-    output_len: int = 64,
-    ttft_prompt_len: int = 2048,
-    long_output_len: int = 16,
-    attention_lens: tuple[int, ...] = (2048, 8192),
-    repeats: int = 3,
-    transformers_requests: int = 4,
-    threads: int = 2,
-    with_transformers: bool = True,
-    with_llamacpp: bool = True,
-    llamacpp_gguf: tuple[str, ...] = (),
-    llamacpp_requests: int = 4,
-    quantization: str | None = "auto",
-    kv_cache_dtype: str = "auto",
-    tpot_target_ms: float | None = 50.0,
-    seed: int = 0,
+    options: EngineBenchOptions = EngineBenchOptions(),
 ) -> dict[str, Any]:
     """Measure the native engine (and transformers beside it); print a table, return flat JSON."""
     from transformers import AutoConfig
@@ -262,131 +291,194 @@ def bench_engine(
     from ragspeed.engine.llm_engine import LLMEngine
     from ragspeed.engine.loader import context_limit, resolve_model_path
 
-    require_positive(
-        num_requests=num_requests,
-        prompt_len=prompt_len,
-        output_len=output_len,
-        ttft_prompt_len=ttft_prompt_len,
-        repeats=repeats,
-        threads=threads,
-        transformers_requests=transformers_requests,
-        llamacpp_requests=llamacpp_requests,
-    )
-    if long_output_len < 2:
-        raise ValueError(f"long_output_len must be >= 2 (a TPOT needs two tokens), got {long_output_len}")
-    torch.set_num_threads(threads)
-    for length in attention_lens:
-        require_positive(attention_len=length)
+    options.check()
+    torch.set_num_threads(options.threads)
     path = resolve_model_path(model)
-    attention_lens = fit_lengths(attention_lens, context_limit(AutoConfig.from_pretrained(path)))
+    attention_lens = fit_lengths(options.attention_lens, context_limit(AutoConfig.from_pretrained(path)))
+    max_model_len = _max_model_len(options, attention_lens)
+    config = _engine_config(path, options, max_model_len)
+    engine = LLMEngine(config)
+    contenders, requests, llama = _contenders(model, path, engine, options, max_model_len)
+    probe = BandwidthProbe()
+    gemm_rate = measure_gemm_rate()
+    results = _settings_figures(model, engine, options, gemm_rate)
+    results.update(_measure(contenders, requests, options, attention_lens, engine.arch.vocab_size))
+    results.update(probe.finish())
+    _summarize(results, engine, options, probe.bandwidth, gemm_rate, llama)
+    _report(results, options.ttft_prompt_len, attention_lens, llama)
+    write_json(json_path, results)
+    return results
+
+
+def _max_model_len(options: EngineBenchOptions, attention_lens: tuple[int, ...]) -> int:
+    """Room for the longest request of every workload."""
+    o = options
     longest = max(attention_lens, default=0) + 1
     warm_up = 64 + 4  # the warm-up's longest request
-    max_model_len = max(prompt_len + output_len, ttft_prompt_len + long_output_len, longest, warm_up)
-    config = EngineConfig(
+    return max(o.prompt_len + o.output_len, o.ttft_prompt_len + o.long_output_len, longest, warm_up)
+
+
+def _engine_config(path: Path, options: EngineBenchOptions, max_model_len: int) -> EngineConfig:
+    o = options
+    return EngineConfig(
         model=str(path),
         max_model_len=max_model_len,
-        num_kv_cache_tokens=max(num_requests * (prompt_len + output_len), max_model_len) + 1024,
-        max_num_seqs=max(num_requests, 1),
+        num_kv_cache_tokens=max(o.num_requests * (o.prompt_len + o.output_len), max_model_len) + 1024,
+        max_num_seqs=max(o.num_requests, 1),
         enable_prefix_caching=False,  # random prompts share nothing; keep the pool honest
-        quantization=quantization,
-        kv_cache_dtype=kv_cache_dtype,
-        tpot_target_ms=tpot_target_ms,
-        seed=seed,
+        quantization=o.quantization,
+        kv_cache_dtype=o.kv_cache_dtype,
+        tpot_target_ms=o.tpot_target_ms,
+        seed=o.seed,
     )
-    engine = LLMEngine(config)
-    vocab = engine.arch.vocab_size
-    gen = torch.Generator().manual_seed(seed)
 
-    def prompts(n: int, length: int) -> list[tuple[int, ...]]:
-        return [_random_prompt(gen, length, vocab) for _ in range(n)]
 
+def _contenders(
+    model: str, path: Path, engine: Any, options: EngineBenchOptions, max_model_len: int
+) -> tuple[dict[str, Any], dict[str, int], dict[str, Any] | str | None]:
+    """The contenders by name, the requests each runs at once in the throughput figure, and
+    llama.cpp's contenders by GGUF type (or why it is skipped; None when not asked for)."""
     contenders: dict[str, Any] = {"native": _NativeContender(engine)}
-    if with_transformers:
+    if options.with_transformers:
         contenders["transformers"] = _TransformersContender(path)
-    requests = {"native": num_requests, "transformers": transformers_requests}
-    # llama.cpp's contenders by GGUF type, or why it is skipped; None when not asked for.
-    llama = llamacpp.build_contenders(model, llamacpp_gguf, threads, max_model_len) if with_llamacpp else None
+    requests = {"native": options.num_requests, "transformers": options.transformers_requests}
+    llama = (
+        llamacpp.build_contenders(model, options.llamacpp_gguf, options.threads, max_model_len)
+        if options.with_llamacpp
+        else None
+    )
     if isinstance(llama, dict):
         for label, contender in llama.items():
             contenders[f"llamacpp_{label}"] = contender
-            requests[f"llamacpp_{label}"] = llamacpp_requests
+            requests[f"llamacpp_{label}"] = options.llamacpp_requests
+    return contenders, requests, llama
 
-    probe = BandwidthProbe()
-    gemm_rate = measure_gemm_rate()
-    results: dict[str, Any] = {
+
+def _settings_figures(
+    model: str, engine: Any, options: EngineBenchOptions, gemm_rate: float
+) -> dict[str, Any]:
+    """The JSON's first keys: what ran, and how."""
+    return {
         "model": model,
         "quantization": engine.loaded.quantization or "none",
         "kv_cache_dtype": str(engine.kv_pool.kv.dtype).removeprefix("torch."),
-        "tpot_target_ms": tpot_target_ms,
-        "threads": threads,
-        "num_requests": num_requests,
-        "prompt_len": prompt_len,
-        "output_len": output_len,
-        "repeats": repeats,
-        "transformers_requests": transformers_requests,
+        "tpot_target_ms": options.tpot_target_ms,
+        "threads": options.threads,
+        "num_requests": options.num_requests,
+        "prompt_len": options.prompt_len,
+        "output_len": options.output_len,
+        "repeats": options.repeats,
+        "transformers_requests": options.transformers_requests,
         "gemm_gflop_s": gemm_rate / 1e9,
         "cpu": read_cpu_features().describe(),
     }
+
+
+def _measure(
+    contenders: dict[str, Any],
+    requests: dict[str, int],
+    options: EngineBenchOptions,
+    attention_lens: tuple[int, ...],
+    vocab_size: int,
+) -> dict[str, Any]:
+    """Every contender's figures, after a warm-up of every code path; then the native engine's
+    attention share at each length."""
+    gen = torch.Generator().manual_seed(options.seed)
+
+    def prompts(n: int, length: int) -> list[tuple[int, ...]]:
+        return [_random_prompt(gen, length, vocab_size) for _ in range(n)]
+
+    figures: dict[str, Any] = {}
     with torch.inference_mode():
         for contender in contenders.values():  # warm-up: every code path once
             contender.throughput(prompts(2, 32), 4)
             contender.ttft(prompts(1, 64)[0])
         for name, contender in contenders.items():
-            n = requests[name]
-            rates = [contender.throughput(prompts(n, prompt_len), output_len) for _ in range(repeats)]
-            results[f"{name}_tokens_per_s"] = statistics.median(rates)
-            tpots = [contender.tpot(prompts(1, prompt_len)[0], output_len) for _ in range(repeats)]
-            results[f"{name}_tpot_ms"] = statistics.median(tpots) * 1e3
-            long_prompts = prompts(repeats, ttft_prompt_len)
-            runs = [contender.arrivals(prompt, long_output_len) for prompt in long_prompts]
-            results[f"{name}_ttft_{ttft_prompt_len}_ms"] = statistics.median(r[0] for r in runs) * 1e3
-            long_tpots = [median_gap(r) for r in runs]
-            results[f"{name}_tpot_{ttft_prompt_len}_ms"] = statistics.median(long_tpots) * 1e3
-            print(  # progress: a slow baseline on a busy machine can take many minutes
-                f"{name}: {results[f'{name}_tokens_per_s']:.1f} tok/s, TPOT "
-                f"{results[f'{name}_tpot_ms']:.1f} ms, TTFT {ttft_prompt_len} "
-                f"{results[f'{name}_ttft_{ttft_prompt_len}_ms']:.0f} ms, TPOT after it "
-                f"{results[f'{name}_tpot_{ttft_prompt_len}_ms']:.1f} ms",
-                file=sys.stderr,
-                flush=True,
-            )
+            figures.update(_measure_contender(name, contender, requests[name], options, prompts))
         for length in attention_lens:
             share, ttft = contenders["native"].attention_share(prompts(1, length)[0])
-            results[f"attention_share_{length}"] = share
-            results[f"attention_ttft_{length}_ms"] = ttft * 1e3
+            figures[f"attention_share_{length}"] = share
+            figures[f"attention_ttft_{length}_ms"] = ttft * 1e3
+    return figures
 
-    results.update(probe.finish())
-    bandwidth = probe.bandwidth
+
+def _measure_contender(
+    name: str,
+    contender: Any,
+    num_requests: int,
+    options: EngineBenchOptions,
+    prompts: Callable[[int, int], list[tuple[int, ...]]],
+) -> dict[str, float]:
+    """One contender's throughput, TPOT at batch 1, TTFT of the long prompt and TPOT after it
+    (medians of `repeats` runs); a progress line on stderr."""
+    o = options
+    long_len = o.ttft_prompt_len
+    rates = [
+        contender.throughput(prompts(num_requests, o.prompt_len), o.output_len) for _ in range(o.repeats)
+    ]
+    tpots = [contender.tpot(prompts(1, o.prompt_len)[0], o.output_len) for _ in range(o.repeats)]
+    runs = [contender.arrivals(prompt, o.long_output_len) for prompt in prompts(o.repeats, long_len)]
+    figures = {
+        f"{name}_tokens_per_s": statistics.median(rates),
+        f"{name}_tpot_ms": statistics.median(tpots) * 1e3,
+        f"{name}_ttft_{long_len}_ms": statistics.median(r[0] for r in runs) * 1e3,
+        f"{name}_tpot_{long_len}_ms": statistics.median(median_gap(r) for r in runs) * 1e3,
+    }
+    print(  # progress: a slow baseline on a busy machine can take many minutes
+        f"{name}: {figures[f'{name}_tokens_per_s']:.1f} tok/s, TPOT "
+        f"{figures[f'{name}_tpot_ms']:.1f} ms, TTFT {long_len} "
+        f"{figures[f'{name}_ttft_{long_len}_ms']:.0f} ms, TPOT after it "
+        f"{figures[f'{name}_tpot_{long_len}_ms']:.1f} ms",
+        file=sys.stderr,
+        flush=True,
+    )
+    return figures
+
+
+def _summarize(
+    results: dict[str, Any],
+    engine: Any,
+    options: EngineBenchOptions,
+    bandwidth: float,
+    gemm_rate: float,
+    llama: dict[str, Any] | str | None,
+) -> None:
+    """Add the bounds and ratios to `results`; the native engine's figures lose their prefix."""
+    ttft_len = options.ttft_prompt_len
     weight_bytes = engine.loaded.model.num_weight_bytes_per_token
     results["weight_bytes_per_token"] = weight_bytes
     results["tpot_ms"] = results.pop("native_tpot_ms")
     results["tpot_bound_ms"] = weight_bytes / bandwidth * 1e3
     results["tpot_over_bound"] = results["tpot_ms"] / results["tpot_bound_ms"]
-    long_tpot = f"tpot_{ttft_prompt_len}"
+    long_tpot = f"tpot_{ttft_len}"
     results[f"{long_tpot}_ms"] = results.pop(f"native_{long_tpot}_ms")
     kv_bytes = engine.arch.kv_bytes_per_token * engine.kv_pool.kv.element_size()
-    context = ttft_prompt_len + long_output_len / 2  # the mean context of its output tokens
+    context = ttft_len + options.long_output_len / 2  # the mean context of its output tokens
     results[f"{long_tpot}_bound_ms"] = (weight_bytes + kv_bytes * context) / bandwidth * 1e3
     results[f"{long_tpot}_over_bound"] = results[f"{long_tpot}_ms"] / results[f"{long_tpot}_bound_ms"]
-    results[f"ttft_{ttft_prompt_len}_ms"] = results.pop(f"native_ttft_{ttft_prompt_len}_ms")
-    results[f"ttft_{ttft_prompt_len}_bound_ms"] = prefill_flops(engine, ttft_prompt_len) / gemm_rate * 1e3
-    results["ttft_over_bound"] = (
-        results[f"ttft_{ttft_prompt_len}_ms"] / results[f"ttft_{ttft_prompt_len}_bound_ms"]
-    )
-    if with_transformers:
+    results[f"ttft_{ttft_len}_ms"] = results.pop(f"native_ttft_{ttft_len}_ms")
+    results[f"ttft_{ttft_len}_bound_ms"] = prefill_flops(engine, ttft_len) / gemm_rate * 1e3
+    results["ttft_over_bound"] = results[f"ttft_{ttft_len}_ms"] / results[f"ttft_{ttft_len}_bound_ms"]
+    if options.with_transformers:
         results["throughput_ratio"] = results["native_tokens_per_s"] / results["transformers_tokens_per_s"]
         results["transformers_tpot_over_bound"] = results["transformers_tpot_ms"] / results["tpot_bound_ms"]
     if isinstance(llama, dict):
-        results.update(llamacpp.summary(results, llama, llamacpp_requests, ttft_prompt_len))
+        results.update(llamacpp.summary(results, llama, options.llamacpp_requests, ttft_len))
     elif isinstance(llama, str):
         results["llamacpp_skipped"] = llama
-    print_table(results, ttft_prompt_len, attention_lens)
+
+
+def _report(
+    results: dict[str, Any],
+    ttft_len: int,
+    attention_lens: tuple[int, ...],
+    llama: dict[str, Any] | str | None,
+) -> None:
+    print_table(results, ttft_len, attention_lens)
     if isinstance(llama, dict):
-        llamacpp.print_comparison(results, list(llama), ttft_prompt_len)
+        llamacpp.print_comparison(results, list(llama), ttft_len)
     elif isinstance(llama, str):
         print(llamacpp.skip_line(llama))
-    write_json(json_path, results)
-    return results
 
 
 def print_table(r: dict[str, Any], ttft_len: int, attention_lens: tuple[int, ...] = ()) -> None:
@@ -475,9 +567,7 @@ def _parse_budget(value: str) -> float | None:
     help="prompt lengths of the attention share of TTFT, separated by commas ('' for none); "
     "a length past the model's context less one output token is cut to it",
 )
-@click.option(
-    "--transformers/--no-transformers", "with_transformers", default=True, help="run the baseline beside"
-)
+@transformers_option
 @click.option(
     "--llamacpp/--no-llamacpp",
     "with_llamacpp",
@@ -528,9 +618,7 @@ def bench_engine_command(
 ) -> None:
     """Native engine vs transformers (and llama.cpp): throughput, TPOT and TTFT against the hardware bounds."""
     try:
-        bench_engine(
-            model,
-            json_path,
+        options = EngineBenchOptions(
             attention_lens=parse_lengths(attention_lens),
             repeats=repeats,
             threads=threads,
@@ -543,5 +631,6 @@ def bench_engine_command(
             kv_cache_dtype=kv_cache_dtype,
             tpot_target_ms=_parse_budget(tpot_target_ms),
         )
+        bench_engine(model, json_path, options)
     except ValueError as error:
         raise click.UsageError(str(error)) from error

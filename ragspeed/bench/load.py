@@ -303,6 +303,21 @@ async def _settle(http: httpx.AsyncClient, timeout_s: float = 30.0) -> str:
         await asyncio.sleep(0.2)
 
 
+@dataclass(frozen=True)
+class _LoadRun:
+    """What the run measured besides the tally: its times, where the steady state began, the
+    server's memory at its start and end, and /metrics once the server settled."""
+
+    elapsed_s: float
+    steady_s: float
+    completed_at_start: int  # requests completed when the steady state began
+    steady_first_ttft: int  # index of the steady state's first TTFT in tally.ttft_s
+    gaps_alone: list[float]  # the gaps between tokens before the arrivals began
+    rss_start: int | None
+    rss_end: int | None
+    metrics: str
+
+
 async def run_load(
     url: str,
     config: LoadConfig,
@@ -310,10 +325,24 @@ async def run_load(
     prompts: list[tuple[str, list[str]]] | None = None,
     arrival_rows: list[tuple[str, list[str]]] | None = None,
 ) -> dict[str, Any]:
-    prompts = prompts or load_prompts()
+    """`config.clients` closed-loop clients (and the arrivals, with compression) against `url`
+    for `config.duration_s`; the flat figures."""
     tally = LoadTally()
+    run = await _measure_load(
+        url, config, server_pid, prompts or load_prompts(), arrival_rows or load_arrival_documents(), tally
+    )
+    return _load_figures(config, tally, run)
+
+
+async def _measure_load(
+    url: str,
+    config: LoadConfig,
+    server_pid: int | None,
+    prompts: list[tuple[str, list[str]]],
+    rows: list[tuple[str, list[str]]],
+    tally: LoadTally,
+) -> _LoadRun:
     every_s = config.compression_every_s
-    rows = arrival_rows or load_arrival_documents()
     async with httpx.AsyncClient(base_url=url, timeout=30.0) as http:
         model = (await http.get("/v1/models")).json()["data"][0]["id"]
         if every_s is not None:  # alone first: the arrivals' TTFT with no stream in flight
@@ -348,17 +377,22 @@ async def run_load(
         await asyncio.gather(*clients)  # each finishes the request it is in
         elapsed = time.perf_counter() - t0
         metrics = await _settle(http)
+    return _LoadRun(
+        elapsed, steady_s, completed_at_start, steady_first_ttft, gaps_alone, rss_start, rss_end, metrics
+    )
+
+
+def _load_figures(config: LoadConfig, tally: LoadTally, run: _LoadRun) -> dict[str, Any]:
     ttft_ms = sorted(t * 1000 for t in tally.ttft_s)
     met = sum(t * 1000 <= config.deadline_ms for t in tally.ttft_s + tally.arrivals_ttft_s)
-    blocks_used = read_gauge(metrics, "ragspeed_engine_num_blocks_used")
     return {
         "clients": config.clients,
-        "duration_s": round(elapsed, 2),
+        "duration_s": round(run.elapsed_s, 2),
         "requests_started": tally.started,
         "requests_completed": tally.completed,
         "requests_disconnected": tally.disconnected,
-        "requests_per_s_steady": round((tally.completed - completed_at_start) / steady_s, 3)
-        if steady_s
+        "requests_per_s_steady": round((tally.completed - run.completed_at_start) / run.steady_s, 3)
+        if run.steady_s
         else None,
         "server_errors": tally.server_errors,
         "client_errors": tally.client_errors,
@@ -366,33 +400,45 @@ async def run_load(
         **{f"status_{code}": n for code, n in sorted(tally.status_counts.items())},
         "ttft_p50_ms": round(statistics.median(ttft_ms), 1) if ttft_ms else None,
         "ttft_p99_ms": round(percentile(ttft_ms, 0.99), 1) if ttft_ms else None,
-        **_spread("ttft_steady", tally.ttft_s[steady_first_ttft:], (0.99,)),
+        **_spread("ttft_steady", tally.ttft_s[run.steady_first_ttft :], (0.99,)),
         "deadline_ms": config.deadline_ms,
-        "goodput_per_min": round(met / (elapsed / 60), 2),
+        "goodput_per_min": round(met / (run.elapsed_s / 60), 2),
         "refused": len(tally.refusal_s),
         **_spread("refusal", tally.refusal_s, (0.5, 0.99, 1.0)),
         **_spread("refusal_server", tally.refusal_server_s, (0.5, 0.99, 1.0)),
-        **_spread("gap_alone", gaps_alone, (0.5, 0.99)),
+        **_spread("gap_alone", run.gaps_alone, (0.5, 0.99)),
         **_spread("gap", tally.gaps_s, (0.5, 0.9, 0.99)),
-        **{
-            f"ttft_over_predicted_p{round(q * 100)}": round(percentile(tally.prediction_ratios, q), 3)
-            if tally.prediction_ratios
-            else None
-            for q in (0.1, 0.5, 0.9, 0.99)
-        },
+        **_prediction_figures(tally.prediction_ratios),
         **(
             {
                 **_spread("arrival_alone_ttft", tally.arrivals_alone_ttft_s, (0.5,)),
                 **_spread("arrival_ttft", tally.arrivals_ttft_s, (0.5, 0.99)),
             }
-            if every_s is not None
+            if config.compression_every_s is not None
             else {}
         ),
+        **_server_figures(run),
+    }
+
+
+def _prediction_figures(ratios: list[float]) -> dict[str, float | None]:
+    """Quantiles of TTFT over the TTFT the server predicted."""
+    return {
+        f"ttft_over_predicted_p{round(q * 100)}": round(percentile(ratios, q), 3) if ratios else None
+        for q in (0.1, 0.5, 0.9, 0.99)
+    }
+
+
+def _server_figures(run: _LoadRun) -> dict[str, Any]:
+    """The server's memory growth over the steady state and its KV blocks at the end."""
+    rss_start, rss_end = run.rss_start, run.rss_end
+    blocks_used = read_gauge(run.metrics, "ragspeed_engine_num_blocks_used")
+    return {
         "rss_start_mb": round(rss_start / 2**20, 1) if rss_start else None,
         "rss_end_mb": round(rss_end / 2**20, 1) if rss_end else None,
         "rss_growth": round((rss_end - rss_start) / rss_start, 4) if rss_start and rss_end else None,
         "blocks_in_use_at_end": int(blocks_used) if blocks_used is not None else None,
-        "blocks_total": _int_or_none(read_gauge(metrics, "ragspeed_engine_num_blocks_total")),
+        "blocks_total": _int_or_none(read_gauge(run.metrics, "ragspeed_engine_num_blocks_total")),
     }
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import os
 import statistics
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,7 @@ from ragspeed.bench.common import (
     repeats_option,
     require_positive,
     threads_option,
+    transformers_option,
     write_json,
 )
 from ragspeed.bench.engine import (
@@ -59,6 +60,19 @@ from ragspeed.bench.engine import (
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
 from ragspeed.shipped_data import WIKITEXT
+
+
+@dataclass(frozen=True)
+class _QualityReports:
+    """Every quality comparison against the fp32 model (engine.quant.quality's reports)."""
+
+    int8: dict[str, Any]  # by int8 prefill path
+    dense: dict[str, Any]  # the fp32 model's faster prefill paths
+    decode: Any  # the int8 decode kernels, teacher-forced
+    kv_fp16: Any  # the fp16 KV cache alone (fp32 weights)
+    gguf: dict[str, Any]  # "gguf_decode" and "default", for a GGUF model
+    int8_path: Any  # the prefill path the gate chose; None: none passed
+    timed_path_name: str  # the path the timings run on (the most precise one where none passed)
 
 
 def run_bench_quant(
@@ -78,29 +92,12 @@ def run_bench_quant(
 ) -> dict[str, Any]:
     """Measure int8 vs fp32 (and transformers); print a table, return flat JSON."""
     from ragspeed.engine.cpu_features import read_cpu_features
-    from ragspeed.engine.gguf import source_of
-    from ragspeed.engine.llm_engine import LLMEngine
     from ragspeed.engine.loader import resolve_model_path
-    from ragspeed.engine.models.linear import DENSE_PREFILL_PATHS
-    from ragspeed.engine.quant.gate import gate_prefill, use_prefill_path
-    from ragspeed.engine.quant.prefill import prefill_candidates, runnable_paths
-    from ragspeed.engine.quant.probe import machine_probe
-    from ragspeed.engine.quant.quality import (
-        compare_logits,
-        decode_window_logits,
-        text_windows,
-        window_logits,
-    )
 
-    require_positive(
-        prompt_len=prompt_len,
-        output_len=output_len,
-        repeats=repeats,
-        ttft_prompt_len=ttft_prompt_len,
-        threads=threads,
-        quality_window=quality_window,
-        quality_windows=quality_windows,
+    sizes = dict(
+        prompt_len=prompt_len, output_len=output_len, ttft_prompt_len=ttft_prompt_len, repeats=repeats
     )
+    require_positive(**sizes, threads=threads, quality_window=quality_window, quality_windows=quality_windows)
     if output_len < 2:
         raise ValueError(f"output_len must be >= 2 (a TPOT needs two tokens), got {output_len}")
     if not Path(text).is_file():
@@ -108,9 +105,48 @@ def run_bench_quant(
     torch.set_num_threads(threads)
     path = resolve_model_path(model)
     max_model_len = max(prompt_len + output_len, ttft_prompt_len + 1, quality_window)
-    # The file's own blocks beside them when the model is a GGUF file (engine.quant.gguf_blocks).
+    engines = _build_engines(path, max_model_len, seed)
+    contenders: dict[str, Any] = {name: _NativeContender(e) for name, e in engines.items()}
+    if with_transformers:
+        contenders["transformers"] = _TransformersContender(path)
+    features = read_cpu_features()
+    quality = _measure_quality(engines, features, threads, text, quality_window, quality_windows)
+    probe = BandwidthProbe()
+    results: dict[str, Any] = {
+        "model": model,
+        "cpu": features.describe(),
+        "int8_prefill_path": None if quality.int8_path is None else quality.int8_path.name,
+        **{f"{name}_prefill": prefill_line(engine) for name, engine in engines.items()},
+        **{
+            f"quality_{name}_{key}": value
+            for name, report in {**quality.int8, **quality.dense}.items()
+            for key, value in asdict(report).items()
+        },
+        "threads": threads,
+        "load_avg_1m": os.getloadavg()[0],
+        "prompt_len": prompt_len,
+        "output_len": output_len,
+        "repeats": repeats,
+    }
+    vocab = engines["fp32"].arch.vocab_size
+    results.update(_measure_times(contenders, list(engines), vocab, seed=seed, **sizes))
+    results.update(probe.finish())
+    _add_bounds(results, engines, probe.bandwidth, ttft_prompt_len, with_transformers)
+    results.update(_quality_figures(quality))
+    results.update(_targets(results))
+    print_table(results, ttft_prompt_len)
+    write_json(json_path, results)
+    return results
+
+
+def _build_engines(path: Path, max_model_len: int, seed: int) -> dict[str, Any]:
+    """Native engines by name: int8, fp32 and, when the model is a GGUF file, its own blocks
+    (engine.quant.gguf_blocks)."""
+    from ragspeed.engine.gguf import source_of
+    from ragspeed.engine.llm_engine import LLMEngine
+
     kinds = {"int8": "int8", "fp32": None, **({"gguf": "gguf"} if source_of(path) is not None else {})}
-    engines = {
+    return {
         name: LLMEngine(
             EngineConfig(
                 model=str(path),
@@ -125,77 +161,82 @@ def run_bench_quant(
         )
         for name, quantization in kinds.items()
     }
-    contenders: dict[str, Any] = {name: _NativeContender(e) for name, e in engines.items()}
-    if with_transformers:
-        contenders["transformers"] = _TransformersContender(path)
-    vocab = engines["fp32"].arch.vocab_size
-    features = read_cpu_features()
-    # The prefill paths fastest first, as the engines' start-up measured (or read) them.
-    path_probe = machine_probe(engines["fp32"].arch.hidden_size, threads)
-    int8_candidates = prefill_candidates(features, path_probe)
-    windows = text_windows(
-        engines["fp32"].tokenizer, text, window=quality_window, num_windows=quality_windows
+
+
+def _measure_quality(
+    engines: dict[str, Any], features: Any, threads: int, text: str, window: int, num_windows: int
+) -> _QualityReports:
+    """Every engine's logits against the fp32 model's on `num_windows` windows of `text`. Leaves
+    the int8 model on the prefill path the gate chose, the fp32 model on fp32."""
+    from ragspeed.engine.models.linear import DENSE_PREFILL_PATHS
+    from ragspeed.engine.quant.gate import gate_prefill, use_prefill_path
+    from ragspeed.engine.quant.prefill import prefill_candidates, runnable_paths
+    from ragspeed.engine.quant.probe import machine_probe
+    from ragspeed.engine.quant.quality import (
+        compare_logits,
+        decode_window_logits,
+        text_windows,
+        window_logits,
     )
-    int8_model = engines["int8"].loaded.model
-    fp32_loaded = engines["fp32"].loaded
+
+    windows = text_windows(engines["fp32"].tokenizer, text, window=window, num_windows=num_windows)
+    int8_loaded, fp32_loaded = engines["int8"].loaded, engines["fp32"].loaded
     reference = {tuple(ids): window_logits(fp32_loaded, ids) for ids in windows}
 
-    def against_fp32(loaded, path):
-        use_prefill_path(loaded.model, path)
-        return compare_logits(
-            lambda ids: reference[tuple(ids)], lambda ids: window_logits(loaded, ids), windows
-        )
+    def against_fp32(logits) -> Any:
+        return compare_logits(lambda ids: reference[tuple(ids)], logits, windows)
 
-    int8_reports = {p.name: against_fp32(engines["int8"].loaded, p) for p in int8_candidates}
-    decode_report = compare_logits(
-        lambda ids: reference[tuple(ids)],
-        lambda ids: decode_window_logits(engines["int8"].loaded, ids),
-        windows,
-    )
+    def prefill_against_fp32(loaded, path) -> Any:
+        use_prefill_path(loaded.model, path)
+        return against_fp32(lambda ids: window_logits(loaded, ids))
+
+    # The prefill paths fastest first, as the engines' start-up measured (or read) them.
+    path_probe = machine_probe(engines["fp32"].arch.hidden_size, threads)
+    candidates = prefill_candidates(features, path_probe)
+    int8_reports = {p.name: prefill_against_fp32(int8_loaded, p) for p in candidates}
+    decode_report = against_fp32(lambda ids: decode_window_logits(int8_loaded, ids))
     # The fp16 KV cache alone (fp32 weights), and with the file's blocks: serve's default path.
-    kv_fp16_report = compare_logits(
-        lambda ids: reference[tuple(ids)],
-        lambda ids: window_logits(fp32_loaded, ids, kv_dtype=torch.float16),
-        windows,
-    )
+    kv_fp16_report = against_fp32(lambda ids: window_logits(fp32_loaded, ids, kv_dtype=torch.float16))
     gguf_reports = {}
     if "gguf" in engines:  # its prefill is the fp32 model's; its decode reads the blocks
         gguf_reports = {
-            name: compare_logits(
-                lambda ids: reference[tuple(ids)],
-                partial(decode_window_logits, engines["gguf"].loaded, kv_dtype=kv_dtype),
-                windows,
-            )
+            name: against_fp32(partial(decode_window_logits, engines["gguf"].loaded, kv_dtype=kv_dtype))
             for name, kv_dtype in (("gguf_decode", torch.float32), ("default", torch.float16))
         }
-    outcome = gate_prefill(int8_candidates, lambda p: int8_reports[p.name])
+    outcome = gate_prefill(candidates, lambda p: int8_reports[p.name])
     # The timings run on the chosen path (the most precise one where none passed).
-    use_prefill_path(int8_model, outcome.path or int8_candidates[-1])
+    timed_path = outcome.path or candidates[-1]
+    use_prefill_path(int8_loaded.model, timed_path)
     # The fp32 model's own faster paths (bf16 where the CPU has it), then back on fp32.
     dense_reports = {
-        p.name: against_fp32(fp32_loaded, p)
+        p.name: prefill_against_fp32(fp32_loaded, p)
         for p in runnable_paths(DENSE_PREFILL_PATHS, features, path_probe)[:-1]
     }
     use_prefill_path(fp32_loaded.model, DENSE_PREFILL_PATHS[-1])
-    gen = torch.Generator().manual_seed(seed)
+    return _QualityReports(
+        int8_reports,
+        dense_reports,
+        decode_report,
+        kv_fp16_report,
+        gguf_reports,
+        outcome.path,
+        timed_path.name,
+    )
 
-    probe = BandwidthProbe()
-    results: dict[str, Any] = {
-        "model": model,
-        "cpu": features.describe(),
-        "int8_prefill_path": None if outcome.path is None else outcome.path.name,
-        **{f"{name}_prefill": prefill_line(engine) for name, engine in engines.items()},
-        **{
-            f"quality_{name}_{key}": value
-            for name, report in {**int8_reports, **dense_reports}.items()
-            for key, value in asdict(report).items()
-        },
-        "threads": threads,
-        "load_avg_1m": os.getloadavg()[0],
-        "prompt_len": prompt_len,
-        "output_len": output_len,
-        "repeats": repeats,
-    }
+
+def _measure_times(
+    contenders: dict[str, Any],
+    engine_names: list[str],
+    vocab: int,
+    *,
+    prompt_len: int,
+    output_len: int,
+    ttft_prompt_len: int,
+    repeats: int,
+    seed: int,
+) -> dict[str, float]:
+    """Medians of `repeats` runs: every contender's TPOT at batch 1, the native engines' TTFT."""
+    gen = torch.Generator().manual_seed(seed)
     with torch.inference_mode():
         for contender in contenders.values():  # warm-up: prefill and decode paths once
             contender.tpot(_random_prompt(gen, 32, vocab), 4)
@@ -203,22 +244,28 @@ def run_bench_quant(
         # the run (this VM's read bandwidth switches between ~33 and ~55 GB/s) reaches all of
         # them alike instead of tilting the ratios; medians over the repeats.
         tpots: dict[str, list[float]] = {name: [] for name in contenders}
-        ttfts: dict[str, list[float]] = {name: [] for name in engines}
+        ttfts: dict[str, list[float]] = {name: [] for name in engine_names}
         for _ in range(repeats):
             prompt = _random_prompt(gen, prompt_len, vocab)
             for name, contender in contenders.items():
                 tpots[name].append(contender.tpot(prompt, output_len))
         for _ in range(repeats):
             prompt = _random_prompt(gen, ttft_prompt_len, vocab)
-            for name in engines:
+            for name in engine_names:
                 ttfts[name].append(contenders[name].ttft(prompt))
-        for name, times in tpots.items():
-            results[f"{name}_tpot_ms"] = statistics.median(times) * 1e3
-        for name, times in ttfts.items():
-            results[f"{name}_ttft_{ttft_prompt_len}_ms"] = statistics.median(times) * 1e3
+    return {
+        **{f"{name}_tpot_ms": statistics.median(times) * 1e3 for name, times in tpots.items()},
+        **{
+            f"{name}_ttft_{ttft_prompt_len}_ms": statistics.median(times) * 1e3
+            for name, times in ttfts.items()
+        },
+    }
 
-    results.update(probe.finish())
-    bandwidth = probe.bandwidth
+
+def _add_bounds(
+    results: dict[str, Any], engines: dict[str, Any], bandwidth: float, ttft_len: int, with_transformers: bool
+) -> None:
+    """Each engine's weight bytes and TPOT bound; the ratios between contenders."""
     for name, engine in engines.items():
         stats = engine.stats()
         results[f"{name}_weight_bytes"] = int(stats["weight_bytes"])
@@ -227,57 +274,64 @@ def run_bench_quant(
         results[f"{name}_tpot_bound_ms"] = per_token / bandwidth * 1e3
         results[f"{name}_tpot_over_bound"] = results[f"{name}_tpot_ms"] / results[f"{name}_tpot_bound_ms"]
     results["fp32_over_int8_tpot"] = results["fp32_tpot_ms"] / results["int8_tpot_ms"]
-    results["int8_over_fp32_ttft"] = (
-        results[f"int8_ttft_{ttft_prompt_len}_ms"] / results[f"fp32_ttft_{ttft_prompt_len}_ms"]
-    )
+    results["int8_over_fp32_ttft"] = results[f"int8_ttft_{ttft_len}_ms"] / results[f"fp32_ttft_{ttft_len}_ms"]
     if with_transformers:
         results["transformers_tpot_bound_ms"] = results["fp32_tpot_bound_ms"]
         results["transformers_tpot_over_bound"] = (
             results["transformers_tpot_ms"] / results["transformers_tpot_bound_ms"]
         )
 
-    quality = int8_reports[outcome.path.name if outcome.path else int8_candidates[-1].name]
-    results.update(
-        quality_tokens=quality.num_predictions,
-        ppl_fp32=quality.ppl_reference,
-        ppl_int8=quality.ppl_quantized,
-        ppl_increase=quality.ppl_increase,
-        top1_agreement=quality.top1_agreement,
-        logit_rms_error=quality.logit_rms_error,
-        decode_ppl_increase=decode_report.ppl_increase,
-        decode_top1_agreement=decode_report.top1_agreement,
-        decode_logit_rms_error=decode_report.logit_rms_error,
-        kv_fp16_ppl_increase=kv_fp16_report.ppl_increase,
-        kv_fp16_top1_agreement=kv_fp16_report.top1_agreement,
-        kv_fp16_logit_rms_error=kv_fp16_report.logit_rms_error,
-    )
-    for name, report in gguf_reports.items():
-        results.update(
-            {
-                f"{name}_ppl_increase": report.ppl_increase,
-                f"{name}_top1_agreement": report.top1_agreement,
-                f"{name}_logit_rms_error": report.logit_rms_error,
-                f"target_{name}_ppl_increase_le_0_1pct": abs(report.ppl_increase) <= 0.001,
-                f"target_{name}_top1_agreement_ge_99_5pct": report.top1_agreement >= 0.995,
-            }
-        )
-    if gguf_reports:
-        results["fp32_over_gguf_tpot"] = results["fp32_tpot_ms"] / results["gguf_tpot_ms"]
-    results["target_int8_tpot_within_2_5x_bound"] = results["int8_tpot_over_bound"] <= 2.5
-    results["target_fp32_over_int8_tpot_ge_3"] = results["fp32_over_int8_tpot"] >= 3
-    results["target_int8_ttft_no_worse"] = results["int8_over_fp32_ttft"] <= 1.0
+
+def _quality_figures(quality: _QualityReports) -> dict[str, Any]:
+    """The timed int8 path's figures, the decode kernels', the fp16 KV cache's and a GGUF
+    file's blocks' (with their targets)."""
+    timed = quality.int8[quality.timed_path_name]
+    figures: dict[str, Any] = {
+        "quality_tokens": timed.num_predictions,
+        "ppl_fp32": timed.ppl_reference,
+        "ppl_int8": timed.ppl_quantized,
+        "ppl_increase": timed.ppl_increase,
+        "top1_agreement": timed.top1_agreement,
+        "logit_rms_error": timed.logit_rms_error,
+    }
+    for name, report in (("decode", quality.decode), ("kv_fp16", quality.kv_fp16)):
+        figures[f"{name}_ppl_increase"] = report.ppl_increase
+        figures[f"{name}_top1_agreement"] = report.top1_agreement
+        figures[f"{name}_logit_rms_error"] = report.logit_rms_error
+    for name, report in quality.gguf.items():
+        figures[f"{name}_ppl_increase"] = report.ppl_increase
+        figures[f"{name}_top1_agreement"] = report.top1_agreement
+        figures[f"{name}_logit_rms_error"] = report.logit_rms_error
+        figures[f"target_{name}_ppl_increase_le_0_1pct"] = abs(report.ppl_increase) <= 0.001
+        figures[f"target_{name}_top1_agreement_ge_99_5pct"] = report.top1_agreement >= 0.995
+    return figures
+
+
+def _targets(r: dict[str, Any]) -> dict[str, Any]:
+    """The fp32/gguf ratio where a GGUF file ran, then every target's pass or fail."""
+    figures: dict[str, Any] = {}
+    if "gguf_decode_ppl_increase" in r:  # a GGUF file ran
+        figures["fp32_over_gguf_tpot"] = r["fp32_tpot_ms"] / r["gguf_tpot_ms"]
+    figures["target_int8_tpot_within_2_5x_bound"] = r["int8_tpot_over_bound"] <= 2.5
+    figures["target_fp32_over_int8_tpot_ge_3"] = r["fp32_over_int8_tpot"] >= 3
+    figures["target_int8_ttft_no_worse"] = r["int8_over_fp32_ttft"] <= 1.0
     # the default model's: the gate's figures and decode >= 2.4x fp32's
-    results["target_ppl_increase_le_1pct"] = results["ppl_increase"] <= 0.01
-    results["target_top1_agreement_ge_97pct"] = results["top1_agreement"] >= 0.97
-    results["target_decode_ppl_increase_le_1pct"] = results["decode_ppl_increase"] <= 0.01
-    results["target_decode_top1_agreement_ge_97pct"] = results["decode_top1_agreement"] >= 0.97
-    results["target_fp32_over_int8_tpot_ge_2_4"] = results["fp32_over_int8_tpot"] >= 2.4
-    print_table(results, ttft_prompt_len)
-    write_json(json_path, results)
-    return results
+    figures["target_ppl_increase_le_1pct"] = r["ppl_increase"] <= 0.01
+    figures["target_top1_agreement_ge_97pct"] = r["top1_agreement"] >= 0.97
+    figures["target_decode_ppl_increase_le_1pct"] = r["decode_ppl_increase"] <= 0.01
+    figures["target_decode_top1_agreement_ge_97pct"] = r["decode_top1_agreement"] >= 0.97
+    figures["target_fp32_over_int8_tpot_ge_2_4"] = r["fp32_over_int8_tpot"] >= 2.4
+    return figures
 
 
 def print_table(r: dict[str, Any], ttft_len: int) -> None:
+    _print_contenders(r, ttft_len)
+    _print_quality(r)
+
+
+def _print_contenders(r: dict[str, Any], ttft_len: int) -> None:
+    """The machine, the engines' paths and one row of times a contender."""
+
     def fmt(value: Any) -> str:
         return "-" if value is None else f"{value:,.1f}"
 
@@ -304,6 +358,10 @@ def print_table(r: dict[str, Any], ttft_len: int) -> None:
             f"{r[f'{name}_tpot_over_bound']:>7.2f}x{fmt(ttft):>15}"
             f"{fmt(None if weight is None else weight / 1e6):>12}"
         )
+
+
+def _print_quality(r: dict[str, Any]) -> None:
+    """The ratios, every quality comparison against fp32, and the targets."""
     print(
         f"fp32/int8 TPOT {r['fp32_over_int8_tpot']:.2f}x, int8/fp32 TTFT "
         f"{r['int8_over_fp32_ttft']:.2f}x; int8 vs fp32 on {r['quality_tokens']} tokens: "
@@ -349,9 +407,7 @@ def print_table(r: dict[str, Any], ttft_len: int) -> None:
 @repeats_option
 @threads_option
 @click.option("--output-len", default=32, type=int, help="tokens per TPOT run")
-@click.option(
-    "--transformers/--no-transformers", "with_transformers", default=True, help="run the baseline beside"
-)
+@transformers_option
 @click.option(
     "--text",
     default=str(WIKITEXT),

@@ -190,14 +190,41 @@ def _verify(checker: Checker, prompts: Prompts, directory: Path) -> dict:
 
 
 def run_restarts_bench(model: str, kills: int, *, seed: int, max_tokens: int, server_args: list[str]) -> dict:
+    """Register every prompt once, then `kills` starts each killed at a point of a write (the
+    kinds in turn), each start checking what the last one left; a last start checks all."""
     rng = random.Random(seed)
     directory = Path(tempfile.mkdtemp(prefix="ragspeed-restarts-"))
     args = ["--engine", "native", "--model", model, "--served-model-name", SERVED_NAME]
     args += ["--prompt-cache-dir", str(directory), *server_args]
     names = [BASE, *(f"p{i}" for i in range(1, kills + 1))]
     prompts = Prompts(texts={name: prompt_text(i) for i, name in enumerate(names)})
+    window_s = _register_all(args, prompts, names, max_tokens)
 
-    # Setup: every prompt's answer when registered, and how long a registration takes.
+    rounds, start_s = [], []
+    for index, name in enumerate(names[1:]):
+        kind = KINDS[index % len(KINDS)]
+        click.echo(f"bench restarts: kill {index + 1}/{kills} ({kind})", err=True)
+        server = ServerProcess(args)
+        if kind == "prefill-again":  # the base prompt's KV refused at the start, computed again
+            rounds.append(_prefill_again_round(server, directory, max_tokens))
+        else:
+            t0 = time.perf_counter()
+            server.start()
+            start_s.append(time.perf_counter() - t0)
+            killer_after_s = rng.uniform(0.0, window_s) if kind == "register" else None
+            rounds.append(_kill_round(server, directory, prompts, name, kind, max_tokens, killer_after_s))
+
+    # The last start: every prompt checked once more.
+    with ServerProcess(args) as server:
+        checker = Checker(server, max_tokens)
+        final = _verify(checker, prompts, directory)
+        checker.close()
+    return _summary(rounds, final, start_s, window_s, kills)
+
+
+def _register_all(args: list[str], prompts: Prompts, names: list[str], max_tokens: int) -> float:
+    """Every prompt's answer when registered (only the base stays registered); the window a
+    `register` kill falls in: 1.5 x the median registration's seconds."""
     durations = []
     with ServerProcess(args) as server:
         checker = Checker(server, max_tokens)
@@ -210,55 +237,56 @@ def run_restarts_bench(model: str, kills: int, *, seed: int, max_tokens: int, se
                 checker.delete(name)
         checker.close()
     prompts.registered.add(BASE)
-    window_s = 1.5 * statistics.median(durations[1:] or durations)
+    return 1.5 * statistics.median(durations[1:] or durations)
 
-    rounds, start_s = [], []
-    for index, name in enumerate(names[1:]):
-        kind = KINDS[index % len(KINDS)]
-        click.echo(f"bench restarts: kill {index + 1}/{kills} ({kind})", err=True)
-        server = ServerProcess(args)
-        if kind == "prefill-again":  # the base prompt's KV refused at the start, computed again
-            tensor_file = directory / f"{BASE}.safetensors"
-            tensor_file.write_bytes(tensor_file.read_bytes()[:-7] + b"corrupt")
-            killer = Killer(server, directory, pattern=TRIGGERS["kv-write"])
-            started: Checker | None = None  # None when killed before it was ready
-            try:
-                started = Checker(server.start(), max_tokens)
-                started.wait_until_pinned()
-            except (RuntimeError, httpx.TransportError):  # killed before it was ready, or pinned
-                pass
-            killer.done()
-            if started is not None:
-                started.close()
-            _killed(server)
-            left = "mid-write" if _temporaries(directory) else "outside-write"
-            rounds.append({"kind": kind, "prompt": BASE, "left": left})
-        else:
-            t0 = time.perf_counter()
-            server.start()
-            start_s.append(time.perf_counter() - t0)
-            checker = Checker(server, max_tokens)
-            rounds.append({"kind": kind, "prompt": name, **_verify(checker, prompts, directory)})
-            if kind == "register":
-                killer = Killer(server, directory, after_s=rng.uniform(0.0, window_s))
-            else:
-                killer = Killer(server, directory, pattern=TRIGGERS[kind])
-            try:
-                if checker.register(name, prompts.texts[name]).status_code == 201:
-                    prompts.registered.add(name)
-            except httpx.TransportError:
-                pass
-            killer.done()
-            checker.close()
-            _killed(server)
-            rounds[-1]["left"] = _left_on_disk(directory, name)
 
-    # The last start: every prompt checked once more.
-    with ServerProcess(args) as server:
-        checker = Checker(server, max_tokens)
-        final = _verify(checker, prompts, directory)
-        checker.close()
-    return _summary(rounds, final, start_s, window_s, kills)
+def _prefill_again_round(server: ServerProcess, directory: Path, max_tokens: int) -> dict:
+    """The base prompt's KV file corrupted, the server killed at its KV write as it computes
+    it again."""
+    tensor_file = directory / f"{BASE}.safetensors"
+    tensor_file.write_bytes(tensor_file.read_bytes()[:-7] + b"corrupt")
+    killer = Killer(server, directory, pattern=TRIGGERS["kv-write"])
+    started: Checker | None = None  # None when killed before it was ready
+    try:
+        started = Checker(server.start(), max_tokens)
+        started.wait_until_pinned()
+    except (RuntimeError, httpx.TransportError):  # killed before it was ready, or pinned
+        pass
+    killer.done()
+    if started is not None:
+        started.close()
+    _killed(server)
+    left = "mid-write" if _temporaries(directory) else "outside-write"
+    return {"kind": "prefill-again", "prompt": BASE, "left": left}
+
+
+def _kill_round(
+    server: ServerProcess,
+    directory: Path,
+    prompts: Prompts,
+    name: str,
+    kind: str,
+    max_tokens: int,
+    killer_after_s: float | None,
+) -> dict:
+    """A started server checks what the last one left, then is killed registering `name`: at
+    the trigger of `kind`, or after `killer_after_s` seconds (a `register` kill)."""
+    checker = Checker(server, max_tokens)
+    result = {"kind": kind, "prompt": name, **_verify(checker, prompts, directory)}
+    if killer_after_s is not None:
+        killer = Killer(server, directory, after_s=killer_after_s)
+    else:
+        killer = Killer(server, directory, pattern=TRIGGERS[kind])
+    try:
+        if checker.register(name, prompts.texts[name]).status_code == 201:
+            prompts.registered.add(name)
+    except httpx.TransportError:
+        pass
+    killer.done()
+    checker.close()
+    _killed(server)
+    result["left"] = _left_on_disk(directory, name)
+    return result
 
 
 def _summary(rounds: list[dict], final: dict, start_s: list[float], window_s: float, kills: int) -> dict:

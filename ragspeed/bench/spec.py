@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +149,18 @@ class _Contender:
         return list(results.values())
 
 
+@dataclass(frozen=True)
+class _SpecEngines:
+    """The contenders' engines, sharing the target's weights; `draft` is None without a draft
+    model, `draft_config` is its config either way."""
+
+    plain: Any
+    ngram: Any
+    draft: Any
+    ceiling: Any
+    draft_config: EngineConfig
+
+
 def run_bench_spec(
     model: str = DEFAULT_MODEL_NAME,
     *,
@@ -164,13 +176,61 @@ def run_bench_spec(
     draft_quantization: str | None = "auto",
     wiki_prompt_tokens: int = 64,
 ) -> dict[str, Any]:
+    """Measure plain decoding against prompt lookup, a draft model and the ceiling; return flat
+    JSON (the command prints it with `print_table`)."""
+    draft_model = str(draft_model) if draft_model else zoo_draft(model)
+    torch.set_num_threads(threads)
+    engines = _build_engines(model, num_speculative_tokens, draft_model, draft_quantization)
+    tokenizer = engines.plain.tokenizer
+    prompts = rag_prompts(data_path, tokenizer, max(num_prompts, 16), num_documents)
+    wiki = wiki_prompts(data_path.parent, tokenizer, num_prompts, wiki_prompt_tokens)
+    timed = prompts[:num_prompts]
+    contenders = {"plain": _Contender(engines.plain), "ngram": _Contender(engines.ngram)}
+    _warm_up(engines, contenders, timed, prompts[:16], max_tokens)
+    ceiling = _ceiling_contenders(engines.ceiling, contenders["plain"], prompts, timed, max_tokens)
+
+    # batch 1: one decode rate per (prompt, repeat), the contenders alternating; medians
+    # (robust to the stalls other processes cause on a shared machine)
+    rates, identical = _median_rates(contenders, timed, max_tokens, repeats)
+    spec_stats = engines.ngram.stats()
+    draft_figures = _draft_section(engines, contenders["plain"], wiki, timed, max_tokens, repeats)
+    # batch 1, RAG prompts: plain against drafts that are always right
+    ceiling_rates, _ = _median_rates(ceiling, timed, max_tokens, repeats)
+    batch = _batch_rates(contenders, prompts[:16], batch_max_tokens, repeats)
+    plain_rate, ngram_rate = rates["plain"], rates["ngram"]
+    return {
+        "model": model,
+        "num_prompts": num_prompts,
+        "mean_prompt_tokens": statistics.mean(len(p) for p in timed),
+        "max_tokens": max_tokens,
+        "num_speculative_tokens": num_speculative_tokens,
+        "plain_decode_tokens_per_s": plain_rate,
+        "ngram_decode_tokens_per_s": ngram_rate,
+        "ngram_speedup": ngram_rate / plain_rate,
+        "ngram_acceptance": spec_stats["spec_acceptance_rate"],
+        "ngram_mean_accepted_length": spec_stats["spec_mean_accepted_length"],
+        "outputs_identical": identical,
+        "num_wiki_prompts": len(wiki),
+        "mean_wiki_prompt_tokens": statistics.mean(len(p) for p in wiki),
+        **draft_figures,
+        "ceiling_decode_tokens_per_s": ceiling_rates["ceiling"],
+        "ceiling_speedup": ceiling_rates["ceiling"] / ceiling_rates["plain"],
+        "ceiling_acceptance": engines.ceiling.stats()["spec_acceptance_rate"],
+        "batch16_plain_tokens_per_s": batch["plain"],
+        "batch16_ngram_tokens_per_s": batch["ngram"],
+        "batch16_ratio": batch["ngram"] / batch["plain"],
+        "batch16_steps_switched_off": engines.ngram.stats()["spec_steps_switched_off"],
+        "threads": threads,
+    }
+
+
+def _build_engines(
+    model: str, num_speculative_tokens: int, draft_model: str | None, draft_quantization: str | None
+) -> _SpecEngines:
+    """Plain, n-gram, draft-model and ceiling engines over one load of the target's weights."""
     from ragspeed.engine.llm_engine import LLMEngine
     from ragspeed.engine.loader import load_model, resolve_model_path
-    from ragspeed.engine.spec_decode.draft import draft_quantization as resolve_draft_quantization
 
-    draft_model = str(draft_model) if draft_model else zoo_draft(model)
-
-    torch.set_num_threads(threads)
     base = EngineConfig(model=model, num_kv_cache_tokens=32 * 1024, max_model_len=4096)
     loaded = load_model(resolve_model_path(model), device="cpu", dtype="float32", max_model_len=4096)
     plain = LLMEngine(base, loaded=loaded)
@@ -185,87 +245,75 @@ def run_bench_spec(
     )
     draft = LLMEngine(draft_config, loaded=loaded, tokenizer=plain.tokenizer) if draft_model else None
     ceiling = LLMEngine(spec_config, loaded=loaded, tokenizer=plain.tokenizer)
-    prompts = rag_prompts(data_path, plain.tokenizer, max(num_prompts, 16), num_documents)
-    wiki = wiki_prompts(data_path.parent, plain.tokenizer, num_prompts, wiki_prompt_tokens)
-    contenders = {"plain": _Contender(plain), "ngram": _Contender(ngram)}
-    for engine in (plain, ngram, draft, ceiling):
+    return _SpecEngines(plain, ngram, draft, ceiling, draft_config)
+
+
+def _warm_up(
+    engines: _SpecEngines,
+    contenders: dict[str, _Contender],
+    timed: list[tuple],
+    batch: list[tuple],
+    max_tokens: int,
+) -> None:
+    for engine in (engines.plain, engines.ngram, engines.draft, engines.ceiling):
         if engine is None:
             continue
         # Touch every page of the KV pool now: first writes fault pages in, which would
         # otherwise be timed (the free list hands out never-used blocks before reused ones).
         engine.kv_pool.kv.fill_(0.0)
     for c in contenders.values():  # warm-up: both step shapes (verification too), both batches
-        for prompt in prompts[:num_prompts]:
+        for prompt in timed:
             c.run([prompt], max_tokens)
-        c.run(prompts[:16], 4)
-    assert ceiling.speculator is not None  # spec_config asks for one
+        c.run(batch, 4)
+
+
+def _ceiling_contenders(
+    ceiling: Any, plain: _Contender, prompts: list[tuple], timed: list[tuple], max_tokens: int
+) -> dict[str, _Contender]:
+    """Plain beside the ceiling engine, whose drafts replay plain's greedy outputs (warmed up)."""
+    assert ceiling.speculator is not None  # its config asks for one
     ceiling.speculator.proposer = ReplayProposer(
-        {p: ids for p, (ids, _) in zip(prompts, contenders["plain"].run(prompts[:num_prompts], max_tokens))}
+        {p: ids for p, (ids, _) in zip(prompts, plain.run(timed, max_tokens))}
     )
-    ceiling_contenders = {"plain": contenders["plain"], "ceiling": _Contender(ceiling)}
-    for prompt in prompts[:num_prompts]:
-        ceiling_contenders["ceiling"].run([prompt], max_tokens)
+    contenders = {"plain": plain, "ceiling": _Contender(ceiling)}
+    for prompt in timed:
+        contenders["ceiling"].run([prompt], max_tokens)
+    return contenders
 
-    # batch 1: one decode rate per (prompt, repeat), the contenders alternating; medians
-    # (robust to the stalls other processes cause on a shared machine)
-    rates, identical = _median_rates(contenders, prompts[:num_prompts], max_tokens, repeats)
-    spec_stats = ngram.stats()
 
-    draft_figures = (
-        {"draft_model": None}
-        if draft is None
-        else {
-            "draft_model": draft_model,
-            "draft_quantization": resolve_draft_quantization(draft_config) or "none",
-            **_draft_figures(contenders["plain"], _Contender(draft), wiki, max_tokens, repeats, "draft"),
-            **_draft_figures(
-                contenders["plain"],
-                _Contender(draft),
-                prompts[:num_prompts],
-                max_tokens,
-                repeats,
-                "draft_rag",
-            ),
-        }
-    )
+def _draft_section(
+    engines: _SpecEngines,
+    plain: _Contender,
+    wiki: list[tuple],
+    rag: list[tuple],
+    max_tokens: int,
+    repeats: int,
+) -> dict[str, Any]:
+    """The draft model's figures on the wiki prompts and the RAG ones; `draft_model` None
+    without one."""
+    from ragspeed.engine.spec_decode.draft import draft_quantization as resolve_draft_quantization
 
-    # batch 1, RAG prompts: plain against drafts that are always right
-    ceiling_rates, _ = _median_rates(ceiling_contenders, prompts[:num_prompts], max_tokens, repeats)
+    if engines.draft is None:
+        return {"draft_model": None}
+    return {
+        "draft_model": engines.draft_config.draft_model,
+        "draft_quantization": resolve_draft_quantization(engines.draft_config) or "none",
+        **_draft_figures(plain, _Contender(engines.draft), wiki, max_tokens, repeats, "draft"),
+        **_draft_figures(plain, _Contender(engines.draft), rag, max_tokens, repeats, "draft_rag"),
+    }
 
-    # batch 16: adaptive speculation against none, whole-run output rate
-    batch: dict[str, list[float]] = {"plain": [], "ngram": []}
+
+def _batch_rates(
+    contenders: dict[str, _Contender], prompts: list[tuple], max_tokens: int, repeats: int
+) -> dict[str, float]:
+    """Batch 16, adaptive speculation against none: the median whole-run output rate."""
+    batch: dict[str, list[float]] = {name: [] for name in contenders}
     for _ in range(repeats):
         for name, contender in contenders.items():
             start = time.perf_counter()
-            outs = contender.run(prompts[:16], batch_max_tokens)
+            outs = contender.run(prompts, max_tokens)
             batch[name].append(sum(len(ids) for ids, _ in outs) / (time.perf_counter() - start))
-
-    plain_rate, ngram_rate = rates["plain"], rates["ngram"]
-    b_plain, b_ngram = statistics.median(batch["plain"]), statistics.median(batch["ngram"])
-    return {
-        "model": model,
-        "num_prompts": num_prompts,
-        "mean_prompt_tokens": statistics.mean(len(p) for p in prompts[:num_prompts]),
-        "max_tokens": max_tokens,
-        "num_speculative_tokens": num_speculative_tokens,
-        "plain_decode_tokens_per_s": plain_rate,
-        "ngram_decode_tokens_per_s": ngram_rate,
-        "ngram_speedup": ngram_rate / plain_rate,
-        "ngram_acceptance": spec_stats["spec_acceptance_rate"],
-        "ngram_mean_accepted_length": spec_stats["spec_mean_accepted_length"],
-        "outputs_identical": identical,
-        "num_wiki_prompts": len(wiki),
-        "mean_wiki_prompt_tokens": statistics.mean(len(p) for p in wiki),
-        **draft_figures,
-        "ceiling_decode_tokens_per_s": ceiling_rates["ceiling"],
-        "ceiling_speedup": ceiling_rates["ceiling"] / ceiling_rates["plain"],
-        "ceiling_acceptance": ceiling.stats()["spec_acceptance_rate"],
-        "batch16_plain_tokens_per_s": b_plain,
-        "batch16_ngram_tokens_per_s": b_ngram,
-        "batch16_ratio": b_ngram / b_plain,
-        "batch16_steps_switched_off": ngram.stats()["spec_steps_switched_off"],
-        "threads": threads,
-    }
+    return {name: statistics.median(rates) for name, rates in batch.items()}
 
 
 def _draft_figures(

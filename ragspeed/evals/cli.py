@@ -15,7 +15,14 @@ from typing import Any
 
 import click
 
-from ragspeed.bench.common import json_option, machine_line, print_rows, qa_data_option, write_json
+from ragspeed.bench.common import (
+    json_option,
+    machine_line,
+    print_rows,
+    qa_data_option,
+    seed_option,
+    write_json,
+)
 from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
 from ragspeed.evals.compression import FACTORS, evaluate, flatten, format_table, load_examples
 from ragspeed.retrieval.config import IndexConfig, RetrievalConfig
@@ -344,7 +351,7 @@ class Progress:
 )
 @click.option("--threads", default=None, type=click.IntRange(min=1), help="engine threads (default: torch's)")
 @click.option("--resamples", default=2000, type=click.IntRange(min=100), help="bootstrap resamples")
-@click.option("--seed", default=0, type=int, help="bootstrap seed")
+@seed_option(help="bootstrap seed")
 @click.option(
     "--set", "assignments", multiple=True, help="extra `ragspeed serve` setting KEY=VALUE (repeatable)"
 )
@@ -373,13 +380,7 @@ def rag_command(
     html_path: Path | None,
 ) -> None:
     """Accuracy, EM, F1, TTFT and e2e per configuration, through the gateway and engine in-process."""
-    from ragspeed.evals.rag import (
-        DEFAULT_SYSTEM_PROMPT,
-        format_text,
-        load_examples,
-        parse_configs,
-        run_rag_eval,
-    )
+    from ragspeed.evals.rag import DEFAULT_SYSTEM_PROMPT, load_examples, parse_configs, run_rag_eval
     from ragspeed.evals.rag_gateway import GatewayStartError
 
     if not data.is_file():
@@ -388,12 +389,7 @@ def rag_command(
         configs = parse_configs(configs_spec, top_k=top_k)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--configs") from exc
-    values = parse_settings(assignments)
-    values["compression_order"] = order
-    if model is not None:
-        values["model"] = model
-    if threads is not None:
-        values["num_threads"] = threads
+    values = _rag_settings(assignments, order, model, threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     examples, _ = load_examples(data)  # for the progress bar's length; the run reads it again
@@ -414,7 +410,34 @@ def rag_command(
             )
     except (ValueError, GatewayStartError) as exc:
         raise click.ClickException(str(exc)) from exc
+    _report_rag(report, data, max_tokens, threads, json_path, html_path)
+
+
+def _rag_settings(
+    assignments: tuple[str, ...], order: str, model: str | None, threads: int | None
+) -> dict[str, Any]:
+    """The gateway's settings: the `--set` ones, then the flags that name settings."""
+    values = parse_settings(assignments)
+    values["compression_order"] = order
+    if model is not None:
+        values["model"] = model
+    if threads is not None:
+        values["num_threads"] = threads
+    return values
+
+
+def _report_rag(
+    report: dict[str, Any],
+    data: Path,
+    max_tokens: int,
+    threads: int | None,
+    json_path: str | None,
+    html_path: Path | None,
+) -> None:
+    """Print the machine, the setup and the table; write the JSON and the HTML page."""
     import torch
+
+    from ragspeed.evals.rag import format_text
 
     machine = machine_line(threads or torch.get_num_threads())
     report["machine"] = machine

@@ -409,63 +409,85 @@ async def run_configs(
     """Start the gateway of `settings`, build the retrieval collection of `passages` when a
     configuration retrieves, warm every configuration up, then answer every example with every
     configuration. `on_done(config name)` is called after each request, warm-ups included."""
-    from ragspeed.evals.rag_gateway import CompressorErrors, create_collection, running_gateway, stream_chat
+    from ragspeed.evals.rag_gateway import CompressorErrors, running_gateway
 
     setup: dict[str, Any] = {}
     failures: dict[str, str] = {}
     observations: list[RagObservation] = []
+
+    def body(
+        config: RagConfig, example: RagExample, salt: str, tokens: int, reverse: bool = False
+    ) -> dict[str, Any]:
+        return request_body(
+            config, example, system_prompt=system_prompt, max_tokens=tokens, cache_salt=salt, reverse=reverse
+        )
+
     t0 = time.perf_counter()
     with CompressorErrors() as logged:
         async with running_gateway(settings) as app:
             setup["gateway_start_s"] = round(time.perf_counter() - t0, 2)
             if any(c.needs_collection for c in configs):
-                t1 = time.perf_counter()
-                # Ids given: the store makes content ids only for documents it chunks.
-                documents = [
-                    {"id": document_id(p.title, p.text), "title": p.title, "text": p.text} for p in passages
-                ]
-                setup["collection_documents"] = await create_collection(app, COLLECTION, documents)
-                setup["collection_build_s"] = round(time.perf_counter() - t1, 2)
-
-            def body(
-                config: RagConfig, example: RagExample, salt: str, tokens: int, reverse: bool = False
-            ) -> dict[str, Any]:
-                return request_body(
-                    config,
-                    example,
-                    system_prompt=system_prompt,
-                    max_tokens=tokens,
-                    cache_salt=salt,
-                    reverse=reverse,
-                )
-
+                setup.update(await _build_collection(app, passages))
             for config in configs:
                 # A salt of its own: the warm-up must not leave the first question's KV cached.
-                reply = await stream_chat(app, body(config, examples[0], f"warmup-{config.name}", 1))
+                reply = await _stream_chat(app, body(config, examples[0], f"warmup-{config.name}", 1))
                 failure = reply.error or compressor_failure(reply, logged.errors)
                 if failure:
                     failures[config.name] = failure
                 on_done(config.name)
             for index, example in enumerate(examples):
                 for config in rotated(configs, index):
-                    if config.name in failures:
-                        on_done(config.name)
-                        continue
-                    salt = f"eval-{config.name}"
-                    cold = None
-                    if config.reuses_documents:  # first sight, in another order
-                        cold = await stream_chat(app, body(config, example, salt, max_tokens, reverse=True))
-                    reply = await stream_chat(app, body(config, example, salt, max_tokens))
-                    failure = compressor_failure(reply, logged.errors)
-                    if failure:
-                        failures[config.name] = failure
-                    else:
-                        observations.append(observe(config, index, example, reply, cold))
+                    if config.name not in failures:
+                        observation = await _answer(
+                            app, body, config, index, example, max_tokens, logged.errors
+                        )
+                        if isinstance(observation, str):
+                            failures[config.name] = observation
+                        else:
+                            observations.append(observation)
                     on_done(config.name)
     setup["run_s"] = round(time.perf_counter() - t0, 2)
     # A configuration that failed part way reports no figures: they would mix two kinds of answer.
     kept = tuple(o for o in observations if o.config not in failures)
     return RagRun(tuple(examples), tuple(configs), kept, failures, setup)
+
+
+async def _build_collection(app: Any, passages: Sequence[Passage]) -> dict[str, Any]:
+    """The retrieval collection of `passages`: its size and the seconds it took."""
+    from ragspeed.evals.rag_gateway import create_collection
+
+    t1 = time.perf_counter()
+    # Ids given: the store makes content ids only for documents it chunks.
+    documents = [{"id": document_id(p.title, p.text), "title": p.title, "text": p.text} for p in passages]
+    num_documents = await create_collection(app, COLLECTION, documents)
+    return {"collection_documents": num_documents, "collection_build_s": round(time.perf_counter() - t1, 2)}
+
+
+async def _stream_chat(app: Any, body: dict[str, Any]) -> StreamedReply:
+    """rag_gateway.stream_chat, imported when a run starts."""
+    from ragspeed.evals.rag_gateway import stream_chat
+
+    return await stream_chat(app, body)
+
+
+async def _answer(
+    app: Any,
+    body: Callable[..., dict[str, Any]],
+    config: RagConfig,
+    index: int,
+    example: RagExample,
+    max_tokens: int,
+    logged_errors: list[str],
+) -> RagObservation | str:
+    """One example answered by one configuration (its documents seen first in another order
+    when it reuses them): the observation, or why the configuration failed."""
+    salt = f"eval-{config.name}"
+    cold = None
+    if config.reuses_documents:  # first sight, in another order
+        cold = await _stream_chat(app, body(config, example, salt, max_tokens, reverse=True))
+    reply = await _stream_chat(app, body(config, example, salt, max_tokens))
+    failure = compressor_failure(reply, logged_errors)
+    return failure if failure else observe(config, index, example, reply, cold)
 
 
 def offered_methods(configs: Sequence[RagConfig], settings_values: Mapping[str, Any]) -> dict[str, Any]:
@@ -560,49 +582,11 @@ def summarize(run: RagRun, *, num_resamples: int = 2000, seed: int = 0) -> dict[
             continue
         answered = by_config[config.name]
         ok = [o for o in answered.values() if o.ok]
-        summary: dict[str, Any] = {
-            "status": "ok",
-            "num_questions": len(run.examples),
-            "num_errors": len(answered) - len(ok),
-            "errors": sorted({o.error for o in answered.values() if o.error})[:5],
-            "accuracy": _mean([o.accuracy for o in ok if o.accuracy is not None]),
-            "exact_match": _mean([o.exact_match for o in ok if o.exact_match is not None]),
-            "f1": _mean([o.f1 for o in ok if o.f1 is not None]),
+        configs[config.name] = {
+            **_scores_and_latencies(run, answered, ok),
+            "accuracy_minus_full": _minus_full(answered, full, num_resamples, seed),
+            "accuracy_by_gold_index": _by_gold_index(run, ok, positions),
         }
-        for metric in ("ttft_ms", "e2e_ms", "cold_ttft_ms"):
-            values = [getattr(o, metric) for o in ok if getattr(o, metric) is not None]
-            summary[f"{metric}_p50"] = percentile(values, 0.5) if values else None
-            summary[f"{metric}_p95"] = percentile(values, 0.95) if values else None
-        summary["prompt_tokens_p50"] = percentile([o.prompt_tokens for o in ok], 0.5) if ok else None
-        recomputed = [o.recomputed_tokens for o in ok if o.recomputed_tokens is not None]
-        summary["recomputed_tokens_p50"] = percentile(recomputed, 0.5) if recomputed else None
-        summary["cached_tokens_mean"] = _mean([o.cached_tokens for o in ok])
-        summary["completion_tokens_mean"] = _mean([o.completion_tokens for o in ok])
-        compression = [o.compression_ms for o in ok if o.compression_ms is not None]
-        summary["compression_ms_p50"] = percentile(compression, 0.5) if compression else None
-        summary["num_uncompressed"] = sum(1 for o in ok if o.compressed is False)
-        summary["accuracy_minus_full"] = None
-        if full is not None:
-            both = [(full[i].accuracy, o.accuracy) for i, o in answered.items() if i in full]
-            pairs = [(a, b) for a, b in both if a is not None and b is not None]  # both scored
-            if pairs:
-                estimate = paired_bootstrap_difference(
-                    [a for a, _ in pairs],
-                    [b for _, b in pairs],
-                    num_resamples=num_resamples,
-                    seed=seed,
-                )
-                summary["accuracy_minus_full"] = {**estimate.as_dict(), "num_pairs": len(pairs)}
-        by_position = {}
-        for position in positions:
-            scored = [
-                o.accuracy
-                for o in ok
-                if o.accuracy is not None and run.examples[o.example].gold_index == position
-            ]
-            by_position[str(position)] = {"accuracy": _mean(scored), "n": len(scored)}
-        summary["accuracy_by_gold_index"] = by_position
-        configs[config.name] = summary
     observations = [
         {
             **asdict(o),
@@ -618,6 +602,71 @@ def summarize(run: RagRun, *, num_resamples: int = 2000, seed: int = 0) -> dict[
         "gold_positions": positions,
         "observations": observations,
     }
+
+
+def _scores_and_latencies(
+    run: RagRun, answered: dict[int, RagObservation], ok: list[RagObservation]
+) -> dict[str, Any]:
+    """One configuration's scores (over its answered questions), latency percentiles and token
+    counts."""
+    summary: dict[str, Any] = {
+        "status": "ok",
+        "num_questions": len(run.examples),
+        "num_errors": len(answered) - len(ok),
+        "errors": sorted({o.error for o in answered.values() if o.error})[:5],
+        "accuracy": _mean([o.accuracy for o in ok if o.accuracy is not None]),
+        "exact_match": _mean([o.exact_match for o in ok if o.exact_match is not None]),
+        "f1": _mean([o.f1 for o in ok if o.f1 is not None]),
+    }
+    for metric in ("ttft_ms", "e2e_ms", "cold_ttft_ms"):
+        values = [getattr(o, metric) for o in ok if getattr(o, metric) is not None]
+        summary[f"{metric}_p50"] = percentile(values, 0.5) if values else None
+        summary[f"{metric}_p95"] = percentile(values, 0.95) if values else None
+    summary["prompt_tokens_p50"] = percentile([o.prompt_tokens for o in ok], 0.5) if ok else None
+    recomputed = [o.recomputed_tokens for o in ok if o.recomputed_tokens is not None]
+    summary["recomputed_tokens_p50"] = percentile(recomputed, 0.5) if recomputed else None
+    summary["cached_tokens_mean"] = _mean([o.cached_tokens for o in ok])
+    summary["completion_tokens_mean"] = _mean([o.completion_tokens for o in ok])
+    compression = [o.compression_ms for o in ok if o.compression_ms is not None]
+    summary["compression_ms_p50"] = percentile(compression, 0.5) if compression else None
+    summary["num_uncompressed"] = sum(1 for o in ok if o.compressed is False)
+    return summary
+
+
+def _minus_full(
+    answered: dict[int, RagObservation],
+    full: dict[int, RagObservation] | None,
+    num_resamples: int,
+    seed: int,
+) -> dict[str, Any] | None:
+    """Accuracy minus `full`'s on the questions both scored (paired bootstrap); None without
+    `full` or a question both scored."""
+    if full is None:
+        return None
+    both = [(full[i].accuracy, o.accuracy) for i, o in answered.items() if i in full]
+    pairs = [(a, b) for a, b in both if a is not None and b is not None]  # both scored
+    if not pairs:
+        return None
+    estimate = paired_bootstrap_difference(
+        [a for a, _ in pairs],
+        [b for _, b in pairs],
+        num_resamples=num_resamples,
+        seed=seed,
+    )
+    return {**estimate.as_dict(), "num_pairs": len(pairs)}
+
+
+def _by_gold_index(run: RagRun, ok: list[RagObservation], positions: list[int]) -> dict[str, Any]:
+    """Accuracy of the answered questions by their gold passage's position."""
+    by_position = {}
+    for position in positions:
+        scored = [
+            o.accuracy
+            for o in ok
+            if o.accuracy is not None and run.examples[o.example].gold_index == position
+        ]
+        by_position[str(position)] = {"accuracy": _mean(scored), "n": len(scored)}
+    return by_position
 
 
 def _fmt(value: float | None, digits: int = 3) -> str:

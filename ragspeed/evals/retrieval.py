@@ -178,6 +178,17 @@ def _time_single_queries(
     return times
 
 
+def _exact_query_times(vectors: np.ndarray, queries: np.ndarray, k: int) -> list[float]:
+    """The contender's single-query times: brute force over the same vectors."""
+    import faiss
+
+    exact = faiss.IndexFlatIP(vectors.shape[1])
+    exact.add(vectors)
+    times = _time_single_queries(lambda q: exact.search(q, k), queries, warmup=2)
+    exact.reset()  # frees its copy of the vectors
+    return times
+
+
 def evaluate_scale(
     num_vectors: int,
     index_config: IndexConfig,
@@ -216,11 +227,7 @@ def evaluate_scale(
     _, found = index.search(queries, k)
     recall = float(np.mean([len(set(t) & set(f)) / k for t, f in zip(truth.tolist(), found.tolist())]))
 
-    exact = faiss.IndexFlatIP(dim)  # the contender: brute force over the same vectors
-    exact.add(vectors)
-    exact_times = _time_single_queries(lambda q: exact.search(q, k), queries[:num_exact_timed], warmup=2)
-    exact.reset()  # frees its copy of the vectors
-
+    exact_times = _exact_query_times(vectors, queries[:num_exact_timed], k)
     p50 = _percentile_ms(times, 50)
     exact_p50 = _percentile_ms(exact_times, 50)
     return {

@@ -46,11 +46,62 @@ SYSTEM_PROMPTS = (
     "You are a helpful assistant. Answer the question using the documents below.",
     "Answer briefly, from the search results only.",
 )
-# The QA files of the shared data, and the lines of each that training may read: the first 200
-# NQ questions are `eval rag --limit 200`'s, and are never seen.
-NQ_FILE, HOTPOT_FILE = "nq_dev.jsonl", "hotpot_dev100.jsonl"
+# The QA files, and the lines of each that training may read: the first 200 NQ questions are
+# `eval rag --limit 200`'s, and are never trained on.
+NQ_FILE, SHIPPED_NQ_FILE, HOTPOT_FILE = "nq_dev.jsonl", "nq_dev100.jsonl", "hotpot_dev100.jsonl"
 NQ_TRAIN_LINES = range(201, 281)
 NQ_HELD_OUT_LINES = range(281, 301)
+
+
+@dataclass(frozen=True)
+class QuestionLines:
+    """Lines of one QA file (1-based; None: every line)."""
+
+    file_name: str
+    lines: range | None = None
+
+    def describe(self) -> str:
+        if self.lines is None:
+            return f"the questions of `{self.file_name}`"
+        return f"lines {self.lines.start}-{self.lines.stop - 1} of `{self.file_name}`"
+
+
+@dataclass(frozen=True)
+class RagData:
+    """The questions training reads and the ones its figures are held out on."""
+
+    train: tuple[QuestionLines, ...]
+    held_out: QuestionLines
+
+    def file_names(self) -> list[str]:
+        return sorted({q.file_name for q in (*self.train, self.held_out)})
+
+
+# The project's dev data: 80 NQ questions past eval rag's 200 and the 100 HotpotQA ones; 20 NQ
+# held out. The shipped adapter's recipe.
+DEV_DATA = RagData(
+    train=(QuestionLines(NQ_FILE, NQ_TRAIN_LINES), QuestionLines(HOTPOT_FILE)),
+    held_out=QuestionLines(NQ_FILE, NQ_HELD_OUT_LINES),
+)
+# What ships in ragspeed/data (NQ's first 100 questions only, all eval rag's): the 100 HotpotQA
+# questions train, the last 20 shipped NQ questions are held out.
+SHIPPED_DATA = RagData(
+    train=(QuestionLines(HOTPOT_FILE),),
+    held_out=QuestionLines(SHIPPED_NQ_FILE, range(81, 101)),
+)
+
+
+def rag_data(data_dir: Path) -> RagData:
+    """DEV_DATA where `data_dir` holds the 300-question nq_dev.jsonl, else SHIPPED_DATA; raise
+    FileNotFoundError naming the files the choice needs and `data_dir` lacks."""
+    data = DEV_DATA if (data_dir / NQ_FILE).is_file() else SHIPPED_DATA
+    missing = [name for name in data.file_names() if not (data_dir / name).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"{data_dir} has no {' and no '.join(missing)} (train-rag reads {NQ_FILE} and"
+            f" {HOTPOT_FILE}, or the shipped {SHIPPED_NQ_FILE} and {HOTPOT_FILE})"
+        )
+    return data
 
 
 @dataclass(frozen=True)
@@ -296,15 +347,62 @@ def train_rag_adapter(
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Train the adapter of `base` (a zoo name or folder) into `out`: adapter.safetensors,
-    README.md (the card) and figures.json. Returns the figures."""
+    README.md (the card) and figures.json. Returns the figures. The questions are `rag_data`'s
+    choice of what `data_dir` holds."""
+    from ragspeed.engine.cpu_features import read_cpu_features
+
+    data = rag_data(data_dir)
+    torch.manual_seed(recipe.seed)
+    torch.set_num_threads(threads)
+    student = _load_student(base, recipe)
+    train = [r for q in data.train for r in read_records(data_dir, q.lines, q.file_name)]
+    held_rng = random.Random(recipe.seed + 1)
+    held_out = [
+        e
+        for r in read_records(data_dir, data.held_out.lines, data.held_out.file_name)
+        if (e := make_example(student.tokenizer, r, held_rng, recipe)) is not None
+    ]
+    log(f"{len(train)} training questions, {len(held_out)} held out; {student.dtype}, {threads} threads")
+    run = _train_steps(student, train, recipe, minutes=minutes, max_steps=max_steps, log=log)
+    scored = held_out_figures(
+        student.model, student.adapters, student.tokenizer, held_out, recipe, student.stop_ids
+    )
+    figures = {
+        "base": base,
+        "recipe": asdict(recipe),
+        "dtype": str(student.dtype).removeprefix("torch."),
+        "threads": threads,
+        **asdict(run),
+        "held_out": scored,
+        "data": {"train": [q.describe() for q in data.train], "held_out": data.held_out.describe()},
+        "cpu": read_cpu_features().describe(),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    save_adapter(
+        student.adapters, out / "adapter.safetensors", {"base": base, "recipe": json.dumps(asdict(recipe))}
+    )
+    (out / "figures.json").write_text(json.dumps(figures, indent=2) + "\n")
+    (out / "README.md").write_text(model_card(figures))
+    return figures
+
+
+@dataclass(frozen=True)
+class _Student:
+    """The base model with its LoRA adapters (the only trainable parameters)."""
+
+    model: Any
+    tokenizer: Any
+    adapters: dict[str, LoRALinear]
+    dtype: torch.dtype
+    stop_ids: set[int]
+
+
+def _load_student(base: str, recipe: Recipe) -> _Student:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ragspeed.engine.cpu_features import read_cpu_features
     from ragspeed.engine.model_zoo import resolve_model
 
-    torch.manual_seed(recipe.seed)
-    torch.set_num_threads(threads)
-    rng = random.Random(recipe.seed)
     base_dir = resolve_model(base)
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     # bf16 runs at speed only where the CPU multiplies it (AVX512-BF16, AMX); elsewhere fp32.
@@ -312,20 +410,37 @@ def train_rag_adapter(
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype).eval()
     model.requires_grad_(False)
     adapters = add_adapters(model, recipe.rank, recipe.alpha, recipe.seed)
-    params = [p for a in adapters.values() for p in (a.lora_a, a.lora_b)]
     stop_ids = {
         i
         for i in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"))
         if isinstance(i, int)
     }
+    return _Student(model, tokenizer, adapters, dtype, stop_ids)
 
-    train = read_records(data_dir, NQ_TRAIN_LINES, NQ_FILE) + read_records(data_dir, None, HOTPOT_FILE)
-    held_rng = random.Random(recipe.seed + 1)
-    held_out = [
-        e
-        for r in read_records(data_dir, NQ_HELD_OUT_LINES, NQ_FILE)
-        if (e := make_example(tokenizer, r, held_rng, recipe)) is not None
-    ]
+
+@dataclass(frozen=True)
+class _TrainingRun:
+    """What the loop did (the figures' keys, in their order)."""
+
+    steps: int
+    examples: int
+    tokens: int
+    wall_seconds: float
+    losses: list[tuple[int, float]]
+
+
+def _train_steps(
+    student: _Student,
+    train: list[RagExample],
+    recipe: Recipe,
+    *,
+    minutes: float,
+    max_steps: int | None,
+    log: Callable[[str], None],
+) -> _TrainingRun:
+    """Optimizer steps of `recipe.accumulate` examples each until the time budget (or
+    `max_steps`) is spent; the mean KL every 10 steps."""
+    params = [p for a in student.adapters.values() for p in (a.lora_a, a.lora_b)]
     config = TrainingConfig(
         max_minutes=minutes,
         max_steps=max_steps,
@@ -335,6 +450,7 @@ def train_rag_adapter(
         weight_decay=0.0,
     )
     optimizer = adamw(params, config)
+    rng = random.Random(recipe.seed)
     budget_s = minutes * 60.0
     start = time.perf_counter()
     steps, examples_seen, tokens, loss_sum, loss_count = 0, 0, 0, 0.0, 0
@@ -344,26 +460,20 @@ def train_rag_adapter(
         by_time = (time.perf_counter() - start) / budget_s
         return max(by_time, steps / max_steps if max_steps else 0.0)
 
-    log(f"{len(train)} training questions, {len(held_out)} held out; {dtype}, {threads} threads")
     while progress() < 1.0:
         for group in optimizer.param_groups:
             group["lr"] = scheduled_learning_rate(config, steps, progress())
         optimizer.zero_grad(set_to_none=True)
         for _ in range(recipe.accumulate):
-            example = make_example(tokenizer, rng.choice(train), rng, recipe)
+            example = make_example(student.tokenizer, rng.choice(train), rng, recipe)
             if example is None:
                 continue
-            with adapters_off(adapters):
-                _, fed, teacher_logits = greedy(
-                    model, example, blocked=False, max_new_tokens=recipe.max_answer_tokens, stop_ids=stop_ids
-                )
-            with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-                loss = student_loss(model, example, fed, teacher_logits)
+            loss, num_tokens = _example_loss(student, example, recipe)
             (loss / recipe.accumulate).backward()
             loss_sum += loss.item()
             loss_count += 1
             examples_seen += 1
-            tokens += len(example.token_ids) + len(fed)
+            tokens += num_tokens
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         steps += 1
@@ -372,27 +482,24 @@ def train_rag_adapter(
             elapsed = time.perf_counter() - start
             log(f"step {steps} kl {losses[-1][1]:.4f} {tokens / elapsed:.0f} tok/s {elapsed:.0f}s")
             loss_sum, loss_count = 0.0, 0
-    wall_s = time.perf_counter() - start
+    return _TrainingRun(steps, examples_seen, tokens, round(time.perf_counter() - start, 1), losses)
 
-    scored = held_out_figures(model, adapters, tokenizer, held_out, recipe, stop_ids)
-    figures = {
-        "base": base,
-        "recipe": asdict(recipe),
-        "dtype": str(dtype).removeprefix("torch."),
-        "threads": threads,
-        "steps": steps,
-        "examples": examples_seen,
-        "tokens": tokens,
-        "wall_seconds": round(wall_s, 1),
-        "losses": losses,
-        "held_out": scored,
-        "cpu": read_cpu_features().describe(),
-    }
-    out.mkdir(parents=True, exist_ok=True)
-    save_adapter(adapters, out / "adapter.safetensors", {"base": base, "recipe": json.dumps(asdict(recipe))})
-    (out / "figures.json").write_text(json.dumps(figures, indent=2) + "\n")
-    (out / "README.md").write_text(model_card(figures))
-    return figures
+
+def _example_loss(student: _Student, example: BlockExample, recipe: Recipe) -> tuple[torch.Tensor, int]:
+    """The student's KL on one example, the teacher (adapters off) answering greedily with full
+    attention; and the tokens it saw."""
+    with adapters_off(student.adapters):
+        _, fed, teacher_logits = greedy(
+            student.model,
+            example,
+            blocked=False,
+            max_new_tokens=recipe.max_answer_tokens,
+            stop_ids=student.stop_ids,
+        )
+    dtype = student.dtype
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        loss = student_loss(student.model, example, fed, teacher_logits)
+    return loss, len(example.token_ids) + len(fed)
 
 
 def held_out_figures(
@@ -428,7 +535,7 @@ def held_out_figures(
 
 
 def model_card(figures: dict[str, Any]) -> str:
-    recipe, held = figures["recipe"], figures["held_out"]
+    recipe, held, data = figures["recipe"], figures["held_out"], figures["data"]
     rows = "\n".join(
         f"| {label} | {held[label]['accuracy']:.3f} | {held[label]['same_as_stock_full']:.3f} |"
         for label in ("stock_full", "stock_blocked", "adapted_blocked", "adapted_full")
@@ -447,10 +554,10 @@ assembles it. No gold answer is a target.
   {figures["wall_seconds"] / 60:.0f} minutes on {figures["threads"]} threads in {figures["dtype"]}; CPU: {figures["cpu"]}.
 - Prompts: {recipe["min_documents"]}-{recipe["max_documents"]} documents of a question in a random order, the gold one in
   {recipe["gold_share"]:.0%} of them, under three short system prompts.
-- Data: NaturalQuestions-open lines {NQ_TRAIN_LINES.start}-{NQ_TRAIN_LINES.stop - 1} of `{NQ_FILE}` and the 100 questions of
-  `{HOTPOT_FILE}` (CC BY-SA). The first 200 NQ lines, `eval rag --limit 200`'s, are never read.
+- Data: {" and ".join(data["train"])} (CC BY-SA). The first 200 NQ lines,
+  `eval rag --limit 200`'s, are never trained on.
 
-## Held out: {held["questions"]} NQ questions (lines {NQ_HELD_OUT_LINES.start}-{NQ_HELD_OUT_LINES.stop - 1}), greedy, in training's precision
+## Held out: {held["questions"]} NQ questions ({data["held_out"]}), greedy, in training's precision
 
 | mode | accuracy | answer equal to stock, full attention |
 |---|---|---|

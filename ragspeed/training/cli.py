@@ -1,8 +1,8 @@
-"""`ragspeed train-demo` and `ragspeed train-draft`: the tools that write the bundled models.
+"""`ragspeed train-demo`, `train-draft` and `train-rag`: the tools that write the bundled models.
 
-Both write only where `--out` says (never into the installed package; `train-draft` of a zoo
-model with a trained draft in the zoo writes, by default, that draft's cache folder) and read
-their data only from `--data-dir`.
+Each writes only where `--out` says (never into the installed package; `train-draft` of a zoo
+model with a trained draft in the zoo writes, by default, that draft's cache folder) and reads
+its data only from `--data-dir`, by default the data shipped in ragspeed/data.
 """
 
 from __future__ import annotations
@@ -224,8 +224,11 @@ def train_draft(
 @click.option(
     "--data-dir",
     type=click.Path(exists=True, file_okay=False, path_type=Path),
-    required=True,
-    help="Folder with nq_dev.jsonl and hotpot_dev100.jsonl (300 NQ and 100 HotpotQA questions).",
+    default=DATA_DIR,
+    show_default="the shipped data: 100 HotpotQA questions train, 20 NQ held out",
+    help="Folder with nq_dev.jsonl (300 NQ questions: lines 201-280 train, 281-300 held out) and"
+    " hotpot_dev100.jsonl (100 HotpotQA questions, all train); without nq_dev.jsonl, the shipped"
+    " nq_dev100.jsonl's last 20 questions are held out.",
 )
 @click.option(
     "--minutes",
@@ -241,11 +244,12 @@ def train_rag(
     base: str, out: Path, data_dir: Path, minutes: float, seed: int, max_steps: int | None, threads: int
 ) -> None:
     """Train a LoRA adapter that fits the base model to documents prefilled on their own."""
-    from ragspeed.training.block_attention import HOTPOT_FILE, NQ_FILE, Recipe, train_rag_adapter
+    from ragspeed.training.block_attention import Recipe, rag_data, train_rag_adapter
 
-    missing = [name for name in (NQ_FILE, HOTPOT_FILE) if not (data_dir / name).is_file()]
-    if missing:
-        raise click.BadParameter(f"{data_dir} has no {' and no '.join(missing)}", param_hint="--data-dir")
+    try:
+        rag_data(data_dir)
+    except FileNotFoundError as error:
+        raise click.BadParameter(str(error), param_hint="--data-dir") from error
     try:
         figures = train_rag_adapter(
             out,

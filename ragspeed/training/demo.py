@@ -412,7 +412,35 @@ def train_demo(
         f"{figures['passage_quote_token_accuracy']:.2f}; greedy passage quotes copied {figures['passage_quote_copied_share']:.2f}"
     )
 
-    out_dir = Path(out_dir)
+    return _write_demo(
+        Path(out_dir),
+        model,
+        tokenizer,
+        recipe,
+        corpus,
+        figures,
+        training_log,
+        minutes=minutes,
+        seed=seed,
+        started=started,
+    )
+
+
+def _write_demo(
+    out_dir: Path,
+    model: Any,
+    tokenizer: Any,
+    recipe: DemoRecipe,
+    corpus: Corpus,
+    figures: dict,
+    training_log: Any,
+    *,
+    minutes: float,
+    seed: int,
+    started: float,
+) -> dict:
+    """Save the model in a staging folder, add the run's figures (`started`: its
+    time.perf_counter() at the start), write the card, and put the folder in `out_dir`'s place."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     staging.chmod(0o755)

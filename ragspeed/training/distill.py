@@ -456,6 +456,27 @@ def save_draft(
         path.chmod(0o644)  # safetensors are written owner-only
 
 
+@dataclass(frozen=True)
+class _Continuations:
+    """The target's continuations of the training prompts (prompt, continuation) and their
+    count by kind of prompt (text, chat, rag)."""
+
+    pairs: list[tuple[tuple[int, ...], tuple[int, ...]]]
+    by_kind: Counter
+    seconds: float
+
+
+@dataclass(frozen=True)
+class _HeldOut:
+    """The draft's figures on held-out prompts: the prompts, the target's greedy continuations,
+    the draft's greedy agreement and its sub-vocabulary's coverage of them."""
+
+    prompts: list[tuple[int, ...]]
+    pairs: list[tuple[tuple[int, ...], tuple[int, ...]]]
+    agreement: float
+    coverage: float
+
+
 def distill_draft(
     target_dir: Path,
     out_dir: Path,
@@ -475,36 +496,62 @@ def distill_draft(
         raise ValueError(f"minutes must be positive, got {minutes}")
     started = time.perf_counter()
     recipe = recipe or DistillRecipe()
-    training = replace(
-        recipe.training,
-        max_minutes=minutes,
-        max_steps=max_steps,
-        seed=seed,
-        num_threads=num_threads or recipe.training.num_threads,
-    )
+    training = replace(recipe.training, max_minutes=minutes, max_steps=max_steps, seed=seed)
+    training = replace(training, num_threads=num_threads or recipe.training.num_threads)
     torch.set_num_threads(training.num_threads)
     target_dir = Path(target_dir)
-    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-    if not isinstance(tokenizer, PreTrainedTokenizerFast):
-        # The text pieces are encoded by the fast tokenizer's backend (demo.encode_documents).
-        raise ValueError(f"{target_dir}: distillation needs a fast tokenizer (tokenizer.json), found none")
-    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
-    for p in target.parameters():
-        p.requires_grad_(False)
+    tokenizer, target = _load_target(target_dir)
     vocab_size = target.config.vocab_size
     if recipe.draft_vocab_size is not None and not 0 < recipe.draft_vocab_size:
         raise ValueError(f"draft_vocab_size must be positive, got {recipe.draft_vocab_size}")
     corpus = load_corpus(Path(data_dir), seed=0)  # the demo's split: held-out text stays unseen
     rag_examples = read_rag_examples(Path(data_dir))
-    rng = random.Random(seed)
     budget_s = minutes * 60.0
-    max_model_len = recipe.seq_len + recipe.max_new_tokens
 
     # 1. the target's own continuations of text, chat and RAG prompts
+    generator = _generator(target_dir, tokenizer, recipe, seed)
+    rng = random.Random(seed)
+    continuations = _generate_training_continuations(
+        generator, tokenizer, corpus, rag_examples, recipe, rng, seed, budget_s * recipe.generation_fraction
+    )
+    log(
+        f"{len(continuations.pairs)} target continuations in {continuations.seconds:.0f}s"
+        f" ({dict(continuations.by_kind)})"
+    )
+
+    # 2. the sub-vocabulary, then knowledge distillation on continuations, text and chat rows
+    d2t, make_pieces = _training_rows(tokenizer, corpus, continuations, recipe, vocab_size, log)
+    draft = build_draft(target, recipe, d2t)
+    remaining_s = max(budget_s - (time.perf_counter() - started), 1.0)
+    pad_id = tokenizer.pad_token_id
+    training_log = train_kd(
+        target, draft, make_pieces, recipe, training, pad_id=pad_id, budget_s=remaining_s, d2t=d2t, log=log
+    )
+
+    # 3. figures on held-out prompts, then the folder
+    held_out = _held_out_figures(generator, tokenizer, corpus, rag_examples, recipe, draft, d2t, seed)
+    figures = {
+        "command": command or f"ragspeed train-draft --minutes {minutes:g} --seed {seed}",
+        "target": str(target_dir),
+        "name": Path(out_dir).name,
+        "minutes": minutes,
+        "seed": seed,
+        "num_threads": training.num_threads,
+        **_data_figures(d2t, vocab_size, continuations),
+        "training_wall_seconds": round(training_log.wall_seconds, 1),
+    }
+    return _write_draft(
+        Path(out_dir), target_dir, draft, d2t, recipe, figures, training_log, held_out, started, log
+    )
+
+
+def _generator(target_dir: Path, tokenizer: Any, recipe: DistillRecipe, seed: int) -> Any:
+    """The native engine that writes the target's continuations."""
     from ragspeed.engine.config import EngineConfig
     from ragspeed.engine.llm_engine import LLMEngine
 
-    generator = LLMEngine(
+    max_model_len = recipe.seq_len + recipe.max_new_tokens
+    return LLMEngine(
         EngineConfig(
             model=str(target_dir),
             max_model_len=max_model_len,
@@ -513,6 +560,47 @@ def distill_draft(
         ),
         tokenizer=tokenizer,
     )
+
+
+def _data_figures(
+    d2t: tuple[int, ...] | None, vocab_size: int, continuations: _Continuations
+) -> dict[str, Any]:
+    """The draft's vocabulary and the continuations it was distilled on."""
+    return {
+        "draft_vocab_size": len(d2t) if d2t is not None else vocab_size,
+        "target_vocab_size": vocab_size,
+        "generation_seconds": round(continuations.seconds, 1),
+        "num_continuations": len(continuations.pairs),
+        "continuations_by_kind": dict(continuations.by_kind),
+        "continuation_tokens": sum(len(p) + len(c) for p, c in continuations.pairs),
+    }
+
+
+def _load_target(target_dir: Path) -> tuple[PreTrainedTokenizerFast, PreTrainedModel]:
+    """The target's fast tokenizer (refused before the model loads when it has none) and its
+    model, fp32, frozen."""
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    if not isinstance(tokenizer, PreTrainedTokenizerFast):
+        # The text pieces are encoded by the fast tokenizer's backend (demo.encode_documents).
+        raise ValueError(f"{target_dir}: distillation needs a fast tokenizer (tokenizer.json), found none")
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    return tokenizer, target
+
+
+def _generate_training_continuations(
+    generator: Any,
+    tokenizer: Any,
+    corpus: Any,
+    rag_examples: list[dict],
+    recipe: DistillRecipe,
+    rng: random.Random,
+    seed: int,
+    budget_s: float,
+) -> _Continuations:
+    """Text, chat and RAG prompts interleaved by `recipe.rag_share`, continued by the target
+    until `budget_s` is spent."""
     prompt_limit = recipe.seq_len - recipe.max_new_tokens
     train_texts = list(corpus.train_passages)
     rng.shuffle(train_texts)
@@ -529,22 +617,31 @@ def distill_draft(
     rng.shuffle(text_and_chat)
     rag_share = recipe.rag_share
     tagged = interleave([text_and_chat, [("rag", p) for p in rag]], (1.0 - rag_share, rag_share))
-    prompts = [p for _, p in tagged]
     generation_start = time.perf_counter()
     pairs = generate_continuations(
         generator,
-        prompts,
+        [p for _, p in tagged],
         max_new_tokens=recipe.max_new_tokens,
         sampled_fraction=recipe.sampled_fraction,
         batch_size=recipe.generation_batch,
         seed=seed,
-        deadline=generation_start + budget_s * recipe.generation_fraction,
+        deadline=generation_start + budget_s,
     )
-    generation_s = time.perf_counter() - generation_start
     generated = Counter(kind for kind, _ in tagged[: len(pairs)])  # prompts are taken in order
-    log(f"{len(pairs)} target continuations in {generation_s:.0f}s ({dict(generated)})")
+    return _Continuations(pairs, generated, time.perf_counter() - generation_start)
 
-    # 2. the sub-vocabulary, then knowledge distillation on continuations, text and chat rows
+
+def _training_rows(
+    tokenizer: Any,
+    corpus: Any,
+    continuations: _Continuations,
+    recipe: DistillRecipe,
+    vocab_size: int,
+    log: Callable[[str], None],
+) -> tuple[tuple[int, ...] | None, Callable[[random.Random], list[Piece]]]:
+    """The draft's sub-vocabulary (None: the target's whole one), and the rows of one epoch:
+    the continuations, then language-modelling rows of text and chat rows, in proportion."""
+    pairs = continuations.pairs
     lm_texts = list(corpus.train_passages + corpus.train_articles)
     encoded_texts = encode_documents(tokenizer, lm_texts)
     d2t = None
@@ -583,51 +680,66 @@ def distill_draft(
         epoch_rng.shuffle(pieces)
         return pieces
 
-    draft = build_draft(target, recipe, d2t)
-    remaining_s = max(budget_s - (time.perf_counter() - started), 1.0)
-    training_log = train_kd(
-        target,
-        draft,
-        make_pieces,
-        recipe,
-        training,
-        pad_id=tokenizer.pad_token_id,
-        budget_s=remaining_s,
-        d2t=d2t,
-        log=log,
-    )
+    return d2t, make_pieces
 
-    # 3. figures on held-out prompts, then the folder
+
+def _held_out_figures(
+    generator: Any,
+    tokenizer: Any,
+    corpus: Any,
+    rag_examples: list[dict],
+    recipe: DistillRecipe,
+    draft: PreTrainedModel,
+    d2t: tuple[int, ...] | None,
+    seed: int,
+) -> _HeldOut:
+    """Held-out text, RAG and chat prompts (`recipe.num_eval_prompts` in all), the target's
+    greedy continuations, and how well the draft predicts them."""
     eval_rng = random.Random(seed + 1)
+    prompt_limit = recipe.seq_len - recipe.max_new_tokens
     num_rag = round(recipe.num_eval_prompts * recipe.rag_share) if rag_examples else 0
     num_text = (recipe.num_eval_prompts - num_rag) // 2
-    eval_prompts = text_prompts(tokenizer, corpus.heldout_passages, recipe.prompt_tokens)[:num_text]
-    eval_prompts += rag_prompts(
+    prompts = text_prompts(tokenizer, corpus.heldout_passages, recipe.prompt_tokens)[:num_text]
+    prompts += rag_prompts(
         tokenizer,
         rag_examples[: recipe.num_heldout_rag],
         eval_rng,
         max_documents=recipe.max_rag_documents,
         max_tokens=prompt_limit,
     )[:num_rag]
-    eval_prompts += chat_prompts(
+    prompts += chat_prompts(
         tokenizer,
         corpus.heldout_passages,
         eval_rng,
-        recipe.num_eval_prompts - len(eval_prompts),
+        recipe.num_eval_prompts - len(prompts),
         recipe.max_chat_passages,
         prompt_limit,
     )
-    eval_pairs = generate_continuations(
+    pairs = generate_continuations(
         generator,
-        eval_prompts,
+        prompts,
         max_new_tokens=recipe.max_new_tokens,
         sampled_fraction=0.0,
         batch_size=recipe.generation_batch,
         seed=seed,
     )
-    agreement = greedy_agreement(draft, eval_pairs, d2t)
-    coverage = sub_vocab_coverage(eval_pairs, d2t)
-    out_dir = Path(out_dir)
+    return _HeldOut(prompts, pairs, greedy_agreement(draft, pairs, d2t), sub_vocab_coverage(pairs, d2t))
+
+
+def _write_draft(
+    out_dir: Path,
+    target_dir: Path,
+    draft: PreTrainedModel,
+    d2t: tuple[int, ...] | None,
+    recipe: DistillRecipe,
+    figures: dict[str, Any],
+    training_log: Any,
+    held_out: _HeldOut,
+    started: float,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    """Save the draft in a staging folder, measure the engine's acceptance of it, write its
+    card, and put the folder in `out_dir`'s place. Returns `figures` completed."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     staging.chmod(0o755)
@@ -636,37 +748,26 @@ def distill_draft(
         acceptance = engine_acceptance(
             target_dir,
             staging,
-            eval_prompts,
+            held_out.prompts,
             max_tokens=min(64, recipe.max_new_tokens),
-            max_model_len=max_model_len,
+            max_model_len=recipe.seq_len + recipe.max_new_tokens,
         )
         log(
-            f"kd {training_log.final_loss:.3f}; held-out greedy agreement {agreement:.3f}"
-            f" (sub-vocabulary coverage {coverage:.3f}); engine acceptance {acceptance['acceptance_rate']:.3f}"
+            f"kd {training_log.final_loss:.3f}; held-out greedy agreement {held_out.agreement:.3f}"
+            f" (sub-vocabulary coverage {held_out.coverage:.3f}); engine acceptance"
+            f" {acceptance['acceptance_rate']:.3f}"
         )
         figures = {
-            "command": command or f"ragspeed train-draft --minutes {minutes:g} --seed {seed}",
-            "target": str(target_dir),
-            "name": out_dir.name,
-            "minutes": minutes,
-            "seed": seed,
-            "num_threads": training.num_threads,
-            "draft_vocab_size": len(d2t) if d2t is not None else vocab_size,
-            "target_vocab_size": vocab_size,
-            "generation_seconds": round(generation_s, 1),
-            "num_continuations": len(pairs),
-            "continuations_by_kind": dict(generated),
-            "continuation_tokens": num_continuation_tokens,
-            "training_wall_seconds": round(training_log.wall_seconds, 1),
+            **figures,
             "total_wall_seconds": round(time.perf_counter() - started, 1),
             "steps": training_log.steps,
             "tokens_seen": training_log.tokens,
             "first_kd_loss": round(training_log.losses[0][1], 4) if training_log.losses else math.nan,
             "final_kd_loss": round(training_log.final_loss, 4),
-            "heldout_greedy_agreement": round(agreement, 4),
-            "heldout_sub_vocab_coverage": round(coverage, 4),
-            "heldout_num_tokens": sum(len(c) for _, c in eval_pairs),
-            "num_eval_prompts": len(eval_prompts),
+            "heldout_greedy_agreement": round(held_out.agreement, 4),
+            "heldout_sub_vocab_coverage": round(held_out.coverage, 4),
+            "heldout_num_tokens": sum(len(c) for _, c in held_out.pairs),
+            "num_eval_prompts": len(held_out.prompts),
             "engine_acceptance_rate": round(acceptance["acceptance_rate"], 4),
             "engine_mean_accepted_length": round(acceptance["mean_accepted_length"], 3),
             "num_parameters": sum(p.numel() for p in draft.parameters()),

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -156,26 +156,16 @@ def train_loop(
         phase_end_s += budget_s * phase.time_fraction / total_fraction
         log(f"phase seq_len={phase.seq_len} batch={phase.batch_size} until {phase_end_s:.0f}s")
         while time.perf_counter() - start < phase_end_s and not out_of_budget():
-            row_ids, row_mask = pack_rows(phase.make_pieces(rng), phase.seq_len, pad_id)
-            order = torch.randperm(
-                row_ids.size(0), generator=torch.Generator().manual_seed(rng.randrange(2**31))
-            )
-            for first in range(0, len(order) - phase.batch_size + 1, phase.batch_size):
+            for token_ids, loss_mask in _batches(phase, rng, pad_id):
                 if time.perf_counter() - start >= phase_end_s or out_of_budget():
                     break
-                batch = order[first : first + phase.batch_size]
-                token_ids, loss_mask = row_ids[batch], row_mask[batch]  # [batch, seq_len]
                 lr = scheduled_learning_rate(config, training_log.steps, progress())
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                loss, num_tokens = step_loss(token_ids, loss_mask)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
-                optimizer.step()
+                loss, num_tokens = _optimizer_step(
+                    optimizer, params, step_loss, token_ids, loss_mask, lr, config.grad_clip
+                )
                 training_log.steps += 1
                 training_log.tokens += num_tokens
-                loss_sum += loss.item()
+                loss_sum += loss
                 loss_count += 1
                 if training_log.steps % config.log_every == 0:
                     mean_loss = loss_sum / loss_count
@@ -190,6 +180,36 @@ def train_loop(
         training_log.losses.append((training_log.steps, loss_sum / loss_count))
     training_log.wall_seconds = time.perf_counter() - start
     return training_log
+
+
+def _batches(phase: Phase, rng: random.Random, pad_id: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """One epoch of the phase's pieces packed into rows, shuffled, in batches of token ids and
+    loss mask (both [batch, seq_len])."""
+    row_ids, row_mask = pack_rows(phase.make_pieces(rng), phase.seq_len, pad_id)
+    order = torch.randperm(row_ids.size(0), generator=torch.Generator().manual_seed(rng.randrange(2**31)))
+    for first in range(0, len(order) - phase.batch_size + 1, phase.batch_size):
+        batch = order[first : first + phase.batch_size]
+        yield row_ids[batch], row_mask[batch]
+
+
+def _optimizer_step(
+    optimizer: torch.optim.Optimizer,
+    params: list[torch.nn.Parameter],
+    step_loss: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, int]],
+    token_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    lr: float,
+    grad_clip: float,
+) -> tuple[float, int]:
+    """One AdamW step at learning rate `lr`, gradients clipped: the batch's loss and tokens."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    loss, num_tokens = step_loss(token_ids, loss_mask)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    optimizer.step()
+    return loss.item(), num_tokens
 
 
 def train_causal_lm(

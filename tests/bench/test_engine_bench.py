@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from ragspeed.bench.engine import _NativeContender, attention_line, bench_engine, fit_lengths, parse_lengths
+from ragspeed.bench.engine import (
+    EngineBenchOptions,
+    _NativeContender,
+    attention_line,
+    bench_engine,
+    fit_lengths,
+    parse_lengths,
+)
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.llm_engine import LLMEngine
 from tests.engine.tiny_models import build_tiny_checkpoint
@@ -40,8 +47,10 @@ def test_the_native_engine_runs_on_the_weights_asked_for(tmp_path, capsys):
     path = build_tiny_checkpoint("llama", tmp_path / "llama", seed=1)
     sizes = dict(num_requests=2, prompt_len=16, output_len=4, ttft_prompt_len=32, repeats=1, threads=1)
     off = dict(attention_lens=(), with_transformers=False, with_llamacpp=False)
-    int8 = bench_engine(str(path), quantization="int8", **sizes, **off)
-    fp32 = bench_engine(str(path), quantization=None, tpot_target_ms=None, **sizes, **off)
+    int8 = bench_engine(str(path), options=EngineBenchOptions(quantization="int8", **sizes, **off))
+    fp32 = bench_engine(
+        str(path), options=EngineBenchOptions(quantization=None, tpot_target_ms=None, **sizes, **off)
+    )
     assert (int8["quantization"], fp32["quantization"]) == ("int8", "none")
     assert (int8["tpot_target_ms"], fp32["tpot_target_ms"]) == (50.0, None)
     # int8 reads 1.0625 bytes a weight, fp32 4: the bound is the weights' bytes over bandwidth.
@@ -60,3 +69,12 @@ def test_the_step_budget_option_parses_milliseconds_or_none():
     for bad, message in (("0", "must be > 0"), ("-3", "must be > 0"), ("fast", "milliseconds or 'none'")):
         with pytest.raises(ValueError, match=message):
             _parse_budget(bad)
+
+
+def test_the_options_name_the_first_size_out_of_range():
+    with pytest.raises(ValueError, match="repeats must be >= 1, got 0"):
+        EngineBenchOptions(repeats=0).check()
+    with pytest.raises(ValueError, match="long_output_len must be >= 2"):
+        EngineBenchOptions(long_output_len=1).check()
+    with pytest.raises(ValueError, match="attention_len must be >= 1, got 0"):
+        EngineBenchOptions(attention_lens=(2048, 0)).check()

@@ -50,6 +50,7 @@ def test_each_command_keeps_its_flags(command: click.Command) -> None:
         ("--json", [bench_cache, bench_documents, bench_engine_command, bench_quant]),
         ("--repeats", [bench_engine_command, bench_quant]),
         ("--threads", [bench_engine_command, bench_quant]),
+        ("--transformers", [bench_engine_command, bench_quant]),
     ],
 )
 def test_shared_options_are_declared_alike(flag: str, commands: list[click.Command]) -> None:

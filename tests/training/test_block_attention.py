@@ -16,14 +16,20 @@ from ragspeed.engine.document_kv import placed_spans
 from ragspeed.engine.model_zoo import DEMO_MODEL_NAME, ZOO, AdaptedModel
 from ragspeed.engine.protocol import DocumentCacheOptions, GenerationRequest, SamplingParams
 from ragspeed.evals.rag import Passage, RagExample
+from ragspeed.shipped_data import DATA_DIR
 from ragspeed.training.block_attention import (
+    DEV_DATA,
+    SHIPPED_DATA,
     BlockExample,
+    QuestionLines,
     Recipe,
     adapters_off,
     add_adapters,
     block_mask,
     greedy,
     make_example,
+    rag_data,
+    read_records,
     save_adapter,
     train_rag_adapter,
 )
@@ -179,3 +185,56 @@ def test_training_writes_an_adapter_its_card_and_held_out_figures(shared_data, t
     pairs, scale = read_adapter(tmp_path / "out" / "adapter.safetensors")
     assert scale == 2.0 and len(pairs) == 7 * 8  # seven projections of each of the demo's 8 layers
     assert "| adapted_blocked |" in (tmp_path / "out" / "README.md").read_text()
+
+
+def test_train_rag_defaults_to_the_shipped_data_which_holds_its_questions():
+    from ragspeed.training.cli import train_rag
+
+    (data_dir,) = [p.default for p in train_rag.params if p.name == "data_dir"]
+    assert data_dir == DATA_DIR
+    assert rag_data(DATA_DIR) == SHIPPED_DATA
+    assert SHIPPED_DATA.file_names() == ["hotpot_dev100.jsonl", "nq_dev100.jsonl"]
+    assert all((DATA_DIR / name).is_file() for name in SHIPPED_DATA.file_names())
+    train = [r for q in SHIPPED_DATA.train for r in read_records(DATA_DIR, q.lines, q.file_name)]
+    held = SHIPPED_DATA.held_out
+    assert (len(train), len(read_records(DATA_DIR, held.lines, held.file_name))) == (100, 20)
+    assert held.describe() == "lines 81-100 of `nq_dev100.jsonl`"
+    # a few MB at most in all
+    assert sum(p.stat().st_size for p in DATA_DIR.iterdir()) < 5_000_000
+
+
+def test_train_rag_reads_the_dev_data_where_the_folder_has_it_and_names_what_is_missing(tmp_path):
+    for name in ("nq_dev.jsonl", "hotpot_dev100.jsonl"):
+        (tmp_path / name).write_text("")
+    assert rag_data(tmp_path) == DEV_DATA
+    assert DEV_DATA.train == (
+        QuestionLines("nq_dev.jsonl", range(201, 281)),
+        QuestionLines("hotpot_dev100.jsonl"),
+    )
+    (tmp_path / "hotpot_dev100.jsonl").unlink()
+    with pytest.raises(FileNotFoundError, match="has no hotpot_dev100.jsonl"):
+        rag_data(tmp_path)
+    (tmp_path / "nq_dev.jsonl").unlink()
+    with pytest.raises(FileNotFoundError, match="has no hotpot_dev100.jsonl and no nq_dev100.jsonl"):
+        rag_data(tmp_path)
+
+
+@pytest.mark.slow
+def test_train_rag_runs_on_the_shipped_data_by_default(tmp_path):
+    """`ragspeed train-rag --out DIR` from a fresh clone: HotpotQA trains, 20 shipped NQ
+    questions are held out (the demo model as the base, two steps)."""
+    from click.testing import CliRunner
+
+    from ragspeed.training.cli import train_rag
+
+    out = tmp_path / "adapter"
+    args = ["--base", DEMO_MODEL_NAME, "--out", str(out), "--max-steps", "2", "--threads", "1"]
+    result = CliRunner().invoke(train_rag, args)
+    assert result.exit_code == 0, result.output
+    figures = json.loads((out / "figures.json").read_text())
+    assert figures["steps"] == 2 and figures["held_out"]["questions"] == 20
+    assert figures["data"] == {
+        "train": ["the questions of `hotpot_dev100.jsonl`"],
+        "held_out": "lines 81-100 of `nq_dev100.jsonl`",
+    }
+    assert "lines 81-100 of `nq_dev100.jsonl`" in (out / "README.md").read_text()
