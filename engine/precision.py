@@ -22,18 +22,17 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ragspeed.engine.cpu_features import CpuFeatures
 from ragspeed.engine.dtypes import DtypeUnavailableError, dtype_choice
+from ragspeed.engine.loader import LoadedModel
+from ragspeed.engine.models.linear import DENSE_PREFILL_PATHS
 from ragspeed.engine.quant.gate import QualityGate, gate_prefill, use_prefill_path
 from ragspeed.engine.quant.prefill import PREFILL_PATHS, PrefillPath, runnable_paths
-
-if TYPE_CHECKING:
-    from ragspeed.engine.loader import LoadedModel
-    from ragspeed.engine.quant.quality import QualityReport
+from ragspeed.engine.quant.quality import QualityReport, compare_logits, decode_window_logits, window_logits
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +58,6 @@ class PrefillPlan:
 def _kind_paths(quantization: str | None) -> tuple[str, tuple[PrefillPath, ...]]:
     if quantization == "int8":
         return "int8", PREFILL_PATHS
-    from ragspeed.engine.models.linear import DENSE_PREFILL_PATHS
-
     return "gguf" if quantization == "gguf" else "dense", DENSE_PREFILL_PATHS
 
 
@@ -141,8 +138,6 @@ def gate_weights(
     """Under `--quantization auto`, an int8 model (decode kernels, teacher-forced) against its
     fp32 reference from `load_reference()`: the int8 model where `gate` passes, else the
     reference, with a log line naming the figures either way."""
-    from ragspeed.engine.quant.quality import compare_logits, decode_window_logits, window_logits
-
     reference = load_reference()
     ids = windows()
     report = compare_logits(
@@ -168,8 +163,6 @@ def choose_prefill(
     """Gate `plan`'s faster paths against its exact one (on `windows()`, computed only where
     there is something to gate, or by `measure`, tests); move the model to the first that
     passes; log the choice."""
-    from ragspeed.engine.quant.quality import compare_logits, window_logits
-
     exact = plan.exact
     use_prefill_path(loaded.model, exact)
     choice = PrefillChoice(plan, exact)
