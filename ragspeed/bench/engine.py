@@ -259,7 +259,7 @@ def bench_engine(
     """Measure the native engine (and transformers beside it); print a table, return flat JSON."""
     from transformers import AutoConfig
 
-    from ragspeed.engine.llm_engine import LLMEngine
+    from ragspeed.engine.factory import build_llm_engine
     from ragspeed.engine.loader import context_limit, resolve_model_path
 
     require_positive(
@@ -293,7 +293,7 @@ def bench_engine(
         tpot_target_ms=tpot_target_ms,
         seed=seed,
     )
-    engine = LLMEngine(config)
+    engine = build_llm_engine(config)
     vocab = engine.arch.vocab_size
     gen = torch.Generator().manual_seed(seed)
 

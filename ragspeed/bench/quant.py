@@ -78,8 +78,8 @@ def run_bench_quant(
 ) -> dict[str, Any]:
     """Measure int8 vs fp32 (and transformers); print a table, return flat JSON."""
     from ragspeed.engine.cpu_features import read_cpu_features
+    from ragspeed.engine.factory import build_llm_engine
     from ragspeed.engine.gguf import source_of
-    from ragspeed.engine.llm_engine import LLMEngine
     from ragspeed.engine.loader import resolve_model_path
     from ragspeed.engine.models.linear import DENSE_PREFILL_PATHS
     from ragspeed.engine.quant.gate import gate_prefill, use_prefill_path
@@ -110,7 +110,7 @@ def run_bench_quant(
     # The file's own blocks beside them when the model is a GGUF file (engine.quant.gguf_blocks).
     kinds = {"int8": "int8", "fp32": None, **({"gguf": "gguf"} if source_of(path) is not None else {})}
     engines = {
-        name: LLMEngine(
+        name: build_llm_engine(
             EngineConfig(
                 model=str(path),
                 dtype="float32",  # the reference and the int8 timings: no bf16 dense prefill

@@ -164,7 +164,7 @@ def run_bench_spec(
     draft_quantization: str | None = "auto",
     wiki_prompt_tokens: int = 64,
 ) -> dict[str, Any]:
-    from ragspeed.engine.llm_engine import LLMEngine
+    from ragspeed.engine.factory import build_llm_engine
     from ragspeed.engine.loader import load_model, resolve_model_path
     from ragspeed.engine.spec_decode.draft import draft_quantization as resolve_draft_quantization
 
@@ -173,9 +173,9 @@ def run_bench_spec(
     torch.set_num_threads(threads)
     base = EngineConfig(model=model, num_kv_cache_tokens=32 * 1024, max_model_len=4096)
     loaded = load_model(resolve_model_path(model), device="cpu", dtype="float32", max_model_len=4096)
-    plain = LLMEngine(base, loaded=loaded)
+    plain = build_llm_engine(base, loaded=loaded)
     spec_config = replace(base, speculative="ngram", num_speculative_tokens=num_speculative_tokens)
-    ngram = LLMEngine(spec_config, loaded=loaded, tokenizer=plain.tokenizer)
+    ngram = build_llm_engine(spec_config, loaded=loaded, tokenizer=plain.tokenizer)
     draft_config = replace(
         base,
         speculative="draft",
@@ -183,8 +183,8 @@ def run_bench_spec(
         draft_quantization=draft_quantization,
         num_speculative_tokens=num_speculative_tokens,
     )
-    draft = LLMEngine(draft_config, loaded=loaded, tokenizer=plain.tokenizer) if draft_model else None
-    ceiling = LLMEngine(spec_config, loaded=loaded, tokenizer=plain.tokenizer)
+    draft = build_llm_engine(draft_config, loaded=loaded, tokenizer=plain.tokenizer) if draft_model else None
+    ceiling = build_llm_engine(spec_config, loaded=loaded, tokenizer=plain.tokenizer)
     prompts = rag_prompts(data_path, plain.tokenizer, max(num_prompts, 16), num_documents)
     wiki = wiki_prompts(data_path.parent, plain.tokenizer, num_prompts, wiki_prompt_tokens)
     contenders = {"plain": _Contender(plain), "ngram": _Contender(ngram)}

@@ -403,10 +403,10 @@ def engine_acceptance(
 ) -> dict[str, float]:
     """Acceptance of the draft in the native engine (greedy, k = 4, adaptive), one request at a time."""
     from ragspeed.engine.config import EngineConfig
-    from ragspeed.engine.llm_engine import LLMEngine
+    from ragspeed.engine.factory import build_llm_engine
     from ragspeed.engine.protocol import GenerationRequest, SamplingParams
 
-    engine = LLMEngine(
+    engine = build_llm_engine(
         EngineConfig(
             model=str(target_path),
             speculative="draft",
@@ -502,9 +502,9 @@ def distill_draft(
 
     # 1. the target's own continuations of text, chat and RAG prompts
     from ragspeed.engine.config import EngineConfig
-    from ragspeed.engine.llm_engine import LLMEngine
+    from ragspeed.engine.factory import build_llm_engine
 
-    generator = LLMEngine(
+    generator = build_llm_engine(
         EngineConfig(
             model=str(target_dir),
             max_model_len=max_model_len,

@@ -9,6 +9,7 @@ import torch
 
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.cpu_kernels.blocked import INT8_GROUP
+from ragspeed.engine.factory import build_llm_engine
 from ragspeed.engine.llm_engine import LLMEngine
 from tests.engine.tiny_models import build_tiny_checkpoint
 
@@ -78,7 +79,7 @@ def make_engine(path, features=None, **overrides) -> LLMEngine:
         tpot_target_ms=None,
     )
     kwargs.update(overrides)
-    return LLMEngine(EngineConfig(**kwargs), features=features)
+    return build_llm_engine(EngineConfig(**kwargs), features=features)
 
 
 def speculate_every_step(engine: LLMEngine) -> None:
