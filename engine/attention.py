@@ -208,8 +208,9 @@ def build_metadata(
     """A step's metadata. `prefill_query_positions`: per prefill chunk, its query positions
     (ascending) when it is *scattered* (query i sees the keys of positions 0 .. positions[i],
     as in a document assembly), else None (its queries are the last of its context).
-    `kernel_rows` makes the decode kernel's row tensors: by default fresh ones; the model runner
-    writes them into its step buffers (engine.step_buffers), as it passes `slot_mapping` there."""
+    `kernel_rows` writes the decode kernel's rows into tensors, by default fresh ones; the model
+    runner's writes them, like its `slot_mapping` tensor, into its step buffers
+    (engine.step_buffers), so that a step makes no tensors of its own."""
     num_decodes = len(decode_tables)
     scattered = prefill_query_positions or [None] * len(prefill_tables)
     rows = decode_kernel_rows(
