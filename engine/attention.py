@@ -321,7 +321,9 @@ def paged_attention(
     block_size = meta.block_size
     k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    out: torch.Tensor | None
     if meta.row_block_tables is not None and decode_kernel_applies(q, num_kv_heads):
+        assert meta.row_context_lens is not None  # set with row_block_tables
         out = paged_decode_attention(
             q,
             k_cache,
@@ -339,6 +341,7 @@ def paged_attention(
     else:
         out = q.new_empty(num_tokens, num_heads, head_dim)
     if nd and decode_kernel_applies(q, num_kv_heads):
+        assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
         od = paged_decode_attention(
             q[:nd],
             k_cache,
@@ -353,6 +356,7 @@ def paged_attention(
             return od.view(num_tokens, num_heads * head_dim)
         out[:nd] = od
     elif nd:
+        assert meta.decode_block_tables is not None
         group = num_heads // num_kv_heads
         qd = q[:nd].reshape(nd, num_kv_heads, group, head_dim)
         ctx = meta.decode_context_len
@@ -363,6 +367,7 @@ def paged_attention(
         if out is None:
             return od.reshape(num_tokens, num_heads * head_dim)
         out[:nd] = od.reshape(nd, num_heads, head_dim)
+    assert out is not None  # a step of decodes alone returned above
     cpu = q.device.type == "cpu"
     with record_function(PREFILL_ATTENTION_EVENT):
         for span in meta.prefills:

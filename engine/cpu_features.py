@@ -62,7 +62,8 @@ class CpuFeatures:
 
 def parse_cpuinfo(text: str, torch_capability: str) -> CpuFeatures:
     """The first processor's model name and flags in a /proc/cpuinfo text."""
-    model_name, flags = "unknown CPU", frozenset()
+    model_name = "unknown CPU"
+    flags: frozenset[str] = frozenset()
     for line in text.splitlines():
         key, _, value = line.partition(":")
         key = key.strip()

@@ -65,11 +65,10 @@ def text_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
         from transformers import PreTrainedTokenizerBase
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
     except ImportError:  # a transformers without that class: its decode, as it is
-        TokenizersBackend = None  # noqa: N806
+        return functools.partial(tokenizer.decode, skip_special_tokens=True)
     cls = type(tokenizer)
     if (
-        TokenizersBackend is not None
-        and isinstance(tokenizer, TokenizersBackend)
+        isinstance(tokenizer, TokenizersBackend)
         and cls.decode is PreTrainedTokenizerBase.decode
         and cls._decode is TokenizersBackend._decode
         and tokenizer.clean_up_tokenization_spaces is False

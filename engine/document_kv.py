@@ -209,6 +209,7 @@ class DocumentKVCache:
         # computes it into the prefix cache, and the others wait for it.
         if len(prefills) > 1:
             first = prefills[0].document_key
+            assert first is not None  # set above
             for sub in prefills[1:]:
                 sub.blockers.add(first)
                 self._in_flight[first].waiters.append((sub, -1))
@@ -246,7 +247,7 @@ class DocumentKVCache:
             start_position=start,
             dtype=self.storage_dtype,
             shape=tuple(kv.shape),
-            data=memoryview(kv.view(-1).view(torch.uint8).numpy()),
+            data=kv.view(-1).view(torch.uint8).numpy().data,  # a memoryview of the array
         )
         self.store.put(entry)
         in_flight = self._in_flight.get(key)

@@ -23,6 +23,7 @@ from ragspeed.engine.loader import LoadedModel, load_for_engine, resolve_model_p
 from ragspeed.engine.model_runner import ModelRunner
 from ragspeed.engine.model_zoo import resolve_tokenizer
 from ragspeed.engine.precision import choose_precision
+from ragspeed.engine.quant.probe import PrefillProbe
 from ragspeed.prompt_cache.manager import KVCacheManager
 
 
@@ -32,6 +33,7 @@ def build_llm_engine(
     loaded: LoadedModel | None = None,  # already loaded (benches share one model between engines)
     tokenizer: Any = None,
     features: CpuFeatures | None = None,  # default: this CPU's (engine.cpu_features)
+    prefill_probe: PrefillProbe | None = None,  # default: measured here, cached (engine.quant.probe)
 ) -> LLMEngine:
     """A native engine for `config`, from the model given or loaded here."""
     num_threads = config.num_threads or torch.get_num_threads()
@@ -56,6 +58,7 @@ def build_llm_engine(
         ),
         num_threads=num_threads,
         features=features,
+        prefill_probe=prefill_probe,
     )
     runner, manager = build_kv(config, precision.loaded, num_threads)
     return LLMEngine(

@@ -75,7 +75,8 @@ def default_cache_dir() -> Path:
 
 
 class ZooModel(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...  # read-only: the zoo's models are frozen dataclasses
 
     def local_dir(self, cache_dir: Path) -> Path:
         """Where the model's files are (or will be once materialised)."""

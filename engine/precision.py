@@ -8,12 +8,14 @@ engine.models.linear.DENSE_PREFILL_PATHS, the int8 kind's in engine.quant.prefil
 
 `DTYPES` is the policy: each `--dtype` admits some path precisions (fp32, bf16, int8
 activations) and may require one. `plan_prefill` keeps the admitted paths this CPU runs
-(`CpuFeatures`, injected in tests), fastest first, the exact fp32 one last; `auto` thus takes
-bf16 (oneDNN on AMX or AVX512-BF16) where the CPU has it and fp32 elsewhere, where bf16 is
-emulated and ~30x slower. The model loads on the last; `choose_prefill` then measures the faster
-ones against it on a few calibration windows of a text shipped with the package
-(engine.quant.gate: top-1 agreement and perplexity), keeps the first that passes, logs why each
-one before it fell back, and logs the chosen path beside the CPU's capabilities.
+(`CpuFeatures`, injected in tests), fastest first as measured on this machine
+(engine.quant.probe, injected in tests), the exact fp32 one last; `auto` thus takes bf16
+(oneDNN on AMX or AVX512-BF16) where the CPU has it and it measures faster than fp32, and fp32
+elsewhere (without those flags bf16 is emulated and ~30x slower). The model loads on the last;
+`choose_prefill` then measures the faster ones against it on a few calibration windows of a
+text shipped with the package (engine.quant.gate: top-1 agreement and perplexity), keeps the
+first that passes, logs why each one before it fell back, and logs the chosen path beside the
+CPU's capabilities.
 
 `choose_precision` is the engine's precision stage, run on a model the loader has loaded
 (engine.factory): under `--quantization auto` the int8 weights first pass their own gate
@@ -30,13 +32,15 @@ from typing import Any
 
 import torch
 
+from ragspeed.engine import cpu_features
 from ragspeed.engine.config import EngineConfig
-from ragspeed.engine.cpu_features import CpuFeatures, read_cpu_features
+from ragspeed.engine.cpu_features import CpuFeatures
 from ragspeed.engine.dtypes import DtypeUnavailableError, dtype_choice
 from ragspeed.engine.loader import LoadedModel
 from ragspeed.engine.models.linear import DENSE_PREFILL_PATHS
 from ragspeed.engine.quant.gate import QualityGate, gate_prefill, use_prefill_path
 from ragspeed.engine.quant.prefill import PREFILL_PATHS, PrefillPath, runnable_paths
+from ragspeed.engine.quant.probe import PrefillProbe, machine_probe
 from ragspeed.engine.quant.quality import QualityReport, compare_logits, decode_window_logits, window_logits
 from ragspeed.engine.threads import cpu_threads
 
@@ -68,10 +72,15 @@ def _kind_paths(quantization: str | None) -> tuple[str, tuple[PrefillPath, ...]]
 
 
 def plan_prefill(
-    dtype: str, quantization: str | None, device: str | torch.device, features: CpuFeatures
+    dtype: str,
+    quantization: str | None,
+    device: str | torch.device,
+    features: CpuFeatures,
+    probe: PrefillProbe,
 ) -> PrefillPlan | None:
-    """The plan for a model on `device` (None off CPU: one dtype serves everything there);
-    raises DtypeUnavailableError for an unknown dtype or one this CPU cannot run."""
+    """The plan for a model on `device` (None off CPU: one dtype serves everything there), its
+    paths ordered by the rates `probe` measures; raises DtypeUnavailableError for an unknown
+    dtype or one this CPU cannot run."""
     choice = dtype_choice(dtype)
     if torch.device(device).type != "cpu":
         return None
@@ -86,7 +95,8 @@ def plan_prefill(
             f"{choice.name} prefill needs AMX-BF16 or AVX512-BF16 (amx_bf16 / avx512_bf16); this CPU "
             f"({features.model_name}) has {have}: use --dtype auto or float32"
         )
-    return PrefillPlan(dtype, kind, features, tuple(runnable_paths(admitted, features)), unavailable)
+    candidates = runnable_paths(admitted, features, probe, choice.requires)
+    return PrefillPlan(dtype, kind, features, tuple(candidates), unavailable)
 
 
 @dataclass(frozen=True)
@@ -211,6 +221,7 @@ def choose_precision(
     *,
     num_threads: int,
     features: CpuFeatures | None = None,  # default: this CPU's (engine.cpu_features)
+    prefill_probe: PrefillProbe | None = None,  # default: measured here, cached (engine.quant.probe)
 ) -> PrecisionChoice:
     """The precision stage: `gate_weights` where `--quantization auto` loaded int8 (its fp32
     reference from `load_unquantized()`), then `plan_prefill` and `choose_prefill` on CPU; both
@@ -226,8 +237,10 @@ def choose_precision(
         with cpu_threads(num_threads):
             loaded = gate_weights(loaded, load_unquantized, windows)
     if features is None and torch.device(config.device).type == "cpu":
-        features = read_cpu_features()
-    plan = plan_prefill(config.dtype, loaded.quantization, config.device, features)
+        features = cpu_features.read_cpu_features()  # through the module: tests replace it
+    if prefill_probe is None:
+        prefill_probe = machine_probe(loaded.arch.hidden_size, num_threads)
+    plan = plan_prefill(config.dtype, loaded.quantization, config.device, features, prefill_probe)
     prefill = None
     if plan is not None:
         with cpu_threads(num_threads):

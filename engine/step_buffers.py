@@ -43,7 +43,7 @@ class RowBuffer:
         self.tensor = torch.zeros(self.capacity, *self.row_shape, dtype=self.dtype)
         self.address = self.tensor.data_ptr()
         self.row_bytes = self.tensor[0].nbytes if self.capacity else 0
-        self.words = None
+        self.words: ctypes.Array[ctypes.c_int64] | None = None
         if self.dtype == torch.long:
             self.words = (ctypes.c_int64 * self.tensor.numel()).from_address(self.address)
         self._views: dict[int, torch.Tensor] = {}
@@ -87,8 +87,11 @@ class StepBuffers:
         n = len(token_ids)
         for buffer in (self.token_ids, self.slot_mapping, self.rotations):
             buffer.reserve(n)
-        self.token_ids.words[:n] = token_ids
-        self.slot_mapping.words[:n] = slot_mapping
+        token_words, slot_words = self.token_ids.words, self.slot_mapping.words
+        assert token_words is not None and slot_words is not None  # int64 buffers
+        # A ctypes array's slice takes any sequence; mypy's ctypes plugin types it as a list only.
+        token_words[:n] = token_ids  # type: ignore[call-overload]
+        slot_words[:n] = slot_mapping  # type: ignore[call-overload]
         table, row_bytes = self._rotation_address, self.rotations.row_bytes
         address = self.rotations.address
         for first, count in position_spans:
@@ -114,16 +117,19 @@ class StepBuffers:
         if self.block_tables.reserve(n):
             self._written = [()] * self.block_tables.capacity
         self.context_lens.reserve(n)
-        self.context_lens.words[:n] = context_lens
-        words, written, width = self.block_tables.words, self._written, self._table_width
+        words, lens_words = self.block_tables.words, self.context_lens.words
+        assert words is not None and lens_words is not None  # int64 buffers
+        # A ctypes array's slice takes any sequence; mypy's ctypes plugin types it as a list only.
+        lens_words[:n] = context_lens  # type: ignore[call-overload]
+        written, width = self._written, self._table_width
         for row, table in enumerate(tables):
             before = written[row]
             if table is before:
                 continue
             start, num_kept = row * width, len(before)
             if len(table) >= num_kept and table[:num_kept] == before:  # it gained blocks
-                words[start + num_kept : start + len(table)] = table[num_kept:]
+                words[start + num_kept : start + len(table)] = table[num_kept:]  # type: ignore[call-overload]
             else:
-                words[start : start + len(table)] = table
+                words[start : start + len(table)] = table  # type: ignore[call-overload]
             written[row] = table
         return self.block_tables.rows(n), self.context_lens.rows(n)

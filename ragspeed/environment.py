@@ -7,8 +7,9 @@ that use them take them from `current()` and read no environment themselves:
 - `RAGSPEED_CACHE_DIR`: the model cache (engine.model_zoo; default ~/.cache/ragspeed/models) and
   the folder of the distilled static encoder (compression.scoring.static_encoder; default
   ~/.cache/ragspeed).
-- `RAGSPEED_KERNEL_CACHE`: where the CPU kernels are compiled to, with their measured GEMM rates
-  (engine.cpu_kernels.build; default ~/.cache/ragspeed/kernels).
+- `RAGSPEED_KERNEL_CACHE`: where the CPU kernels are compiled to (engine.cpu_kernels.build;
+  default ~/.cache/ragspeed/kernels), with the prefill paths' times measured on this machine
+  (engine.quant.probe).
 - `RAGSPEED_CPU_KERNELS=0`: no CPU kernels (oneDNN / fbgemm for every product).
 - `CC`: the compiler of the CPU kernels (default `cc`, else `gcc`).
 

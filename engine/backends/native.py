@@ -218,11 +218,13 @@ class NativeEngine:
             return
         if out.delta.finish_reason is not None:
             del self._sinks[out.request_id]
+        assert self._loop is not None  # set by start(), before the engine thread
         self._loop.call_soon_threadsafe(sink.put_nowait, out.delta)
 
     def _handle(self, command: Any) -> bool:
         """Apply one command; False on stop."""
-        engine = self._engine
+        engine = self.engine
+        assert self._loop is not None  # set by start(), before the engine thread
         if command is _STOP:
             return False
         if isinstance(command, _Add):
@@ -245,8 +247,9 @@ class NativeEngine:
         return True
 
     def _run(self) -> None:
-        engine = self._engine
+        engine = self.engine
         budget = self.cpu_budget
+        assert budget is not None  # built by start(), before the engine thread
         running = True
         with torch.inference_mode():
             while running:
@@ -275,12 +278,13 @@ class NativeEngine:
                 for out in outputs:
                     self._deliver(out)
             for request_id in list(self._sinks):
-                out = engine.abort(request_id)
-                if out is not None:
-                    self._deliver(out)
+                final = engine.abort(request_id)
+                if final is not None:
+                    self._deliver(final)
 
     def _fail_all(self, exc: BaseException) -> None:
-        engine = self._engine
+        engine = self.engine
+        assert self._loop is not None  # set by start(), before the engine thread
         for request_id, sink in list(self._sinks.items()):
             engine.abort(request_id)
             self._loop.call_soon_threadsafe(sink.put_nowait, exc)

@@ -55,7 +55,8 @@ class _Cancelled(StoppingCriteria):
         self._event = event
 
     def __call__(self, input_ids, scores, **kwargs) -> torch.BoolTensor:
-        return torch.full((input_ids.shape[0],), self._event.is_set(), dtype=torch.bool)
+        # transformers types the result as the legacy torch.BoolTensor, which no torch op returns
+        return torch.full((input_ids.shape[0],), self._event.is_set(), dtype=torch.bool)  # type: ignore[return-value]
 
 
 def generate_kwargs(sampling: SamplingParams, eos_token_ids: list[int]) -> dict[str, Any]:

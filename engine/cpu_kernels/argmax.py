@@ -6,6 +6,8 @@ the kernel keeps a running maximum per vector lane and takes a few.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ragspeed.engine.cpu_kernels.build import load_library
@@ -30,6 +32,7 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> list[int]:
     if not _kernel_takes(logits):
         return logits.argmax(dim=-1).tolist()
     library = load_library()
+    assert library is not None  # _kernel_takes checked it
     rows, vocab = logits.shape
     if out is None:
         out = torch.empty(rows, dtype=torch.long)
@@ -48,18 +51,22 @@ class GreedyArgmax:
         self._tokens = RowBuffer((), torch.long)
         self._logits: torch.Tensor | None = None  # the last call's, where the kernel took it
         self._call: tuple = ()  # its kernel arguments
-        self._kernel = None
+        self._kernel: Callable[..., None] | None = None  # set with `_logits`
 
     def __call__(self, logits: torch.Tensor) -> list[int]:
         if logits is self._logits:
+            words = self._tokens.words
+            assert self._kernel is not None and words is not None
             self._kernel(*self._call)
-            return self._tokens.words[: self._call[1]]
+            return words[: self._call[1]]
         self._logits = None
         rows = logits.shape[0]
         self._tokens.reserve(rows)
         out = self._tokens.rows(rows)
         tokens = argmax(logits, out)
         if _kernel_takes(logits):
-            self._logits, self._kernel = logits, load_library().ragspeed_argmax
+            library = load_library()
+            assert library is not None  # _kernel_takes checked it
+            self._logits, self._kernel = logits, library.ragspeed_argmax
             self._call = (logits.data_ptr(), rows, logits.shape[1], logits.stride(0), out.data_ptr())
         return tokens

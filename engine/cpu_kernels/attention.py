@@ -40,6 +40,7 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """softmax(q K^T * scale) V per decode over its context -> [num_decodes, num_heads, head_dim]."""
     library = load_library()
+    assert library is not None, "decode_kernel_applies checks for the kernels"
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.is_contiguous()
     assert k_cache.dtype == v_cache.dtype and k_cache.dtype in KV_DTYPES, k_cache.dtype
     num_decodes, num_heads, head_dim = q.shape

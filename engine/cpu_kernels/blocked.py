@@ -179,7 +179,7 @@ class BlockedWeight:
         """x fp32 [num_rows, in_features] -> fp32 [num_rows, out_features]."""
         x = x.contiguous()
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-        pointers = [self.blocks.data_ptr()]
+        pointers: list[int | None] = [self.blocks.data_ptr()]
         if self.scales is not None:
             pointers.append(self.scales.data_ptr())
         pointers += [None if self.bias is None else self.bias.data_ptr(), x.data_ptr(), y.data_ptr()]

@@ -110,7 +110,9 @@ class FusedDecoder:
 
     def __init__(self, model) -> None:
         arch = model.arch
-        self.library = load_library()
+        library = load_library()
+        assert library is not None, "FusedDecoder.supports checks for the kernels"
+        self.library = library
         # What the structs point into: the model's own tensors where fp32 and contiguous already.
         self._keep: list[torch.Tensor] = []
         layers = []
@@ -190,22 +192,26 @@ class FusedDecoder:
         if not in_decode_step():
             return None
         if meta.row_block_tables is not None:
+            assert meta.row_context_lens is not None  # set together
             return meta.row_block_tables, meta.row_context_lens
         if meta.num_decodes == num_tokens and meta.decode_block_tables is not None:
+            assert meta.decode_context_lens is not None  # set together
             return meta.decode_block_tables, meta.decode_context_lens
         return None
 
-    def _cache_arrays(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]):
+    def _cache_arrays(
+        self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]
+    ) -> tuple[ctypes.Array, ctypes.Array]:
         cached = self._caches
         if cached is None or cached[0][0] is not k_caches[0] or cached[0][1] is not v_caches[0]:
             self._kv_half = _half(k_caches)
             pointers = ctypes.c_void_p * len(k_caches)
-            self._caches = (
+            cached = self._caches = (
                 (k_caches[0], v_caches[0]),
                 pointers(*(c.data_ptr() for c in k_caches)),
                 pointers(*(c.data_ptr() for c in v_caches)),
             )
-        return self._caches[1], self._caches[2]
+        return cached[1], cached[2]
 
     def forward(
         self,

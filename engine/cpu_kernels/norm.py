@@ -30,7 +30,9 @@ def add_rms_norm(
     if residual is not None:
         residual = residual.contiguous()
         residual_ptr = residual.data_ptr()
-    load_library().ragspeed_add_rms_norm(
+    library = load_library()
+    assert library is not None, "add_rms_norm_applies checks for the kernels"
+    library.ragspeed_add_rms_norm(
         x.data_ptr(),
         residual_ptr,
         weight.data_ptr(),

@@ -34,7 +34,9 @@ def place_kv(
     cos_sin = torch.view_as_real(rotation).contiguous()  # [head_dim / 2, 2]
     slots = slots.contiguous()
     _, num_layers, n, num_kv_heads, head_dim = kv.shape
-    load_library().ragspeed_place_kv(
+    library = load_library()
+    assert library is not None, "place_kernel_applies checks for the kernels"
+    library.ragspeed_place_kv(
         kv.data_ptr(),
         cos_sin.data_ptr(),
         slots.data_ptr(),

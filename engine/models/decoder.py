@@ -14,6 +14,7 @@ the layer loop.
 from __future__ import annotations
 
 import itertools
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -152,7 +153,7 @@ class DecoderLM(nn.Module):
         # Decode-type steps in one call of ragspeed's CPU kernels, where they run this model
         # (engine.cpu_kernels.decoder); built at the first such step, once the weights are in.
         self.fused_decode = True
-        self._fused: FusedDecoder | None | bool = None
+        self._fused: FusedDecoder | Literal[False] | None = None  # False: the kernels cannot run it
 
     def forward(
         self,
@@ -166,7 +167,7 @@ class DecoderLM(nn.Module):
         hidden = self.embed(input_ids)
         fused = self._fused_decoder()
         rows = fused and FusedDecoder.rows(meta, hidden.shape[0])
-        if rows:
+        if fused is not None and rows:
             return fused.forward(hidden, freqs_cis, k_caches, v_caches, meta, rows)
         hidden, residual = self.run_layers(hidden, None, freqs_cis, k_caches, v_caches, meta, 0)
         return self.norm.add_norm(hidden, residual)[0]
@@ -196,15 +197,18 @@ class DecoderLM(nn.Module):
         """[num_tokens] -> the tokens' embeddings [num_tokens, hidden_size]."""
         if isinstance(self.embed_tokens, GgufBlocks):
             return self.embed_tokens.lookup(input_ids)
+        assert self.embed_tokens is not None, "the weights are not loaded"
         return F.embedding(input_ids, self.embed_tokens)
 
     @property
     def dtype(self) -> torch.dtype:
         """The dtype the model computes in (its embeddings'; the KV cache's by default)."""
+        assert self.embed_tokens is not None, "the weights are not loaded"
         return torch.float32 if isinstance(self.embed_tokens, GgufBlocks) else self.embed_tokens.dtype
 
     @property
     def device(self) -> torch.device:
+        assert self.embed_tokens is not None, "the weights are not loaded"
         return self.embed_tokens.data.device  # a tensor's `data` is itself, the blocks' their bytes
 
     def run_layers(
@@ -238,4 +242,4 @@ class DecoderLM(nn.Module):
     @property
     def num_weight_bytes_per_token(self) -> int:
         """Weight bytes one decode step reads: every projection and the LM head."""
-        return sum(m.num_weight_bytes for m in self.modules() if hasattr(m, "num_weight_bytes"))
+        return sum(getattr(m, "num_weight_bytes", 0) for m in self.modules())

@@ -29,7 +29,7 @@ from ragspeed.engine.linear_kind import LinearKind
 from ragspeed.engine.packed import PackedLinear, bf16_missing
 from ragspeed.engine.quant import QUANT_KINDS
 from ragspeed.engine.quant.gguf_blocks import GgufBlocks, MixedBlocks, dense, kernel_dequantize
-from ragspeed.engine.quant.prefill import PrefillPath, bf16_speedup, fp32_speedup, runs_anywhere
+from ragspeed.engine.quant.prefill import PrefillPath, runs_anywhere
 from ragspeed.engine.threads import linear_threads
 
 
@@ -43,8 +43,8 @@ def _packed(dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor | None],
 
 # The dense kind's prefill paths (engine.quant.prefill.PrefillPath); the last runs everywhere.
 DENSE_PREFILL_PATHS: tuple[PrefillPath, ...] = (
-    PrefillPath("bf16", "bf16", "rounded to bf16", bf16_missing, bf16_speedup, _packed(torch.bfloat16)),
-    PrefillPath("fp32", "fp32", "kept in fp32", runs_anywhere, fp32_speedup, _packed(torch.float32)),
+    PrefillPath("bf16", "bf16", "rounded to bf16", bf16_missing, _packed(torch.bfloat16)),
+    PrefillPath("fp32", "fp32", "kept in fp32", runs_anywhere, _packed(torch.float32)),
 )
 
 
@@ -133,7 +133,7 @@ def _same_dtype(weight: torch.Tensor) -> PrefillPath:
     """A CPU weight loaded in a dtype other than fp32 (not through the loader, which computes
     in fp32 on CPU): packed as it is."""
     name = str(weight.dtype).removeprefix("torch.")
-    return PrefillPath(name, name, f"in {name}", runs_anywhere, fp32_speedup, _packed(weight.dtype))
+    return PrefillPath(name, name, f"in {name}", runs_anywhere, _packed(weight.dtype))
 
 
 class GgufLinear(DenseLinear):

@@ -52,7 +52,9 @@ class CpuInt8Kernel:
     def use_prefill(self, path: PrefillPath) -> None:
         weight = self.weight
         if weight is None:
+            assert self.blocked is not None  # the weight is dropped only for a blocked copy
             qweight, scales = self.blocked.unblocked()
+            assert scales is not None  # an int8 blocked copy has its group scales
             weight = GroupInt8Weight(qweight, scales, INT8_GROUP)
         self.path = path
         self.prefill = path.build(weight, self.bias)

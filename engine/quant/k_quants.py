@@ -56,9 +56,9 @@ def unpack_q6_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)  # [n, 1]
     # Two halves of 128 weights; in half h, weight 32 j + i (j < 4) takes the low (j < 2) or
     # high nibble of ql byte 64 h + 32 (j % 2) + i and bits 2 j, 2 j + 1 of qh byte 32 h + i.
-    low = ql.reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    low: np.ndarray = ql.reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
     low = (low & 0x0F).reshape(n, 2, 4, 32)
-    high = qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    high: np.ndarray = qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
     high = (high & 0x03).reshape(n, 2, 4, 32)
     q = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(n, QK_K)
     return q, d * sc

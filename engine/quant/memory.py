@@ -8,10 +8,15 @@ layout the kind keeps), the norms' weights. A tied LM head counts twice: it keep
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from ragspeed.engine.quant.gguf_blocks import GgufBlocks
+
+if TYPE_CHECKING:
+    from ragspeed.engine.models.decoder import DecoderLM
 
 
 def _norm_bytes(model: nn.Module) -> int:
@@ -24,22 +29,24 @@ def _norm_bytes(model: nn.Module) -> int:
     return total
 
 
-def _embedding_bytes(model: nn.Module) -> int:
+def _embedding_bytes(model: DecoderLM) -> int:
     embed = model.embed_tokens
+    assert embed is not None, "the weights are not loaded"
     if isinstance(embed, GgufBlocks):
         return embed.num_bytes
     return embed.numel() * embed.element_size()
 
 
-def resident_weight_bytes(model: nn.Module) -> int:
-    linear_bytes = sum(m.num_resident_bytes for m in model.modules() if hasattr(m, "num_resident_bytes"))
+def resident_weight_bytes(model: DecoderLM) -> int:
+    linear_bytes = sum(getattr(m, "num_resident_bytes", 0) for m in model.modules())
     return _embedding_bytes(model) + linear_bytes + _norm_bytes(model)
 
 
-def unquantized_weight_bytes(model: nn.Module) -> int:
+def unquantized_weight_bytes(model: DecoderLM) -> int:
     """The same model's resident bytes with the embedding and every linear in the model's
     compute dtype."""
+    assert model.embed_tokens is not None, "the weights are not loaded"
     vocab_size, hidden_size = model.embed_tokens.shape
-    linear_params = sum(m.num_params for m in model.modules() if hasattr(m, "num_params"))
+    linear_params = sum(getattr(m, "num_params", 0) for m in model.modules())
     element_size = torch.empty((), dtype=model.dtype).element_size()
     return (vocab_size * hidden_size + linear_params) * element_size + _norm_bytes(model)

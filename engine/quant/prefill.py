@@ -16,26 +16,28 @@ are bound by arithmetic instead, and there the choice is between precision and s
 
 A `PrefillPath` is one row of such a table (the dense kind has its own, engine.models.linear):
 what it does to the activations (`precision`: which `--dtype` admits it, engine.precision), why
-a CPU cannot run it, and its GEMM rate over fp32's on a CPU (`speedup`, from the rates measured
-on an Intel Xeon with AMX). `prefill_candidates(features)` keeps those this CPU runs, fastest
-first; the last, the most precise, is what a model loads on. A faster path rounds the
-activations, which only a quality gate on the model itself can clear (engine.quant.gate
-measures the candidates fastest first and moves the model to the first that passes).
+a CPU cannot run it, and how it packs a float weight (`prepare`, then `build`).
+`prefill_candidates(features, probe)` keeps those this CPU runs, fastest first by the rates the
+probe measures on this machine (engine.quant.probe); the last, the most precise, is what a model
+loads on. A faster path rounds the activations, which only a quality gate on the model itself
+can clear (engine.quant.gate measures the candidates fastest first and moves the model to the
+first that passes).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from ragspeed.engine.cpu_features import CpuFeatures
 from ragspeed.engine.packed import PackedLinear, bf16_missing
 from ragspeed.engine.quant.fbgemm_int8 import FbgemmInt8Kernel, fbgemm_available
-from ragspeed.engine.quant.groupwise import GroupInt8Weight
+from ragspeed.engine.quant.groupwise import GroupInt8Weight, quantize_groupwise
 from ragspeed.engine.quant.per_channel import quantize_per_channel
+from ragspeed.engine.quant.probe import PrefillProbe
 
 
 class PrefillKernel(Protocol):
@@ -70,19 +72,9 @@ def runs_anywhere(features: CpuFeatures) -> str | None:
     return None
 
 
-# GEMM rates over fp32 on an Intel Xeon with AMX (2 threads, 2,048 rows): bf16 `linear`
-# on AMX 1,113 vs fp32 218 GFLOP/s; fbgemm's int8 536 GOP/s. AVX512-BF16 without AMX doubles
-# the products per instruction of an fp32 FMA: about 2x.
-def bf16_speedup(features: CpuFeatures) -> float:
-    return 5.1 if "amx_bf16" in features.flags else 2.0
-
-
-def _fbgemm_speedup(features: CpuFeatures) -> float:
-    return 2.5
-
-
-def fp32_speedup(features: CpuFeatures) -> float:
-    return 1.0
+def as_float(weight: torch.Tensor) -> torch.Tensor:
+    """A dense path's `prepare`: it builds from the float weight itself."""
+    return weight
 
 
 @dataclass(frozen=True)
@@ -91,25 +83,31 @@ class PrefillPath:
     precision: str  # "fp32", "bf16" or "int8": what the product does to the activations
     activations: str  # the same, in words
     missing: Callable[[CpuFeatures], str | None]  # why this CPU cannot run it, or None
-    speedup: Callable[[CpuFeatures], float]  # its GEMM rate over fp32's on a CPU that runs it
-    build: Callable[..., PrefillKernel]  # (weight, bias) -> kernel
+    build: Callable[..., PrefillKernel]  # (prepare(weight), bias) -> kernel
+    # what `build` takes, from a float weight [out_features, in_features] (the probe's)
+    prepare: Callable[[torch.Tensor], Any] = as_float
 
 
 # Every path a CPU may run; the last runs everywhere and rounds nothing.
 PREFILL_PATHS: tuple[PrefillPath, ...] = (
     PrefillPath(
-        "fbgemm-u8", "int8", "rounded to 8 bits per row", _needs_vnni, _fbgemm_speedup, _FbgemmPrefill
+        "fbgemm-u8", "int8", "rounded to 8 bits per row", _needs_vnni, _FbgemmPrefill, quantize_groupwise
     ),
     PrefillPath(
         "bf16-dequantized",
         "bf16",
         "rounded to bf16",
         bf16_missing,
-        bf16_speedup,
         _dequantized(torch.bfloat16),
+        quantize_groupwise,
     ),
     PrefillPath(
-        "fp32-dequantized", "fp32", "kept in fp32", runs_anywhere, fp32_speedup, _dequantized(torch.float32)
+        "fp32-dequantized",
+        "fp32",
+        "kept in fp32",
+        runs_anywhere,
+        _dequantized(torch.float32),
+        quantize_groupwise,
     ),
 )
 
@@ -122,24 +120,35 @@ def prefill_path(name: str) -> PrefillPath:
     raise ValueError(f"unknown int8 prefill path {name!r}; known: {known}")
 
 
-def runnable_paths(paths: tuple[PrefillPath, ...], features: CpuFeatures) -> list[PrefillPath]:
-    """Those of `paths` (the last one runs everywhere) this CPU runs, fastest first; ties keep
-    the table's order, and the last of `paths` stays last."""
+def runnable_paths(
+    paths: tuple[PrefillPath, ...],
+    features: CpuFeatures,
+    probe: PrefillProbe,
+    required: str | None = None,
+) -> list[PrefillPath]:
+    """Those of `paths` (the last one runs everywhere) this CPU runs, fastest first by the rates
+    `probe` measures (ties keep the table's order); the last of `paths` stays last, and a path
+    measured no faster than it is dropped unless its precision is `required` (a `--dtype` asked
+    for it). Nothing is measured where only the last runs."""
     *faster, exact = paths
     runnable = [p for p in faster if p.missing(features) is None]
-    return sorted(runnable, key=lambda p: -p.speedup(features)) + [exact]
+    if not runnable:
+        return [exact]
+    kept = [p.name for p in runnable if p.precision == required]
+    return probe.fastest_first(runnable, exact, features, kept)
 
 
-def prefill_candidates(features: CpuFeatures) -> list[PrefillPath]:
+def prefill_candidates(features: CpuFeatures, probe: PrefillProbe) -> list[PrefillPath]:
     """The int8 paths this CPU runs, fastest first (never empty)."""
-    return runnable_paths(PREFILL_PATHS, features)
+    return runnable_paths(PREFILL_PATHS, features, probe)
 
 
 def describe_choice(features: CpuFeatures) -> str:
     """The start-up line: the CPU, the prefill path a model loads on, the faster paths this CPU
-    runs once a quality gate passes them, and why the others do not run here."""
-    candidates = prefill_candidates(features)
-    chosen = candidates[-1]
+    runs once a quality gate passes them (in the table's order: the probe orders them when the
+    model's engine starts), and why the others do not run here."""
+    *faster, chosen = PREFILL_PATHS
+    candidates = [p for p in faster if p.missing(features) is None] + [chosen]
     line = (
         f"int8 on {features.describe()}: prefill {chosen.name} (activations "
         f"{chosen.activations}), decode ragspeed's blocked int8 kernel"

@@ -22,7 +22,7 @@ from ragspeed.engine.linear_kind import LinearKind
 from ragspeed.engine.quant.cpu_int8 import CpuInt8Kernel
 from ragspeed.engine.quant.groupwise import quantize_groupwise
 from ragspeed.engine.quant.per_channel import quantize_per_channel
-from ragspeed.engine.quant.prefill import describe_choice, prefill_candidates
+from ragspeed.engine.quant.prefill import PREFILL_PATHS, describe_choice
 from ragspeed.engine.quant.weight_only_int8 import WeightOnlyInt8Kernel
 from ragspeed.engine.threads import linear_threads
 
@@ -43,7 +43,7 @@ class Int8Kernel(Protocol):
 
 def _cpu_kernel(weight, bias, dtype) -> Int8Kernel:
     # The exact-activation path until a quality gate passes a faster one (engine.quant.gate).
-    path = prefill_candidates(cpu_features.read_cpu_features())[-1]
+    path = PREFILL_PATHS[-1]
     return CpuInt8Kernel(quantize_groupwise(weight), bias, torch.get_num_threads(), path)
 
 
@@ -70,6 +70,7 @@ class Int8Linear(LinearKind):
         available, build = INT8_KERNELS.get(weight.device.type, (lambda: False, None))
         if not available():
             check_quantization("int8", weight.device)  # raises, listing what runs there
+        assert build is not None  # a device with no int8 kernel raised above
         self.kernel = build(weight, bias, weight.dtype)
 
     def blocked_weight(self):
@@ -88,6 +89,7 @@ class Int8Linear(LinearKind):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, in_features] -> [num_tokens, out_features]."""
+        assert self.kernel is not None, "load() first"
         if x.device.type != "cpu":
             return self.kernel.forward(x)
         return linear_threads(self.num_threads, self.kernel.forward, x)

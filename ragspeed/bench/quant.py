@@ -84,6 +84,7 @@ def run_bench_quant(
     from ragspeed.engine.models.linear import DENSE_PREFILL_PATHS
     from ragspeed.engine.quant.gate import gate_prefill, use_prefill_path
     from ragspeed.engine.quant.prefill import prefill_candidates, runnable_paths
+    from ragspeed.engine.quant.probe import machine_probe
     from ragspeed.engine.quant.quality import (
         compare_logits,
         decode_window_logits,
@@ -129,6 +130,9 @@ def run_bench_quant(
         contenders["transformers"] = _TransformersContender(path)
     vocab = engines["fp32"].arch.vocab_size
     features = read_cpu_features()
+    # The prefill paths fastest first, as the engines' start-up measured (or read) them.
+    path_probe = machine_probe(engines["fp32"].arch.hidden_size, threads)
+    int8_candidates = prefill_candidates(features, path_probe)
     windows = text_windows(
         engines["fp32"].tokenizer, text, window=quality_window, num_windows=quality_windows
     )
@@ -142,7 +146,7 @@ def run_bench_quant(
             lambda ids: reference[tuple(ids)], lambda ids: window_logits(loaded, ids), windows
         )
 
-    int8_reports = {p.name: against_fp32(engines["int8"].loaded, p) for p in prefill_candidates(features)}
+    int8_reports = {p.name: against_fp32(engines["int8"].loaded, p) for p in int8_candidates}
     decode_report = compare_logits(
         lambda ids: reference[tuple(ids)],
         lambda ids: decode_window_logits(engines["int8"].loaded, ids),
@@ -164,12 +168,13 @@ def run_bench_quant(
             )
             for name, kv_dtype in (("gguf_decode", torch.float32), ("default", torch.float16))
         }
-    outcome = gate_prefill(prefill_candidates(features), lambda p: int8_reports[p.name])
+    outcome = gate_prefill(int8_candidates, lambda p: int8_reports[p.name])
     # The timings run on the chosen path (the most precise one where none passed).
-    use_prefill_path(int8_model, outcome.path or prefill_candidates(features)[-1])
+    use_prefill_path(int8_model, outcome.path or int8_candidates[-1])
     # The fp32 model's own faster paths (bf16 where the CPU has it), then back on fp32.
     dense_reports = {
-        p.name: against_fp32(fp32_loaded, p) for p in runnable_paths(DENSE_PREFILL_PATHS, features)[:-1]
+        p.name: against_fp32(fp32_loaded, p)
+        for p in runnable_paths(DENSE_PREFILL_PATHS, features, path_probe)[:-1]
     }
     use_prefill_path(fp32_loaded.model, DENSE_PREFILL_PATHS[-1])
     gen = torch.Generator().manual_seed(seed)
@@ -231,7 +236,7 @@ def run_bench_quant(
             results["transformers_tpot_ms"] / results["transformers_tpot_bound_ms"]
         )
 
-    quality = int8_reports[outcome.path.name if outcome.path else prefill_candidates(features)[-1].name]
+    quality = int8_reports[outcome.path.name if outcome.path else int8_candidates[-1].name]
     results.update(
         quality_tokens=quality.num_predictions,
         ppl_fp32=quality.ppl_reference,

@@ -61,7 +61,7 @@ def _hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-def make_engine(path, features=None, **overrides) -> LLMEngine:
+def make_engine(path, features=None, prefill_probe=None, **overrides) -> LLMEngine:
     """An engine on fp32 unless asked: `--dtype auto` would pick bf16 prefill products on a CPU
     with AVX512-BF16 or AMX, whose rounding depends on the batch's rows, and the fp16 KV cache
     of `--kv-cache-dtype auto` rounds every key and value, while these tests compare runs token
@@ -79,7 +79,7 @@ def make_engine(path, features=None, **overrides) -> LLMEngine:
         tpot_target_ms=None,
     )
     kwargs.update(overrides)
-    return build_llm_engine(EngineConfig(**kwargs), features=features)
+    return build_llm_engine(EngineConfig(**kwargs), features=features, prefill_probe=prefill_probe)
 
 
 def speculate_every_step(engine: LLMEngine) -> None:

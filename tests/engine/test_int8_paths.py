@@ -22,6 +22,7 @@ from ragspeed.engine.quant.prefill import (
     prefill_candidates,
     prefill_path,
 )
+from ragspeed.engine.quant.probe import Measurement, PrefillProbe, ProbeGemm
 from ragspeed.engine.quant.quality import QualityReport
 from tests.engine.conftest import int16_rows
 
@@ -29,6 +30,11 @@ AVX2 = CpuFeatures("AMD EPYC", frozenset({"avx2"}), "AVX2")
 VNNI = CpuFeatures("Intel Xeon", frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16"}), "AVX512")
 AMX = CpuFeatures(
     "Intel Xeon", frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16"}), "AVX512"
+)
+# The int8 paths' product times, injected (engine.quant.probe; its own tests order by others)
+SECONDS = {"fbgemm-u8": 1.0, "bf16-dequantized": 2.0, "fp32-dequantized": 4.0}
+PROBE = PrefillProbe(
+    ProbeGemm(64, 1), lambda paths, gemm: Measurement({p.name: SECONDS[p.name] for p in paths}, 1.0)
 )
 HERE = read_cpu_features()  # at import: before the suite's fixture hides the faster paths
 needs_vnni = pytest.mark.skipif(
@@ -62,10 +68,18 @@ def test_read_cpu_features_of_this_machine(tmp_path):
 
 
 def test_candidates_by_capability():
-    assert [p.name for p in prefill_candidates(AVX2)] == ["fp32-dequantized"]
-    # AVX512-BF16 without AMX: fbgemm's int8 (~2.5x fp32) before bf16 (~2x); AMX: bf16 (~5x) first
-    assert [p.name for p in prefill_candidates(VNNI)] == ["fbgemm-u8", "bf16-dequantized", "fp32-dequantized"]
-    assert [p.name for p in prefill_candidates(AMX)] == ["bf16-dequantized", "fbgemm-u8", "fp32-dequantized"]
+    assert [p.name for p in prefill_candidates(AVX2, PROBE)] == ["fp32-dequantized"]
+    # the runnable ones, in the order of their injected times (tests/engine/test_probe.py)
+    assert [p.name for p in prefill_candidates(VNNI, PROBE)] == [
+        "fbgemm-u8",
+        "bf16-dequantized",
+        "fp32-dequantized",
+    ]
+    assert [p.name for p in prefill_candidates(AMX, PROBE)] == [
+        "fbgemm-u8",
+        "bf16-dequantized",
+        "fp32-dequantized",
+    ]
     assert prefill_path("fbgemm-u8") is PREFILL_PATHS[0]
     with pytest.raises(ValueError, match="unknown int8 prefill path 'u4'; known: 'fbgemm-u8', "):
         prefill_path("u4")
@@ -173,7 +187,7 @@ def test_gate_falls_back_and_logs_why(caplog):
         return reports[path.name]
 
     with caplog.at_level(logging.WARNING, logger="ragspeed.engine.quant.gate"):
-        outcome = gate_prefill(prefill_candidates(VNNI), measure)
+        outcome = gate_prefill(prefill_candidates(VNNI, PROBE), measure)
     assert outcome.path.name == "fp32-dequantized"
     assert measured == ["fbgemm-u8", "bf16-dequantized", "fp32-dequantized"]
     assert outcome.rejected == {
@@ -190,9 +204,9 @@ def test_gate_falls_back_and_logs_why(caplog):
 
 
 def test_gate_passes_first_path_or_none():
-    first = gate_prefill(prefill_candidates(VNNI), lambda path: _report(0.005, 0.98))
+    first = gate_prefill(prefill_candidates(VNNI, PROBE), lambda path: _report(0.005, 0.98))
     assert first.path.name == "fbgemm-u8" and list(first.reports) == ["fbgemm-u8"]
-    none = gate_prefill(prefill_candidates(AVX2), lambda path: _report(0.0, 0.96))
+    none = gate_prefill(prefill_candidates(AVX2, PROBE), lambda path: _report(0.0, 0.96))
     assert none.path is None
     assert none.rejected == {"fp32-dequantized": "top-1 agreement 96.00% < 97%"}
     assert QualityGate(max_ppl_increase=0.02).failures(_report(0.015, 0.99)) == []
@@ -244,7 +258,7 @@ def test_start_up_gate_on_a_tiny_model(caplog, tiny_checkpoints):
     loaded = load_model(tiny_checkpoints["llama"], quantization="int8", max_model_len=64)
     assert _paths(loaded) == {"fp32-dequantized"}  # loaded on the exact path
     windows = [list(range(3, 35)), list(range(40, 72))]
-    plan = plan_prefill("float32", "int8", "cpu", VNNI)
+    plan = plan_prefill("float32", "int8", "cpu", VNNI, PROBE)
     assert [p.name for p in plan.candidates] == ["fbgemm-u8", "fp32-dequantized"]
     with caplog.at_level(logging.WARNING, logger="ragspeed.engine.quant.gate"):
         strict = choose_prefill(loaded, plan, lambda: windows, gate=QualityGate(0.0, 1.0))
@@ -254,7 +268,7 @@ def test_start_up_gate_on_a_tiny_model(caplog, tiny_checkpoints):
         lenient = choose_prefill(loaded, plan, lambda: windows, gate=QualityGate(1e9, 0.0))
     assert lenient.path.name == "fbgemm-u8"
     assert _paths(loaded) == {"fbgemm-u8"}
-    exact = choose_prefill(loaded, plan_prefill("auto", "int8", "cpu", AVX2), lambda: windows)
+    exact = choose_prefill(loaded, plan_prefill("auto", "int8", "cpu", AVX2, PROBE), lambda: windows)
     assert exact.path.name == "fp32-dequantized" and exact.reports == {}
     assert _paths(loaded) == {"fp32-dequantized"}
 

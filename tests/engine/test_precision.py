@@ -16,6 +16,7 @@ from ragspeed.engine.models.linear import DENSE_PREFILL_PATHS, DenseLinear
 from ragspeed.engine.precision import calibration_windows, choose_prefill, gate_weights, plan_prefill
 from ragspeed.engine.protocol import GenerationRequest, SamplingParams
 from ragspeed.engine.quant.gate import QualityGate, use_prefill_path
+from ragspeed.engine.quant.probe import Measurement, PrefillProbe, ProbeGemm
 from ragspeed.engine.quant.quality import QualityReport
 from tests.engine.conftest import make_engine
 
@@ -27,6 +28,11 @@ AMX = CpuFeatures(
 )
 AVX512_BF16 = CpuFeatures(
     "AMD EPYC Zen 4", frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16"}), "AVX512"
+)
+# The prefill paths' product times, injected (engine.quant.probe; its own tests order by others)
+SECONDS = {"bf16": 1.0, "fp32": 4.0, "bf16-dequantized": 1.0, "fbgemm-u8": 2.0, "fp32-dequantized": 4.0}
+PROBE = PrefillProbe(
+    ProbeGemm(64, 1), lambda paths, gemm: Measurement({p.name: SECONDS[p.name] for p in paths}, 1.0)
 )
 
 
@@ -45,17 +51,17 @@ def _names(plan) -> list[str]:
         ("bfloat16", None, AMX, ["bf16", "fp32"]),
         ("auto", "int8", AVX2, ["fp32-dequantized"]),
         ("auto", "int8", AMX, ["bf16-dequantized", "fbgemm-u8", "fp32-dequantized"]),
-        ("auto", "int8", AVX512_BF16, ["fbgemm-u8", "bf16-dequantized", "fp32-dequantized"]),
+        ("auto", "int8", AVX512_BF16, ["bf16-dequantized", "fbgemm-u8", "fp32-dequantized"]),
         ("float32", "int8", AMX, ["fbgemm-u8", "fp32-dequantized"]),
         ("bfloat16", "int8", AMX, ["bf16-dequantized", "fp32-dequantized"]),
     ],
 )
 def test_policy_by_cpu(dtype, quantization, features, names):
-    assert _names(plan_prefill(dtype, quantization, "cpu", features)) == names
+    assert _names(plan_prefill(dtype, quantization, "cpu", features, PROBE)) == names
 
 
 def test_policy_off_cpu_and_the_transformers_dtype():
-    assert plan_prefill("auto", None, "cuda", AVX2) is None
+    assert plan_prefill("auto", None, "cuda", AVX2, PROBE) is None
     assert model_dtype("auto", "cpu", AVX2) == torch.float32
     assert model_dtype("auto", "cpu", AMX) == torch.bfloat16
     assert model_dtype("bfloat16", "cpu", AVX2) == torch.bfloat16  # the baseline, asked for
@@ -65,19 +71,19 @@ def test_policy_off_cpu_and_the_transformers_dtype():
 
 def test_bad_dtypes_are_refused_with_what_runs():
     with pytest.raises(DtypeUnavailableError) as error:
-        plan_prefill("bfloat16", None, "cpu", AVX2)
+        plan_prefill("bfloat16", None, "cpu", AVX2, PROBE)
     assert str(error.value) == (
         "bfloat16 prefill needs AMX-BF16 or AVX512-BF16 (amx_bf16 / avx512_bf16); this CPU (AMD EPYC) "
         "has avx2: use --dtype auto or float32"
     )
     with pytest.raises(DtypeUnavailableError, match=r"^bfloat16 prefill needs .* has avx2: use"):
-        plan_prefill("bfloat16", "int8", "cpu", AVX2)
+        plan_prefill("bfloat16", "int8", "cpu", AVX2, PROBE)
     with pytest.raises(
         DtypeUnavailableError, match=r"^unknown dtype 'fp8'; choices: auto, float32, bfloat16, float16$"
     ):
         dtype_choice("fp8")
     with pytest.raises(DtypeUnavailableError, match="^unknown dtype 'fp8'"):
-        plan_prefill("fp8", None, "cuda", AVX2)
+        plan_prefill("fp8", None, "cuda", AVX2, PROBE)
 
 
 def test_engine_start_up_refuses_bfloat16_without_bf16(tiny_checkpoints):
@@ -125,7 +131,7 @@ def test_gate_falls_back_to_fp32_and_logs_why(tiny_checkpoints, caplog):
     from ragspeed.engine.loader import load_model
 
     loaded = load_model(tiny_checkpoints["llama"], dtype="auto", max_model_len=64)
-    plan = plan_prefill("auto", loaded.quantization, "cpu", AMX)
+    plan = plan_prefill("auto", loaded.quantization, "cpu", AMX, PROBE)
     with caplog.at_level(logging.INFO):
         choice = choose_prefill(loaded, plan, lambda: pytest.fail("measure is injected"), measure=_failing)
     assert choice.path.name == "fp32" and choice.rejected == {"bf16": "perplexity +2.00% > +1%"}
@@ -155,6 +161,7 @@ def test_a_short_context_gates_on_windows_that_fit_it(tiny_checkpoints, features
     engine = make_engine(
         tiny_checkpoints["llama"],
         features=features,
+        prefill_probe=PROBE,
         quantization="int8",
         max_model_len=40,
         num_kv_cache_tokens=40,
@@ -167,7 +174,7 @@ def test_forced_bf16_branch_computes_on_this_cpu(tiny_checkpoints):
     """AMX injected: the engine's start-up gate measures bf16 against fp32 on the calibration
     windows (emulated bf16 here: slow but the same rounding); then, on the bf16 path, prefill
     rounds only the GEMMs and decode stays fp32."""
-    engine = make_engine(tiny_checkpoints["llama"], dtype="bfloat16", features=AMX)
+    engine = make_engine(tiny_checkpoints["llama"], dtype="bfloat16", features=AMX, prefill_probe=PROBE)
     choice = engine.prefill_choice
     report = choice.reports["bf16"]
     assert report.num_predictions == 4 * 127
