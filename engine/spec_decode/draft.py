@@ -265,6 +265,7 @@ class DraftProposer:
         num_decodes = sum(1 for c in chunks if c.num_tokens == 1)
         batch = tuple(chunks[i] for i in order)
         logits = self.runner.execute(SchedulerOutput(batch[:num_decodes], batch[num_decodes:]))
+        assert logits is not None, "every chunk ends at its sequence's last token, so it samples"
         logits = logits[:, : self.vocab_size]  # [chunks, vocab], in batch order
         if self.min_confidence > 0.0:
             best, next_ids = logits.softmax(dim=-1).max(dim=-1)

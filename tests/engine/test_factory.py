@@ -5,12 +5,11 @@ from __future__ import annotations
 
 from transformers import AutoTokenizer
 
-from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.factory import build_kv, load_model_for
 from ragspeed.engine.llm_engine import LLMEngine
 from ragspeed.engine.model_runner import ModelRunner
 from ragspeed.engine.protocol import GenerationRequest, SamplingParams
-from tests.engine.conftest import assert_all_blocks_free, make_engine
+from tests.engine.conftest import assert_all_blocks_free, engine_config, make_engine
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPT = tuple(range(10, 30))
@@ -18,15 +17,7 @@ PROMPT = tuple(range(10, 30))
 
 def test_the_engine_steps_on_the_parts_it_is_given(tiny_checkpoints):
     path = tiny_checkpoints["llama"]
-    config = EngineConfig(
-        model=str(path),
-        max_model_len=256,
-        num_kv_cache_tokens=256,
-        block_size=8,
-        dtype="float32",
-        kv_cache_dtype="fp32",
-        tpot_target_ms=None,
-    )
+    config = engine_config(path, num_kv_cache_tokens=256)
     loaded = load_model_for(config, num_threads=1)
     runner, manager = build_kv(config, loaded, num_threads=1)
     assert manager.num_blocks == runner.kv_pool.num_blocks == 256 // 8
