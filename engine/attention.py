@@ -28,7 +28,7 @@ queries are rows of the decode kernel on CPU, or one SDPA call with the mask of 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -186,31 +186,33 @@ def decode_kernel_rows(
     return tables, lens
 
 
+# Writes rows of the decode kernel (block tables, context lengths) as tensors: block tables
+# [n, max_blocks] int64, each row starting with its table, and context lengths [n] int64.
+KernelRows = Callable[[Sequence[Sequence[int]], Sequence[int]], tuple[torch.Tensor, torch.Tensor]]
+
+
 def build_metadata(
-    decode_tables: list[list[int]],
-    decode_context_lens: list[int],
+    decode_tables: Sequence[Sequence[int]],
+    decode_context_lens: Sequence[int],
     prefill_tables: list[list[int]],
     prefill_context_lens: list[int],
     prefill_num_queries: list[int],
-    slot_mapping: list[int],
+    slot_mapping: list[int] | torch.Tensor,
     block_size: int,
     device: torch.device | str,
     dtype: torch.dtype = torch.float32,
     num_threads: int = 1,
     prefill_query_positions: list[tuple[int, ...] | None] | None = None,
+    kernel_rows: KernelRows | None = None,
 ) -> AttentionMetadata:
     """A step's metadata. `prefill_query_positions`: per prefill chunk, its query positions
     (ascending) when it is *scattered* (query i sees the keys of positions 0 .. positions[i],
-    as in a document assembly), else None (its queries are the last of its context)."""
+    as in a document assembly), else None (its queries are the last of its context).
+    `kernel_rows` writes the decode kernel's rows into tensors, by default fresh ones; the model
+    runner's writes them, like its `slot_mapping` tensor, into its step buffers
+    (engine.step_buffers), so that a step makes no tensors of its own."""
     num_decodes = len(decode_tables)
     scattered = prefill_query_positions or [None] * len(prefill_tables)
-    decode_tables_t = decode_lens_t = None
-    max_len = 0
-    if num_decodes:
-        max_len = max(decode_context_lens)
-        decode_tables_t = padded_tables(decode_tables, -(-max_len // block_size), device)
-        decode_lens_t = torch.tensor(decode_context_lens, dtype=torch.long, device=device)
-    row_tables = row_lens = None
     rows = decode_kernel_rows(
         decode_tables,
         decode_context_lens,
@@ -220,15 +222,24 @@ def build_metadata(
         scattered,
         torch.device(device),
     )
-    if rows is not None:
-        tables, lens = rows
-        row_tables = padded_tables([list(t) for t in tables], -(-max(lens) // block_size), device)
-        row_lens = torch.tensor(lens, dtype=torch.long, device=device)
+    decode_tables_t = decode_lens_t = row_tables = row_lens = None
+    if num_decodes or rows is not None:
+        if kernel_rows is None:
+            kernel_rows = functools.partial(_fresh_kernel_rows, block_size=block_size, device=device)
+        # One write serves both: a small step's rows start with its decodes' rows.
+        tables_t, lens_t = kernel_rows(*(rows or (decode_tables, decode_context_lens)))
+        if rows is not None:
+            row_tables, row_lens = tables_t, lens_t
+        if num_decodes:
+            decode_tables_t = tables_t if rows is None else tables_t[:num_decodes]
+            decode_lens_t = lens_t if rows is None else lens_t[:num_decodes]
+    if not isinstance(slot_mapping, torch.Tensor):
+        slot_mapping = torch.tensor(slot_mapping, dtype=torch.long, device=device)
     return AttentionMetadata(
-        slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
+        slot_mapping=slot_mapping,
         num_decodes=num_decodes,
         decode_block_tables=decode_tables_t,
-        decode_context_len=max_len,
+        decode_context_len=max(decode_context_lens, default=0),
         decode_context_lens=decode_lens_t,
         prefill_chunks=tuple(zip(prefill_tables, prefill_context_lens, prefill_num_queries, scattered)),
         block_size=block_size,
@@ -237,6 +248,15 @@ def build_metadata(
         row_context_lens=row_lens,
         num_threads=num_threads,
     )
+
+
+def _fresh_kernel_rows(
+    tables: Sequence[Sequence[int]], context_lens: Sequence[int], block_size: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`KernelRows` as new tensors, as wide as the longest context needs."""
+    width = -(-max(context_lens) // block_size)
+    tables_t = padded_tables([list(t) for t in tables], width, device)
+    return tables_t, torch.tensor(context_lens, dtype=torch.long, device=device)
 
 
 def scattered_metadata(

@@ -10,30 +10,19 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ragspeed.engine import cpu_features
 from ragspeed.engine.config import EngineConfig
-from ragspeed.engine.cpu_features import CpuFeatures
 from ragspeed.engine.detokenizer import IncrementalDetokenizer
 from ragspeed.engine.document_kv import DocumentKVCache, document_fingerprint
-from ragspeed.engine.kv_cache import KVCachePool, plan_num_blocks, resolve_kv_dtype
-from ragspeed.engine.loader import LoadedModel, load_for_engine, resolve_model_path
+from ragspeed.engine.loader import LoadedModel
 from ragspeed.engine.logprobs import token_logprobs
 from ragspeed.engine.model_runner import ModelRunner
-from ragspeed.engine.model_zoo import resolve_tokenizer
 from ragspeed.engine.models.linear import decode_weights
-from ragspeed.engine.precision import (
-    CALIBRATION_WINDOW,
-    PrefillChoice,
-    calibration_windows,
-    choose_prefill,
-    gate_weights,
-    plan_prefill,
-)
+from ragspeed.engine.precision import PrefillChoice
 from ragspeed.engine.prefix_store import engine_fingerprint
 from ragspeed.engine.protocol import (
     EngineError,
@@ -44,13 +33,11 @@ from ragspeed.engine.protocol import (
     check_context_length,
 )
 from ragspeed.engine.quant import resident_weight_bytes, unquantized_weight_bytes
-from ragspeed.engine.quant.probe import PrefillProbe, machine_probe
 from ragspeed.engine.request import Request
 from ragspeed.engine.sampler import Sampler
 from ragspeed.engine.sampling import SamplingState, validate_sampling
 from ragspeed.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, StepTimeModel
 from ragspeed.engine.spec_decode import TargetParts, build_speculator
-from ragspeed.engine.threads import cpu_threads
 from ragspeed.prompt_cache.document_store import DocumentStore
 from ragspeed.prompt_cache.manager import KVCacheManager
 
@@ -64,88 +51,33 @@ class StepOutput:
 
 
 class LLMEngine:
+    """The engine over its parts, built by engine.factory.build_llm_engine: the loaded model
+    (its precision chosen), its tokenizer, the model runner over the KV pool and the manager of
+    the pool's blocks. Here they are wired to the scheduler, the sampler, the speculator and
+    the document cache."""
+
     def __init__(
         self,
         config: EngineConfig,
         *,
-        loaded: LoadedModel | None = None,
-        tokenizer: Any = None,
-        features: CpuFeatures | None = None,  # default: this CPU's (engine.cpu_features)
-        prefill_probe: PrefillProbe | None = None,  # default: measured here, cached (engine.quant.probe)
+        loaded: LoadedModel,
+        tokenizer: Any,
+        runner: ModelRunner,
+        manager: KVCacheManager,
+        prefill_choice: PrefillChoice | None = None,  # None off CPU
     ):
         self.config = config
         self.device = torch.device(config.device)
-        num_threads = config.num_threads or torch.get_num_threads()
-        if loaded is None:
-            path = resolve_model_path(config.model)
-            loaded = load_for_engine(
-                path,
-                config,
-                max_model_len=config.max_model_len,
-                num_threads=num_threads,
-            )
-        if loaded.arch.draft_vocab_size is not None:
-            raise ValueError(
-                f"model {config.model!r} is a draft with a {loaded.arch.draft_vocab_size}-token sub-vocabulary"
-                " head, not a model to serve: pass it as --draft-model of its target"
-            )
-        if tokenizer is None:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(resolve_tokenizer(config.tokenizer, loaded.path))
-        # The gates' windows fit the rotation table: a --max-model-len under 128 shortens them.
-        window = min(CALIBRATION_WINDOW, loaded.max_model_len)
-
-        def windows() -> list[list[int]]:
-            return calibration_windows(tokenizer, window)
-
-        if config.quantization == "auto" and loaded.quantization == "int8":
-            # auto's int8 serves only where the model's answers survive it (else fp32)
-            unquantized = replace(config, quantization=None)
-            with cpu_threads(num_threads):
-                loaded = gate_weights(
-                    loaded,
-                    lambda: load_for_engine(
-                        loaded.path,
-                        unquantized,
-                        max_model_len=config.max_model_len,
-                        num_threads=num_threads,
-                    ),
-                    windows,
-                )
-        # The prefill path (CPU): the fastest the plan offers that passes the quality gate.
-        if features is None and self.device.type == "cpu":
-            features = cpu_features.read_cpu_features()  # through the module: tests replace it
-        if prefill_probe is None:
-            prefill_probe = machine_probe(loaded.arch.hidden_size, num_threads)
-        plan = plan_prefill(config.dtype, loaded.quantization, config.device, features, prefill_probe)
-        self.prefill_choice: PrefillChoice | None = None
-        if plan is not None:
-            with cpu_threads(num_threads):
-                self.prefill_choice = choose_prefill(loaded, plan, windows)
+        self.prefill_choice = prefill_choice
         self.loaded = loaded
         self.tokenizer = tokenizer
         self.arch = loaded.arch
         self.model_name = config.model
         self.max_model_len = loaded.rotary.freqs_cis.shape[0]
         self.eos_token_ids = loaded.eos_token_ids
-        dtype = resolve_kv_dtype(config.kv_cache_dtype, loaded.model.dtype, config.device)
-        num_blocks = plan_num_blocks(
-            self.arch,
-            block_size=config.block_size,
-            dtype=dtype,
-            max_model_len=self.max_model_len,
-            num_kv_cache_tokens=config.num_kv_cache_tokens,
-            memory_fraction=config.kv_cache_memory_fraction,
-            device=config.device,
-        )
-        self.kv_pool = KVCachePool(self.arch, num_blocks, config.block_size, dtype, config.device)
-        self.manager = KVCacheManager(
-            num_blocks,
-            config.block_size,
-            enable_caching=config.enable_prefix_caching,
-            extra_key=f"{loaded.path.resolve()}|{dtype}",
-        )
+        self.runner = runner
+        self.kv_pool = runner.kv_pool
+        self.manager = manager
         self.scheduler = Scheduler(
             self.manager,
             max_num_seqs=config.max_num_seqs,
@@ -153,9 +85,6 @@ class LLMEngine:
             step_seconds=None if config.tpot_target_ms is None else config.tpot_target_ms / 1000,
             step_time=StepTimeModel(),
             min_prefill_tokens=config.block_size,
-        )
-        self.runner = ModelRunner(
-            loaded.model, loaded.rotary, self.kv_pool, config.device, num_threads=num_threads
         )
         self.sampler = Sampler(config.device, seed=config.seed)
         target = TargetParts(self.runner, self.manager, tokenizer, self.arch.vocab_size, self.max_model_len)
@@ -178,9 +107,9 @@ class LLMEngine:
             "decode reads %s, %.0f MiB resident",
             config.model,
             self.arch.family,
-            num_blocks,
+            manager.num_blocks,
             config.block_size,
-            str(dtype).removeprefix("torch."),
+            str(self.kv_pool.kv.dtype).removeprefix("torch."),
             self.kv_pool.num_bytes / 2**20,
             self.weights["quantization"],
             self.weights["decode"],

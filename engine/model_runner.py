@@ -17,9 +17,11 @@ make a step several times slower than on one thread.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from ragspeed.engine.attention import AttentionMetadata, decode_kernel_rows, slots, slots_at
+from ragspeed.engine.attention import AttentionMetadata, build_metadata, slots, slots_at
 from ragspeed.engine.cpu_kernels.decoder import FusedDecoder
 from ragspeed.engine.kv_cache import KVCachePool
 from ragspeed.engine.models.decoder import DecoderLM
@@ -118,38 +120,27 @@ class ModelRunner:
             return self.model.sample_logits(ids, freqs_cis, *caches, meta, rows)
 
     def _metadata(self, output: SchedulerOutput, slot_mapping: torch.Tensor) -> AttentionMetadata:
-        """The step's AttentionMetadata (engine.attention.build_metadata's), its tensors views of
-        the step buffers: the decode rows first in the kernel's rows, then each small chunk's."""
+        """The step's AttentionMetadata (engine.attention.build_metadata), its tensors views of
+        the step buffers."""
         decodes, prefills = output.decodes, output.prefills
-        num_decodes = len(decodes)
-        decode_tables = [c.block_table for c in decodes]
-        decode_lens = [c.context_len for c in decodes]
-        prefill_lens = [c.context_len for c in prefills]
-        prefill_queries = [c.num_tokens for c in prefills]
-        scattered = [c.positions or None for c in prefills]
-        rows = decode_kernel_rows(
-            decode_tables,
-            decode_lens,
-            [c.block_table for c in prefills],
-            prefill_lens,
-            prefill_queries,
-            scattered,
-            self.device,
-        )
-        buffers = self.buffers
-        row_tables, row_lens = buffers.kernel_rows(*(rows or (decode_tables, decode_lens)))
-        return AttentionMetadata(
+        return build_metadata(
+            decode_tables=[c.block_table for c in decodes],
+            decode_context_lens=[c.context_len for c in decodes],
+            prefill_tables=[list(c.block_table) for c in prefills],
+            prefill_context_lens=[c.context_len for c in prefills],
+            prefill_num_queries=[c.num_tokens for c in prefills],
             slot_mapping=slot_mapping,
-            num_decodes=num_decodes,
-            decode_block_tables=self._on_device(buffers.block_tables.rows(num_decodes)) if decodes else None,
-            decode_context_len=max(decode_lens, default=0),
-            decode_context_lens=self._on_device(buffers.context_lens.rows(num_decodes)) if decodes else None,
-            prefill_chunks=tuple(
-                zip([list(c.block_table) for c in prefills], prefill_lens, prefill_queries, scattered)
-            ),
             block_size=self.block_size,
+            device=self.device,
             dtype=self.model.dtype,
-            row_block_tables=None if rows is None else row_tables,
-            row_context_lens=None if rows is None else row_lens,
             num_threads=self.num_threads,
+            prefill_query_positions=[c.positions or None for c in prefills],
+            kernel_rows=self._kernel_rows,
         )
+
+    def _kernel_rows(
+        self, tables: Sequence[Sequence[int]], context_lens: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """attention.KernelRows in the step buffers, where the model runs."""
+        tables_t, lens_t = self.buffers.kernel_rows(tables, context_lens)
+        return self._on_device(tables_t), self._on_device(lens_t)

@@ -16,6 +16,10 @@ elsewhere (without those flags bf16 is emulated and ~30x slower). The model load
 text shipped with the package (engine.quant.gate: top-1 agreement and perplexity), keeps the
 first that passes, logs why each one before it fell back, and logs the chosen path beside the
 CPU's capabilities.
+
+`choose_precision` is the engine's precision stage, run on a model the loader has loaded
+(engine.factory): under `--quantization auto` the int8 weights first pass their own gate
+(`gate_weights`, else fp32 is reloaded), then the prefill path is chosen as above.
 """
 
 from __future__ import annotations
@@ -24,19 +28,21 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from ragspeed.engine import cpu_features
+from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.cpu_features import CpuFeatures
 from ragspeed.engine.dtypes import DtypeUnavailableError, dtype_choice
+from ragspeed.engine.loader import LoadedModel
+from ragspeed.engine.models.linear import DENSE_PREFILL_PATHS
 from ragspeed.engine.quant.gate import QualityGate, gate_prefill, use_prefill_path
 from ragspeed.engine.quant.prefill import PREFILL_PATHS, PrefillPath, runnable_paths
-from ragspeed.engine.quant.probe import PrefillProbe
-
-if TYPE_CHECKING:
-    from ragspeed.engine.loader import LoadedModel
-    from ragspeed.engine.quant.quality import QualityReport
+from ragspeed.engine.quant.probe import PrefillProbe, machine_probe
+from ragspeed.engine.quant.quality import QualityReport, compare_logits, decode_window_logits, window_logits
+from ragspeed.engine.threads import cpu_threads
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +68,6 @@ class PrefillPlan:
 def _kind_paths(quantization: str | None) -> tuple[str, tuple[PrefillPath, ...]]:
     if quantization == "int8":
         return "int8", PREFILL_PATHS
-    from ragspeed.engine.models.linear import DENSE_PREFILL_PATHS
-
     return "gguf" if quantization == "gguf" else "dense", DENSE_PREFILL_PATHS
 
 
@@ -150,8 +154,6 @@ def gate_weights(
     """Under `--quantization auto`, an int8 model (decode kernels, teacher-forced) against its
     fp32 reference from `load_reference()`: the int8 model where `gate` passes, else the
     reference, with a log line naming the figures either way."""
-    from ragspeed.engine.quant.quality import compare_logits, decode_window_logits, window_logits
-
     reference = load_reference()
     ids = windows()
     report = compare_logits(
@@ -177,8 +179,6 @@ def choose_prefill(
     """Gate `plan`'s faster paths against its exact one (on `windows()`, computed only where
     there is something to gate, or by `measure`, tests); move the model to the first that
     passes; log the choice."""
-    from ragspeed.engine.quant.quality import compare_logits, window_logits
-
     exact = plan.exact
     use_prefill_path(loaded.model, exact)
     choice = PrefillChoice(plan, exact)
@@ -203,3 +203,46 @@ def choose_prefill(
         choice = PrefillChoice(plan, chosen, outcome.reports, outcome.rejected)
     logger.info(choice.describe())
     return choice
+
+
+@dataclass(frozen=True)
+class PrecisionChoice:
+    """What the precision stage settled for a loaded model."""
+
+    loaded: LoadedModel  # the model to serve: as loaded, or fp32 where auto's int8 failed its gate
+    prefill: PrefillChoice | None  # None off CPU
+
+
+def choose_precision(
+    loaded: LoadedModel,
+    config: EngineConfig,
+    tokenizer: Any,
+    load_unquantized: Callable[[], LoadedModel],
+    *,
+    num_threads: int,
+    features: CpuFeatures | None = None,  # default: this CPU's (engine.cpu_features)
+    prefill_probe: PrefillProbe | None = None,  # default: measured here, cached (engine.quant.probe)
+) -> PrecisionChoice:
+    """The precision stage: `gate_weights` where `--quantization auto` loaded int8 (its fp32
+    reference from `load_unquantized()`), then `plan_prefill` and `choose_prefill` on CPU; both
+    measure on calibration windows of `tokenizer`, on `num_threads` threads."""
+    # The windows fit the rotation table: a --max-model-len under 128 shortens them.
+    window = min(CALIBRATION_WINDOW, loaded.max_model_len)
+
+    def windows() -> list[list[int]]:
+        return calibration_windows(tokenizer, window)
+
+    if config.quantization == "auto" and loaded.quantization == "int8":
+        # auto's int8 serves only where the model's answers survive it (else fp32)
+        with cpu_threads(num_threads):
+            loaded = gate_weights(loaded, load_unquantized, windows)
+    if features is None and torch.device(config.device).type == "cpu":
+        features = cpu_features.read_cpu_features()  # through the module: tests replace it
+    if prefill_probe is None:
+        prefill_probe = machine_probe(loaded.arch.hidden_size, num_threads)
+    plan = plan_prefill(config.dtype, loaded.quantization, config.device, features, prefill_probe)
+    prefill = None
+    if plan is not None:
+        with cpu_threads(num_threads):
+            prefill = choose_prefill(loaded, plan, windows)
+    return PrecisionChoice(loaded, prefill)

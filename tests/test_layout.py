@@ -31,8 +31,9 @@ def test_the_app_and_the_serve_command_import_no_tooling():
 
 
 def test_the_loader_imports_no_precision_plan():
-    """Loading comes first; the prefill plan and the quality gate are chosen after it."""
-    prefixes = ("ragspeed.engine.precision", "ragspeed.engine.quant.quality")
+    """Loading comes first; the prefill plan and the quality gate are chosen after it, so the
+    loader (and the quant package it reads) imports neither."""
+    prefixes = ("ragspeed.engine.precision", "ragspeed.engine.quant.quality", "ragspeed.engine.quant.gate")
     assert _imported_after("import ragspeed.engine.loader", prefixes) == []
 
 

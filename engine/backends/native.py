@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 import torch
 
 from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.factory import build_llm_engine
 from ragspeed.engine.llm_engine import LLMEngine, StepOutput
 from ragspeed.engine.prefix_store import (
     engine_fingerprint,
@@ -192,7 +193,7 @@ class NativeEngine:
         if self._thread is not None:
             return
         self._loop = asyncio.get_running_loop()
-        self._engine = await asyncio.to_thread(LLMEngine, self.config)
+        self._engine = await asyncio.to_thread(build_llm_engine, self.config)
         self.cpu_budget = CpuBudget(self._engine.num_threads)
         # The Rust tokenizers' batch encoding (the compressors' and embedders' tokenizers) runs
         # on a pool of one thread per core of its own, outside the budget; an operator's

@@ -6,10 +6,11 @@ ragspeed's blocked kernel, prefill chunks through a path chosen by the CPU's cap
 weight-only int8 with per-channel scales (per_channel, weight_only_int8).
 
 `QUANT_KINDS` is merged into `engine.models.linear.LINEAR_KINDS`; this package imports nothing
-from `engine.models`, so the model code depends on it and not the other way round.
+from `engine.models`, so the model code depends on it and not the other way round. Nor does it
+import the quality gate (gate, quality): those measure a loaded model, after the loader, which
+imports this package and so stays free of them.
 """
 
-from ragspeed.engine.quant.gate import QualityGate, gate_prefill, use_prefill_path
 from ragspeed.engine.quant.groupwise import GroupInt8Weight, quantize_groupwise
 from ragspeed.engine.quant.memory import resident_weight_bytes, unquantized_weight_bytes
 from ragspeed.engine.quant.per_channel import Int8Weight, quantize_per_channel
@@ -24,10 +25,7 @@ from ragspeed.engine.quant.registry import (
 __all__ = [
     "QUANT_KINDS",
     "GroupInt8Weight",
-    "QualityGate",
-    "gate_prefill",
     "quantize_groupwise",
-    "use_prefill_path",
     "Int8Linear",
     "Int8Weight",
     "QuantizationUnavailableError",

@@ -18,14 +18,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from torch import nn
 
 from ragspeed.engine.quant.prefill import PrefillPath
-
-if TYPE_CHECKING:  # engine.quant.quality imports the loader, which imports this package
-    from ragspeed.engine.quant.quality import QualityReport
+from ragspeed.engine.quant.quality import QualityReport
 
 logger = logging.getLogger(__name__)
 

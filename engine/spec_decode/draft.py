@@ -1,6 +1,7 @@
 """Draft-model proposer: a small model with the target's tokenizer and its own paged KV cache.
 
-The draft lives in the engine process beside the target: its own `KVCachePool` and a
+The draft lives in the engine process beside the target: its own `ModelRunner` over its own
+`KVCachePool` (the target's batch building and attention metadata, a second instance) and a
 `KVCacheManager` with prefix caching off (draft KV is never shared). Per request it keeps
 `num_computed` (leading tokens of the request's `all_token_ids` whose draft KV is in its blocks)
 and `pending` (the drafts it fed after them last time: KV written, not yet verified).
@@ -43,14 +44,15 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ragspeed.engine.attention import SMALL_CHUNK_QUERIES, build_metadata, padded_tables, slots
+from ragspeed.engine.attention import SMALL_CHUNK_QUERIES, padded_tables
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.kv_cache import KVCachePool
 from ragspeed.engine.loader import LoadedModel, load_for_engine, resolve_model_path
+from ragspeed.engine.model_runner import ModelRunner
 from ragspeed.engine.protocol import EngineError
 from ragspeed.engine.quant import QuantizationUnavailableError, available_quantizations
+from ragspeed.engine.scheduler import ScheduledChunk, SchedulerOutput
 from ragspeed.engine.spec_decode.proposer import TargetParts
-from ragspeed.engine.threads import forward_pass
 from ragspeed.prompt_cache.manager import KVCacheManager
 
 logger = logging.getLogger(__name__)
@@ -62,14 +64,32 @@ class _DraftState:
     pending: list[int] = field(default_factory=list)  # drafts fed after them, unverified
 
 
+@dataclass(frozen=True)
+class _DraftSequence:
+    """What the draft's runner reads of a request (engine.scheduler.ScheduledChunk.request):
+    the request's tokens followed by the drafts fed so far."""
+
+    all_token_ids: list[int]
+    prefill_only: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
 class _Drafting(NamedTuple):
     """A request drafting this call."""
 
     index: int  # in the batch
     state: _DraftState
-    block_table: list[int]
-    num_tokens: int  # the request's tokens; draft 1 goes at this position
+    block_table: tuple[int, ...]
+    token_ids: list[int]  # the request's all_token_ids
     k: int  # drafts wanted
+
+    @property
+    def num_tokens(self) -> int:
+        """The request's tokens; draft 1 goes at this position."""
+        return len(self.token_ids)
 
 
 class DraftProposer:
@@ -102,7 +122,6 @@ class DraftProposer:
             else min(loaded.arch.vocab_size, vocab_size or loaded.arch.vocab_size)
         )
         self.block_size = block_size
-        self.device = torch.device(device)
         # A request stops drafting after a draft the draft model gives less than this
         # probability: later drafts would rarely be accepted, and each costs a draft step.
         self.min_confidence = min_confidence
@@ -110,12 +129,19 @@ class DraftProposer:
         self.fused_steps = True
         # Time the latest propose_batch spent prefilling prompts (engine.spec_decode.proposer).
         self.setup_seconds = 0.0
-        # The target's forward thread count (engine.model_runner), for the draft's steps too.
-        self.num_threads = num_threads or torch.get_num_threads()
-        dtype = loaded.model.dtype
-        self.pool = KVCachePool(loaded.arch, num_blocks, block_size, dtype, device)
+        pool = KVCachePool(loaded.arch, num_blocks, block_size, loaded.model.dtype, device)
+        # On the target's forward thread count (engine.model_runner), for the draft's steps too.
+        self.runner = ModelRunner(loaded.model, loaded.rotary, pool, device, num_threads)
         self.manager = KVCacheManager(num_blocks, block_size, enable_caching=False)
         self._states: dict[str, _DraftState] = {}
+
+    @property
+    def num_threads(self) -> int:
+        return self.runner.num_threads
+
+    @num_threads.setter
+    def num_threads(self, num_threads: int) -> None:
+        self.runner.num_threads = num_threads
 
     def release(self, request_id: str) -> None:
         self._states.pop(request_id, None)
@@ -126,7 +152,7 @@ class DraftProposer:
         self.setup_seconds = 0.0
         drafts: list[list[int]] = [[] for _ in requests]
         active: list[_Drafting] = []
-        chunks: list[tuple[list[int], int, list[int]]] = []  # (token ids, start, block table)
+        chunks: list[ScheduledChunk] = []  # each request's catch-up
         for index, (request, k) in enumerate(zip(requests, num_tokens)):
             tokens = request.all_token_ids
             request_id = request.request_id
@@ -144,9 +170,11 @@ class DraftProposer:
             needed = len(tokens) + k - 1
             if needed > self.max_model_len or self.manager.allocate_slots(request_id, needed) is None:
                 continue  # the draft pool is full: no drafts for this request, nothing preempted
-            table = self.manager.block_table(request_id)
-            active.append(_Drafting(index, state, table, len(tokens), k))
-            chunks.append((tokens[num_computed:], num_computed, table))
+            table = self.manager.block_ids(request_id)
+            active.append(_Drafting(index, state, table, tokens, k))
+            chunks.append(
+                ScheduledChunk(_DraftSequence(tokens), num_computed, len(tokens) - num_computed, table)
+            )
         if not active:
             return drafts
 
@@ -156,19 +184,15 @@ class DraftProposer:
             a.state.pending = drafts[a.index][:-1]  # the fed drafts (the last one is not fed)
         return drafts
 
-    def _draft(
-        self,
-        active: list[_Drafting],
-        chunks: list[tuple[list[int], int, list[int]]],
-        drafts: list[list[int]],
-    ) -> None:
+    def _draft(self, active: list[_Drafting], chunks: list[ScheduledChunk], drafts: list[list[int]]) -> None:
         """Greedy draft steps: `chunks` (the catch-up) gives draft 1 of every active request,
         then one flat decode step per further draft; appends to `drafts` in place."""
         fused = self.model._fused_decoder() if self.fused_steps else None
         fused = fused if fused is not None and fused.greedy else None
-        prefill = max(len(c[0]) for c in chunks) > SMALL_CHUNK_QUERIES  # a new request's prompt
+        prefill = max(c.num_tokens for c in chunks) > SMALL_CHUNK_QUERIES  # a new request's prompt
         if fused is not None and not prefill:
-            self._fused_steps(fused, active, [c[0] for c in chunks], [c[1] for c in chunks], drafts)
+            fed = [c.request.all_token_ids[c.start :] for c in chunks]
+            self._fused_steps(fused, active, fed, [c.start for c in chunks], drafts)
             return
         going = active
         for step in range(max(a.k for a in active)):
@@ -177,7 +201,15 @@ class DraftProposer:
                 self._fused_steps(fused, going, fed, [a.num_tokens for a in going], drafts, 1)
                 return
             if step:  # requests still drafting feed their latest draft: one flat batch
-                chunks = [([drafts[a.index][-1]], a.num_tokens + step - 1, a.block_table) for a in going]
+                chunks = [
+                    ScheduledChunk(
+                        _DraftSequence(a.token_ids + drafts[a.index]),
+                        a.num_tokens + step - 1,
+                        1,
+                        a.block_table,
+                    )
+                    for a in going
+                ]
             start = time.perf_counter()
             new_tokens, confidences = self._forward(chunks)
             if prefill and not step:  # one-time work, not what drafting costs a step
@@ -206,13 +238,13 @@ class DraftProposer:
         (engine.cpu_kernels.decoder): the same kernels as the step-by-step loop, without its
         Python, which for a draft this small is a large share of a step."""
         longest = max(a.num_tokens + a.k - 1 for a in going)
-        tables = padded_tables([a.block_table for a in going], -(-longest // self.block_size))
+        tables = padded_tables([list(a.block_table) for a in going], -(-longest // self.block_size))
         steps = fused.greedy_steps(
             self.rotary.freqs_cis,
             self.vocab_size,
             self.d2t,
-            self.pool.k_caches,
-            self.pool.v_caches,
+            self.runner.kv_pool.k_caches,
+            self.runner.kv_pool.v_caches,
             tables,
             self.block_size,
             fed,
@@ -224,49 +256,17 @@ class DraftProposer:
         for a, tokens in zip(going, steps):
             drafts[a.index].extend(tokens)
 
-    def _forward(self, chunks: list[tuple[list[int], int, list[int]]]) -> tuple[list[int], list[float]]:
-        """One flat forward of the draft over `chunks` (token ids, first position, block table);
-        returns the greedy next token after each chunk's last token and its probability under
-        the draft, in the order given."""
-        bs = self.block_size
-        # Flat batch: one-token chunks (decodes) first, then the longer ones (prefills).
-        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i][0]) > 1)
-        num_decodes = sum(1 for i in order if len(chunks[i][0]) == 1)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        last_rows: list[int] = []
-        for i in order:
-            token_ids, start, table = chunks[i]
-            end = start + len(token_ids)
-            input_ids.extend(token_ids)
-            positions.extend(range(start, end))
-            slot_mapping.extend(slots(table, start, end, bs))
-            last_rows.append(len(input_ids) - 1)
-        decodes, prefills = order[:num_decodes], order[num_decodes:]
-        meta = build_metadata(
-            decode_tables=[chunks[i][2] for i in decodes],
-            decode_context_lens=[chunks[i][1] + 1 for i in decodes],
-            prefill_tables=[chunks[i][2] for i in prefills],
-            prefill_context_lens=[chunks[i][1] + len(chunks[i][0]) for i in prefills],
-            prefill_num_queries=[len(chunks[i][0]) for i in prefills],
-            slot_mapping=slot_mapping,
-            block_size=bs,
-            device=self.device,
-            dtype=self.model.dtype,
-            num_threads=self.num_threads,
-        )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        # The target's policy (engine.threads): draft steps are small, so their small ops run on
-        # one thread, where fork and join would cost more than the work they split.
-        with forward_pass([len(chunk[0]) for chunk in chunks], self.num_threads, self.device):
-            hidden = self.model(
-                ids, self.rotary.lookup(pos), self.pool.k_caches, self.pool.v_caches, meta
-            )  # [num_tokens, hidden_size]
-            if len(last_rows) < len(input_ids):
-                hidden = hidden[torch.tensor(last_rows, device=self.device)]
-            logits = self.model.compute_logits(hidden)[:, : self.vocab_size]  # [chunks, vocab]
+    def _forward(self, chunks: list[ScheduledChunk]) -> tuple[list[int], list[float]]:
+        """One forward of the draft's runner over `chunks`, each of which samples (it ends at its
+        sequence's last token); returns the greedy next token after each chunk and its
+        probability under the draft, in the order given."""
+        # The runner's flat batch: one-token chunks (decodes) first, then the longer ones.
+        order = sorted(range(len(chunks)), key=lambda i: chunks[i].num_tokens > 1)
+        num_decodes = sum(1 for c in chunks if c.num_tokens == 1)
+        batch = tuple(chunks[i] for i in order)
+        logits = self.runner.execute(SchedulerOutput(batch[:num_decodes], batch[num_decodes:]))
+        assert logits is not None, "every chunk ends at its sequence's last token, so it samples"
+        logits = logits[:, : self.vocab_size]  # [chunks, vocab], in batch order
         if self.min_confidence > 0.0:
             best, next_ids = logits.softmax(dim=-1).max(dim=-1)
             probs = best.tolist()
@@ -398,8 +398,8 @@ def build_draft_proposer(config: EngineConfig, target: TargetParts) -> DraftProp
         loaded.arch.num_layers,
         loaded.arch.num_logits,
         quantization or "unquantized",
-        proposer.pool.num_blocks,
+        proposer.manager.num_blocks,
         config.block_size,
-        proposer.pool.num_bytes / 2**20,
+        proposer.runner.kv_pool.num_bytes / 2**20,
     )
     return proposer

@@ -94,7 +94,7 @@ def run_bench_cache(
 ) -> dict[str, Any]:
     """Cache on and warm vs cache off; print a table, return (and write) flat JSON.
     `system_prompt`: the static prefix's text (default: the shipped system_prompt.txt)."""
-    from ragspeed.engine.llm_engine import LLMEngine
+    from ragspeed.engine.factory import build_llm_engine
     from ragspeed.engine.loader import resolve_model_path
 
     require_positive(
@@ -120,8 +120,8 @@ def run_bench_cache(
         seed=seed,
         enable_prefix_caching=True,
     )
-    cached = LLMEngine(cached_config)
-    plain = LLMEngine(
+    cached = build_llm_engine(cached_config)
+    plain = build_llm_engine(
         replace(cached_config, enable_prefix_caching=False), loaded=cached.loaded, tokenizer=cached.tokenizer
     )
     static, prompts = shared_prefix_prompts(cached.tokenizer, system_prompt.strip(), num_questions)

@@ -146,7 +146,7 @@ def run_bench_documents(
     seed: int = 0,
 ) -> dict[str, Any]:
     """Full, cold and warm TTFT per trial; print a table, return (and write) flat JSON."""
-    from ragspeed.engine.llm_engine import LLMEngine
+    from ragspeed.engine.factory import build_llm_engine
     from ragspeed.engine.loader import resolve_model_path
 
     require_positive(num_trials=num_trials)
@@ -155,7 +155,7 @@ def run_bench_documents(
         require_positive(threads=threads)
         torch.set_num_threads(threads)
     trials = file_trials(data, num_trials) if data is not None else shipped_trials(num_trials)
-    engine = LLMEngine(
+    engine = build_llm_engine(
         EngineConfig(
             model=str(resolve_model_path(model)),
             num_kv_cache_tokens=32768,

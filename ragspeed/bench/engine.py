@@ -288,7 +288,7 @@ def bench_engine(
     """Measure the native engine (and transformers beside it); print a table, return flat JSON."""
     from transformers import AutoConfig
 
-    from ragspeed.engine.llm_engine import LLMEngine
+    from ragspeed.engine.factory import build_llm_engine
     from ragspeed.engine.loader import context_limit, resolve_model_path
 
     options.check()
@@ -297,7 +297,7 @@ def bench_engine(
     attention_lens = fit_lengths(options.attention_lens, context_limit(AutoConfig.from_pretrained(path)))
     max_model_len = _max_model_len(options, attention_lens)
     config = _engine_config(path, options, max_model_len)
-    engine = LLMEngine(config)
+    engine = build_llm_engine(config)
     contenders, requests, llama = _contenders(model, path, engine, options, max_model_len)
     probe = BandwidthProbe()
     gemm_rate = measure_gemm_rate()

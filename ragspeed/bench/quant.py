@@ -142,12 +142,12 @@ def run_bench_quant(
 def _build_engines(path: Path, max_model_len: int, seed: int) -> dict[str, Any]:
     """Native engines by name: int8, fp32 and, when the model is a GGUF file, its own blocks
     (engine.quant.gguf_blocks)."""
+    from ragspeed.engine.factory import build_llm_engine
     from ragspeed.engine.gguf import source_of
-    from ragspeed.engine.llm_engine import LLMEngine
 
     kinds = {"int8": "int8", "fp32": None, **({"gguf": "gguf"} if source_of(path) is not None else {})}
     return {
-        name: LLMEngine(
+        name: build_llm_engine(
             EngineConfig(
                 model=str(path),
                 dtype="float32",  # the reference and the int8 timings: no bf16 dense prefill

@@ -228,14 +228,14 @@ def _build_engines(
     model: str, num_speculative_tokens: int, draft_model: str | None, draft_quantization: str | None
 ) -> _SpecEngines:
     """Plain, n-gram, draft-model and ceiling engines over one load of the target's weights."""
-    from ragspeed.engine.llm_engine import LLMEngine
+    from ragspeed.engine.factory import build_llm_engine
     from ragspeed.engine.loader import load_model, resolve_model_path
 
     base = EngineConfig(model=model, num_kv_cache_tokens=32 * 1024, max_model_len=4096)
     loaded = load_model(resolve_model_path(model), device="cpu", dtype="float32", max_model_len=4096)
-    plain = LLMEngine(base, loaded=loaded)
+    plain = build_llm_engine(base, loaded=loaded)
     spec_config = replace(base, speculative="ngram", num_speculative_tokens=num_speculative_tokens)
-    ngram = LLMEngine(spec_config, loaded=loaded, tokenizer=plain.tokenizer)
+    ngram = build_llm_engine(spec_config, loaded=loaded, tokenizer=plain.tokenizer)
     draft_config = replace(
         base,
         speculative="draft",
@@ -243,8 +243,8 @@ def _build_engines(
         draft_quantization=draft_quantization,
         num_speculative_tokens=num_speculative_tokens,
     )
-    draft = LLMEngine(draft_config, loaded=loaded, tokenizer=plain.tokenizer) if draft_model else None
-    ceiling = LLMEngine(spec_config, loaded=loaded, tokenizer=plain.tokenizer)
+    draft = build_llm_engine(draft_config, loaded=loaded, tokenizer=plain.tokenizer) if draft_model else None
+    ceiling = build_llm_engine(spec_config, loaded=loaded, tokenizer=plain.tokenizer)
     return _SpecEngines(plain, ngram, draft, ceiling, draft_config)
 
 

@@ -403,10 +403,10 @@ def engine_acceptance(
 ) -> dict[str, float]:
     """Acceptance of the draft in the native engine (greedy, k = 4, adaptive), one request at a time."""
     from ragspeed.engine.config import EngineConfig
-    from ragspeed.engine.llm_engine import LLMEngine
+    from ragspeed.engine.factory import build_llm_engine
     from ragspeed.engine.protocol import GenerationRequest, SamplingParams
 
-    engine = LLMEngine(
+    engine = build_llm_engine(
         EngineConfig(
             model=str(target_path),
             speculative="draft",
@@ -548,10 +548,10 @@ def distill_draft(
 def _generator(target_dir: Path, tokenizer: Any, recipe: DistillRecipe, seed: int) -> Any:
     """The native engine that writes the target's continuations."""
     from ragspeed.engine.config import EngineConfig
-    from ragspeed.engine.llm_engine import LLMEngine
+    from ragspeed.engine.factory import build_llm_engine
 
     max_model_len = recipe.seq_len + recipe.max_new_tokens
-    return LLMEngine(
+    return build_llm_engine(
         EngineConfig(
             model=str(target_dir),
             max_model_len=max_model_len,

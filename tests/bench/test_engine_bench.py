@@ -13,7 +13,7 @@ from ragspeed.bench.engine import (
     parse_lengths,
 )
 from ragspeed.engine.config import EngineConfig
-from ragspeed.engine.llm_engine import LLMEngine
+from ragspeed.engine.factory import build_llm_engine
 from tests.engine.tiny_models import build_tiny_checkpoint
 
 
@@ -37,7 +37,7 @@ def test_the_attention_line_names_each_length():
 def test_the_attention_share_of_a_prefill_comes_from_the_profiler_event(tmp_path):
     path = build_tiny_checkpoint("llama", tmp_path / "llama", seed=1)
     config = EngineConfig(model=str(path), max_model_len=256, num_kv_cache_tokens=1024, block_size=8)
-    contender = _NativeContender(LLMEngine(config))
+    contender = _NativeContender(build_llm_engine(config))
     share, ttft = contender.attention_share(tuple(range(2, 102)))  # one chunk of 100 queries
     assert 0.0 < share < 1.0
     assert ttft > 0.0

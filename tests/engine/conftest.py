@@ -9,6 +9,7 @@ import torch
 
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.cpu_kernels.blocked import INT8_GROUP
+from ragspeed.engine.factory import build_llm_engine
 from ragspeed.engine.llm_engine import LLMEngine
 from tests.engine.tiny_models import build_tiny_checkpoint
 
@@ -61,8 +62,13 @@ def _hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
 
 
 def make_engine(path, features=None, prefill_probe=None, **overrides) -> LLMEngine:
-    """An engine on fp32 unless asked: `--dtype auto` would pick bf16 prefill products on a CPU
-    with AVX512-BF16 or AMX, whose rounding depends on the batch's rows, and the fp16 KV cache
+    """An engine of `engine_config(path, **overrides)`."""
+    return build_llm_engine(engine_config(path, **overrides), features=features, prefill_probe=prefill_probe)
+
+
+def engine_config(path, **overrides) -> EngineConfig:
+    """The tests' config, on fp32 unless asked: `--dtype auto` would pick bf16 prefill products
+    on a CPU with AVX512-BF16 or AMX, whose rounding depends on the batch's rows, and the fp16 KV cache
     of `--kv-cache-dtype auto` rounds every key and value, while these tests compare runs token
     for token and against fp32 references (engine.precision's own tests choose paths with
     injected CPU features; test_kv_dtype covers the fp16 pool). No step time budget unless
@@ -78,7 +84,7 @@ def make_engine(path, features=None, prefill_probe=None, **overrides) -> LLMEngi
         tpot_target_ms=None,
     )
     kwargs.update(overrides)
-    return LLMEngine(EngineConfig(**kwargs), features=features, prefill_probe=prefill_probe)
+    return EngineConfig(**kwargs)
 
 
 def speculate_every_step(engine: LLMEngine) -> None:

@@ -88,11 +88,11 @@ def test_bad_dtypes_are_refused_with_what_runs():
 
 def test_engine_start_up_refuses_bfloat16_without_bf16(tiny_checkpoints):
     from ragspeed.engine.config import EngineConfig
-    from ragspeed.engine.llm_engine import LLMEngine
+    from ragspeed.engine.factory import build_llm_engine
 
     config = EngineConfig(model=str(tiny_checkpoints["llama"]), dtype="bfloat16", max_model_len=64)
     with pytest.raises(DtypeUnavailableError, match=r"this CPU \(AMD EPYC\) has avx2: use --dtype auto"):
-        LLMEngine(config, features=AVX2)
+        build_llm_engine(config, features=AVX2)
 
 
 def test_settings_list_the_dtypes():
