@@ -7,8 +7,18 @@ engine loads on its own count, and the products run on it (engine.threads).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any, Protocol
+
 import torch
 from torch import nn
+
+
+class Shaped(Protocol):
+    """A weight as `check_weights` reads it: a tensor, or a GGUF file's blocks."""
+
+    @property
+    def shape(self) -> Sequence[int]: ...
 
 
 class LinearKind(nn.Module):
@@ -19,7 +29,12 @@ class LinearKind(nn.Module):
         self.has_bias = bias
         self.num_threads = 1  # set by load
 
-    def check_weights(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def load(self, weight: Any, bias: torch.Tensor | None = None) -> None:
+        """Check `weight` ([out_features, in_features]) and `bias` and pack them (each kind its
+        own way; the weight's type is the kind's: a tensor, or a GGUF file's blocks)."""
+        raise NotImplementedError
+
+    def check_weights(self, weight: Shaped, bias: torch.Tensor | None) -> None:
         """Refuse a weight ([out_features, in_features]) or bias that does not fit; note the
         thread count of this load."""
         if tuple(weight.shape) != (self.out_features, self.in_features):

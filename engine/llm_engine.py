@@ -96,11 +96,12 @@ class LLMEngine:
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         # What the weights are and which products read them: start-up log, GET /v1/models.
-        self.weights = {
+        resident_bytes = resident_weight_bytes(loaded.model)
+        self.weights: dict[str, str | int | None] = {
             "quantization": loaded.quantization or "none",
             "decode": decode_weights(loaded.model),
             "prefill": None if self.prefill_choice is None else self.prefill_choice.path.name,
-            "resident_bytes": resident_weight_bytes(loaded.model),
+            "resident_bytes": resident_bytes,
         }
         logger.info(
             "native engine: %s (%s), KV pool %d blocks x %d tokens (%s, %.0f MiB); weights %s, "
@@ -113,7 +114,7 @@ class LLMEngine:
             self.kv_pool.num_bytes / 2**20,
             self.weights["quantization"],
             self.weights["decode"],
-            self.weights["resident_bytes"] / 2**20,
+            resident_bytes / 2**20,
         )
 
     def _document_cache(self, config: EngineConfig) -> DocumentKVCache | None:
@@ -269,10 +270,11 @@ class LLMEngine:
             request = chunk.request
             if request.prefill_only and request.num_computed_tokens == request.num_tokens:
                 if request.document_key is not None:  # a document prefill: nobody streams it
+                    assert self.documents is not None, "document prefills come from the document cache"
                     self.documents.capture(request, self.manager.block_table(request.request_id))
                     self.scheduler.finish(request, "stop")
                     continue
-                pinned = ()
+                pinned: tuple[int, ...] = ()
                 if request.pin:  # before finish: the request still holds its blocks
                     pinned = tuple(self.manager.pin(request.prompt_token_ids, request.cache_salt))
                 self.scheduler.finish(request, "stop")
@@ -309,6 +311,7 @@ class LLMEngine:
             sampled = self.sampler(logits[rows], [c.request.sampling for c, _ in plain])
             new_tokens.update({c.request.request_id: [t] for (c, _), t in zip(plain, sampled)})
         for chunk, first in spec:
+            assert self.speculator is not None, "draft tokens come from the speculator"
             rows_k = logits[first : first + 1 + len(chunk.draft_token_ids)]  # [1 + k, vocab]
             new_tokens[chunk.request.request_id] = self.speculator.verify(
                 chunk.request, chunk.draft_token_ids, rows_k, self.sampler.generator
@@ -357,6 +360,8 @@ class LLMEngine:
         )
 
     def _append_token(self, request: Request, token: int, logprob: TokenLogprob | None = None) -> StepOutput:
+        detokenizer = request.detokenizer
+        assert detokenizer is not None, "a request that samples has a detokenizer"
         request.all_token_ids.append(token)
         self.num_generation_tokens_total += 1
         params = request.sampling.params
@@ -365,7 +370,7 @@ class LLMEngine:
         if token in request.sampling.stop_token_ids:
             finish = "stop"  # the stop token's text is not part of the output
         else:
-            text = request.stop_matcher.feed(request.detokenizer.add([token]))
+            text = request.stop_matcher.feed(detokenizer.add([token]))
             if request.stop_matcher.stopped:
                 finish = "stop"
         if finish is None and (
@@ -374,7 +379,7 @@ class LLMEngine:
             finish = "length"
         if finish is not None:
             if not request.stop_matcher.stopped:
-                text += request.stop_matcher.feed(request.detokenizer.flush())
+                text += request.stop_matcher.feed(detokenizer.flush())
                 text += request.stop_matcher.flush()
             self.scheduler.finish(request, finish)
         logprobs = None if logprob is None else (logprob,)
@@ -457,14 +462,15 @@ def _logprobs(
     """For each i, token `tokens[i]` of `requests[i]` was sampled from `logits[rows[i]]`: its
     TokenLogprob where the request asked, else None; nothing is computed when nobody asked."""
     out: list[TokenLogprob | None] = [None] * len(rows)
-    wanted = [i for i, r in enumerate(requests) if r.sampling.params.logprobs is not None]
+    # (i, the alternatives request i wants) for the requests that asked
+    wanted = [(i, n) for i, r in enumerate(requests) if (n := r.sampling.params.logprobs) is not None]
     if wanted:
         computed = token_logprobs(
             logits,
-            [rows[i] for i in wanted],
-            [tokens[i] for i in wanted],
-            [requests[i].sampling.params.logprobs for i in wanted],
+            [rows[i] for i, _ in wanted],
+            [tokens[i] for i, _ in wanted],
+            [n for _, n in wanted],
         )
-        for i, logprob in zip(wanted, computed):
+        for (i, _), logprob in zip(wanted, computed):
             out[i] = logprob
     return out

@@ -24,7 +24,7 @@ import logging
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors import safe_open
@@ -33,7 +33,7 @@ from ragspeed.engine import gguf
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.dtypes import compute_dtype
 from ragspeed.engine.models.arch import ModelArch
-from ragspeed.engine.models.decoder import DecoderLM
+from ragspeed.engine.models.decoder import DecoderLayer, DecoderLM
 from ragspeed.engine.models.rotary import RotaryEmbedding, permute_heads
 from ragspeed.engine.quant import QuantizationUnavailableError, available_quantizations, check_quantization
 from ragspeed.engine.quant.gguf_blocks import KERNEL_TYPES, GgufBlocks, cat_rows, map_rows
@@ -191,7 +191,8 @@ def load_weights(model: DecoderLM, tensors: dict[str, torch.Tensor | GgufBlocks]
 
     embedding = take("model.embed_tokens.weight")
     model.embed_tokens = embedding
-    for i, layer in enumerate(model.layers):
+    for i, module in enumerate(model.layers):
+        layer = cast(DecoderLayer, module)
         p = f"model.layers.{i}."
         layer.input_layernorm.weight = take(p + "input_layernorm.weight")
         layer.post_attention_layernorm.weight = take(p + "post_attention_layernorm.weight")

@@ -75,7 +75,7 @@ def plan_prefill(
     dtype: str,
     quantization: str | None,
     device: str | torch.device,
-    features: CpuFeatures,
+    features: CpuFeatures | None,  # None only off CPU
     probe: PrefillProbe,
 ) -> PrefillPlan | None:
     """The plan for a model on `device` (None off CPU: one dtype serves everything there), its
@@ -84,6 +84,7 @@ def plan_prefill(
     choice = dtype_choice(dtype)
     if torch.device(device).type != "cpu":
         return None
+    assert features is not None, "a CPU plan reads the CPU's features"
     kind, paths = _kind_paths(quantization)
     admitted = tuple(p for p in paths if p.precision in choice.admits)
     unavailable = {p.name: why for p in admitted[:-1] if (why := p.missing(features)) is not None}

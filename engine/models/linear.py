@@ -96,10 +96,10 @@ class DenseLinear(LinearKind):
 
     def use_prefill(self, path: PrefillPath) -> None:
         """Rebuild the packed copy that prefill products read for `path` (CPU)."""
-        assert self.blocked is not None or self.source is not None, "load() on CPU first"
         weight = self.source if self.blocked is None else self.blocked.unblocked()[0]
+        assert weight is not None, "load() on CPU first"
         self.path = path
-        self.prefill = path.build(weight, self.bias)
+        self.prefill = _packed_by(path, weight, self.bias)
 
     def blocked_weight(self) -> BlockedWeight | None:
         return self.blocked
@@ -124,9 +124,17 @@ class DenseLinear(LinearKind):
             return self.blocked.forward(x, self.num_threads)
         if self.prefill is not None:
             return linear_threads(self.num_threads, self.prefill.forward, x)
+        assert self.weight_t is not None, "load() first"
         if self.bias is None:
             return torch.mm(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)
+
+
+def _packed_by(path: PrefillPath, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear:
+    """The packed copy a dense path builds (every dense path packs for oneDNN)."""
+    packed = path.build(weight, bias)
+    assert isinstance(packed, PackedLinear), f"{path.name} is no dense prefill path"
+    return packed
 
 
 def _same_dtype(weight: torch.Tensor) -> PrefillPath:
@@ -167,18 +175,26 @@ class GgufLinear(DenseLinear):
             super().use_prefill(path)
             return
         self.path = path
-        self.prefill = path.build(kernel_dequantize(*self.blocked.unblocked()), self.bias)
+        values, scales = self.blocks.unblocked()
+        assert scales is not None, "blocks carry their steps"
+        self.prefill = _packed_by(path, kernel_dequantize(values, scales), self.bias)
+
+    @property
+    def blocks(self) -> BlockedWeight:
+        """The file's blocks, as the kernels read them (a weight that decodes on its blocks)."""
+        assert self.qtype is not None and self.blocked is not None, "no blocks loaded"
+        return self.blocked
 
     @property
     def num_weight_bytes(self) -> int:
-        return super().num_weight_bytes if self.qtype is None else self.blocked.num_bytes
+        return super().num_weight_bytes if self.qtype is None else self.blocks.num_bytes
 
     @property
     def num_resident_bytes(self) -> int:
         if self.qtype is None:
             return super().num_resident_bytes
         prefill = 0 if self.prefill is None else self.num_params * self.prefill.element_size
-        return self.blocked.num_bytes + prefill
+        return self.blocks.num_bytes + prefill
 
 
 class GgufHead(GgufLinear):
@@ -192,7 +208,7 @@ class GgufHead(GgufLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qtype is None:
             return super().forward(x)
-        return self.blocked.forward(x, self.num_threads)
+        return self.blocks.forward(x, self.num_threads)
 
 
 def decode_weights(model: nn.Module) -> str:
@@ -214,7 +230,7 @@ def decode_weights(model: nn.Module) -> str:
 
 
 # quantization name (EngineConfig.quantization) -> linear kind.
-LINEAR_KINDS: dict[str | None, Callable[[int, int, bool], nn.Module]] = {
+LINEAR_KINDS: dict[str | None, Callable[[int, int, bool], LinearKind]] = {
     None: DenseLinear,
     "gguf": GgufLinear,
     **QUANT_KINDS,  # 'int8' (engine.quant)
@@ -232,7 +248,7 @@ def build_linear(
     bias: bool = False,
     quantization: str | None = None,
     head: bool = False,
-) -> nn.Module:
+) -> LinearKind:
     kind = (HEAD_KINDS if head else LINEAR_KINDS).get(quantization)
     if kind is None:
         known = ", ".join(repr(k) for k in LINEAR_KINDS)

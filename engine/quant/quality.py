@@ -117,7 +117,7 @@ def compare_logits(
         quant = quantized(ids)[:-1].to(ref.device)
         nll_ref += F.cross_entropy(ref, targets.to(ref.device), reduction="sum").item()
         nll_quant += F.cross_entropy(quant, targets.to(ref.device), reduction="sum").item()
-        agree += (ref.argmax(-1) == quant.argmax(-1)).sum().item()
+        agree += int((ref.argmax(-1) == quant.argmax(-1)).sum().item())
         squared_error += (quant - ref).double().square().sum().item()
         total += len(ids) - 1
     ppl_ref, ppl_quant = math.exp(nll_ref / total), math.exp(nll_quant / total)

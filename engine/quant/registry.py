@@ -15,7 +15,6 @@ from collections.abc import Callable
 from typing import Protocol
 
 import torch
-from torch import nn
 
 from ragspeed.engine import cpu_features
 from ragspeed.engine.linear_kind import LinearKind
@@ -100,7 +99,7 @@ class Int8Linear(LinearKind):
 
 
 # quantization name -> linear kind; merged into engine.models.linear.LINEAR_KINDS.
-QUANT_KINDS: dict[str, type[nn.Module]] = {"int8": Int8Linear}
+QUANT_KINDS: dict[str | None, Callable[[int, int, bool], LinearKind]] = {"int8": Int8Linear}
 
 # quantization name -> device type -> is it runnable here.
 _RUNNABLE: dict[str, dict[str, Callable[[], bool]]] = {

@@ -40,7 +40,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 
@@ -54,6 +54,9 @@ from ragspeed.engine.quant import QuantizationUnavailableError, available_quanti
 from ragspeed.engine.scheduler import ScheduledChunk, SchedulerOutput
 from ragspeed.engine.spec_decode.proposer import TargetParts
 from ragspeed.prompt_cache.manager import KVCacheManager
+
+if TYPE_CHECKING:
+    from ragspeed.engine.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -76,11 +79,16 @@ class _DraftSequence:
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
 
+    def chunk(self, start: int, num_tokens: int, block_table: tuple[int, ...]) -> ScheduledChunk:
+        """Tokens `start .. start + num_tokens` of this sequence, for the draft's runner. The
+        runner reads only what a sequence has of a `Request` (its tokens, `prefill_only`)."""
+        return ScheduledChunk(cast("Request", self), start, num_tokens, block_table)
+
 
 class _Drafting(NamedTuple):
     """A request drafting this call."""
 
-    index: int  # in the batch
+    row: int  # in the batch
     state: _DraftState
     block_table: tuple[int, ...]
     token_ids: list[int]  # the request's all_token_ids
@@ -172,16 +180,14 @@ class DraftProposer:
                 continue  # the draft pool is full: no drafts for this request, nothing preempted
             table = self.manager.block_ids(request_id)
             active.append(_Drafting(index, state, table, tokens, k))
-            chunks.append(
-                ScheduledChunk(_DraftSequence(tokens), num_computed, len(tokens) - num_computed, table)
-            )
+            chunks.append(_DraftSequence(tokens).chunk(num_computed, len(tokens) - num_computed, table))
         if not active:
             return drafts
 
         self._draft(active, chunks, drafts)
         for a in active:
             a.state.num_computed = a.num_tokens
-            a.state.pending = drafts[a.index][:-1]  # the fed drafts (the last one is not fed)
+            a.state.pending = drafts[a.row][:-1]  # the fed drafts (the last one is not fed)
         return drafts
 
     def _draft(self, active: list[_Drafting], chunks: list[ScheduledChunk], drafts: list[list[int]]) -> None:
@@ -197,16 +203,13 @@ class DraftProposer:
         going = active
         for step in range(max(a.k for a in active)):
             if step and fused is not None:  # after a long catch-up (a prefill) forward
-                fed = [[drafts[a.index][-1]] for a in going]
+                fed = [[drafts[a.row][-1]] for a in going]
                 self._fused_steps(fused, going, fed, [a.num_tokens for a in going], drafts, 1)
                 return
             if step:  # requests still drafting feed their latest draft: one flat batch
                 chunks = [
-                    ScheduledChunk(
-                        _DraftSequence(a.token_ids + drafts[a.index]),
-                        a.num_tokens + step - 1,
-                        1,
-                        a.block_table,
+                    _DraftSequence(a.token_ids + drafts[a.row]).chunk(
+                        a.num_tokens + step - 1, 1, a.block_table
                     )
                     for a in going
                 ]
@@ -215,7 +218,7 @@ class DraftProposer:
             if prefill and not step:  # one-time work, not what drafting costs a step
                 self.setup_seconds = time.perf_counter() - start
             for a, token in zip(going, new_tokens):
-                drafts[a.index].append(token)
+                drafts[a.row].append(token)
             going = [
                 a
                 for a, confidence in zip(going, confidences)
@@ -254,7 +257,7 @@ class DraftProposer:
             self.num_threads,
         )
         for a, tokens in zip(going, steps):
-            drafts[a.index].extend(tokens)
+            drafts[a.row].extend(tokens)
 
     def _forward(self, chunks: list[ScheduledChunk]) -> tuple[list[int], list[float]]:
         """One forward of the draft's runner over `chunks`, each of which samples (it ends at its
@@ -346,6 +349,7 @@ def build_draft_proposer(config: EngineConfig, target: TargetParts) -> DraftProp
     from ragspeed.engine.model_zoo import ModelUnavailableError
 
     name = config.draft_model
+    assert name is not None, "the proposer's factory names the draft"
     try:
         path = resolve_model_path(name)
     except ModelUnavailableError as error:  # e.g. a trained draft not built yet: says how

@@ -107,7 +107,7 @@ PROPOSERS: dict[str, Callable[[EngineConfig, TargetParts], Proposer]] = {
 
 
 def build_proposer(config: EngineConfig, target: TargetParts) -> Proposer:
-    factory = PROPOSERS.get(config.speculative)
+    factory = PROPOSERS.get(config.speculative or "")
     if factory is None:
         raise EngineError(
             f"unknown speculative method {config.speculative!r}; choose one of {', '.join(PROPOSERS)}",
