@@ -98,7 +98,7 @@ def test_engine_start_up_refuses_bfloat16_without_bf16(tiny_checkpoints):
 def test_settings_list_the_dtypes():
     from ragspeed.gateway.settings import ConfigError, load_settings
 
-    assert load_settings().dtype == "auto"
+    assert load_settings().engine.dtype == "auto"
     with pytest.raises(
         ConfigError, match="dtype: Input should be 'auto', 'float32', 'bfloat16' or 'float16'"
     ):
