@@ -8,10 +8,22 @@ import pytest
 import torch
 
 from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.cpu_features import CpuFeatures
 from ragspeed.engine.cpu_kernels.blocked import INT8_GROUP
 from ragspeed.engine.factory import build_llm_engine
 from ragspeed.engine.llm_engine import LLMEngine
 from tests.engine.tiny_models import build_tiny_checkpoint
+
+# CPUs the precision and probe tests inject: Zen 3 (AVX2 only), a Xeon with AMX, Zen 4.
+AVX2 = CpuFeatures("AMD EPYC", frozenset({"avx2"}), "AVX2")
+AMX = CpuFeatures(
+    "Intel Xeon",
+    frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8"}),
+    "AVX512",
+)
+AVX512_BF16 = CpuFeatures(
+    "AMD EPYC Zen 4", frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16"}), "AVX512"
+)
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 SEEDS = {"llama": 1, "qwen2": 2, "qwen3": 3, "mistral": 4}

@@ -9,7 +9,6 @@ import logging
 import pytest
 import torch
 
-from ragspeed.engine.cpu_features import CpuFeatures
 from ragspeed.engine.dtypes import DTYPES, DtypeUnavailableError, dtype_choice, model_dtype
 from ragspeed.engine.loader import load_model
 from ragspeed.engine.models.linear import DENSE_PREFILL_PATHS, DenseLinear
@@ -18,17 +17,8 @@ from ragspeed.engine.protocol import GenerationRequest, SamplingParams
 from ragspeed.engine.quant.gate import QualityGate, use_prefill_path
 from ragspeed.engine.quant.probe import Measurement, PrefillProbe, ProbeGemm
 from ragspeed.engine.quant.quality import QualityReport
-from tests.engine.conftest import make_engine
+from tests.engine.conftest import AMX, AVX2, AVX512_BF16, make_engine
 
-AVX2 = CpuFeatures("AMD EPYC", frozenset({"avx2"}), "AVX2")
-AMX = CpuFeatures(
-    "Intel Xeon",
-    frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8"}),
-    "AVX512",
-)
-AVX512_BF16 = CpuFeatures(
-    "AMD EPYC Zen 4", frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16"}), "AVX512"
-)
 # The prefill paths' product times, injected (engine.quant.probe; its own tests order by others)
 SECONDS = {"bf16": 1.0, "fp32": 4.0, "bf16-dequantized": 1.0, "fbgemm-u8": 2.0, "fp32-dequantized": 4.0}
 PROBE = PrefillProbe(

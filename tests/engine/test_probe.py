@@ -11,7 +11,6 @@ import logging
 import pytest
 import torch
 
-from ragspeed.engine.cpu_features import CpuFeatures
 from ragspeed.engine.models.linear import DENSE_PREFILL_PATHS
 from ragspeed.engine.precision import plan_prefill
 from ragspeed.engine.quant.prefill import PREFILL_PATHS, prefill_candidates, runnable_paths
@@ -22,16 +21,8 @@ from ragspeed.engine.quant.probe import (
     machine_probe,
     time_products,
 )
+from tests.engine.conftest import AMX, AVX2, AVX512_BF16
 
-AVX2 = CpuFeatures("AMD EPYC", frozenset({"avx2"}), "AVX2")
-AMX = CpuFeatures(
-    "Intel Xeon",
-    frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8"}),
-    "AVX512",
-)
-AVX512_BF16 = CpuFeatures(
-    "AMD EPYC Zen 4", frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16"}), "AVX512"
-)
 GEMM = ProbeGemm(in_features=64, num_threads=2, rows=8, out_features=32)  # 32,768 FLOPs
 
 
