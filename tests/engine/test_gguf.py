@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import re
 from pathlib import Path
 
@@ -264,6 +265,19 @@ def test_converted_once_then_reused(tiny_gguf, tmp_path):
     assert converted_copy(tiny_gguf, folder) == folder and _stamp(folder) == stamp
     assert json.loads((folder / MANIFEST_NAME).read_text())["source"]["mtime_ns"] == 1
     assert not list(cache.rglob(".*"))  # no staging folder or manifest draft left
+
+
+def test_the_same_bytes_at_another_path_are_recorded_there(tiny_gguf, tmp_path):
+    """One cached copy for a zoo name, checked against the wheel of whichever environment runs:
+    when the old environment is deleted, the blocks are read from the new one's file."""
+    folder = converted_copy(tiny_gguf, tmp_path / "copy")
+    stamp = _stamp(folder)
+    moved = tmp_path / "other-env" / "tiny.gguf"
+    moved.parent.mkdir()
+    shutil.copy2(tiny_gguf, moved)
+    tiny_gguf.unlink()
+    assert converted_copy(moved, folder) == folder and _stamp(folder) == stamp  # not rebuilt
+    assert gguf_module.source_of(folder) == moved.resolve()
 
 
 def test_a_changed_source_is_reconverted(tiny_checkpoints, tiny_gguf, tmp_path):
