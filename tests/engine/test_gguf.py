@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
