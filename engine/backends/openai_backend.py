@@ -3,7 +3,9 @@
 Upstreams are vLLM, SGLang, TGI or another ragspeed. The gateway has already rendered the
 prompt (static system prompt first, compressed documents, history, question), so the request
 goes to the upstream's `/v1/completions` as text and streams back. Closing the stream (the
-client went away) closes the upstream connection, which makes the upstream abort too.
+client went away) closes the upstream connection, which makes the upstream abort too. The
+requests go through a small pooled HTTP/1.1 client of the backend's own
+(engine/backends/http11.py): one write a request.
 
 Failures: a request that failed to connect (nothing was sent, so it is safe to repeat) is
 retried on the next upstream after a jittered backoff, up to `upstream_max_retries` times.
@@ -23,9 +25,9 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 from transformers import AutoConfig, AutoTokenizer
 
+from ragspeed.engine.backends import http11
 from ragspeed.engine.backends.routing import AffinityRouter
 from ragspeed.engine.config import EngineConfig, UpstreamConfig
 from ragspeed.engine.model_zoo import resolve_model
@@ -147,12 +149,13 @@ class UpstreamStream:
                     parts.append(choice["text"])
         return "".join(parts)
 
-    def final_delta(self) -> TokenDelta:
+    def final_delta(self, text: str = "") -> TokenDelta:
+        """The last delta: `text` (what the last read brought), the finish reason, the usage."""
         if self.usage is None:
-            return TokenDelta(text="", finish_reason=self.finish_reason or "stop")
+            return TokenDelta(text=text, finish_reason=self.finish_reason or "stop")
         details = self.usage.get("prompt_tokens_details") or {}
         return TokenDelta(
-            text="",
+            text=text,
             finish_reason=self.finish_reason or "stop",
             num_prompt_tokens=self.usage.get("prompt_tokens", 0),
             num_cached_tokens=details.get("cached_tokens") or 0,
@@ -179,7 +182,7 @@ class OpenAIEngine:
         self.max_model_len = config.max_model_len or _UNKNOWN_CONTEXT
         self._base_urls = [upstream_base_url(u) for u in upstream.urls]
         self._next_upstream = itertools.cycle(range(len(self._base_urls)))
-        self._client: httpx.AsyncClient | None = None
+        self._pool: http11.ConnectionPool | None = None
         self._tokenizer: Any = None
         self._breakers = {
             url: CircuitBreaker(upstream.circuit_failures, upstream.circuit_reset_s)
@@ -204,20 +207,18 @@ class OpenAIEngine:
         if not self.config.max_model_len and Path(source, "config.json").is_file():
             model_config = AutoConfig.from_pretrained(source)
             self.max_model_len = getattr(model_config, "max_position_embeddings", _UNKNOWN_CONTEXT)
-        timeout = httpx.Timeout(
-            connect=self.upstream.connect_timeout_s,
-            read=self.upstream.read_timeout_s,
-            write=self.upstream.read_timeout_s,
-            pool=self.upstream.connect_timeout_s,
-        )
-        headers = {}
+        headers = {"accept": "*/*", "user-agent": "ragspeed"}
         if self.upstream.api_key:
-            headers["Authorization"] = f"Bearer {self.upstream.api_key}"
-        self._client = httpx.AsyncClient(timeout=timeout, headers=headers)
+            headers["authorization"] = f"Bearer {self.upstream.api_key}"
+        self._pool = http11.ConnectionPool(
+            connect_timeout_s=self.upstream.connect_timeout_s,
+            read_timeout_s=self.upstream.read_timeout_s,
+            headers=headers,
+        )
 
     async def shutdown(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
+        if self._pool is not None:
+            self._pool.close()
 
     async def abort(self, request_id: str) -> None:
         """Aborting is closing the stream: the consumer of `generate()` does it."""
@@ -269,9 +270,15 @@ class OpenAIEngine:
                 param="logprobs",
                 code="logprobs_unsupported",
             )
-        assert self._client is not None, "start() first"
+        assert self._pool is not None, "start() first"
         self._counters["requests_total"] += 1
-        body = completion_body(self.upstream_model, request)
+        # Compact, and UTF-8 as it is rather than \u escapes.
+        body = json.dumps(
+            completion_body(self.upstream_model, request),
+            ensure_ascii=False,
+            separators=(",", ":"),
+            allow_nan=False,
+        ).encode()
         tried: tuple[str, ...] = ()
         for attempt in range(self.upstream.max_retries + 1):
             base_url = self._pick_upstream(request, tried)
@@ -279,14 +286,14 @@ class OpenAIEngine:
             if self._router is not None:
                 self._router.acquire(base_url)
             try:
-                async with self._client.stream("POST", f"{base_url}/completions", json=body) as response:
+                async with self._pool.post(f"{base_url}/completions", body) as response:
                     if response.status_code != 200:
                         raise self._status_error(base_url, response.status_code, await response.aread())
                     self._breakers[base_url].record_success()
                     async for delta in self._parse_stream(response, base_url):
                         yield delta
                 return
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            except http11.ConnectError as exc:
                 # Nothing reached the upstream, so repeating the request is safe.
                 self._failed(base_url)
                 if attempt < self.upstream.max_retries:
@@ -294,17 +301,17 @@ class OpenAIEngine:
                     cap = min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2**attempt)
                     await asyncio.sleep(self._jitter.uniform(0, cap))
                     continue
-                error_cls = UpstreamTimeoutError if isinstance(exc, httpx.ConnectTimeout) else UpstreamError
+                error_cls = UpstreamTimeoutError if isinstance(exc, http11.ConnectTimeout) else UpstreamError
                 raise error_cls(
                     f"upstream {base_url} failed: {type(exc).__name__}: {exc} (after {attempt + 1} attempts)",
                     code="upstream_error",
                 ) from exc
-            except httpx.TimeoutException as exc:
+            except http11.Timeout as exc:
                 self._failed(base_url)
                 raise UpstreamTimeoutError(
                     f"upstream {base_url} timed out ({type(exc).__name__})", code="upstream_timeout"
                 ) from exc
-            except httpx.HTTPError as exc:
+            except http11.HTTPError as exc:
                 self._failed(base_url)
                 raise UpstreamError(
                     f"upstream {base_url} failed: {type(exc).__name__}: {exc}", code="upstream_error"
@@ -323,17 +330,22 @@ class OpenAIEngine:
         self._failed(base_url)
         return UpstreamError(message, code="upstream_error")
 
-    async def _parse_stream(self, response: httpx.Response, base_url: str) -> AsyncIterator[TokenDelta]:
+    async def _parse_stream(self, response: http11.Response, base_url: str) -> AsyncIterator[TokenDelta]:
         """The upstream's SSE events as deltas: the text of every event that one network read
         completed goes out as one delta (a burst of tokens costs one delta, not one each), and
-        the finish reason and usage go on the last delta, once the body has ended. The body is
-        read to its end, past `[DONE]`, so that its connection goes back to the pool."""
+        the finish reason and usage go on the last delta, with the text of the read that
+        brought `[DONE]` (or ended the body). After the last delta the body is read to its end,
+        so that its connection goes back to the pool."""
         stream = UpstreamStream(base_url)
-        async for data in response.aiter_bytes():
+        body = response.aiter_bytes()
+        async for data in body:
             text = stream.feed(data)
+            if stream.done:
+                yield stream.final_delta(text)
+                async for _ in body:
+                    pass
+                return
             if text:
                 yield TokenDelta(text=text)
-        text = stream.feed(b"\n")  # a last line the body ended without its newline
-        if text:
-            yield TokenDelta(text=text)
-        yield stream.final_delta()
+        # The body ended without `[DONE]`; its last line may lack its newline.
+        yield stream.final_delta(stream.feed(b"\n"))

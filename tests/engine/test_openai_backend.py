@@ -10,7 +10,7 @@ import pytest
 from ragspeed.bench.instant_upstream import PROMPT_TOKENS, InstantUpstream
 from ragspeed.engine.backends.openai_backend import OpenAIEngine, UpstreamStream
 from ragspeed.engine.config import EngineConfig, UpstreamConfig
-from ragspeed.engine.protocol import GenerationRequest, SamplingParams, UpstreamError
+from ragspeed.engine.protocol import EngineError, GenerationRequest, SamplingParams, UpstreamError
 
 STREAM = (
     b'data: {"choices":[{"index":0,"text":"Hel","finish_reason":null}]}\n\n'
@@ -76,12 +76,46 @@ def test_forwarding_reuses_one_connection_and_sends_a_burst_as_one_delta():
     # The body is read to its end, so its connection goes back to the pool.
     assert (num_connections, num_requests) == (1, 3)
     for deltas in runs:
-        assert "".join(d.text for d in deltas) == " tok" * 16
-        # The upstream wrote all 16 tokens at once: fewer deltas than tokens (one per read).
-        assert len([d for d in deltas if d.text]) < 16
-        final = deltas[-1]
-        assert (final.finish_reason, final.num_completion_tokens, final.num_prompt_tokens) == (
-            "length",
-            16,
-            PROMPT_TOKENS,
+        # The upstream wrote all 16 tokens and `[DONE]` at once: one read, so one delta, the
+        # last, with the text, the finish reason and the usage.
+        assert [(d.text, d.finish_reason, d.num_completion_tokens, d.num_prompt_tokens) for d in deltas] == [
+            (" tok" * 16, "length", 16, PROMPT_TOKENS)
+        ]
+
+
+def test_an_upstream_rejection_keeps_its_status_and_a_body_without_done_still_ends():
+    async def scenario() -> tuple[EngineError, list]:
+        answers = [
+            b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: 33\r\n\r\n"
+            b'{"error":{"message":"bad top_p"}}',
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: 34\r\n\r\n"
+            b'data: {"choices":[{"text":"Hi"}]}\n',
+        ]
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while answers:
+                head = await reader.readuntil(b"\r\n\r\n")
+                await reader.readexactly(int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0]))
+                writer.write(answers.pop(0))
+            await writer.drain()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        engine = OpenAIEngine(
+            EngineConfig(backend="openai", model="ragspeed-demo"), UpstreamConfig(urls=(url,))
         )
+        await engine.start()
+        request = GenerationRequest("r", (1, 2, 3), SamplingParams(max_tokens=4), prompt="hi")
+        try:
+            with pytest.raises(EngineError) as rejected:
+                [d async for d in engine.generate(request)]
+            deltas = [d async for d in engine.generate(request)]
+        finally:
+            await engine.shutdown()
+            server.close()
+        return rejected.value, deltas
+
+    rejected, deltas = asyncio.run(scenario())
+    assert (rejected.status_code, rejected.code) == (400, "upstream_rejected")
+    assert rejected.message.endswith("answered 400: bad top_p")
+    assert [(d.text, d.finish_reason) for d in deltas] == [("Hi", None), ("", "stop")]
