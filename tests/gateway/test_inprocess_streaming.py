@@ -9,6 +9,7 @@ import json
 import pytest
 
 from ragspeed.engine.protocol import EngineError, UpstreamError
+from ragspeed.gateway.asgi_post import post
 from tests.gateway.fake_engine import Reply, Stall
 from tests.gateway.inprocess import SERVED_MODEL, fake_settings, hang_up, metric, serve, sse_events
 
@@ -65,6 +66,23 @@ async def test_chat_stream_framing_and_usage(fake):
         "prompt_tokens_details": {"cached_tokens": 0},
     }
     assert len(chunks) == 8
+
+
+async def test_a_stream_writes_the_role_with_the_first_piece_and_the_last_with_the_ending(fake):
+    async with serve(fake_settings()) as client:
+        body = {"messages": MESSAGES, "stream": True, "stream_options": {"include_usage": True}}
+        response = await post(client.app, "/v1/chat/completions", body)
+    writes = [sse_events(chunk.decode()) for _, chunk in response.chunks]
+    # The fake engine's last delta has the last piece and the finish reason.
+    assert [len(events) for events in writes] == [2, 1, 1, 1, 4]
+    assert [json.loads(event)["choices"][0]["delta"] for event in writes[0]] == [
+        {"role": "assistant", "content": ""},
+        {"content": "The"},
+    ]
+    last, final, usage, done = writes[4]
+    assert json.loads(last)["choices"][0]["delta"] == {"content": "."}
+    assert json.loads(final)["choices"][0]["finish_reason"] == "stop"
+    assert (json.loads(usage)["usage"]["completion_tokens"], done) == (5, "[DONE]")
 
 
 async def test_text_stream_without_usage(fake):
@@ -136,13 +154,14 @@ async def test_client_hanging_up_mid_stream_aborts_the_engine_request(fake):
     async with serve(fake_settings()) as client:
         fake.engine.script(Reply(stall=stall))
         status, chunks = await hang_up(
-            client, "/v1/chat/completions", {"messages": MESSAGES, "stream": True}, after_chunks=3
+            client, "/v1/chat/completions", {"messages": MESSAGES, "stream": True}, after_chunks=2
         )
         assert status == 200
-        assert [json.loads(c.decode().removeprefix("data: "))["choices"][0]["delta"] for c in chunks] == [
-            {"role": "assistant", "content": ""},
-            {"content": "The"},
-            {"content": " answer"},
+        # The role chunk goes out with the first delta's, in one write.
+        events = [sse_events(chunk.decode()) for chunk in chunks]
+        assert [[json.loads(e)["choices"][0]["delta"] for e in chunk] for chunk in events] == [
+            [{"role": "assistant", "content": ""}, {"content": "The"}],
+            [{"content": " answer"}],
         ]
         assert fake.engine.aborted == [fake.engine.requests[0].request_id]
         assert fake.engine.stats()["num_blocks_used"] == 0.0
