@@ -8,11 +8,13 @@ the stage timings so far and the compression report. Running it is gateway.run.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, cast
 
 from jinja2 import TemplateError
@@ -29,7 +31,7 @@ from ragspeed.engine.protocol import (
 from ragspeed.gateway.errors import APIError
 from ragspeed.gateway.experiments import current_hints
 from ragspeed.gateway.limits import arrival_time
-from ragspeed.gateway.prompt import Prompt, assemble_prompt, split_segments
+from ragspeed.gateway.prompt import Prompt, assemble_prompt, split_segments, static_prefix_token_ids
 from ragspeed.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -136,6 +138,18 @@ class Preparer:
     def engine(self) -> EngineClient:
         return self.state.engine
 
+    @cached_property
+    def _cached_static_token_ids(self) -> Callable[[Any, str], tuple[int, ...]]:
+        return functools.lru_cache(maxsize=64)(static_prefix_token_ids)
+
+    def static_token_ids(self, tokenizer: Any, static_system_prompt: str) -> tuple[int, ...]:
+        """`static_prefix_token_ids`, kept by (tokenizer, text): an application sends the same
+        static system prompt with every request. Not for a chat template that reads the clock
+        (`strftime_now`, e.g. Llama 3's date line): its rendering changes with the day."""
+        if "strftime_now" in str(getattr(tokenizer, "chat_template", "")):
+            return static_prefix_token_ids(tokenizer, static_system_prompt)
+        return self._cached_static_token_ids(tokenizer, static_system_prompt)
+
     def check_model(self, model: str | None) -> None:
         model_id = self.state.settings.model_id
         if model is not None and model != model_id:
@@ -194,7 +208,11 @@ class Preparer:
         with timer.stage("prompt"):
             try:
                 prompt = assemble_prompt(
-                    engine.tokenizer, segments, documents, document_spans=document_cache is not None
+                    engine.tokenizer,
+                    segments,
+                    documents,
+                    document_spans=document_cache is not None,
+                    static_token_ids=self.static_token_ids,
                 )
             except TemplateError as exc:  # e.g. a role the model's chat template does not know
                 raise APIError(

@@ -19,7 +19,7 @@ the text stays the same.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,9 +138,23 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def static_prefix_token_ids(tokenizer: Any, static_system_prompt: str) -> tuple[int, ...]:
+    """The static system prompt rendered alone (a system turn, no generation prompt), as token
+    ids: the prefix the whole prompt shares with every prompt of its application."""
+    text = _render(tokenizer, [{"role": "system", "content": static_system_prompt}], False)
+    return tuple(_encode(tokenizer, text))
+
+
 def assemble_prompt(
-    tokenizer: Any, segments: Segments, documents: Sequence[Document], *, document_spans: bool = False
+    tokenizer: Any,
+    segments: Segments,
+    documents: Sequence[Document],
+    *,
+    document_spans: bool = False,
+    static_token_ids: Callable[[Any, str], Sequence[int]] = static_prefix_token_ids,
 ) -> Prompt:
+    """The prompt of `segments` with `documents`; `static_token_ids` is `static_prefix_token_ids`
+    or a cache of it (the gateway's, by tokenizer and text)."""
     system = segments.static_system_prompt
     if documents:
         system = f"{system}\n\n{render_documents(documents)}" if system else render_documents(documents)
@@ -157,10 +171,8 @@ def assemble_prompt(
         token_ids, spans = _encode_pieces(tokenizer, text, pieces)
     num_static = 0
     if segments.static_system_prompt:
-        static_text = _render(
-            tokenizer, [{"role": "system", "content": segments.static_system_prompt}], False
-        )
-        num_static = _common_prefix_length(_encode(tokenizer, static_text), token_ids)
+        static_ids = static_token_ids(tokenizer, segments.static_system_prompt)
+        num_static = _common_prefix_length(static_ids, token_ids)
     return Prompt(text=text, token_ids=tuple(token_ids), num_static_tokens=num_static, document_spans=spans)
 
 

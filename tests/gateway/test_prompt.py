@@ -6,7 +6,13 @@ import pytest
 from transformers import AutoTokenizer
 
 from ragspeed.document import Document
-from ragspeed.gateway.prompt import assemble_prompt, extract_documents, split_segments
+from ragspeed.gateway.prepare import Preparer
+from ragspeed.gateway.prompt import (
+    assemble_prompt,
+    extract_documents,
+    split_segments,
+    static_prefix_token_ids,
+)
 from ragspeed.gateway.protocol import ChatMessage, DocumentIn
 
 
@@ -82,3 +88,30 @@ def test_compressed_documents_replace_the_originals(tokenizer):
     )
     prompt = assemble_prompt(tokenizer, segments, (Document(id="x", text="short"),))
     assert "short" in prompt.text and "long original text" not in prompt.text
+
+
+class _CountingTokenizer:
+    """Renders a system turn as its text; counts the renders."""
+
+    def __init__(self, chat_template: str):
+        self.chat_template = chat_template
+        self.num_renders = 0
+
+    def apply_chat_template(self, turns, tokenize: bool, add_generation_prompt: bool) -> str:
+        self.num_renders += 1
+        return turns[0]["content"]
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return [ord(c) for c in text]
+
+
+def test_the_gateway_keeps_a_static_prefix_unless_its_template_reads_the_clock(tokenizer):
+    preparer = Preparer(state=None)  # type: ignore[arg-type]  # the prefix cache needs no state
+    static = "You are a careful assistant."
+    kept = preparer.static_token_ids(tokenizer, static)
+    assert kept == static_prefix_token_ids(tokenizer, static)
+    assert preparer.static_token_ids(tokenizer, static) is kept
+    plain, dated = _CountingTokenizer("{{ messages }}"), _CountingTokenizer("{{ strftime_now('%d') }}")
+    for fake in (plain, dated, plain, dated):
+        assert preparer.static_token_ids(fake, "ab") == (97, 98)
+    assert (plain.num_renders, dated.num_renders) == (1, 2)
