@@ -126,7 +126,7 @@ class UpstreamStream:
     def feed(self, data: bytes) -> str:
         lines = (self._tail + data).split(b"\n")
         self._tail = lines.pop()
-        parts: list[str] = []
+        payloads: list[bytes] = []
         for line in lines:
             if self.done or not line.startswith(b"data:"):
                 continue
@@ -134,7 +134,9 @@ class UpstreamStream:
             if payload == b"[DONE]":
                 self.done = True
                 continue
-            chunk = json.loads(payload)
+            payloads.append(payload)
+        parts: list[str] = []
+        for payload, chunk in zip(payloads, _decode(payloads)):
             if "error" in chunk:  # a server that fails after its 200 says so in-stream
                 raise UpstreamError(
                     f"upstream {self.base_url} failed mid-stream: {_error_message(payload)}",
@@ -161,6 +163,20 @@ class UpstreamStream:
             num_cached_tokens=details.get("cached_tokens") or 0,
             num_completion_tokens=self.usage.get("completion_tokens", 0),
         )
+
+
+def _decode(payloads: list[bytes]) -> list[Any]:
+    """The JSON of every payload: one parse of them all as an array (a read of many events
+    costs one call, not one each), else, when that fails or does not give one value a
+    payload, each on its own, so that a bad one fails as it would alone."""
+    if len(payloads) > 1:
+        try:
+            values = json.loads(b"[" + b",".join(payloads) + b"]")
+        except ValueError:
+            values = None
+        if isinstance(values, list) and len(values) == len(payloads):
+            return values
+    return [json.loads(payload) for payload in payloads]
 
 
 def _error_message(response_body: bytes) -> str:

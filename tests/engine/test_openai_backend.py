@@ -4,6 +4,7 @@ upstream (one pooled connection, bursts as one delta, usage on the last)."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -53,6 +54,17 @@ def test_an_error_event_after_the_200_raises():
     with pytest.raises(UpstreamError) as err:
         stream.feed(b'data: {"choices":[{"text":"a"}]}\n\ndata: {"error":{"message":"engine died"}}\n\n')
     assert err.value.message == "upstream http://u/v1 failed mid-stream: engine died"
+
+
+def test_the_events_of_a_read_decode_together_and_a_bad_one_fails_as_it_would_alone():
+    good = b'data: {"choices":[{"text":"a"}]}\n\n'
+    assert UpstreamStream("http://u/v1").feed(good * 3) == "aaa"
+    with pytest.raises(json.JSONDecodeError) as bad:
+        UpstreamStream("http://u/v1").feed(good + b"data: {nope\n\n" + good)
+    assert bad.value.doc == "{nope"  # the bad event, parsed alone
+    # Two events that happen to parse as one array of another length: each parsed alone.
+    with pytest.raises(json.JSONDecodeError):
+        UpstreamStream("http://u/v1").feed(b'data: {"choices":[]},{"choices":[]}\n\ndata: {"choices":[]}\n\n')
 
 
 def test_forwarding_reuses_one_connection_and_sends_a_burst_as_one_delta():
