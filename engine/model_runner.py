@@ -10,13 +10,16 @@ The batch and its attention metadata are written into tensors kept across steps
 Threads (CPU): the forward pass runs on `num_threads` torch threads (EngineConfig.num_threads,
 by default torch's count when the engine was built), set around each step and restored after;
 a step of at most SMALL_STEP_TOKENS tokens runs its small ops on one thread and only its linear
-products on `num_threads` (engine.threads says why, and holds the policy). On a CPU shared with other jobs, one
+products on `num_threads` (engine.threads says why, and holds the policy). A step of decodes
+alone runs on `num_threads` or one fewer, whichever its timings show faster for its batch size
+(engine.threads.DecodeThreads: in a server, every token also wakes the event loop). On a CPU shared with other jobs, one
 thread in all is faster: each parallel op waits for a descheduled thread there, which can
 make a step several times slower than on one thread.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -28,7 +31,7 @@ from ragspeed.engine.models.decoder import DecoderLM
 from ragspeed.engine.models.rotary import RotaryEmbedding
 from ragspeed.engine.scheduler import ScheduledChunk, SchedulerOutput
 from ragspeed.engine.step_buffers import StepBuffers
-from ragspeed.engine.threads import forward_pass
+from ragspeed.engine.threads import DecodeThreads, forward_pass
 
 
 class ModelRunner:
@@ -48,6 +51,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self._on_cpu = self.device.type == "cpu"
         self.buffers = StepBuffers(rotary.freqs_cis, self.block_size)
+        self.decode_threads = DecodeThreads()
 
     def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """A buffer's view (CPU) where the model runs."""
@@ -78,7 +82,12 @@ class ModelRunner:
         )
         self.buffers.kernel_rows(tables, [p + 1 for p in starts])
         caches = self.kv_pool.k_caches, self.kv_pool.v_caches
-        return fused.decode_logits(self.buffers, len(decodes), bs, *caches, self.num_threads)
+        batch = len(decodes)
+        threads = self.decode_threads.pick(batch, self.num_threads)
+        start = time.perf_counter()
+        logits = fused.decode_logits(self.buffers, batch, bs, *caches, threads)
+        self.decode_threads.observe(batch, threads, time.perf_counter() - start)
+        return logits
 
     @torch.inference_mode()
     def _execute(self, output: SchedulerOutput) -> torch.Tensor | None:

@@ -11,7 +11,8 @@ prefill chunks run everything on all threads. Switching costs about 0.2 us.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -66,3 +67,51 @@ def linear_threads(num_threads: int, fn, *args):
         return fn(*args)
     finally:
         torch.set_num_threads(previous)
+
+
+class DecodeThreads:
+    """The thread count of a step of decodes, chosen by measurement, per batch size (buckets
+    of powers of two): the engine's count or one fewer, whichever has been the faster lately.
+
+    Why measure: a decode step is a few hundred barriers of its threads, and every token also
+    wakes the server's event loop (and its client). On two cores, the thread that wakes then
+    deschedules one of the step's threads and the others wait at the next barrier: measured
+    in the server, a batch-1 stream gets a token every 9.3 ms on two threads and every 4.9 ms
+    on one, while sixteen streams get theirs faster on two. Which wins depends on the batch,
+    the machine and what else runs on it, so it is timed: each count is tried `WARMUP` times
+    per bucket, then the faster is used, and the slower is timed again once every
+    `explore_s` seconds in its bucket, so that a change of load is followed."""
+
+    WARMUP = 4
+    _WEIGHT = 0.3  # of each new time in a count's running mean
+
+    def __init__(self, explore_s: float = 1.0, clock: Callable[[], float] = time.monotonic):
+        self.explore_s = explore_s
+        self.clock = clock
+        self._mean: dict[tuple[int, int], float] = {}  # (bucket, threads) -> seconds a step
+        self._count: dict[tuple[int, int], int] = {}
+        self._explored: dict[int, float] = {}  # bucket -> when the slower count was last timed
+
+    def pick(self, batch: int, num_threads: int) -> int:
+        """Threads for a step of `batch` decodes when `num_threads` are the engine's."""
+        if num_threads < 2:
+            return num_threads
+        bucket = batch.bit_length()
+        candidates = (num_threads, num_threads - 1)
+        for threads in candidates:
+            if self._count.get((bucket, threads), 0) < self.WARMUP:
+                self._explored[bucket] = self.clock()
+                return threads
+        best, slower = sorted(candidates, key=lambda threads: self._mean[bucket, threads])
+        now = self.clock()
+        if now - self._explored[bucket] >= self.explore_s:
+            self._explored[bucket] = now
+            return slower
+        return best
+
+    def observe(self, batch: int, threads: int, seconds: float) -> None:
+        key = (batch.bit_length(), threads)
+        count = self._count.get(key, 0)
+        mean = self._mean.get(key, seconds)
+        self._mean[key] = seconds if count == 0 else mean + self._WEIGHT * (seconds - mean)
+        self._count[key] = count + 1

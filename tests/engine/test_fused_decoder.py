@@ -174,3 +174,38 @@ def test_a_step_of_decodes_alone_gives_the_logits_and_kv_of_the_general_path(tin
             num_decode_steps += 1
         engine._run_step(output)
     assert num_decode_steps >= 10
+
+
+def test_decode_steps_give_the_same_bits_on_one_thread_or_two(tiny_checkpoints):
+    """The runner picks each decode step's thread count by timing (engine.threads.DecodeThreads),
+    so a stream may change count between tokens: its logits and K/V must not."""
+    from ragspeed.engine.threads import DecodeThreads
+
+    class Forced(DecodeThreads):
+        threads = 1
+
+        def pick(self, batch: int, num_threads: int) -> int:
+            return self.threads
+
+    engine = make_engine(tiny_checkpoints["llama"], num_threads=2)
+    for i, prompt_len in enumerate([5, 19, 9]):
+        engine.add_request(
+            GenerationRequest(f"r{i}", tuple(range(3 + i, 3 + i + prompt_len)), SamplingParams(max_tokens=6))
+        )
+    runner, kv = engine.runner, engine.kv_pool.kv
+    runner.decode_threads = forced = Forced()
+    num_decode_steps = 0
+    while engine.has_unfinished():
+        output = engine.scheduler.schedule()
+        if not output.prefills:
+            kv_before = kv.clone()
+            forced.threads = 1
+            one = runner.execute(output).clone()
+            kv_one = kv.clone()
+            kv.copy_(kv_before)
+            forced.threads = 2
+            assert torch.equal(runner.execute(output), one)
+            assert torch.equal(kv, kv_one)
+            num_decode_steps += 1
+        engine._run_step(output)
+    assert num_decode_steps >= 4
