@@ -41,7 +41,7 @@ from ragspeed.gateway.errors import APIError
 from ragspeed.gateway.limits import retry_after
 
 _DECAY = 0.9  # weight of the fit's past against each new observation
-CORRECTION_QUANTILE = 0.95
+CORRECTION_QUANTILE = 0.99  # the target is a p99: an admitted request meets its deadline 99 times in 100
 # The correction's first value: cautious, for the burst judged before any first token came
 # back (a start-up's timings are of an idle engine); it comes down as first tokens arrive.
 CORRECTION_START = 2.0
