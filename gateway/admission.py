@@ -24,6 +24,11 @@ misses (slots held by long decodes, steps slowed by other work) is measured, not
 an admitted request meets its deadline at that quantile. It starts cautious
 (`CORRECTION_START`): a burst at start-up is judged before any first token came back.
 
+At arrival, before any preparation (compression, tokenization), the request's own work is not
+known yet: the check there counts the backlog and the service of the smallest of the last
+`RECENT_WORK` admitted requests, so that a request of the usual size is refused before its
+preparation (within a few milliseconds), and only one larger than that after it.
+
 Before anything was observed the prediction is None, and the request is admitted; the app
 times a few prefills at start-up (`calibrate`) so that the first burst is already judged.
 """
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +53,7 @@ CORRECTION_QUANTILE = 0.99  # the target is a p99: an admitted request meets its
 CORRECTION_START = 2.0
 _CORRECTION_STEP = 0.1  # log-step of the quantile estimate
 _CORRECTION_BOUNDS = (0.5, 8.0)
+RECENT_WORK = 32  # admitted requests whose smallest work stands for an arrival's own
 
 
 @dataclass
@@ -139,6 +146,7 @@ class TTFTAdmission:
     fit: ServiceFit = field(default_factory=ServiceFit)
     correction: QuantileTracker = field(default_factory=lambda: QuantileTracker(value=CORRECTION_START))
     _waiting: list[Ticket] = field(default_factory=list)  # admission order
+    _recent_work: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT_WORK))
     _last_served: float = float("-inf")
 
     # ------------------------------------------------------------------ prediction
@@ -177,12 +185,14 @@ class TTFTAdmission:
     # ------------------------------------------------------------------ admission
 
     def check_arrival(self, deadline_s: float | None, priority: int, arrived_at: float) -> None:
-        """At arrival, before any preparation: refuse when the backlog alone passes the deadline."""
+        """At arrival, before any preparation: refuse when the backlog and the service of the
+        smallest recent request pass the deadline."""
         if deadline_s is None or not self.fit.ready:
             return
-        backlog = ((self.clock() - arrived_at) + self.backlog_s(priority)) * self.correction.value
-        if backlog > deadline_s:
-            raise self._refusal(backlog, deadline_s, arrived_at)
+        own = self.fit.seconds(min(self._recent_work)) if self._recent_work else 0.0
+        predicted = ((self.clock() - arrived_at) + self.backlog_s(priority) + own) * self.correction.value
+        if predicted > deadline_s:
+            raise self._refusal(predicted, deadline_s, arrived_at)
 
     def admit(self, tokens: int, priority: int, arrived_at: float, deadline_s: float | None) -> Ticket:
         """A ticket for a request of `tokens` work, or APIError 429 when it would miss its
@@ -191,6 +201,7 @@ class TTFTAdmission:
         predicted = None if uncorrected is None else uncorrected * self.correction.value
         if deadline_s is not None and predicted is not None and predicted > deadline_s:
             raise self._refusal(predicted, deadline_s, arrived_at)
+        self._recent_work.append(tokens)
         ticket = Ticket(self, tokens, priority, arrived_at, self.clock(), uncorrected, predicted)
         self._waiting.append(ticket)
         return ticket

@@ -92,16 +92,27 @@ def test_requests_ahead_are_counted_and_one_past_its_deadline_is_refused():
     admission.admit(1000, PRIORITY_INTERACTIVE, clock.now, 10.0)
 
 
-def test_the_backlog_alone_refuses_at_arrival():
+def test_at_arrival_the_backlog_and_the_smallest_recent_request_are_counted():
     clock = Clock()
     admission = TTFTAdmission(10.0, clock=clock, correction=FIXED)
-    served(admission, clock, 1000, 2.0)
-    for _ in range(6):
+    served(admission, clock, 1000, 2.0)  # 2 ms a token
+    for _ in range(4):
+        admission.admit(1000, PRIORITY_INTERACTIVE, clock.now, None)
+    assert admission.backlog_s(PRIORITY_INTERACTIVE) == pytest.approx(8.0)
+    # 8 s ahead and 2 s of its own, if it is as small as the smallest recent request.
+    admission.check_arrival(10.0, PRIORITY_INTERACTIVE, clock.now)
+    with pytest.raises(APIError) as refused:
+        admission.check_arrival(9.5, PRIORITY_INTERACTIVE, clock.now)
+    assert "predicts a time to first token of 10.0 s" in refused.value.message
+    assert refused.value.headers["Retry-After"] == "1"
+    admission.check_arrival(None, PRIORITY_INTERACTIVE, clock.now)  # no deadline: nothing to miss
+    admission.admit(100, PRIORITY_INTERACTIVE, clock.now, None)  # a small one was admitted
+    admission.check_arrival(9.5, PRIORITY_INTERACTIVE, clock.now)  # 8.2 s ahead, 0.2 s its own
+    for _ in range(2):
         admission.admit(1000, PRIORITY_INTERACTIVE, clock.now, None)
     with pytest.raises(APIError) as refused:
-        admission.check_arrival(10.0, PRIORITY_INTERACTIVE, clock.now)
-    assert refused.value.headers["Retry-After"] == "2"
-    admission.check_arrival(None, PRIORITY_INTERACTIVE, clock.now)  # no deadline: nothing to miss
+        admission.check_arrival(12.0, PRIORITY_INTERACTIVE, clock.now)  # 12.2 s ahead alone
+    assert refused.value.headers["Retry-After"] == "1"
 
 
 def test_batch_requests_wait_behind_interactive_ones_and_have_no_deadline_by_default():
