@@ -83,7 +83,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             step_seconds=None if config.tpot_target_ms is None else config.tpot_target_ms / 1000,
-            step_time=StepTimeModel(),
+            step_time=StepTimeModel(threads=runner.num_threads),
             min_prefill_tokens=config.block_size,
         )
         self.sampler = Sampler(config.device, seed=config.seed)
@@ -218,6 +218,7 @@ class LLMEngine:
         if num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
         self.runner.num_threads = num_threads
+        self.scheduler.step_time.threads = num_threads
         proposer = getattr(self.speculator, "proposer", None)
         if proposer is not None and hasattr(proposer, "num_threads"):
             proposer.num_threads = num_threads

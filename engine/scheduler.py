@@ -120,38 +120,53 @@ class StepTimeModel:
     tokens, beside decodes (what the decodes do not explain) or, until such a step was seen,
     alone. The fit need not separate a prefill pass's fixed cost from its per-token cost: a
     chunk sized from the last steps' per-token cost moves towards the size whose step takes
-    exactly the budget (a step over budget raises the per-token cost, one under lowers it)."""
+    exactly the budget (a step over budget raises the per-token cost, one under lowers it).
 
-    def __init__(self, *, smoothing: float = 0.3):
+    Each thread count of the steps (`threads`, which the engine sets: fewer while compression
+    holds one of its threads) has its own costs. A count not measured yet takes another's,
+    its per-token cost scaled by the ratio of the counts (prefill is bound by compute), so a
+    step on one thread of two gets half the chunk, not a chunk that takes twice the budget."""
+
+    def __init__(self, *, smoothing: float = 0.3, threads: int = 1):
         if not 0 < smoothing <= 1:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
         self.smoothing = smoothing
-        self.decode_seconds: float | None = None
-        self._per_token_beside_decodes: float | None = None
-        self._per_token_alone: float | None = None
+        self.threads = threads
+        self._decode: dict[int, float] = {}  # threads -> seconds of a step of decodes alone
+        self._beside: dict[int, float] = {}  # threads -> seconds a prefill token, beside decodes
+        self._alone: dict[int, float] = {}  # threads -> seconds a prefill token, alone
 
-    def _average(self, previous: float | None, value: float) -> float:
-        return value if previous is None else previous + self.smoothing * (value - previous)
+    def _average(self, costs: dict[int, float], value: float) -> None:
+        previous = costs.get(self.threads)
+        costs[self.threads] = value if previous is None else previous + self.smoothing * (value - previous)
+
+    @property
+    def decode_seconds(self) -> float | None:
+        decode = self._decode
+        if self.threads in decode or not decode:
+            return decode.get(self.threads)
+        return decode[min(decode, key=lambda threads: abs(threads - self.threads))]
 
     @property
     def seconds_per_prefill_token(self) -> float | None:
-        beside = self._per_token_beside_decodes
-        return beside if beside is not None else self._per_token_alone
+        costs = self._beside or self._alone
+        if self.threads in costs or not costs:
+            return costs.get(self.threads)
+        nearest = min(costs, key=lambda threads: abs(threads - self.threads))
+        return costs[nearest] * nearest / self.threads
 
     def observe(self, num_decode_tokens: int, num_prefill_tokens: int, seconds: float) -> None:
-        """One step's wall time, with the tokens it computed."""
+        """One step's wall time, with the tokens it computed, on `threads` threads."""
         if num_prefill_tokens == 0:
             if num_decode_tokens > 0:
-                self.decode_seconds = self._average(self.decode_seconds, seconds)
+                self._average(self._decode, seconds)
             return
         if num_decode_tokens == 0:
-            self._per_token_alone = self._average(self._per_token_alone, seconds / num_prefill_tokens)
+            self._average(self._alone, seconds / num_prefill_tokens)
             return
         # The decodes' share: what a step of decodes alone costs (nothing until measured).
         prefill_seconds = max(seconds - (self.decode_seconds or 0.0), 0.0)
-        self._per_token_beside_decodes = self._average(
-            self._per_token_beside_decodes, prefill_seconds / num_prefill_tokens
-        )
+        self._average(self._beside, prefill_seconds / num_prefill_tokens)
 
     def prefill_tokens_within(self, seconds: float) -> int | None:
         """Prefill tokens that fit beside a step's decodes in a step of `seconds`; None until

@@ -87,6 +87,25 @@ def test_step_time_model_fits_the_decode_part_and_the_prefill_rate():
     assert model.seconds_per_prefill_token == pytest.approx(0.7 * 5 / 3072)
 
 
+def test_each_thread_count_has_its_costs_and_an_unmeasured_one_scales_anothers():
+    """Compression borrows one of the engine's two threads for a while: the steps then run on
+    one, and a chunk sized by two threads' cost would take twice the budget."""
+    model = StepTimeModel(threads=2)
+    model.observe(1, 0, DECODE_S)
+    model.observe(1, 48, DECODE_S + 48 * PER_TOKEN_S)
+    assert model.prefill_tokens_within(BUDGET_S) == 48
+    model.threads = 1
+    assert model.decode_seconds == DECODE_S  # not measured on one thread: two threads' figure
+    assert model.seconds_per_prefill_token == 2 * PER_TOKEN_S
+    assert model.prefill_tokens_within(BUDGET_S) == 24
+    model.observe(1, 0, 2 * DECODE_S)  # measured on one thread: its own from now on
+    model.observe(1, 24, 2 * DECODE_S + 24 * 3 * PER_TOKEN_S)
+    assert model.decode_seconds == 2 * DECODE_S
+    assert model.seconds_per_prefill_token == pytest.approx(3 * PER_TOKEN_S)
+    model.threads = 2  # the thread came back: two threads' costs, untouched
+    assert model.decode_seconds == DECODE_S and model.seconds_per_prefill_token == PER_TOKEN_S
+
+
 def test_chunks_sized_from_the_model_converge_on_the_budget():
     """A prefill pass costs a fixed 1/32 s plus 1/2048 s a token beside the decodes; the model
     cannot tell the two apart, yet the chunk it gives settles where the step takes the budget."""
