@@ -27,7 +27,12 @@ an admitted request meets its deadline at that quantile. It starts cautious
 At arrival, before any preparation (compression, tokenization), the request's own work is not
 known yet: the check there counts the backlog and the service of the smallest of the last
 `RECENT_WORK` admitted requests, so that a request of the usual size is refused before its
-preparation (within a few milliseconds), and only one larger than that after it.
+preparation (within a few milliseconds), and only one larger than that after it. A request
+that passed it is *preparing* until it is admitted or refused: the arrival checks after it
+count it ahead too (at that smallest size), so that a burst whose preparations overlap is
+judged at arrival, not one by one after each preparation, when the refusal comes late and the
+preparation is wasted. An entry nobody admits or forgets (a client gone before its stream
+started) leaves after `PREPARING_TTL_S`.
 
 Before anything was observed the prediction is None, and the request is admitted; the app
 times a few prefills at start-up (`calibrate`) so that the first burst is already judged.
@@ -54,6 +59,7 @@ CORRECTION_START = 2.0
 _CORRECTION_STEP = 0.1  # log-step of the quantile estimate
 _CORRECTION_BOUNDS = (0.5, 8.0)
 RECENT_WORK = 32  # admitted requests whose smallest work stands for an arrival's own
+PREPARING_TTL_S = 30.0  # a preparing entry older than this is forgotten
 
 
 @dataclass
@@ -147,6 +153,7 @@ class TTFTAdmission:
     correction: QuantileTracker = field(default_factory=lambda: QuantileTracker(value=CORRECTION_START))
     _waiting: list[Ticket] = field(default_factory=list)  # admission order
     _recent_work: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT_WORK))
+    _preparing: dict[float, int] = field(default_factory=dict)  # arrival time -> priority
     _last_served: float = float("-inf")
 
     # ------------------------------------------------------------------ prediction
@@ -162,7 +169,7 @@ class TTFTAdmission:
         """Predicted seconds until the engine starts on a request of `priority` admitted now."""
         if not self.fit.ready:
             return 0.0
-        ahead = [t for t in self._waiting if priority == PRIORITY_BATCH or t.priority != PRIORITY_BATCH]
+        ahead = [t for t in self._waiting if _ahead(t.priority, priority)]
         if not ahead:
             return 0.0
         total = sum(self.fit.seconds(t.tokens) for t in ahead)
@@ -185,18 +192,32 @@ class TTFTAdmission:
     # ------------------------------------------------------------------ admission
 
     def check_arrival(self, deadline_s: float | None, priority: int, arrived_at: float) -> None:
-        """At arrival, before any preparation: refuse when the backlog and the service of the
-        smallest recent request pass the deadline."""
-        if deadline_s is None or not self.fit.ready:
-            return
-        own = self.fit.seconds(min(self._recent_work)) if self._recent_work else 0.0
-        predicted = ((self.clock() - arrived_at) + self.backlog_s(priority) + own) * self.correction.value
-        if predicted > deadline_s:
-            raise self._refusal(predicted, deadline_s, arrived_at)
+        """At arrival, before any preparation: refuse when the backlog, the requests still in
+        preparation and this one's own service (each the smallest recent request's) pass the
+        deadline; else this request is preparing until `admit` or `forget_arrival`."""
+        if deadline_s is not None and self.fit.ready:
+            own = self.fit.seconds(min(self._recent_work)) if self._recent_work else 0.0
+            preparing = sum(1 for p in self._preparing_now().values() if _ahead(p, priority))
+            backlog = self.backlog_s(priority) + preparing * own
+            predicted = ((self.clock() - arrived_at) + backlog + own) * self.correction.value
+            if predicted > deadline_s:
+                raise self._refusal(predicted, deadline_s, arrived_at)
+        self._preparing[arrived_at] = priority
+
+    def forget_arrival(self, arrived_at: float) -> None:
+        """The request that arrived at `arrived_at` left before its admission (or has none)."""
+        self._preparing.pop(arrived_at, None)
+
+    def _preparing_now(self) -> dict[float, int]:
+        horizon = self.clock() - PREPARING_TTL_S
+        for arrived_at in [a for a in self._preparing if a < horizon]:
+            del self._preparing[arrived_at]
+        return self._preparing
 
     def admit(self, tokens: int, priority: int, arrived_at: float, deadline_s: float | None) -> Ticket:
         """A ticket for a request of `tokens` work, or APIError 429 when it would miss its
-        deadline."""
+        deadline. Requests still preparing are not ahead of it: they will be admitted after."""
+        self.forget_arrival(arrived_at)
         uncorrected = self._uncorrected_s(tokens, priority, arrived_at)
         predicted = None if uncorrected is None else uncorrected * self.correction.value
         if deadline_s is not None and predicted is not None and predicted > deadline_s:
@@ -269,6 +290,12 @@ class TTFTAdmission:
                 pass
             if index > 0:
                 self.fit.observe(size, self.clock() - t0)
+
+
+def _ahead(other: int, priority: int) -> bool:
+    """Whether work of priority `other` is served before a request of `priority`: batch work
+    yields to interactive work."""
+    return priority == PRIORITY_BATCH or other != PRIORITY_BATCH
 
 
 def estimate_new_tokens(engine: EngineClient, request: GenerationRequest) -> int:

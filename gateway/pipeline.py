@@ -31,26 +31,43 @@ class Pipeline:
 
     async def prepare_chat(self, req: ChatCompletionRequest) -> PreparedRequest:
         options = req.ragspeed
-        self.check_arrival(options.deadline_ms if options else None, request_priority(options))
-        return await self.preparer.chat(req)
+        arrived_at = self.check_arrival(options.deadline_ms if options else None, request_priority(options))
+        try:
+            return await self.preparer.chat(req)
+        except BaseException:
+            self.forget_arrival(arrived_at)
+            raise
 
     def prepare_completion(self, req: CompletionRequest) -> PreparedRequest:
-        self.check_arrival(None, request_priority(None))
-        return self.preparer.completion(req)
+        arrived_at = self.check_arrival(None, request_priority(None))
+        try:
+            return self.preparer.completion(req)
+        except BaseException:
+            self.forget_arrival(arrived_at)
+            raise
 
-    def check_arrival(self, deadline_ms: float | None, priority: int) -> None:
-        """429 at once, before any preparation, when the backlog alone passes the deadline."""
+    def check_arrival(self, deadline_ms: float | None, priority: int) -> float:
+        """429 at once, before any preparation, when the work ahead passes the deadline; else
+        the request's arrival time, under which the admission counts it as preparing."""
+        arrived_at = arrival_time() or time.perf_counter()
         admission = self.state.admission
         if admission is not None:
             try:
                 deadline_s = admission.deadline_s(deadline_ms, priority)
-                admission.check_arrival(deadline_s, priority, arrival_time() or time.perf_counter())
+                admission.check_arrival(deadline_s, priority, arrived_at)
             except APIError:
                 self.state.metrics.ttft_refused.labels(model=self.state.settings.model_id).inc()
                 raise
+        return arrived_at
+
+    def forget_arrival(self, arrived_at: float) -> None:
+        if self.state.admission is not None:
+            self.state.admission.forget_arrival(arrived_at)
 
     def run(self, prepared: PreparedRequest) -> Generation:
         """The request in its engine, not started yet: iterate `deltas()` to run it. The
         admission judges the server's engine; an A/B arm's own engine queues apart."""
-        admission = self.state.admission if prepared.engine is self.state.engine else None
-        return Generation(self.state, prepared, admission=admission)
+        if prepared.engine is not self.state.engine:
+            self.forget_arrival(prepared.timer.start)
+            return Generation(self.state, prepared, admission=None)
+        return Generation(self.state, prepared, admission=self.state.admission)

@@ -9,7 +9,13 @@ import random
 import pytest
 
 from ragspeed.engine.protocol import PRIORITY_BATCH, PRIORITY_INTERACTIVE
-from ragspeed.gateway.admission import CORRECTION_START, QuantileTracker, ServiceFit, TTFTAdmission
+from ragspeed.gateway.admission import (
+    CORRECTION_START,
+    PREPARING_TTL_S,
+    QuantileTracker,
+    ServiceFit,
+    TTFTAdmission,
+)
 from ragspeed.gateway.errors import APIError
 from tests.gateway.fake_engine import Reply, Stall
 from tests.gateway.inprocess import fake_settings, metric, serve
@@ -101,18 +107,44 @@ def test_at_arrival_the_backlog_and_the_smallest_recent_request_are_counted():
     assert admission.backlog_s(PRIORITY_INTERACTIVE) == pytest.approx(8.0)
     # 8 s ahead and 2 s of its own, if it is as small as the smallest recent request.
     admission.check_arrival(10.0, PRIORITY_INTERACTIVE, clock.now)
+    admission.forget_arrival(clock.now)  # (preparing requests are counted too: see below)
     with pytest.raises(APIError) as refused:
         admission.check_arrival(9.5, PRIORITY_INTERACTIVE, clock.now)
     assert "predicts a time to first token of 10.0 s" in refused.value.message
     assert refused.value.headers["Retry-After"] == "1"
     admission.check_arrival(None, PRIORITY_INTERACTIVE, clock.now)  # no deadline: nothing to miss
+    admission.forget_arrival(clock.now)
     admission.admit(100, PRIORITY_INTERACTIVE, clock.now, None)  # a small one was admitted
     admission.check_arrival(9.5, PRIORITY_INTERACTIVE, clock.now)  # 8.2 s ahead, 0.2 s its own
+    admission.forget_arrival(clock.now)
     for _ in range(2):
         admission.admit(1000, PRIORITY_INTERACTIVE, clock.now, None)
     with pytest.raises(APIError) as refused:
         admission.check_arrival(12.0, PRIORITY_INTERACTIVE, clock.now)  # 12.2 s ahead alone
     assert refused.value.headers["Retry-After"] == "1"
+
+
+def test_requests_still_preparing_are_counted_at_arrival_until_admitted_or_forgotten():
+    clock = Clock()
+    admission = TTFTAdmission(10.0, clock=clock, correction=FIXED)
+    served(admission, clock, 1000, 2.0)  # 2 ms a token, 2 s a request of the smallest size
+    arrivals = [clock.now + i * 0.001 for i in range(5)]
+    for arrived_at in arrivals[:4]:  # 4 preparing at once, none admitted yet
+        clock.now = arrived_at
+        admission.check_arrival(10.0, PRIORITY_INTERACTIVE, arrived_at)
+    clock.now = arrivals[4]
+    with pytest.raises(APIError) as refused:  # 4 x 2 s preparing ahead, 2 s its own
+        admission.check_arrival(9.9, PRIORITY_INTERACTIVE, arrivals[4])
+    assert "predicts a time to first token of 10.0 s" in refused.value.message
+    admission.check_arrival(10.0, PRIORITY_BATCH, arrivals[4])  # a batch one asks no deadline
+    admission.forget_arrival(arrivals[4])
+    admission.forget_arrival(arrivals[0])  # one failed its preparation
+    ticket = admission.admit(1000, PRIORITY_INTERACTIVE, arrivals[1], None)  # now a ticket
+    assert admission.num_waiting == 1
+    admission.check_arrival(9.9, PRIORITY_INTERACTIVE, clock.now)  # 3 x 2 s ahead, 2 s its own
+    clock.now += PREPARING_TTL_S + 1  # the entries nobody admitted or forgot expire
+    ticket.release()  # its client left
+    admission.check_arrival(2.0, PRIORITY_INTERACTIVE, clock.now)
 
 
 def test_batch_requests_wait_behind_interactive_ones_and_have_no_deadline_by_default():
