@@ -7,6 +7,8 @@ the engine, the compression stage and retrieval are ready), so no request pays a
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -31,17 +33,19 @@ class Pipeline:
 
     async def prepare_chat(self, req: ChatCompletionRequest) -> PreparedRequest:
         options = req.ragspeed
-        arrived_at = self.check_arrival(options.deadline_ms if options else None, request_priority(options))
-        try:
+        with self.preparing(options.deadline_ms if options else None, request_priority(options)):
             return await self.preparer.chat(req)
-        except BaseException:
-            self.forget_arrival(arrived_at)
-            raise
 
     def prepare_completion(self, req: CompletionRequest) -> PreparedRequest:
-        arrived_at = self.check_arrival(None, request_priority(None))
-        try:
+        with self.preparing(None, request_priority(None)):
             return self.preparer.completion(req)
+
+    @contextmanager
+    def preparing(self, deadline_ms: float | None, priority: int) -> Iterator[None]:
+        """The arrival check, then the preparation inside; one that fails leaves the ledger."""
+        arrived_at = self.check_arrival(deadline_ms, priority)
+        try:
+            yield
         except BaseException:
             self.forget_arrival(arrived_at)
             raise
