@@ -191,14 +191,22 @@ class TTFTAdmission:
 
     # ------------------------------------------------------------------ admission
 
-    def check_arrival(self, deadline_s: float | None, priority: int, arrived_at: float) -> None:
-        """At arrival, before any preparation: refuse when the backlog, the requests still in
-        preparation and this one's own service (each the smallest recent request's) pass the
-        deadline; else this request is preparing until `admit` or `forget_arrival`."""
+    def check_arrival(
+        self, deadline_s: float | None, priority: int, arrived_at: float, tokens: int | None = None
+    ) -> None:
+        """At arrival, before any preparation: refuse when the backlog, the requests that arrived
+        before this one and are still in preparation (each the smallest recent request's
+        service) and this one's own service pass the deadline; else this request is preparing
+        until `admit` or `forget_arrival`. Its own service: that of `tokens`, a lower bound of
+        its work that its preparation learnt on the way (checked again before an expensive
+        stage), else the smallest recent request's."""
         if deadline_s is not None and self.fit.ready:
-            own = self.fit.seconds(min(self._recent_work)) if self._recent_work else 0.0
-            preparing = sum(1 for p in self._preparing_now().values() if _ahead(p, priority))
-            backlog = self.backlog_s(priority) + preparing * own
+            smallest = self.fit.seconds(min(self._recent_work)) if self._recent_work else 0.0
+            own = smallest if tokens is None else self.fit.seconds(tokens)
+            preparing = sum(
+                1 for a, p in self._preparing_now().items() if a < arrived_at and _ahead(p, priority)
+            )
+            backlog = self.backlog_s(priority) + preparing * smallest
             predicted = ((self.clock() - arrived_at) + backlog + own) * self.correction.value
             if predicted > deadline_s:
                 raise self._refusal(predicted, deadline_s, arrived_at)

@@ -20,6 +20,7 @@ from ragspeed.compression import (
     apply_policy,
     build_compressor,
 )
+from ragspeed.compression.base import count_tokens_many
 from ragspeed.compression.scoring.embedding_cache import EmbeddingCache
 from ragspeed.document import Document
 from ragspeed.gateway.errors import APIError
@@ -99,35 +100,45 @@ class CompressionStage:
         """Whether a request with these options is compressed."""
         return self.method_for(options) is not None
 
-    def __call__(
-        self, segments: Segments, documents: tuple[Document, ...], options: CompressionOptions | None
-    ) -> tuple[tuple[Document, ...], CompressionReport | None]:
-        method = self.method_for(options)
-        if method is None:
-            return documents, None
+    def _budget(self, segments: Segments, options: CompressionOptions | None) -> Budget:
         rate = options.rate if options else None
         target_tokens = options.target_tokens if options else None
         if rate is None and target_tokens is None:
             rate = self._settings.rate
             target_tokens = self._settings.target_tokens
         protected = sum(
-            len(self._tokenizer.encode(text, add_special_tokens=False))
-            for text in (
-                segments.static_system_prompt,
-                segments.question,
-                *(t.content for t in segments.history),
+            count_tokens_many(
+                self._tokenizer,
+                [segments.static_system_prompt, segments.question, *(t.content for t in segments.history)],
             )
         )
+        return Budget(self._tokenizer, rate, target_tokens, protected)
+
+    def kept_tokens(
+        self, segments: Segments, documents: tuple[Document, ...], options: CompressionOptions | None
+    ) -> int:
+        """The document tokens that compressing these documents leaves, before compressing them:
+        their budget, or all of them where that is fewer (0 for parameters the compression
+        itself refuses with a 400). A few milliseconds of tokenization against the compression's
+        tens to hundreds."""
+        budget = self._budget(segments, options)
+        num_tokens = sum(count_tokens_many(self._tokenizer, [d.text for d in documents]))
+        try:
+            return min(num_tokens, budget.document_tokens(num_tokens))
+        except CompressionError:
+            return 0
+
+    def __call__(
+        self, segments: Segments, documents: tuple[Document, ...], options: CompressionOptions | None
+    ) -> tuple[tuple[Document, ...], CompressionReport | None]:
+        method = self.method_for(options)
+        if method is None:
+            return documents, None
+        budget = self._budget(segments, options)
         with self._lock:
             compressor = self._compressor(method)
             try:
-                outcome = apply_policy(
-                    self._policy,
-                    compressor,
-                    segments.question,
-                    documents,
-                    Budget(self._tokenizer, rate, target_tokens, protected),
-                )
+                outcome = apply_policy(self._policy, compressor, segments.question, documents, budget)
             except CompressionError as exc:
                 raise APIError(
                     400, exc.message, param=f"ragspeed.compression.{exc.param or 'rate'}"

@@ -33,8 +33,11 @@ class Pipeline:
 
     async def prepare_chat(self, req: ChatCompletionRequest) -> PreparedRequest:
         options = req.ragspeed
-        with self.preparing(options.deadline_ms if options else None, request_priority(options)):
-            return await self.preparer.chat(req)
+        deadline_ms, priority = options.deadline_ms if options else None, request_priority(options)
+        with self.preparing(deadline_ms, priority):
+            return await self.preparer.chat(
+                req, check_work=lambda tokens: self.check_arrival(deadline_ms, priority, tokens)
+            )
 
     def prepare_completion(self, req: CompletionRequest) -> PreparedRequest:
         with self.preparing(None, request_priority(None)):
@@ -50,15 +53,16 @@ class Pipeline:
             self.forget_arrival(arrived_at)
             raise
 
-    def check_arrival(self, deadline_ms: float | None, priority: int) -> float:
+    def check_arrival(self, deadline_ms: float | None, priority: int, tokens: int | None = None) -> float:
         """429 at once, before any preparation, when the work ahead passes the deadline; else
-        the request's arrival time, under which the admission counts it as preparing."""
+        the request's arrival time, under which the admission counts it as preparing. Checked
+        again with `tokens`, a lower bound of the request's work, before an expensive stage."""
         arrived_at = arrival_time() or time.perf_counter()
         admission = self.state.admission
         if admission is not None:
             try:
                 deadline_s = admission.deadline_s(deadline_ms, priority)
-                admission.check_arrival(deadline_s, priority, arrived_at)
+                admission.check_arrival(deadline_s, priority, arrived_at, tokens)
             except APIError:
                 self.state.metrics.ttft_refused.labels(model=self.state.settings.model_id).inc()
                 raise

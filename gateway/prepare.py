@@ -160,7 +160,13 @@ class Preparer:
                 code="model_not_found",
             )
 
-    async def chat(self, req: ChatCompletionRequest) -> PreparedRequest:
+    async def chat(
+        self, req: ChatCompletionRequest, check_work: Callable[[int], object] | None = None
+    ) -> PreparedRequest:
+        """The request prepared for its engine. `check_work(tokens)` (the admission's check,
+        which raises 429) runs before compression on the server's engine, with the compressed
+        documents' budget: a request that will miss its deadline is refused before its most
+        expensive stage, not after it."""
         self.check_model(req.model)
         self.check_input(req)
         state, prompts = self.state, self.state.settings.prompts
@@ -199,6 +205,8 @@ class Preparer:
         compression = options.compression if options else None
         compress = state.compression
         if documents and compress is not None and compression is not False and compress.runs(compression):
+            if check_work is not None and engine is state.engine:
+                check_work(compress.kept_tokens(segments, documents, compression))
             with timer.stage("compression"):
                 documents, report = await self._cpu_job(compress, segments, documents, compression)
             if report is not None:

@@ -147,6 +147,23 @@ def test_requests_still_preparing_are_counted_at_arrival_until_admitted_or_forgo
     admission.check_arrival(2.0, PRIORITY_INTERACTIVE, clock.now)
 
 
+def test_checked_again_with_its_own_work_only_earlier_arrivals_count_ahead():
+    """Before compressing, the preparation knows a lower bound of the request's work: its own
+    service is that work's, and requests still preparing that arrived after it are not ahead."""
+    clock = Clock()
+    admission = TTFTAdmission(10.0, clock=clock, correction=FIXED)
+    served(admission, clock, 100, 0.2)  # 2 ms a token; the smallest recent request 0.2 s
+    first, later = clock.now, clock.now + 0.001
+    admission.check_arrival(10.0, PRIORITY_INTERACTIVE, first)
+    clock.now = later
+    admission.check_arrival(10.0, PRIORITY_INTERACTIVE, later)
+    admission.check_arrival(10.0, PRIORITY_INTERACTIVE, first, tokens=4000)  # 8 s of its own
+    with pytest.raises(APIError) as refused:
+        admission.check_arrival(10.0, PRIORITY_INTERACTIVE, later, tokens=4900)  # 0.2 + 9.8 s
+    assert "predicts a time to first token of 10.0 s" in refused.value.message
+    admission.check_arrival(10.0, PRIORITY_INTERACTIVE, later, tokens=4800)
+
+
 def test_batch_requests_wait_behind_interactive_ones_and_have_no_deadline_by_default():
     clock = Clock()
     admission = TTFTAdmission(10.0, clock=clock, correction=FIXED)
@@ -279,3 +296,33 @@ async def test_deadline_and_priority_are_validated(fake):
         )
     assert batch.status_code == 200
     assert fake.engine.requests[-1].priority == PRIORITY_BATCH
+
+
+@pytest.mark.anyio
+async def test_a_compressed_request_that_would_miss_its_deadline_is_refused_before_compressing(fake):
+    """The engine showed 0.3 s for a few tokens, so a request of twenty long documents passes
+    the check at arrival (sized as the smallest recent request) but not the one before
+    compression, sized by the compressed documents' budget: 429, and no document was compressed."""
+    words = "sunlight scatters off nitrogen molecules in the upper atmosphere over the ocean".split()
+    documents = [" ".join(words[(i + j) % len(words)] for j in range(300)) for i in range(20)]
+    async with serve(fake_settings(ttft_deadline_ms=10_000)) as client:
+        first = Stall(at=0)
+        fake.engine.script(Reply(stall=first), Reply())
+        body = {"messages": [{"role": "user", "content": "Why is the sky blue?"}], "max_tokens": 2}
+        teacher = asyncio.create_task(client.post("/v1/chat/completions", json=body))
+        await first.reached.wait()
+        await asyncio.sleep(0.3)
+        first.release.set()
+        assert (await teacher).status_code == 200
+        compressed = {
+            **body,
+            "documents": documents,
+            "ragspeed": {"compression": {"method": "bm25", "rate": 0.5}, "deadline_ms": 2_000},
+        }
+        refused = await client.post("/v1/chat/completions", json=compressed)
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "ttft_deadline"
+        metrics = (await client.get("/metrics")).text
+        assert metric(metrics, "ragspeed_document_tokens_total") is None  # nothing compressed
+        assert len(fake.engine.requests) == 1
+        uncompressed = {**compressed, "documents": documents[:1], "ragspeed": {"deadline_ms": 60_000}}
+        assert (await client.post("/v1/chat/completions", json=uncompressed)).status_code == 200
