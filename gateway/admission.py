@@ -192,14 +192,20 @@ class TTFTAdmission:
     # ------------------------------------------------------------------ admission
 
     def check_arrival(
-        self, deadline_s: float | None, priority: int, arrived_at: float, tokens: int | None = None
+        self,
+        deadline_s: float | None,
+        priority: int,
+        arrived_at: float,
+        tokens: int | None = None,
+        stage_s: float = 0.0,
     ) -> None:
         """At arrival, before any preparation: refuse when the backlog, the requests that arrived
         before this one and are still in preparation (each the smallest recent request's
         service) and this one's own service pass the deadline; else this request is preparing
         until `admit` or `forget_arrival`. Its own service: that of `tokens`, a lower bound of
         its work that its preparation learnt on the way (checked again before an expensive
-        stage), else the smallest recent request's."""
+        stage, whose expected `stage_s` seconds come first), else the smallest recent
+        request's."""
         if deadline_s is not None and self.fit.ready:
             smallest = self.fit.seconds(min(self._recent_work)) if self._recent_work else 0.0
             own = smallest if tokens is None else self.fit.seconds(tokens)
@@ -207,7 +213,8 @@ class TTFTAdmission:
                 1 for a, p in self._preparing_now().items() if a < arrived_at and _ahead(p, priority)
             )
             backlog = self.backlog_s(priority) + preparing * smallest
-            predicted = ((self.clock() - arrived_at) + backlog + own) * self.correction.value
+            elapsed = self.clock() - arrived_at + stage_s
+            predicted = (elapsed + backlog + own) * self.correction.value
             if predicted > deadline_s:
                 raise self._refusal(predicted, deadline_s, arrived_at)
         self._preparing[arrived_at] = priority

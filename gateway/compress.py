@@ -10,6 +10,8 @@ stall the event loop), one at a time.
 from __future__ import annotations
 
 import threading
+import time
+from dataclasses import dataclass
 from typing import Any
 
 from ragspeed.compression import (
@@ -29,6 +31,17 @@ from ragspeed.gateway.prompt import Segments
 from ragspeed.gateway.protocol import CompressionOptions
 from ragspeed.gateway.settings import CompressionSettings
 
+# Weight of the latest compression in the running mean of seconds a document token.
+SMOOTHING = 0.2
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """What compressing a request's documents will leave and take, known before it runs."""
+
+    kept_tokens: int  # the document tokens left: their budget, or all of them where that is fewer
+    seconds: float  # its expected wall time: the recent compressions' seconds a document token
+
 
 class CompressionStage:
     def __init__(self, settings: CompressionSettings, tokenizer: Any):
@@ -43,6 +56,7 @@ class CompressionStage:
         self._compressors: dict[str, Any] = {}
         self._lock = threading.Lock()
         self.num_loads = 0  # compressors built, each loading its models: one per offered method
+        self._seconds_per_token = 0.0  # running mean over the compressions so far (0: none yet)
 
     @property
     def loaded_methods(self) -> tuple[str, ...]:
@@ -114,19 +128,25 @@ class CompressionStage:
         )
         return Budget(self._tokenizer, rate, target_tokens, protected)
 
-    def kept_tokens(
+    def forecast(
         self, segments: Segments, documents: tuple[Document, ...], options: CompressionOptions | None
-    ) -> int:
-        """The document tokens that compressing these documents leaves, before compressing them:
-        their budget, or all of them where that is fewer (0 for parameters the compression
-        itself refuses with a 400). A few milliseconds of tokenization against the compression's
-        tens to hundreds."""
+    ) -> Forecast:
+        """What compressing these documents will leave and take, before compressing them (0
+        kept tokens for parameters the compression itself refuses with a 400). A few
+        milliseconds of tokenization against the compression's tens to hundreds."""
         budget = self._budget(segments, options)
         num_tokens = sum(count_tokens_many(self._tokenizer, [d.text for d in documents]))
         try:
-            return min(num_tokens, budget.document_tokens(num_tokens))
+            kept = min(num_tokens, budget.document_tokens(num_tokens))
         except CompressionError:
-            return 0
+            kept = 0
+        return Forecast(kept, num_tokens * self._seconds_per_token)
+
+    def _observe(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens > 0:
+            rate = seconds / num_tokens
+            previous = self._seconds_per_token
+            self._seconds_per_token = rate if previous == 0.0 else previous + SMOOTHING * (rate - previous)
 
     def __call__(
         self, segments: Segments, documents: tuple[Document, ...], options: CompressionOptions | None
@@ -135,6 +155,7 @@ class CompressionStage:
         if method is None:
             return documents, None
         budget = self._budget(segments, options)
+        start = time.perf_counter()  # the wait for the lock is part of what a request waits
         with self._lock:
             compressor = self._compressor(method)
             try:
@@ -144,6 +165,7 @@ class CompressionStage:
                     400, exc.message, param=f"ragspeed.compression.{exc.param or 'rate'}"
                 ) from None
         result = outcome.result
+        self._observe(result.num_original_tokens, time.perf_counter() - start)
         kept = result.kept_documents
         report = CompressionReport(
             method=method,

@@ -36,7 +36,8 @@ class Pipeline:
         deadline_ms, priority = options.deadline_ms if options else None, request_priority(options)
         with self.preparing(deadline_ms, priority):
             return await self.preparer.chat(
-                req, check_work=lambda tokens: self.check_arrival(deadline_ms, priority, tokens)
+                req,
+                check_work=lambda tokens, seconds: self.check_arrival(deadline_ms, priority, tokens, seconds),
             )
 
     def prepare_completion(self, req: CompletionRequest) -> PreparedRequest:
@@ -53,16 +54,19 @@ class Pipeline:
             self.forget_arrival(arrived_at)
             raise
 
-    def check_arrival(self, deadline_ms: float | None, priority: int, tokens: int | None = None) -> float:
+    def check_arrival(
+        self, deadline_ms: float | None, priority: int, tokens: int | None = None, stage_s: float = 0.0
+    ) -> float:
         """429 at once, before any preparation, when the work ahead passes the deadline; else
         the request's arrival time, under which the admission counts it as preparing. Checked
-        again with `tokens`, a lower bound of the request's work, before an expensive stage."""
+        again before an expensive stage with `tokens`, a lower bound of the request's work, and
+        `stage_s`, the stage's expected seconds."""
         arrived_at = arrival_time() or time.perf_counter()
         admission = self.state.admission
         if admission is not None:
             try:
                 deadline_s = admission.deadline_s(deadline_ms, priority)
-                admission.check_arrival(deadline_s, priority, arrived_at, tokens)
+                admission.check_arrival(deadline_s, priority, arrived_at, tokens, stage_s)
             except APIError:
                 self.state.metrics.ttft_refused.labels(model=self.state.settings.model_id).inc()
                 raise

@@ -161,12 +161,12 @@ class Preparer:
             )
 
     async def chat(
-        self, req: ChatCompletionRequest, check_work: Callable[[int], object] | None = None
+        self, req: ChatCompletionRequest, check_work: Callable[[int, float], object] | None = None
     ) -> PreparedRequest:
-        """The request prepared for its engine. `check_work(tokens)` (the admission's check,
-        which raises 429) runs before compression on the server's engine, with the compressed
-        documents' budget: a request that will miss its deadline is refused before its most
-        expensive stage, not after it."""
+        """The request prepared for its engine. `check_work(tokens, seconds)` (the admission's
+        check, which raises 429) runs before compression on the server's engine, with the
+        compressed documents' budget and the compression's expected time: a request that will
+        miss its deadline is refused before its most expensive stage, not after it."""
         self.check_model(req.model)
         self.check_input(req)
         state, prompts = self.state, self.state.settings.prompts
@@ -206,7 +206,8 @@ class Preparer:
         compress = state.compression
         if documents and compress is not None and compression is not False and compress.runs(compression):
             if check_work is not None and engine is state.engine:
-                check_work(compress.kept_tokens(segments, documents, compression))
+                forecast = compress.forecast(segments, documents, compression)
+                check_work(forecast.kept_tokens, forecast.seconds)
             with timer.stage("compression"):
                 documents, report = await self._cpu_job(compress, segments, documents, compression)
             if report is not None:

@@ -162,6 +162,10 @@ def test_checked_again_with_its_own_work_only_earlier_arrivals_count_ahead():
         admission.check_arrival(10.0, PRIORITY_INTERACTIVE, later, tokens=4900)  # 0.2 + 9.8 s
     assert "predicts a time to first token of 10.0 s" in refused.value.message
     admission.check_arrival(10.0, PRIORITY_INTERACTIVE, later, tokens=4800)
+    # The stage it is about to run comes first: 0.2 + 0.5 + 9.4 s passes the deadline.
+    with pytest.raises(APIError):
+        admission.check_arrival(10.0, PRIORITY_INTERACTIVE, later, tokens=4700, stage_s=0.5)
+    admission.check_arrival(10.0, PRIORITY_INTERACTIVE, later, tokens=4700, stage_s=0.05)
 
 
 def test_batch_requests_wait_behind_interactive_ones_and_have_no_deadline_by_default():
