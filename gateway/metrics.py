@@ -104,8 +104,9 @@ class GatewayMetrics:
         )
         self.ttft_refused = Counter(
             "ragspeed_ttft_refused_requests",
-            "Requests refused with 429 because their predicted time to first token passed their deadline.",
-            ("model",),
+            "Requests refused with 429 because their predicted time to first token passed their deadline;"
+            " stage: arrival (before their preparation's costly stages) or admission (after them).",
+            ("model", "stage"),
             registry=r,
         )
         self.tpot = Histogram(

@@ -68,7 +68,9 @@ class Pipeline:
                 deadline_s = admission.deadline_s(deadline_ms, priority)
                 admission.check_arrival(deadline_s, priority, arrived_at, tokens, stage_s)
             except APIError:
-                self.state.metrics.ttft_refused.labels(model=self.state.settings.model_id).inc()
+                self.state.metrics.ttft_refused.labels(
+                    model=self.state.settings.model_id, stage="arrival"
+                ).inc()
                 raise
         return arrived_at
 

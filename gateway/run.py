@@ -83,7 +83,7 @@ class Generation:
                 deadline_s,
             )
         except APIError:
-            self.state.metrics.ttft_refused.labels(model=self.model_id).inc()
+            self.state.metrics.ttft_refused.labels(model=self.model_id, stage="admission").inc()
             raise
         self.predicted_ttft_s = ticket.predicted_s
         if ticket.predicted_s is not None:

@@ -134,12 +134,15 @@ def rss_bytes(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-def read_gauge(metrics_text: str, name: str) -> float | None:
-    """Sum of a Prometheus sample's values over its label sets; None when it is absent."""
+def read_gauge(metrics_text: str, name: str, **labels: str) -> float | None:
+    """Sum of a Prometheus sample's values over its label sets that hold `labels`; None when
+    it is absent."""
+    wanted = [f'{key}="{value}"' for key, value in labels.items()]
     values = [
         float(line.rsplit(" ", 1)[1])
         for line in metrics_text.splitlines()
-        if line.startswith(name + "{") or line.startswith(name + " ")
+        if (line.startswith(name + "{") or line.startswith(name + " "))
+        and all(label in line for label in wanted)
     ]
     return sum(values) if values else None
 
@@ -439,6 +442,10 @@ def _server_figures(run: _LoadRun) -> dict[str, Any]:
         "rss_growth": round((rss_end - rss_start) / rss_start, 4) if rss_start and rss_end else None,
         "blocks_in_use_at_end": int(blocks_used) if blocks_used is not None else None,
         "blocks_total": _int_or_none(read_gauge(run.metrics, "ragspeed_engine_num_blocks_total")),
+        # 429s that came after the request's preparation (its compression) had run.
+        "refused_after_preparation": _int_or_none(
+            read_gauge(run.metrics, "ragspeed_ttft_refused_requests_total", stage="admission")
+        ),
     }
 
 
@@ -521,6 +528,7 @@ _TABLE_KEYS = (
     "refusal_p100_ms",
     "refusal_server_p99_ms",
     "refusal_server_p100_ms",
+    "refused_after_preparation",
     "gap_p50_ms",
     "gap_p90_ms",
     "gap_p99_ms",

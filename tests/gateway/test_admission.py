@@ -279,7 +279,8 @@ async def test_a_request_that_would_miss_its_deadline_is_refused_at_once(fake):
         assert admitted.status_code == 200
         assert admitted.json()["ragspeed"]["predicted_ttft_ms"] > 400
         metrics = (await client.get("/metrics")).text
-    assert metric(metrics, "ragspeed_ttft_refused_requests_total") == 1.0
+    assert metric(metrics, "ragspeed_ttft_refused_requests_total", stage="arrival") == 1.0
+    assert metric(metrics, "ragspeed_ttft_refused_requests_total", stage="admission") is None
     assert metric(metrics, "ragspeed_time_to_first_token_predicted_seconds_count") == 2.0
     assert metric(metrics, "ragspeed_admission_seconds_per_token") > 0
 
