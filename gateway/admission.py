@@ -153,7 +153,8 @@ class TTFTAdmission:
     correction: QuantileTracker = field(default_factory=lambda: QuantileTracker(value=CORRECTION_START))
     _waiting: list[Ticket] = field(default_factory=list)  # admission order
     _recent_work: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT_WORK))
-    _preparing: dict[float, int] = field(default_factory=dict)  # arrival time -> priority
+    # arrival time -> (priority, a lower bound of its work where its preparation learnt one)
+    _preparing: dict[float, tuple[int, int | None]] = field(default_factory=dict)
     _last_served: float = float("-inf")
 
     # ------------------------------------------------------------------ prediction
@@ -200,30 +201,30 @@ class TTFTAdmission:
         stage_s: float = 0.0,
     ) -> None:
         """At arrival, before any preparation: refuse when the backlog, the requests that arrived
-        before this one and are still in preparation (each the smallest recent request's
-        service) and this one's own service pass the deadline; else this request is preparing
-        until `admit` or `forget_arrival`. Its own service: that of `tokens`, a lower bound of
-        its work that its preparation learnt on the way (checked again before an expensive
-        stage, whose expected `stage_s` seconds come first), else the smallest recent
-        request's."""
+        before this one and are still in preparation and this one's own service pass the
+        deadline; else this request is preparing until `admit` or `forget_arrival`. A request's
+        service while it prepares: that of `tokens`, a lower bound of its work that its
+        preparation learnt on the way (checked again before an expensive stage, whose expected
+        `stage_s` seconds come first), else the smallest recent request's."""
         if deadline_s is not None and self.fit.ready:
             smallest = self.fit.seconds(min(self._recent_work)) if self._recent_work else 0.0
-            own = smallest if tokens is None else self.fit.seconds(tokens)
             preparing = sum(
-                1 for a, p in self._preparing_now().items() if a < arrived_at and _ahead(p, priority)
+                smallest if work is None else self.fit.seconds(work)
+                for a, (p, work) in self._preparing_now().items()
+                if a < arrived_at and _ahead(p, priority)
             )
-            backlog = self.backlog_s(priority) + preparing * smallest
+            own = smallest if tokens is None else self.fit.seconds(tokens)
             elapsed = self.clock() - arrived_at + stage_s
-            predicted = (elapsed + backlog + own) * self.correction.value
+            predicted = (elapsed + self.backlog_s(priority) + preparing + own) * self.correction.value
             if predicted > deadline_s:
                 raise self._refusal(predicted, deadline_s, arrived_at)
-        self._preparing[arrived_at] = priority
+        self._preparing[arrived_at] = (priority, tokens)
 
     def forget_arrival(self, arrived_at: float) -> None:
         """The request that arrived at `arrived_at` left before its admission (or has none)."""
         self._preparing.pop(arrived_at, None)
 
-    def _preparing_now(self) -> dict[float, int]:
+    def _preparing_now(self) -> dict[float, tuple[int, int | None]]:
         horizon = self.clock() - PREPARING_TTL_S
         for arrived_at in [a for a in self._preparing if a < horizon]:
             del self._preparing[arrived_at]

@@ -87,6 +87,9 @@ class PreparedRequest:
     principal: Principal | None = None  # the authenticated caller; None with auth off
     return_prompt: bool = False  # echo the prompt as sent in `ragspeed.prompt`
     deadline_ms: float | None = None  # `ragspeed.deadline_ms`: this request's TTFT deadline
+    # Judged against its deadline before its compression, with its forecast: admitted after it
+    # without a second judgement (a refusal then would waste the compression and come late).
+    judged_before_compression: bool = False
 
 
 def sampling_params(req: _SamplingFields, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
@@ -201,13 +204,14 @@ class Preparer:
                 param="documents",
                 code="too_many_documents",
             )
-        report = None
+        report, judged = None, False
         compression = options.compression if options else None
         compress = state.compression
         if documents and compress is not None and compression is not False and compress.runs(compression):
             if check_work is not None and engine is state.engine:
                 forecast = compress.forecast(segments, documents, compression)
                 check_work(forecast.kept_tokens, forecast.seconds)
+                judged = True
             with timer.stage("compression"):
                 documents, report = await self._cpu_job(compress, segments, documents, compression)
             if report is not None:
@@ -232,7 +236,7 @@ class Preparer:
                 ) from None
         max_tokens = req.max_completion_tokens or req.max_tokens
         return self._prepared(
-            req, prompt, timer, max_tokens, report, engine, options, document_cache, arm_name
+            req, prompt, timer, max_tokens, report, engine, options, document_cache, arm_name, judged
         )
 
     async def _cpu_job(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -310,6 +314,7 @@ class Preparer:
         options: RagspeedOptions | None,
         document_cache: DocumentCacheOptions | None = None,
         arm: str = DEFAULT_ARM,
+        judged_before_compression: bool = False,
     ) -> PreparedRequest:
         settings = self.state.settings
         sampling = sampling_params(req, max_tokens, settings.prompts.default_max_tokens)
@@ -353,4 +358,5 @@ class Preparer:
             principal=principal,
             return_prompt=bool(options and options.return_prompt),
             deadline_ms=options.deadline_ms if options is not None else None,
+            judged_before_compression=judged_before_compression,
         )

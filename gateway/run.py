@@ -70,11 +70,14 @@ class Generation:
         return (self.e2e_s - self.ttft_s) / (self.num_completion_tokens - 1)
 
     def _admit(self) -> Ticket | None:
-        """The admission's ticket (None: no admission), or APIError 429 at once."""
+        """The admission's ticket (None: no admission), or APIError 429 at once. A request judged
+        before its compression is not judged again."""
         if self.admission is None:
             return None
         generation = self.prepared.generation
         deadline_s = self.admission.deadline_s(self.prepared.deadline_ms, generation.priority)
+        if self.prepared.judged_before_compression:
+            deadline_s = None
         try:
             ticket = self.admission.admit(
                 estimate_new_tokens(self.prepared.engine, generation),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 
@@ -16,6 +17,7 @@ from ragspeed.gateway.admission import (
     ServiceFit,
     TTFTAdmission,
 )
+from ragspeed.gateway.compress import CompressionStage
 from ragspeed.gateway.errors import APIError
 from tests.gateway.fake_engine import Reply, Stall
 from tests.gateway.inprocess import fake_settings, metric, serve
@@ -149,7 +151,8 @@ def test_requests_still_preparing_are_counted_at_arrival_until_admitted_or_forgo
 
 def test_checked_again_with_its_own_work_only_earlier_arrivals_count_ahead():
     """Before compressing, the preparation knows a lower bound of the request's work: its own
-    service is that work's, and requests still preparing that arrived after it are not ahead."""
+    service is that work's, later arrivals count it by that work, requests still preparing that
+    arrived after it are not ahead, and the stage it is about to run comes first."""
     clock = Clock()
     admission = TTFTAdmission(10.0, clock=clock, correction=FIXED)
     served(admission, clock, 100, 0.2)  # 2 ms a token; the smallest recent request 0.2 s
@@ -159,13 +162,12 @@ def test_checked_again_with_its_own_work_only_earlier_arrivals_count_ahead():
     admission.check_arrival(10.0, PRIORITY_INTERACTIVE, later)
     admission.check_arrival(10.0, PRIORITY_INTERACTIVE, first, tokens=4000)  # 8 s of its own
     with pytest.raises(APIError) as refused:
-        admission.check_arrival(10.0, PRIORITY_INTERACTIVE, later, tokens=4900)  # 0.2 + 9.8 s
-    assert "predicts a time to first token of 10.0 s" in refused.value.message
-    admission.check_arrival(10.0, PRIORITY_INTERACTIVE, later, tokens=4800)
-    # The stage it is about to run comes first: 0.2 + 0.5 + 9.4 s passes the deadline.
+        admission.check_arrival(10.0, PRIORITY_INTERACTIVE, later, tokens=1100)  # 8 + 2.2 s
+    assert "predicts a time to first token of 10.2 s" in refused.value.message
+    admission.check_arrival(10.0, PRIORITY_INTERACTIVE, later, tokens=900)  # 8 + 1.8 s
     with pytest.raises(APIError):
-        admission.check_arrival(10.0, PRIORITY_INTERACTIVE, later, tokens=4700, stage_s=0.5)
-    admission.check_arrival(10.0, PRIORITY_INTERACTIVE, later, tokens=4700, stage_s=0.05)
+        admission.check_arrival(10.0, PRIORITY_INTERACTIVE, later, tokens=900, stage_s=0.5)
+    admission.check_arrival(10.0, PRIORITY_INTERACTIVE, later, tokens=900, stage_s=0.1)
 
 
 def test_batch_requests_wait_behind_interactive_ones_and_have_no_deadline_by_default():
@@ -331,3 +333,35 @@ async def test_a_compressed_request_that_would_miss_its_deadline_is_refused_befo
         assert len(fake.engine.requests) == 1
         uncompressed = {**compressed, "documents": documents[:1], "ragspeed": {"deadline_ms": 60_000}}
         assert (await client.post("/v1/chat/completions", json=uncompressed)).status_code == 200
+
+
+@pytest.mark.anyio
+async def test_a_compressed_request_judged_before_compressing_is_not_refused_after(fake, monkeypatch):
+    """Its compression takes longer than the check before it expected: the prediction after
+    it passes the deadline, but the request, judged before its compression, is admitted."""
+    compress = CompressionStage.__call__
+
+    def slow(self, *args):
+        time.sleep(0.6)
+        return compress(self, *args)
+
+    monkeypatch.setattr(CompressionStage, "__call__", slow)
+    async with serve(fake_settings(ttft_deadline_ms=10_000)) as client:
+        first = Stall(at=0)
+        fake.engine.script(Reply(stall=first), Reply())
+        body = {"messages": [{"role": "user", "content": "Why is the sky blue?"}], "max_tokens": 2}
+        teacher = asyncio.create_task(client.post("/v1/chat/completions", json=body))
+        await first.reached.wait()
+        await asyncio.sleep(0.3)
+        first.release.set()
+        assert (await teacher).status_code == 200
+        compressed = {
+            **body,
+            "documents": ["Rayleigh scattering makes the sky blue.", "The ocean reflects the sky."],
+            "ragspeed": {"compression": {"method": "bm25", "rate": 0.5}, "deadline_ms": 1_000},
+        }
+        admitted = await client.post("/v1/chat/completions", json=compressed)
+        assert admitted.status_code == 200
+        assert admitted.json()["ragspeed"]["predicted_ttft_ms"] > 1_000
+        metrics = (await client.get("/metrics")).text
+    assert metric(metrics, "ragspeed_ttft_refused_requests_total") is None
