@@ -48,10 +48,12 @@ def create_app(
     *,
     engine_factory: Callable[[EngineConfig, UpstreamConfig], EngineClient] = build_engine,
     on_start_failure: Callable[[str], None] | None = None,
+    on_ready: Callable[[], None] | None = None,
 ) -> FastAPI:
     """The app; `engine_factory` builds the main engine and each A/B arm's own (tests pass a
     fake). `on_start_failure(error)` is called when loading fails (`ragspeed serve` exits);
-    without it the app stays up, its /healthz answering 503 with the error."""
+    without it the app stays up, its /healthz answering 503 with the error. `on_ready()` is
+    called once everything is loaded, before the first request is served."""
     check_settings(settings)
     keyring = KeyRing(settings.security.api_keys, settings.security.admin_key_hashes)
     rejections = Rejections()
@@ -120,6 +122,8 @@ def create_app(
                 if on_start_failure is not None:
                     on_start_failure(state.engine_error)
                 return
+            if on_ready is not None:
+                on_ready()
             # Every service is loaded: the pipeline is complete from its first request on.
             state.pipeline = Pipeline(state)
             logger.info(

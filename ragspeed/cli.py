@@ -8,6 +8,7 @@ imports a benchmark, and `ragspeed --help` stays cheap where it can).
 
 from __future__ import annotations
 
+import gc
 import importlib
 import logging
 import types
@@ -110,6 +111,14 @@ def cli() -> None:
     environment.configure()
 
 
+def keep_startup_heap() -> None:
+    """What start-up built (models, tokenizers, indexes) lives as long as the server: kept out of
+    the garbage collector's scans. A full collection over it took 120-280 ms every 10-60 s
+    under load, and held the event loop for as long."""
+    gc.collect()
+    gc.freeze()
+
+
 @settings_options
 @cli.command()
 @click.option(
@@ -137,7 +146,7 @@ def serve(config_file: str | None, **flags: Any) -> None:
         server.should_exit = True
 
     try:
-        app = create_app(settings, on_start_failure=failed)
+        app = create_app(settings, on_start_failure=failed, on_ready=keep_startup_heap)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
     server = uvicorn.Server(

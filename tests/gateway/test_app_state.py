@@ -53,13 +53,16 @@ def test_the_pipeline_is_built_once_every_service_is_loaded(tmp_path):
         engines.append(_IdleEngine(config))
         return engines[-1]
 
-    app = create_app(settings, engine_factory=factory)
+    readiness: list[bool] = []
+    app = create_app(
+        settings, engine_factory=factory, on_ready=lambda: readiness.append(app.state.services.ready)
+    )
 
     async def main():
         async with app.router.lifespan_context(app):
             state = app.state.services
             await engines[0].started.wait()
-            loading = (state.ready, state.pipeline, state.compression)
+            loading = (state.ready, state.pipeline, state.compression, list(readiness))
             engines[0].release.set()
             async with asyncio.timeout(60):  # the load task ends once the embedder has loaded
                 while not state.ready and state.engine_error is None:
@@ -67,7 +70,8 @@ def test_the_pipeline_is_built_once_every_service_is_loaded(tmp_path):
             return state, loading
 
     state, loading = asyncio.run(main())
-    assert loading == (False, None, None)
+    assert loading == (False, None, None, [])
+    assert readiness == [False]  # called once, loaded, before the first request is served
     assert isinstance(state, AppState) and state.engine_error is None
     assert [e.config.model for e in engines] == ["idle"]
     assert state.engine is engines[0] and state.arm_engines == {} and state.experiment is None
