@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import click
@@ -9,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 from pydantic import TypeAdapter
 
-from ragspeed.cli import serve, serve_settings
+from ragspeed.cli import cli, keep_startup_heap, serve, serve_settings
 from ragspeed.gateway.settings import OPTIONS, ConfigError, load_settings
 
 SETTINGS_OPTIONS = [p for p in serve.params if p.name in OPTIONS]
@@ -150,3 +151,13 @@ def test_a_choice_flag_lists_its_values_and_names_them_when_refused():
         "Invalid value for '--dtype': 'float8' is not one of 'auto', 'float32', 'bfloat16', 'float16'."
         in result.output
     )
+
+
+def test_serve_is_a_command_and_freezes_the_start_up_heap_once_ready():
+    assert cli.get_command(click.Context(cli), "serve") is serve
+    frozen = gc.get_freeze_count()
+    try:
+        keep_startup_heap()
+        assert gc.get_freeze_count() > frozen
+    finally:
+        gc.unfreeze()
