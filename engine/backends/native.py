@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import itertools
 import logging
 import os
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -58,18 +56,6 @@ from ragspeed.engine.threads import cpu_threads
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-# Niceness of the threads that run helper jobs (compression, embedding) beside the engine. On a
-# contended core the event loop, whose work is short and waited for, wins over them.
-JOB_NICENESS = 10
-
-
-def _lower_priority() -> None:
-    """A job thread's start: its niceness raised by JOB_NICENESS (Linux schedules threads
-    apart; elsewhere this does nothing)."""
-    with contextlib.suppress(AttributeError, OSError):
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + JOB_NICENESS)
 
 
 @dataclass(frozen=True)
@@ -185,7 +171,6 @@ class NativeEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._warm_ids = itertools.count()
         self.cpu_budget: CpuBudget | None = None  # built with the engine (its thread count)
-        self._jobs: ThreadPoolExecutor | None = None  # the threads of `run_beside`, at low priority
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -210,9 +195,6 @@ class NativeEngine:
         self._loop = asyncio.get_running_loop()
         self._engine = await asyncio.to_thread(build_llm_engine, self.config)
         self.cpu_budget = CpuBudget(self._engine.num_threads)
-        self._jobs = ThreadPoolExecutor(
-            self.cpu_budget.max_lent, thread_name_prefix="ragspeed-job", initializer=_lower_priority
-        )
         # The Rust tokenizers' batch encoding (the compressors' and embedders' tokenizers) runs
         # on a pool of one thread per core of its own, outside the budget; an operator's
         # explicit setting wins.
@@ -227,8 +209,6 @@ class NativeEngine:
         self._commands.put(_STOP)
         await asyncio.to_thread(self._thread.join)
         self._thread = None
-        if self._jobs is not None:
-            self._jobs.shutdown(wait=False)
 
     # ------------------------------------------------------------------ engine thread
 
@@ -385,19 +365,18 @@ class NativeEngine:
             raise
 
     async def run_beside(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` in a worker thread (at low priority: JOB_NICENESS) on one CPU thread that
-        the engine gives up while it runs (`CpuBudget`): compression and embedding, beside the
-        engine's steps, within `num_threads` busy threads in all."""
-        budget, jobs = self.cpu_budget, self._jobs
-        if budget is None or jobs is None:
+        """`fn(*args)` in a worker thread on one CPU thread that the engine gives up while it
+        runs (`CpuBudget`): compression and embedding, beside the engine's steps, within
+        `num_threads` busy threads in all."""
+        budget = self.cpu_budget
+        if budget is None:
             raise EngineError("the native engine is not started", code="engine_not_ready")
 
         def job() -> T:
             with budget.lend(1), cpu_threads(1):
                 return fn(*args)
 
-        context = contextvars.copy_context()
-        return await asyncio.get_running_loop().run_in_executor(jobs, context.run, job)
+        return await asyncio.to_thread(job)
 
     async def call(self, fn: Any) -> Any:
         """`fn(llm_engine)` run on the engine thread between steps; its result or exception."""

@@ -5,15 +5,13 @@ the native backend on the tiny model)."""
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
 import threading
 import time
 
 import pytest
 import torch
 
-from ragspeed.engine.backends.native import JOB_NICENESS, CpuBudget, NativeEngine
+from ragspeed.engine.backends.native import CpuBudget, NativeEngine
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.protocol import GenerationRequest, SamplingParams
 
@@ -110,7 +108,7 @@ def test_run_beside_runs_on_one_thread_and_the_engine_steps_on_the_rest(tiny_che
         def job():
             started.set()
             release.wait(10)
-            return torch.get_num_threads(), os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+            return torch.get_num_threads()
 
         params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
         request = GenerationRequest("r", tuple(range(10, 40)), params)
@@ -132,10 +130,8 @@ def test_run_beside_runs_on_one_thread_and_the_engine_steps_on_the_rest(tiny_che
         await engine.shutdown()
         return job_threads, deltas, num_steps
 
-    (job_threads, job_niceness), deltas, num_steps = asyncio.run(main())
+    job_threads, deltas, num_steps = asyncio.run(main())
     assert job_threads == 1
-    if sys.platform == "linux":  # the event loop wins a contended core over the job
-        assert job_niceness == min(os.getpriority(os.PRIO_PROCESS, 0) + JOB_NICENESS, 19)
     assert deltas[-1].finish_reason == "length"
     assert seen[0] == 2
     assert len(seen) >= num_steps + 3
