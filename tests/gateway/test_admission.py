@@ -305,6 +305,20 @@ async def test_deadline_and_priority_are_validated(fake):
     assert fake.engine.requests[-1].priority == PRIORITY_BATCH
 
 
+async def taught(client, fake) -> dict:
+    """One request whose first token takes 0.3 s, so the admission knows the engine; the next
+    reply is scripted plain. Returns the request's body."""
+    first = Stall(at=0)
+    fake.engine.script(Reply(stall=first), Reply())
+    body = {"messages": [{"role": "user", "content": "Why is the sky blue?"}], "max_tokens": 2}
+    teacher = asyncio.create_task(client.post("/v1/chat/completions", json=body))
+    await first.reached.wait()
+    await asyncio.sleep(0.3)
+    first.release.set()
+    assert (await teacher).status_code == 200
+    return body
+
+
 @pytest.mark.anyio
 async def test_a_compressed_request_that_would_miss_its_deadline_is_refused_before_compressing(fake):
     """The engine showed 0.3 s for a few tokens, so a request of twenty long documents passes
@@ -313,14 +327,7 @@ async def test_a_compressed_request_that_would_miss_its_deadline_is_refused_befo
     words = "sunlight scatters off nitrogen molecules in the upper atmosphere over the ocean".split()
     documents = [" ".join(words[(i + j) % len(words)] for j in range(300)) for i in range(20)]
     async with serve(fake_settings(ttft_deadline_ms=10_000)) as client:
-        first = Stall(at=0)
-        fake.engine.script(Reply(stall=first), Reply())
-        body = {"messages": [{"role": "user", "content": "Why is the sky blue?"}], "max_tokens": 2}
-        teacher = asyncio.create_task(client.post("/v1/chat/completions", json=body))
-        await first.reached.wait()
-        await asyncio.sleep(0.3)
-        first.release.set()
-        assert (await teacher).status_code == 200
+        body = await taught(client, fake)
         compressed = {
             **body,
             "documents": documents,
@@ -347,14 +354,7 @@ async def test_a_compressed_request_judged_before_compressing_is_not_refused_aft
 
     monkeypatch.setattr(CompressionStage, "__call__", slow)
     async with serve(fake_settings(ttft_deadline_ms=10_000)) as client:
-        first = Stall(at=0)
-        fake.engine.script(Reply(stall=first), Reply())
-        body = {"messages": [{"role": "user", "content": "Why is the sky blue?"}], "max_tokens": 2}
-        teacher = asyncio.create_task(client.post("/v1/chat/completions", json=body))
-        await first.reached.wait()
-        await asyncio.sleep(0.3)
-        first.release.set()
-        assert (await teacher).status_code == 200
+        body = await taught(client, fake)
         compressed = {
             **body,
             "documents": ["Rayleigh scattering makes the sky blue.", "The ocean reflects the sky."],
