@@ -191,6 +191,40 @@ static inline void store(float *y, const vecf *sums, const float *bias, int firs
 #define PAIRS (GROUP / 2)
 int ragspeed_int8_group(void) { return GROUP; }
 
+/* One whole group of GROUP inputs to int16 at `inverse` (32767 / its largest magnitude): the
+ * rounded values into q, their sum returned. The vector versions round as rintf does (to nearest,
+ * ties to even: the default rounding mode) and sum exactly, so every version gives the same. */
+#if defined(__AVX512F__)
+static inline float group_amax(const float *x) {
+    const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    __m512 a = _mm512_max_ps(_mm512_and_ps(_mm512_loadu_ps(x), magnitude),
+                             _mm512_and_ps(_mm512_loadu_ps(x + 16), magnitude));
+    return _mm512_reduce_max_ps(a);
+}
+static inline int32_t group_round(const float *x, float inverse, int16_t *q) {
+    __m512 scale = _mm512_set1_ps(inverse);
+    __m512i a = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x), scale));
+    __m512i b = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 16), scale));
+    _mm256_storeu_si256((__m256i *)q, _mm512_cvtepi32_epi16(a));
+    _mm256_storeu_si256((__m256i *)(q + 16), _mm512_cvtepi32_epi16(b));
+    return _mm512_reduce_add_epi32(_mm512_add_epi32(a, b));
+}
+#else
+static inline float group_amax(const float *x) {
+    float amax = 0.0f;
+    for (int i = 0; i < GROUP; i++) {
+        float a = __builtin_fabsf(x[i]);
+        amax = a > amax ? a : amax;
+    }
+    return amax;
+}
+static inline int32_t group_round(const float *x, float inverse, int16_t *q) {
+    int32_t sum = 0;
+    for (int i = 0; i < GROUP; i++) sum += q[i] = (int16_t)__builtin_rintf(x[i] * inverse);
+    return sum;
+}
+#endif
+
 /* x [m, k] per group: xq [m][groups * GROUP] int16 (zero beyond k), xs [m][groups] fp32;
  * xsum [m][groups] (unless NULL) each group's sum of xq times its xs, for the 4-bit products. */
 static void quantize_rows(const float *x, int m, int k, int16_t *xq, float *xs, float *xsum) {
@@ -200,15 +234,21 @@ static void quantize_rows(const float *x, int m, int k, int16_t *xq, float *xs, 
             const float *xg = x + (size_t)r * k + g * GROUP;
             int16_t *qg = xq + ((size_t)r * groups + g) * GROUP;
             int count = k - g * GROUP < GROUP ? k - g * GROUP : GROUP;
-            float amax = 0.0f;
-            for (int i = 0; i < count; i++) {
-                float a = __builtin_fabsf(xg[i]);
-                amax = a > amax ? a : amax;
-            }
-            float inverse = amax > 0.0f ? 32767.0f / amax : 0.0f;
+            float amax = 0.0f, inverse;
             int32_t sum = 0;
-            for (int i = 0; i < count; i++) sum += qg[i] = (int16_t)__builtin_rintf(xg[i] * inverse);
-            for (int i = count; i < GROUP; i++) qg[i] = 0;
+            if (count == GROUP) {
+                amax = group_amax(xg);
+                inverse = amax > 0.0f ? 32767.0f / amax : 0.0f;
+                sum = group_round(xg, inverse, qg);
+            } else { /* the last group of an odd-sized row */
+                for (int i = 0; i < count; i++) {
+                    float a = __builtin_fabsf(xg[i]);
+                    amax = a > amax ? a : amax;
+                }
+                inverse = amax > 0.0f ? 32767.0f / amax : 0.0f;
+                for (int i = 0; i < count; i++) sum += qg[i] = (int16_t)__builtin_rintf(xg[i] * inverse);
+                for (int i = count; i < GROUP; i++) qg[i] = 0;
+            }
             xs[(size_t)r * groups + g] = amax / 32767.0f;
             if (xsum) xsum[(size_t)r * groups + g] = (float)sum * (amax / 32767.0f);
         }
@@ -311,9 +351,12 @@ static void quantize_rows(const float *x, int m, int k, int16_t *xq, float *xs, 
 #endif
 #if defined(__AVX512BW__) && defined(__AVX512F__)
 /* AVX-512: two pairs a load. Their 32 bytes widened to 16 bits are, masked, columns 0-7 of both
- * pairs and, shifted, columns 8-15; one multiply-add of each with the rows' two input pairs
- * (lanes 0-7 the first, 8-15 the second) sums both pairs into 8 columns twice, added at the end
- * of the group. A row costs two multiply-adds per two pairs where AVX2 takes four. */
+ * pairs and, shifted, columns 8-15; two shuffles of 128-bit lanes make each pair one vector of
+ * its 16 columns' two values, so a row's input pair is one broadcast (folded into the
+ * multiply-add) and one multiply-add a pair sums all 16 columns. The shuffles are shared by
+ * every row of the pass, so the cost of a row is its multiply-adds alone: the batched steps and
+ * prefill chunks, which are bound by arithmetic, run at about twice the rate of a kernel that
+ * moves each row's inputs into place. */
 /* VNNI fuses the multiply-add and the add into one instruction: as fast for one row, and 14%
  * faster from three rows on (the batched steps, where the products are compute-bound). */
 #if defined(__AVX512VNNI__)
@@ -321,46 +364,47 @@ static void quantize_rows(const float *x, int m, int k, int16_t *xq, float *xs, 
 #else
 #define MADD_ADD512(acc, w, x) _mm512_add_epi32(acc, _mm512_madd_epi16(w, x))
 #endif
+static inline __m512i input_pair(const int16_t *x) {
+    int32_t pair;
+    memcpy(&pair, x, sizeof pair);
+    return _mm512_set1_epi32(pair);
+}
 #define Q4_ROWS_OF(NAME, R, STYPE, S)                                                            \
     static inline void NAME(const uint8_t *block, const int16_t *xq, const float *xs,            \
                             const float *xsum, const STYPE *scales, float *y, const float *bias, \
                             int first, int n, int k) {                                          \
         int groups = k / GROUP;                                                                 \
         const __m512i nibble = _mm512_set1_epi16(0x0f);                                         \
-        const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0); \
         __m512 total[R];                                                                        \
         for (int r = 0; r < R; r++) total[r] = _mm512_setzero_ps();                             \
         for (int g = 0; g < groups; g++) {                                                      \
-            __m512i low[R], high[R];                                                            \
-            _Pragma("GCC unroll 6") for (int r = 0; r < R; r++)                                 \
-                low[r] = high[r] = _mm512_setzero_si512();                                      \
-            _Pragma("GCC unroll 4") for (int j = g * PAIRS; j < (g + 1) * PAIRS; j += 2) {      \
+            __m512i acc[R], acc1[R]; /* two chains a row, for the multiply-add's latency */     \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                 \
+                acc[r] = acc1[r] = _mm512_setzero_si512();                                      \
+            _Pragma("GCC unroll 8") for (int t = 0; t < PAIRS / 2; t++) {                       \
+                int j = g * PAIRS + 2 * t;                                                      \
                 const uint8_t *p = block + (size_t)j * BLOCK;                                   \
                 __builtin_prefetch(p + 96 * BLOCK);                                             \
                 __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));      \
-                __m512i w0 = _mm512_and_si512(v, nibble), w1 = _mm512_srli_epi16(v, 4);         \
-                _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                           \
+                __m512i low = _mm512_and_si512(v, nibble), high = _mm512_srli_epi16(v, 4);      \
+                __m512i w0 = _mm512_shuffle_i64x2(low, high, _MM_SHUFFLE(1, 0, 1, 0));          \
+                __m512i w1 = _mm512_shuffle_i64x2(low, high, _MM_SHUFFLE(3, 2, 3, 2));          \
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                           \
                     const int16_t *xr = xq + (size_t)r * groups * GROUP + 2 * j;                \
-                    __m512i xb = _mm512_permutexvar_epi32(                                      \
-                        halves, _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i *)xr)));  \
-                    low[r] = MADD_ADD512(low[r], w0, xb);                                       \
-                    high[r] = MADD_ADD512(high[r], w1, xb);                                     \
+                    acc[r] = MADD_ADD512(acc[r], w0, input_pair(xr));                           \
+                    acc1[r] = MADD_ADD512(acc1[r], w1, input_pair(xr + 2));                     \
                 }                                                                               \
             }                                                                                   \
             const STYPE *sc = scales + (size_t)g * 2 * BLOCK;                                   \
             __m512 d = S##X16(sc), m = S##X16(sc + 16);                                         \
-            _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                               \
-                __m256i lo = _mm256_add_epi32(_mm512_castsi512_si256(low[r]),                   \
-                                              _mm512_extracti64x4_epi64(low[r], 1));            \
-                __m256i hi = _mm256_add_epi32(_mm512_castsi512_si256(high[r]),                  \
-                                              _mm512_extracti64x4_epi64(high[r], 1));           \
-                __m512i acc = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);            \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                               \
                 __m512 sx = _mm512_set1_ps(xs[(size_t)r * groups + g]);                         \
+                __m512i sum = _mm512_add_epi32(acc[r], acc1[r]);                                \
                 total[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[(size_t)r * groups + g]), total[r]); \
-                total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(d, sx), total[r]); \
+                total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, sx), total[r]); \
             }                                                                                   \
         }                                                                                       \
-        _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                                   \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                   \
             float sums[BLOCK];                                                                  \
             _mm512_storeu_ps(sums, total[r]);                                                   \
             store_sums(y + (size_t)r * n, sums, bias, first, n);                                \

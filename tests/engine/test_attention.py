@@ -59,7 +59,7 @@ def test_mixed_batch_of_decodes_and_chunks_matches_dense_attention(
     """chunks: decodes only; with small chunks (all through the kernel on CPU, each query a
     row); with a chunk longer than SMALL_CHUNK_QUERIES too (decodes in the kernel, chunks SDPA)."""
     torch.manual_seed(0)
-    block_size, num_blocks = 4, 32
+    block_size, num_blocks = 4, 64
     k_cache = torch.zeros(num_blocks * block_size, num_kv_heads, head_dim)
     v_cache = torch.zeros_like(k_cache)
     # (block table, tokens already cached, new tokens this step): two decodes of different
@@ -68,7 +68,8 @@ def test_mixed_batch_of_decodes_and_chunks_matches_dense_attention(
     if chunks == "none":
         layout = layout[:2]
     elif chunks == "large":
-        layout.append(([22, 23, 24, 25, 26, 27], 2, 20))
+        large = SMALL_CHUNK_QUERIES + 4
+        layout.append((list(range(32, 32 + -(-(2 + large) // block_size))), 2, large))
     history = {}
     for i, (table, num_cached, _) in enumerate(layout):
         keys = torch.randn(num_cached, num_kv_heads, head_dim)
@@ -96,7 +97,6 @@ def test_mixed_batch_of_decodes_and_chunks_matches_dense_attention(
         device="cpu",
     )
     assert (meta.row_block_tables is not None) == (chunks == "small")
-    assert chunks != "large" or 20 > SMALL_CHUNK_QUERIES
     out = paged_attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta, head_dim**-0.5)
     assert out.shape == (sum(n for _, _, n in layout), num_heads * head_dim)
     start = 0
@@ -161,12 +161,13 @@ def test_several_long_chunks_and_decodes_match_the_masked_path(
     torch.manual_seed(0)
     block_size = 16
     # (block table, tokens already cached, new tokens this step)
+    past = SMALL_CHUNK_QUERIES
     layout = [
         ([7], 9, 1),
         ([2, 3], 20, 1),
-        ([40, 41], 0, 17),
-        ([8, 9, 10], 13, 20),
-        (list(range(20, 39)), 283, 17),
+        (list(range(40, 45)), 0, past + 1),
+        (list(range(8, 14)), 13, past + 4),
+        (list(range(14, 36)), 283, past + 1),
     ]
     k_cache = torch.randn(64 * block_size, num_kv_heads, head_dim)
     v_cache = torch.randn_like(k_cache)
@@ -205,14 +206,16 @@ def test_several_long_chunks_and_decodes_match_the_masked_path(
 def test_a_scattered_chunk_sees_the_keys_up_to_each_of_its_positions(decode_path, with_large_chunk):
     torch.manual_seed(0)
     num_heads, num_kv_heads, head_dim, block_size = 9, 3, 64, 4
-    k_cache = torch.randn(64 * block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(128 * block_size, num_kv_heads, head_dim)
     v_cache = torch.randn_like(k_cache)
-    table = [13, 2, 40, 7, 8, 9, 30, 31, 32, 50, 51, 52]  # 48 positions
-    positions = sorted(set(range(1, 47, 2)) - {9, 11}) + [47]  # 22 queries, more than a small chunk's
-    assert len(positions) > SMALL_CHUNK_QUERIES
-    chunks = [(table, 48, len(positions), tuple(positions))]
-    if with_large_chunk:  # a plain prefill of 20 tokens beside it
-        chunks.append(([60, 61, 62, 63, 20], 20, 20, None))
+    context = 2 * SMALL_CHUNK_QUERIES + 16
+    table = torch.randperm(100, generator=torch.Generator().manual_seed(1))[: context // block_size].tolist()
+    positions = sorted(set(range(1, context - 1, 2)) - {9, 11}) + [context - 1]
+    assert len(positions) > SMALL_CHUNK_QUERIES  # more queries than a small chunk's
+    chunks = [(table, context, len(positions), tuple(positions))]
+    large = SMALL_CHUNK_QUERIES + 4
+    if with_large_chunk:  # a plain prefill longer than a small chunk beside it
+        chunks.append((list(range(100, 100 + -(-large // block_size))), large, large, None))
     num_tokens = sum(n for _, _, n, _ in chunks)
     q = torch.randn(num_tokens, num_heads, head_dim)
     k = torch.randn(num_tokens, num_kv_heads, head_dim)
@@ -220,7 +223,7 @@ def test_a_scattered_chunk_sees_the_keys_up_to_each_of_its_positions(decode_path
     slot_of = lambda t, p: t[p // block_size] * block_size + p % block_size  # noqa: E731
     slot_mapping = [slot_of(table, p) for p in positions]
     if with_large_chunk:
-        slot_mapping += [slot_of(chunks[1][0], p) for p in range(20)]
+        slot_mapping += [slot_of(chunks[1][0], p) for p in range(large)]
     meta = build_metadata(
         decode_tables=[],
         decode_context_lens=[],

@@ -72,8 +72,8 @@ def test_interleaved_requests_match_transformers(family, mode, overrides, tiny_c
 def test_long_chunks_after_earlier_chunks_match_transformers(
     family, monkeypatch, tiny_checkpoints, hf_models
 ):
-    """Chunks of up to 37 tokens: past SMALL_CHUNK_QUERIES, so prefills take the fused-kernel
-    path (chunk_attention), after cached keys whose count is not a multiple of the block size."""
+    """Chunks past SMALL_CHUNK_QUERIES, so prefills take the layer-by-layer path
+    (chunk_attention), after cached keys whose count is not a multiple of the block size."""
     num_cached = []
 
     def spy(q, k, v, span, scale):
@@ -81,14 +81,15 @@ def test_long_chunks_after_earlier_chunks_match_transformers(
         return chunk_attention(q, k, v, span, scale)
 
     monkeypatch.setattr(attention_module, "chunk_attention", spy)
-    engine = make_engine(tiny_checkpoints[family], max_num_batched_tokens=37)
+    budget = SMALL_CHUNK_QUERIES + 21
+    shapes = [(n + SMALL_CHUNK_QUERIES, m) for n, m in SHAPES]
+    engine = make_engine(tiny_checkpoints[family], max_num_batched_tokens=budget)
     requests = [
-        GenerationRequest(f"r{i}", tuple(prompt_of(i, n)), greedy(m)) for i, (n, m) in enumerate(SHAPES)
+        GenerationRequest(f"r{i}", tuple(prompt_of(i, n)), greedy(m)) for i, (n, m) in enumerate(shapes)
     ]
     outputs = run_interleaved(engine, requests)
-    for i, (n, m) in enumerate(SHAPES):
+    for i, (n, m) in enumerate(shapes):
         assert outputs[f"r{i}"] == hf_greedy(hf_models[family], prompt_of(i, n), m), f"r{i}"
-    assert 37 > SMALL_CHUNK_QUERIES
     assert 0 in num_cached  # a first chunk
     assert any(c % 8 for c in num_cached)  # a chunk after an unaligned prefix (block size 8)
     assert_all_blocks_free(engine)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ragspeed.engine.attention import build_metadata, slots
+from ragspeed.engine.attention import SMALL_CHUNK_QUERIES, build_metadata, slots
 from ragspeed.engine.cpu_kernels import blocked_kernels_available, decode_step
 from ragspeed.engine.gguf import converted_copy
 from ragspeed.engine.kv_cache import KVCachePool
@@ -140,11 +140,13 @@ def test_prefill_steps_and_unsupported_models_take_the_layer_by_layer_path(tiny_
     from ragspeed.engine.cpu_kernels.decoder import FusedDecoder
 
     loaded = load_model(tiny_checkpoints["llama"], max_model_len=256)
-    meta = build_metadata([], [], [[0, 1, 2]], [20], [20], list(range(20)), BLOCK_SIZE, "cpu")
+    n = SMALL_CHUNK_QUERIES + 4  # a prefill chunk past a small one
+    table = list(range(-(-n // BLOCK_SIZE)))
+    meta = build_metadata([], [], [table], [n], [n], list(range(n)), BLOCK_SIZE, "cpu")
     with decode_step(False):
-        assert FusedDecoder.rows(meta, 20) is None  # a prefill chunk of 20 queries
+        assert FusedDecoder.rows(meta, n) is None
     with decode_step(True):
-        assert FusedDecoder.rows(meta, 20) is None  # its queries are not decode-kernel rows
+        assert FusedDecoder.rows(meta, n) is None  # its queries are not decode-kernel rows
     loaded.model.layers[1].mlp.down_proj.blocked = None  # a projection without a blocked copy
     assert not FusedDecoder.supports(loaded.model) and loaded.model._fused_decoder() is None
 
