@@ -16,7 +16,9 @@ latest decode-only steps with speculation and without (a median: one step stalle
 fault or another process must not switch speculation for long). What a step yields is
 estimated per request: with acceptance a and k drafts, 1 + a + a^2 + ... + a^k tokens. A
 step speculates when that yield over the speculative cost beats one token per decode over the
-plain cost; a batch size not yet measured both ways is measured (speculation first), and every
+plain cost; a batch size not yet measured both ways is measured (speculation first, unless
+it lost at the nearest smaller batch size measured both ways: a verification's extra rows cost
+more in a larger batch, where the products are bound by arithmetic), and every
 (`explore_every` x batch size)-th step at a batch size runs the other way (every
 `plain_explore_factor` times that while speculation wins), to keep both costs fresh and to let
 requests whose drafts started to pay show it. A hard cap remains: no
@@ -70,6 +72,7 @@ class AdaptiveController:
         # num_decodes -> ([plain], [speculative]) seconds of the latest decode-only steps
         self._costs: dict[int, tuple[deque[float], deque[float]]] = {}
         self._steps: dict[int, int] = {}  # num_decodes -> decisions taken at that batch size
+        self._wins: dict[int, bool] = {}  # num_decodes -> whether speculation won its last comparison
         # Keyed by the Request object: state goes away with the request, nothing to clean up.
         self._control: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -83,10 +86,14 @@ class AdaptiveController:
             return False
         plain, spec = (statistics.median(c) if c else None for c in self._costs.get(n, ((), ())))
         if spec is None or plain is None:
+            smaller = [m for m in self._wins if m < n]
+            if spec is None and smaller and not self._wins[max(smaller)]:
+                self._drift_toward_prior(decodes)
+                return False  # lost in a smaller batch: not worth a costly first measurement
             return spec is None  # measure speculation first, then plain decoding
         step = self._steps[n] = self._steps.get(n, 0) + 1
         expected = sum(map(self._expected_tokens, decodes, num_tokens))
-        better = expected > n and expected / spec > n / plain
+        better = self._wins[n] = expected > n and expected / spec > n / plain
         # Exploring costs about a batch's worth of extra queries: rarer at larger batches, and
         # rarer while speculation wins: then it only refreshes the plain cost, which drifts
         # slowly, and each plain step gives up the tokens a verification would have yielded.

@@ -24,7 +24,10 @@ Figures (one run; warm-up first; medians of `repeats` runs; JSON keys in bracket
   replay the plain run's own greedy output (every draft accepted), k drafts a step: what
   verification costs against a plain step, whatever a proposer guesses
   [ceiling_decode_tokens_per_s, ceiling_speedup = ceiling / plain, ceiling_acceptance (1.0
-  unless batched and lone greedy runs disagree)].
+  unless batched and lone greedy runs disagree), and a verification step's time in plain steps,
+  (k + 1) / ceiling_speedup: ceiling_verification_steps].
+The target's weights are serve's default (`--quantization auto`: a GGUF model's own blocks) or
+as `--quantization` says [quantization].
 A *ratio* or *speedup* divides the speculative contender's rate by the plain one's.
 The table prints each ratio beside its target: ngram_speedup >= 0.97 (prompt lookup
 never slower); draft_speedup and draft_rag_speedup >= 1.6; batch16_ratio >= 0.97.
@@ -175,12 +178,13 @@ def run_bench_spec(
     draft_model: str | Path | None = None,
     draft_quantization: str | None = "auto",
     wiki_prompt_tokens: int = 64,
+    quantization: str | None = "auto",
 ) -> dict[str, Any]:
     """Measure plain decoding against prompt lookup, a draft model and the ceiling; return flat
     JSON (the command prints it with `print_table`)."""
     draft_model = str(draft_model) if draft_model else zoo_draft(model)
     torch.set_num_threads(threads)
-    engines = _build_engines(model, num_speculative_tokens, draft_model, draft_quantization)
+    engines = _build_engines(model, num_speculative_tokens, draft_model, draft_quantization, quantization)
     tokenizer = engines.plain.tokenizer
     prompts = rag_prompts(data_path, tokenizer, max(num_prompts, 16), num_documents)
     wiki = wiki_prompts(data_path.parent, tokenizer, num_prompts, wiki_prompt_tokens)
@@ -200,6 +204,7 @@ def run_bench_spec(
     plain_rate, ngram_rate = rates["plain"], rates["ngram"]
     return {
         "model": model,
+        "quantization": engines.plain.loaded.quantization or "none",
         "num_prompts": num_prompts,
         "mean_prompt_tokens": statistics.mean(len(p) for p in timed),
         "max_tokens": max_tokens,
@@ -216,6 +221,9 @@ def run_bench_spec(
         "ceiling_decode_tokens_per_s": ceiling_rates["ceiling"],
         "ceiling_speedup": ceiling_rates["ceiling"] / ceiling_rates["plain"],
         "ceiling_acceptance": engines.ceiling.stats()["spec_acceptance_rate"],
+        "ceiling_verification_steps": (num_speculative_tokens + 1)
+        * ceiling_rates["plain"]
+        / ceiling_rates["ceiling"],
         "batch16_plain_tokens_per_s": batch["plain"],
         "batch16_ngram_tokens_per_s": batch["ngram"],
         "batch16_ratio": batch["ngram"] / batch["plain"],
@@ -225,14 +233,27 @@ def run_bench_spec(
 
 
 def _build_engines(
-    model: str, num_speculative_tokens: int, draft_model: str | None, draft_quantization: str | None
+    model: str,
+    num_speculative_tokens: int,
+    draft_model: str | None,
+    draft_quantization: str | None,
+    quantization: str | None,
 ) -> _SpecEngines:
     """Plain, n-gram, draft-model and ceiling engines over one load of the target's weights."""
     from ragspeed.engine.factory import build_llm_engine
     from ragspeed.engine.loader import load_model, resolve_model_path
 
-    base = EngineConfig(model=model, num_kv_cache_tokens=32 * 1024, max_model_len=4096)
-    loaded = load_model(resolve_model_path(model), device="cpu", dtype="float32", max_model_len=4096)
+    quantization = None if quantization == "none" else quantization
+    base = EngineConfig(
+        model=model, num_kv_cache_tokens=32 * 1024, max_model_len=4096, quantization=quantization
+    )
+    loaded = load_model(
+        resolve_model_path(model),
+        device="cpu",
+        dtype="float32",
+        quantization=quantization,
+        max_model_len=4096,
+    )
     plain = build_llm_engine(base, loaded=loaded)
     spec_config = replace(base, speculative="ngram", num_speculative_tokens=num_speculative_tokens)
     ngram = build_llm_engine(spec_config, loaded=loaded, tokenizer=plain.tokenizer)
@@ -349,7 +370,10 @@ def _draft_figures(
 
 def print_table(r: dict[str, Any]) -> None:
     print(machine_line(r["threads"]))
-    print(f"speculative decoding, {r['model']}, greedy, k={r['num_speculative_tokens']}")
+    print(
+        f"speculative decoding, {r['model']} ({r['quantization']} weights), greedy,"
+        f" k={r['num_speculative_tokens']}"
+    )
     print(
         f"batch 1 ({r['num_prompts']} RAG prompts of ~{r['mean_prompt_tokens']:.0f} tokens,"
         f" {r['max_tokens']} output tokens):"
@@ -365,7 +389,9 @@ def print_table(r: dict[str, Any]) -> None:
     )
     print(
         f"  ceiling (drafts replay the plain output, all accepted):"
-        f" {r['ceiling_decode_tokens_per_s']:8.1f} tokens/s, speedup {r['ceiling_speedup']:.2f}x"
+        f" {r['ceiling_decode_tokens_per_s']:8.1f} tokens/s, speedup {r['ceiling_speedup']:.2f}x;"
+        f" a verification of {r['num_speculative_tokens'] + 1} rows costs"
+        f" {r['ceiling_verification_steps']:.2f} plain steps"
     )
     if r["draft_model"] is None:
         print(
@@ -424,6 +450,13 @@ def print_table(r: dict[str, Any]) -> None:
     type=click.Choice(["auto", "none", "int8"]),
     help="the draft's weights (auto: int8 on a CPU)",
 )
+@click.option(
+    "--quantization",
+    type=click.Choice(["auto", "gguf", "int8", "none"]),
+    default="auto",
+    show_default=True,
+    help="the target's weights, as serve's --quantization",
+)
 @json_option
 def bench_spec(
     model,
@@ -435,6 +468,7 @@ def bench_spec(
     threads,
     draft_model,
     draft_quantization,
+    quantization,
     json_path,
 ) -> None:
     """Speculative decoding on and off: prompt lookup and draft model at batch 1, batch-16 ratio."""
@@ -448,6 +482,7 @@ def bench_spec(
         threads=threads,
         draft_model=draft_model,
         draft_quantization=draft_quantization,
+        quantization=quantization,
     )
     print_table(result)
     write_json(json_path, result)

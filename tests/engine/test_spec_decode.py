@@ -121,7 +121,10 @@ def test_controller_speculates_while_the_measured_costs_say_it_pays():
         controller.observe(request, 4, 0)
     assert controller.batch_allows(batch, [0] * 8) is False  # paused: 1 token each
     controller.observe_step(8, True, seconds=0.100)
-    assert controller.batch_allows([R()], [4]) is True  # another batch size is measured on its own
+    assert controller.batch_allows(batch, [4] * 8) is False  # 8 * 1.0 tokens / 100 ms lose
+    assert controller.batch_allows([R()], [4]) is True  # a smaller batch is measured on its own
+    # a larger one takes the loss of the nearest smaller batch measured both ways
+    assert controller.batch_allows([R() for _ in range(12)], [4] * 12) is False
     assert AdaptiveController(4, max_verify_tokens=10, adaptive=False).batch_allows([R()] * 50, [4] * 50)
 
 
@@ -389,6 +392,8 @@ def test_bench_spec_runs_on_the_demo_model(shared_data):
     assert result["outputs_identical"] is True
     assert 0 <= result["ngram_acceptance"] <= 1 and result["batch16_ratio"] > 0
     assert result["ceiling_acceptance"] == 1.0 and result["ceiling_speedup"] > 0
+    assert result["quantization"] == "gguf"  # serve's default path: the file's own blocks
+    assert result["ceiling_verification_steps"] == pytest.approx(5 / result["ceiling_speedup"])
 
 
 @pytest.mark.parametrize("quantization", [None, "int8"])
