@@ -1418,6 +1418,12 @@ static void silu_mul(const float *gate_up, float *act, int m, int inter) {
 
 /* Batches of at most this many rows run the steps between products on every thread (below). */
 #define EACH_THREAD_ROWS 2
+/* A step between products: on every thread where each_thread, else on one and then a barrier. */
+#define BETWEEN_PRODUCTS(each_thread, STEP)                                                      \
+    do {                                                                                        \
+        if ((each_thread) || omp_get_thread_num() == 0) { STEP; }                               \
+        if (!(each_thread)) { _Pragma("omp barrier") }                                          \
+    } while (0)
 
 /* Scratch for `floats` floats, 64-byte aligned, whole cache lines. */
 static float *scratch(size_t floats) {
@@ -1465,12 +1471,8 @@ void ragspeed_decode_forward(const Model *model, void *const *k_caches, void *co
     }
     for (int l = 0; l < model->num_layers; l++) {
         const Layer *layer = model->layers + l;
-        if (each_thread)
-            for (int r = 0; r < m; r++) add_rms_norm_row(xs, l ? h : NULL, layer->input_norm, ns, r, hidden, eps);
-        else {
-            _Pragma("omp single")
-            for (int r = 0; r < m; r++) add_rms_norm_row(x, l ? h : NULL, layer->input_norm, normed, r, hidden, eps);
-        }
+        BETWEEN_PRODUCTS(each_thread, for (int r = 0; r < m; r++)
+                         add_rms_norm_row(xs, l ? h : NULL, layer->input_norm, ns, r, hidden, eps));
         linear_team(&layer->qkv, ns, wide, m);
         _Pragma("omp single")
         for (int r = 0; r < m; r++) {
@@ -1491,32 +1493,19 @@ void ragspeed_decode_forward(const Model *model, void *const *k_caches, void *co
                                     num_heads, num_kv_heads, head_dim, max_blocks, block_size, model->scale,
                                     longest, partials, kv_half, each_thread);
         linear_team(&layer->o, ms, h, m);
-        if (each_thread)
-            for (int r = 0; r < m; r++) add_rms_norm_row(xs, h, layer->post_norm, ns, r, hidden, eps);
-        else {
-            _Pragma("omp single")
-            for (int r = 0; r < m; r++) add_rms_norm_row(x, h, layer->post_norm, normed, r, hidden, eps);
-        }
+        BETWEEN_PRODUCTS(each_thread, for (int r = 0; r < m; r++)
+                         add_rms_norm_row(xs, h, layer->post_norm, ns, r, hidden, eps));
         linear_team(&layer->gate_up, ns, wide, m);
-        if (each_thread)
-            silu_mul(wide, ms, m, inter);
-        else {
-            _Pragma("omp single")
-            silu_mul(wide, mid, m, inter);
-        }
+        BETWEEN_PRODUCTS(each_thread, silu_mul(wide, ms, m, inter));
         linear_team(&layer->down, ms, h, m);
     }
-    if (each_thread) {
-        for (int r = 0; r < m; r++) add_rms_norm_row(xs, model->num_layers ? h : NULL, model->final_norm, ns, r, hidden, eps);
-        if (omp_get_thread_num() == 0) {
-            memcpy(x, xs, sizeof(float) * m * hidden);
-            memcpy(out, ns, sizeof(float) * m * hidden);
-        }
-    } else {
-        _Pragma("omp single")
-        for (int r = 0; r < m; r++) add_rms_norm_row(x, model->num_layers ? h : NULL, model->final_norm, out, r, hidden, eps);
+    BETWEEN_PRODUCTS(each_thread, for (int r = 0; r < m; r++)
+                     add_rms_norm_row(xs, model->num_layers ? h : NULL, model->final_norm, ns, r, hidden, eps));
+    if (omp_get_thread_num() == 0) {
+        if (xs != x) memcpy(x, xs, sizeof(float) * m * hidden);
+        memcpy(out, ns, sizeof(float) * m * hidden);
     }
-    if (logits) linear_team(&model->lm_head, ns == normed ? out : ns, logits, m);
+    if (logits) linear_team(&model->lm_head, ns, logits, m);
     if (each_thread) { /* read by their own thread alone */
         free(xs); free(ns); free(ms);
     }

@@ -123,6 +123,18 @@ def max_tokens_option(
     )
 
 
+def quantization_option(help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """`--quantization auto|gguf|int8|none`, serve's choices and default ("none": EngineConfig
+    reads it as off)."""
+    return click.option(
+        "--quantization",
+        type=click.Choice(["auto", "gguf", "int8", "none"]),
+        default="auto",
+        show_default=True,
+        help=help,
+    )
+
+
 def seed_option(help: str | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """`--seed N`, 0 by default."""
     return click.option("--seed", type=int, default=0, show_default=True, help=help)

@@ -55,6 +55,7 @@ from ragspeed.bench.common import (
     machine_line,
     median_gap,
     model_option,
+    quantization_option,
     repeats_option,
     require_positive,
     threads_option,
@@ -581,13 +582,7 @@ def _parse_budget(value: str) -> float | None:
     help="GGUF file for llama.cpp, repeatable (default: the model's GGUF and its F16/Q8_0/BF16 copies)",
 )
 @click.option("--llamacpp-requests", default=4, type=int, help="requests through llama.cpp, one at a time")
-@click.option(
-    "--quantization",
-    type=click.Choice(["auto", "gguf", "int8", "none"]),
-    default="auto",
-    show_default=True,
-    help="the native engine's weights, as serve's --quantization",
-)
+@quantization_option("the native engine's weights, as serve's --quantization")
 @click.option(
     "--kv-cache-dtype",
     type=click.Choice(["auto", "fp32", "fp16"]),

@@ -45,7 +45,7 @@ from typing import Any
 import click
 import torch
 
-from ragspeed.bench.common import json_option, machine_line, qa_data_option, write_json
+from ragspeed.bench.common import json_option, machine_line, qa_data_option, quantization_option, write_json
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME, zoo_draft
 from ragspeed.engine.protocol import GenerationRequest, SamplingParams
@@ -450,13 +450,7 @@ def print_table(r: dict[str, Any]) -> None:
     type=click.Choice(["auto", "none", "int8"]),
     help="the draft's weights (auto: int8 on a CPU)",
 )
-@click.option(
-    "--quantization",
-    type=click.Choice(["auto", "gguf", "int8", "none"]),
-    default="auto",
-    show_default=True,
-    help="the target's weights, as serve's --quantization",
-)
+@quantization_option("the target's weights, as serve's --quantization")
 @json_option
 def bench_spec(
     model,
