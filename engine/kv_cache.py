@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ragspeed.engine.cpu_kernels.build import load_library
+from ragspeed.engine.huge_pages import huge_page_zeros
 from ragspeed.engine.models.arch import ModelArch
 
 
@@ -29,16 +30,10 @@ class KVCachePool:
     ):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.kv = torch.zeros(
-            2,
-            arch.num_layers,
-            num_blocks,
-            block_size,
-            arch.num_kv_heads,
-            arch.head_dim,
-            dtype=dtype,
-            device=device,
-        )
+        shape = (2, arch.num_layers, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+        # On a CPU, huge pages: decode attention streams each request's blocks every step.
+        on_cpu = torch.device(device).type == "cpu"
+        self.kv = huge_page_zeros(shape, dtype) if on_cpu else torch.zeros(shape, dtype=dtype, device=device)
         flat = self.kv.view(2, arch.num_layers, num_blocks * block_size, arch.num_kv_heads, -1)
         # Per-layer views, built once: the layer loop zips over them, no indexing per step.
         self.k_caches: list[torch.Tensor] = list(flat[0].unbind(0))

@@ -31,6 +31,7 @@ from contextlib import contextmanager
 import torch
 
 from ragspeed.engine.cpu_kernels.build import load_library
+from ragspeed.engine.huge_pages import gather_on_huge_pages
 
 BLOCK = 16
 INT8_GROUP = 32  # kernels.c's GROUP; the library reports its own (test_cpu_kernels checks)
@@ -185,3 +186,14 @@ class BlockedWeight:
         pointers += [None if self.bias is None else self.bias.data_ptr(), x.data_ptr(), y.data_ptr()]
         self._kernel(*pointers, x.shape[0], self.out_features, self.in_features, num_threads)
         return y
+
+
+def gather_weights(weights: list[BlockedWeight]) -> None:
+    """Move the weights' blocks, scales and biases back to back onto huge pages, in the order
+    given (the order a decode step reads them): the step streams one run of memory on few pages
+    (engine.huge_pages). The weights keep their values; every holder of one sees the move."""
+    parts = [
+        (w, name) for w in weights for name in ("blocks", "scales", "bias") if getattr(w, name) is not None
+    ]
+    for (weight, name), copy in zip(parts, gather_on_huge_pages([getattr(w, n) for w, n in parts])):
+        setattr(weight, name, copy)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ragspeed.engine.cpu_kernels.attention import KV_DTYPES, MAX_GROUP, MAX_HEAD_DIM
-from ragspeed.engine.cpu_kernels.blocked import BlockedWeight, in_decode_step
+from ragspeed.engine.cpu_kernels.blocked import BlockedWeight, gather_weights, in_decode_step
 from ragspeed.engine.cpu_kernels.build import load_library
 from ragspeed.engine.step_buffers import RowBuffer, StepBuffers
 
@@ -115,6 +115,9 @@ class FusedDecoder:
         self.library = library
         # What the structs point into: the model's own tensors where fp32 and contiguous already.
         self._keep: list[torch.Tensor] = []
+        lm_head = model.lm_head.blocked_weight()
+        weights = [p.blocked_weight() for layer in model.layers for p in _projections(layer)]
+        gather_weights([w for w in [*weights, lm_head] if w is not None])
         layers = []
         for layer in model.layers:
             qk_norm = layer.self_attn.qk_norm_weight
@@ -127,7 +130,6 @@ class FusedDecoder:
                 )
             )
         self.layers = (_Layer * len(layers))(*layers)
-        lm_head = model.lm_head.blocked_weight()
         # The kernels look the embeddings up where they are fp32 rows or a GGUF file's Q8_0
         # blocks (`embeds`); the LM head joins the call where it has a blocked copy (`head`);
         # the greedy steps (a draft's) need both.
