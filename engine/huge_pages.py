@@ -20,7 +20,7 @@ import mmap
 import torch
 
 HUGE_PAGE = 2 << 20
-ALIGNMENT = 64  # a cache line: where each tensor of an arena starts
+ALIGNMENT = 64  # a cache line: where each gathered tensor starts
 
 
 def _mapping(num_bytes: int) -> torch.Tensor:

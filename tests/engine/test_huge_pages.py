@@ -4,6 +4,7 @@ pool; where Linux gives huge pages, the memory is on them."""
 
 from __future__ import annotations
 
+import mmap
 import re
 from pathlib import Path
 
@@ -68,6 +69,14 @@ def test_gathered_copies_are_equal_contiguous_and_back_to_back_in_order():
         assert end <= after.data_ptr() < end + ALIGNMENT
     sources[1].zero_()
     assert copies[1].any()  # copies, not views
+
+
+def test_without_madvise_the_same_memory_comes_on_ordinary_pages(monkeypatch):
+    monkeypatch.delattr(mmap, "MADV_HUGEPAGE", raising=False)
+    zeros = huge_page_zeros((5, 3), torch.float32)
+    (copy,) = gather_on_huge_pages([torch.arange(7)])
+    assert not zeros.any() and zeros.data_ptr() % HUGE_PAGE == 0
+    assert torch.equal(copy, torch.arange(7))
 
 
 @pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="Linux gives no huge pages here")
