@@ -40,7 +40,7 @@ def _mapping(num_bytes: int) -> torch.Tensor:
 
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """torch.zeros(shape, dtype=dtype) on the CPU, on huge pages where the kernel allows."""
-    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    num_bytes = math.prod(shape) * dtype.itemsize
     return _mapping(max(num_bytes, 1))[:num_bytes].view(dtype).view(shape)
 
 

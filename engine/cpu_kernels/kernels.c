@@ -209,20 +209,25 @@ static inline int32_t group_round(const float *x, float inverse, int16_t *q) {
     _mm256_storeu_si256((__m256i *)(q + 16), _mm512_cvtepi32_epi16(b));
     return _mm512_reduce_add_epi32(_mm512_add_epi32(a, b));
 }
-#else
-static inline float group_amax(const float *x) {
+#endif
+/* The same over the first `count` inputs of a group, in plain C (the last group of an odd-sized
+ * row, and every group without AVX-512). */
+static inline float inputs_amax(const float *x, int count) {
     float amax = 0.0f;
-    for (int i = 0; i < GROUP; i++) {
+    for (int i = 0; i < count; i++) {
         float a = __builtin_fabsf(x[i]);
         amax = a > amax ? a : amax;
     }
     return amax;
 }
-static inline int32_t group_round(const float *x, float inverse, int16_t *q) {
+static inline int32_t inputs_round(const float *x, float inverse, int16_t *q, int count) {
     int32_t sum = 0;
-    for (int i = 0; i < GROUP; i++) sum += q[i] = (int16_t)__builtin_rintf(x[i] * inverse);
+    for (int i = 0; i < count; i++) sum += q[i] = (int16_t)__builtin_rintf(x[i] * inverse);
     return sum;
 }
+#if !defined(__AVX512F__)
+static inline float group_amax(const float *x) { return inputs_amax(x, GROUP); }
+static inline int32_t group_round(const float *x, float inverse, int16_t *q) { return inputs_round(x, inverse, q, GROUP); }
 #endif
 
 /* x [m, k] per group: xq [m][groups * GROUP] int16 (zero beyond k), xs [m][groups] fp32;
@@ -234,21 +239,11 @@ static void quantize_rows(const float *x, int m, int k, int16_t *xq, float *xs, 
             const float *xg = x + (size_t)r * k + g * GROUP;
             int16_t *qg = xq + ((size_t)r * groups + g) * GROUP;
             int count = k - g * GROUP < GROUP ? k - g * GROUP : GROUP;
-            float amax = 0.0f, inverse;
-            int32_t sum = 0;
-            if (count == GROUP) {
-                amax = group_amax(xg);
-                inverse = amax > 0.0f ? 32767.0f / amax : 0.0f;
-                sum = group_round(xg, inverse, qg);
-            } else { /* the last group of an odd-sized row */
-                for (int i = 0; i < count; i++) {
-                    float a = __builtin_fabsf(xg[i]);
-                    amax = a > amax ? a : amax;
-                }
-                inverse = amax > 0.0f ? 32767.0f / amax : 0.0f;
-                for (int i = 0; i < count; i++) sum += qg[i] = (int16_t)__builtin_rintf(xg[i] * inverse);
-                for (int i = count; i < GROUP; i++) qg[i] = 0;
-            }
+            int whole = count == GROUP;
+            float amax = whole ? group_amax(xg) : inputs_amax(xg, count);
+            float inverse = amax > 0.0f ? 32767.0f / amax : 0.0f;
+            int32_t sum = whole ? group_round(xg, inverse, qg) : inputs_round(xg, inverse, qg, count);
+            for (int i = count; i < GROUP; i++) qg[i] = 0;
             xs[(size_t)r * groups + g] = amax / 32767.0f;
             if (xsum) xsum[(size_t)r * groups + g] = (float)sum * (amax / 32767.0f);
         }
@@ -1123,19 +1118,20 @@ static int64_t chunk_keys(const Run *run, const int64_t *context_lens, int c) {
 }
 
 /* The index, over the runs' chunks in order, of the chunk boundary whose keys before it come
- * nearest `goal`; with a negative goal, the keys of all the chunks. Thread t's stretch runs
- * between the boundaries nearest t / threads and (t + 1) / threads of all keys. Split by count
- * of chunks instead, 400 keys on 2 threads went 256 | 144 (the last chunk partial; now 192 |
- * 208): in a batch-1 step the threads spent 0.66 and 0.55 ms in attention's chunks. */
-static int64_t stretch_boundary(const Run *runs, int num_runs, const int64_t *context_lens, int64_t goal) {
-    int64_t before = 0, index = 0;
+ * nearest `goal`. Thread t's stretch runs between the boundaries nearest t / threads and
+ * (t + 1) / threads of all keys. Split by count of chunks instead, 400 keys on 2 threads went
+ * 256 | 144 (the last chunk partial; now 192 | 208): in a batch-1 step the threads spent 0.66
+ * and 0.55 ms in attention's chunks. */
+static int stretch_boundary(const Run *runs, int num_runs, const int64_t *context_lens, int64_t goal) {
+    int64_t before = 0;
+    int index = 0;
     for (int u = 0; u < num_runs; u++)
         for (int c = 0; c < run_chunks(runs + u); c++, index++) {
             int64_t keys = chunk_keys(runs + u, context_lens, c);
-            if (goal >= 0 && goal < before + keys) return goal - before <= before + keys - goal ? index : index + 1;
+            if (goal < before + keys) return goal - before <= before + keys - goal ? index : index + 1;
             before += keys;
         }
-    return goal < 0 ? before : index;
+    return index;
 }
 
 /* The tasks split across the threads of the enclosing parallel region, ending in its barrier;
@@ -1164,9 +1160,10 @@ static void paged_decode_attention_team(const float *q, const void *k_cache, con
     /* The runs' chunks, in order, in one contiguous stretch per thread (while it computes a
      * chunk, a thread prefetches its next), the stretches about equal in keys read. */
     int threads = omp_get_num_threads(), t = omp_get_thread_num();
-    int64_t all = stretch_boundary(runs, num_runs, context_lens, -1);
-    int begin = (int)stretch_boundary(runs, num_runs, context_lens, all * t / threads);
-    int end = t + 1 == threads ? total : (int)stretch_boundary(runs, num_runs, context_lens, all * (t + 1) / threads);
+    int64_t all = 0;  /* keys read: each row reads its whole context */
+    for (int r = 0; r < num_seqs; r++) all += context_lens[r];
+    int begin = stretch_boundary(runs, num_runs, context_lens, all * t / threads);
+    int end = t + 1 == threads ? total : stretch_boundary(runs, num_runs, context_lens, all * (t + 1) / threads);
     int u = 0, c = begin;  /* chunk `begin`: run u's chunk c */
     while (u < num_runs && c >= run_chunks(runs + u)) c -= run_chunks(runs + u++);
     Ahead ahead[2];  /* chunk i's rows: ahead[i % 2]; none until chunk_rows fills one */
@@ -1521,7 +1518,8 @@ void ragspeed_decode_forward(const Model *model, void *const *k_caches, void *co
      * add, SiLU, the merge of attention's chunks) run on one thread with a barrier after each;
      * for a batch of at most EACH_THREAD_ROWS rows every thread runs them itself on its own copy
      * of the residual stream and of their outputs, the same bits, which saves four barriers a
-     * layer: a barrier cost 2.5 us on 2 threads (AMD EPYC), a sixth of a batch-1 step in all. */
+     * layer: ten more barriers a layer cost 0.75 ms of a batch-1 step on 2 threads (AMD EPYC),
+     * 2.5 us each with the wait for the slower thread (a barrier alone, in a tight loop: 0.28 us). */
     int each_thread = m <= EACH_THREAD_ROWS;
     _Pragma("omp parallel num_threads(num_threads)")
     {
