@@ -25,6 +25,30 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+# The kinds of output constraint (`StructuredOutput.kind`) and what `spec` holds for each.
+STRUCTURED_KINDS = {
+    "json_schema": "a JSON Schema, as JSON text",
+    "json_object": "nothing: any JSON object",
+    "regex": "a regular expression the whole output matches",
+    "choice": "a JSON list of strings, one of which is the whole output",
+    "grammar": "a grammar in Lark syntax (llguidance's), or GBNF",
+}
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on a request's output text: every sampled token keeps the text a prefix of
+    some string the constraint accepts, and the request may end only where the text is one.
+    `kind` is a key of STRUCTURED_KINDS; `spec` is what that kind holds (text, so that the
+    record stays hashable and compiled grammars can be kept by it)."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}")
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -40,10 +64,30 @@ class SamplingParams:
     # None: no logprobs. k in [0, MAX_LOGPROBS]: each output token carries its logprob and the
     # k most likely tokens with theirs (TokenDelta.logprobs).
     logprobs: int | None = None
+    # OpenAI's penalties: subtract frequency_penalty * count and presence_penalty * (count > 0)
+    # from the logit of every token already in the output. vLLM's repetition_penalty (> 1
+    # discourages) divides positive logits and multiplies negative ones of tokens already in
+    # the prompt or the output.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    structured: StructuredOutput | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether anything changes this request's logits before sampling (a free row: no)."""
+        return (
+            self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or bool(self.logit_bias)
+            or self.structured is not None
+        )
 
 
 # Repair policies of document KV reuse (engine.document_kv says what each recomputes).
@@ -99,6 +143,10 @@ class GenerationRequest:
     document_cache: DocumentCacheOptions | None = None
     # Lower runs first among waiting requests: PRIORITY_INTERACTIVE, PRIORITY_BATCH.
     priority: int = 0
+    # A chat request as an upstream chat server takes it (the openai backend's chat mode):
+    # the client's messages with the documents rendered into their fixed place, and every field
+    # the gateway does not consume passed through as the client sent it. None: a text prompt.
+    chat: dict[str, Any] | None = None
 
 
 PRIORITY_INTERACTIVE, PRIORITY_BATCH = 0, 1
@@ -135,6 +183,11 @@ class TokenDelta:
     documents: DocumentReuse | None = None
     # On the final delta of a pinning prefill (`NativeEngine.pin`): the blocks it pinned.
     pinned_block_ids: tuple[int, ...] = ()
+    # OpenAI `delta.tool_calls` entries ({index, id?, type?, function: {name?, arguments}}), as
+    # an upstream chat server streams them; the gateway merges them by index.
+    tool_calls: tuple[dict[str, Any], ...] = ()
+    # An upstream chat server's `choices[0].logprobs` for this delta, passed back as it came.
+    wire_logprobs: dict[str, Any] | None = None
 
 
 class EngineError(Exception):
