@@ -64,3 +64,6 @@ class UpstreamConfig:
     circuit_failures: int = 5  # failures in a row that open an upstream's circuit
     circuit_reset_s: float = 30.0
     affinity: bool = True  # same static prefix -> same upstream (backends/routing.py)
+    # "chat": chat requests go to the upstream's /v1/chat/completions as chat (tools, formats and
+    # vendor fields intact); "completions": ragspeed renders the prompt and posts it as text.
+    api: str = "chat"

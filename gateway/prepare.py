@@ -40,6 +40,7 @@ from ragspeed.gateway.protocol import (
     _SamplingFields,
 )
 from ragspeed.gateway.security import Principal, current_principal
+from ragspeed.gateway.upstream_chat import upstream_chat_body
 
 if TYPE_CHECKING:  # gateway.state holds the pipeline that holds the preparer
     from ragspeed.gateway.state import AppState
@@ -235,8 +236,13 @@ class Preparer:
                     code="invalid_messages",
                 ) from None
         max_tokens = req.max_completion_tokens or req.max_tokens
+        # A proxy that forwards chat sends the request itself upstream, its documents in place.
+        chat = None
+        if getattr(engine, "forwards_chat", False):
+            start, end = prompts.document_start_marker, prompts.document_end_marker
+            chat = upstream_chat_body(req, segments, documents, start_marker=start, end_marker=end)
         return self._prepared(
-            req, prompt, timer, max_tokens, report, engine, options, document_cache, arm_name, judged
+            req, prompt, timer, max_tokens, report, engine, options, document_cache, arm_name, judged, chat
         )
 
     async def _cpu_job(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -315,6 +321,7 @@ class Preparer:
         document_cache: DocumentCacheOptions | None = None,
         arm: str = DEFAULT_ARM,
         judged_before_compression: bool = False,
+        chat: dict[str, Any] | None = None,
     ) -> PreparedRequest:
         settings = self.state.settings
         sampling = sampling_params(req, max_tokens, settings.prompts.default_max_tokens)
@@ -347,6 +354,7 @@ class Preparer:
             document_spans=prompt.document_spans,
             document_cache=document_cache if prompt.document_spans else None,
             priority=request_priority(options),
+            chat=chat,
         )
         return PreparedRequest(
             request_id,

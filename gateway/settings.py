@@ -200,6 +200,11 @@ class UpstreamSettings(Section):
         alias="upstream_affinity",
         description="Send requests with the same static prefix to the same upstream (consistent hashing with bounded load), so its prefix cache hits.",
     )
+    api: Literal["chat", "completions"] = Field(
+        "chat",
+        alias="upstream_api",
+        description="How chat requests go upstream: chat (to /v1/chat/completions as the client sent them, the documents compressed into the system message; tools, response_format and vendor fields pass through) or completions (the prompt rendered through ragspeed's chat template, to /v1/completions).",
+    )
 
     def config(self) -> UpstreamConfig:
         # The fields are UpstreamConfig's, by the same names.

@@ -1,11 +1,19 @@
-"""The openai backend: forwards the assembled prompt to OpenAI-compatible upstream servers.
+"""The openai backend: forwards requests to OpenAI-compatible upstream servers.
 
-Upstreams are vLLM, SGLang, TGI or another ragspeed. The gateway has already rendered the
-prompt (static system prompt first, compressed documents, history, question), so the request
-goes to the upstream's `/v1/completions` as text and streams back. Closing the stream (the
-client went away) closes the upstream connection, which makes the upstream abort too. The
-requests go through a small pooled HTTP/1.1 client of the backend's own
-(engine/backends/http11.py): one write a request.
+Upstreams are vLLM, SGLang, TGI, llama.cpp's server or another ragspeed. Two modes
+(`UpstreamConfig.api`):
+
+- *chat* (the default): a chat request goes to the upstream's `/v1/chat/completions` as a chat
+  request (`GenerationRequest.chat`, built by the gateway: the client's messages and fields,
+  the compressed documents in the system message), so that tools, response formats, logprobs
+  and vendor fields work as they do against the upstream itself. Tool-call deltas and logprobs
+  come back as the upstream sent them.
+- *completions*: the prompt the gateway rendered through ragspeed's own chat template goes to
+  `/v1/completions` as text (so does every text-completion request, in either mode).
+
+Either way the answer streams back. Closing the stream (the client went away) closes the
+upstream connection, which makes the upstream abort too. The requests go through a small
+pooled HTTP/1.1 client of the backend's own (engine/backends/http11.py): one write a request.
 
 Failures: a request that failed to connect (nothing was sent, so it is safe to repeat) is
 retried on the next upstream after a jittered backoff, up to `upstream_max_retries` times.
@@ -17,6 +25,7 @@ later, one trial request is let through (half-open): success closes it, failure 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import random
@@ -111,19 +120,34 @@ def completion_body(model: str, request: GenerationRequest) -> dict[str, Any]:
     return body
 
 
-class UpstreamStream:
-    """One upstream completion stream (SSE of `text_completion` chunks), read as it arrives:
-    `feed(bytes)` returns the text of the events those bytes completed (a read may end
-    mid-line: the rest waits for the next), `final_delta()` the finish reason and usage."""
+def chat_body(model: str, request: GenerationRequest) -> dict[str, Any]:
+    """The gateway's chat body (`request.chat`) with what the backend decides: the upstream's
+    model name, a stream with the usage at its end, and the tenant's cache salt."""
+    assert request.chat is not None
+    body = dict(request.chat)
+    body["model"] = model
+    body["stream"] = True
+    body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+    if request.cache_salt:
+        body["cache_salt"] = request.cache_salt
+    return body
 
-    def __init__(self, base_url: str) -> None:
+
+class UpstreamStream:
+    """One upstream stream (SSE of `text_completion` chunks, or of `chat.completion.chunk`s
+    with `chat`), read as it arrives: `feed(bytes)` returns a delta of what the events those
+    bytes completed hold (a read may end mid-line: the rest waits for the next), and
+    `final_delta()` the finish reason and usage."""
+
+    def __init__(self, base_url: str, chat: bool = False) -> None:
         self.base_url = base_url
+        self.chat = chat
         self.finish_reason: str | None = None
         self.usage: dict[str, Any] | None = None
         self.done = False  # `data: [DONE]` came; what follows is ignored
         self._tail = b""
 
-    def feed(self, data: bytes) -> str:
+    def feed(self, data: bytes) -> TokenDelta:
         lines = (self._tail + data).split(b"\n")
         self._tail = lines.pop()
         payloads: list[bytes] = []
@@ -136,6 +160,8 @@ class UpstreamStream:
                 continue
             payloads.append(payload)
         parts: list[str] = []
+        tool_calls: list[dict[str, Any]] = []
+        logprobs: list[dict[str, Any]] = []
         for payload, chunk in zip(payloads, _decode(payloads)):
             if "error" in chunk:  # a server that fails after its 200 says so in-stream
                 raise UpstreamError(
@@ -147,22 +173,48 @@ class UpstreamStream:
             for choice in chunk.get("choices") or ():
                 # The finish reason is held back for the usage chunk that follows it.
                 self.finish_reason = choice.get("finish_reason") or self.finish_reason
-                if choice.get("text"):
-                    parts.append(choice["text"])
-        return "".join(parts)
-
-    def final_delta(self, text: str = "") -> TokenDelta:
-        """The last delta: `text` (what the last read brought), the finish reason, the usage."""
-        if self.usage is None:
-            return TokenDelta(text=text, finish_reason=self.finish_reason or "stop")
-        details = self.usage.get("prompt_tokens_details") or {}
+                if not self.chat:
+                    if choice.get("text"):
+                        parts.append(choice["text"])
+                    continue
+                delta = choice.get("delta") or {}
+                if delta.get("content"):
+                    parts.append(delta["content"])
+                tool_calls += delta.get("tool_calls") or ()
+                if choice.get("logprobs"):
+                    logprobs.append(choice["logprobs"])
         return TokenDelta(
-            text=text,
+            text="".join(parts), tool_calls=tuple(tool_calls), wire_logprobs=_merge_logprobs(logprobs)
+        )
+
+    def final_delta(self, last: TokenDelta | None = None) -> TokenDelta:
+        """The last delta: what the last read brought (`last`), the finish reason, the usage."""
+        last = last or TokenDelta(text="")
+        if self.usage is None:
+            return dataclasses.replace(last, finish_reason=self.finish_reason or "stop")
+        details = self.usage.get("prompt_tokens_details") or {}
+        return dataclasses.replace(
+            last,
             finish_reason=self.finish_reason or "stop",
             num_prompt_tokens=self.usage.get("prompt_tokens", 0),
             num_cached_tokens=details.get("cached_tokens") or 0,
             num_completion_tokens=self.usage.get("completion_tokens", 0),
         )
+
+
+def _merge_logprobs(logprobs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The `choices[0].logprobs` of the events of one read as one: their per-token lists
+    (`content`, `refusal`) joined in order."""
+    if len(logprobs) <= 1:
+        return logprobs[0] if logprobs else None
+    merged: dict[str, Any] = {}
+    for entry in logprobs:
+        for key, value in entry.items():
+            if isinstance(value, list) and isinstance(merged.get(key), list):
+                merged[key] = merged[key] + value
+            elif value is not None or key not in merged:
+                merged[key] = value
+    return merged
 
 
 def _decode(payloads: list[bytes]) -> list[Any]:
@@ -196,6 +248,8 @@ class OpenAIEngine:
         self.model_name = config.model
         self.upstream_model = upstream.model or config.model
         self.max_model_len = config.max_model_len or _UNKNOWN_CONTEXT
+        # The gateway builds GenerationRequest.chat only for a backend that forwards chat.
+        self.forwards_chat = upstream.api == "chat"
         self._base_urls = [upstream_base_url(u) for u in upstream.urls]
         self._next_upstream = itertools.cycle(range(len(self._base_urls)))
         self._pool: http11.ConnectionPool | None = None
@@ -278,23 +332,24 @@ class OpenAIEngine:
         self._breakers[base_url].record_failure()
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
-        if request.sampling.logprobs is not None:
+        chat = request.chat is not None
+        if request.sampling.logprobs is not None and not chat:
             # Upstream completions name tokens by their text, not their ids, so their logprobs
-            # cannot become TokenLogprobs faithfully.
+            # cannot become TokenLogprobs faithfully. A chat upstream's pass back as they came.
             raise EngineError(
-                "the openai backend does not support logprobs: upstreams report tokens as text, not ids",
+                "the openai backend forwards logprobs only in chat mode (upstream_api: chat): "
+                "upstream completions report tokens as text, not ids",
                 param="logprobs",
                 code="logprobs_unsupported",
             )
         assert self._pool is not None, "start() first"
         self._counters["requests_total"] += 1
+        payload = (
+            chat_body(self.upstream_model, request) if chat else completion_body(self.upstream_model, request)
+        )
         # Compact, and UTF-8 as it is rather than \u escapes.
-        body = json.dumps(
-            completion_body(self.upstream_model, request),
-            ensure_ascii=False,
-            separators=(",", ":"),
-            allow_nan=False,
-        ).encode()
+        body = json.dumps(payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+        path = "/chat/completions" if chat else "/completions"
         tried: tuple[str, ...] = ()
         for attempt in range(self.upstream.max_retries + 1):
             base_url = self._pick_upstream(request, tried)
@@ -302,11 +357,11 @@ class OpenAIEngine:
             if self._router is not None:
                 self._router.acquire(base_url)
             try:
-                async with self._pool.post(f"{base_url}/completions", body) as response:
+                async with self._pool.post(base_url + path, body) as response:
                     if response.status_code != 200:
                         raise self._status_error(base_url, response.status_code, await response.aread())
                     self._breakers[base_url].record_success()
-                    async for delta in self._parse_stream(response, base_url):
+                    async for delta in self._parse_stream(response, UpstreamStream(base_url, chat)):
                         yield delta
                 return
             except http11.ConnectError as exc:
@@ -346,22 +401,23 @@ class OpenAIEngine:
         self._failed(base_url)
         return UpstreamError(message, code="upstream_error")
 
-    async def _parse_stream(self, response: http11.Response, base_url: str) -> AsyncIterator[TokenDelta]:
-        """The upstream's SSE events as deltas: the text of every event that one network read
-        completed goes out as one delta (a burst of tokens costs one delta, not one each), and
-        the finish reason and usage go on the last delta, with the text of the read that
-        brought `[DONE]` (or ended the body). After the last delta the body is read to its end,
-        so that its connection goes back to the pool."""
-        stream = UpstreamStream(base_url)
+    async def _parse_stream(
+        self, response: http11.Response, stream: UpstreamStream
+    ) -> AsyncIterator[TokenDelta]:
+        """The upstream's SSE events as deltas: what every event that one network read
+        completed holds goes out as one delta (a burst of tokens costs one delta, not one
+        each), and the finish reason and usage go on the last delta, with what the read that
+        brought `[DONE]` (or ended the body) held. After the last delta the body is read to its
+        end, so that its connection goes back to the pool."""
         body = response.aiter_bytes()
         async for data in body:
-            text = stream.feed(data)
+            piece = stream.feed(data)
             if stream.done:
-                yield stream.final_delta(text)
+                yield stream.final_delta(piece)
                 async for _ in body:
                     pass
                 return
-            if text:
-                yield TokenDelta(text=text)
+            if piece.text or piece.tool_calls or piece.wire_logprobs:
+                yield piece
         # The body ended without `[DONE]`; its last line may lack its newline.
         yield stream.final_delta(stream.feed(b"\n"))
