@@ -2,7 +2,6 @@
 byte where a test needs a bad one; the torch side is the engine's test)."""
 
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -14,9 +13,17 @@ import threading
 import pytest
 
 from ragspeed.prompt_cache import document_store
-from ragspeed.prompt_cache.document_store import DocumentKV, DocumentStore, document_key
+from ragspeed.prompt_cache.document_store import (
+    DocumentKV,
+    DocumentStore,
+    KVLayout,
+    document_key,
+    file_hmac,
+    load_or_create_key,
+)
 
 FINGERPRINT = "bench-135m:abc"
+LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, dtype="float16")
 PREFIX = (7,)
 TOKENS = (11, 12, 13)
 
@@ -41,20 +48,25 @@ def file_of(directory, entry) -> os.PathLike:
     return directory / f"{entry.key}.kv"
 
 
+def kv_files(directory) -> list[str]:
+    return sorted(name for name in os.listdir(directory) if name != "server.key")
+
+
 def read_kv_file(path):
     """(header, payload) of a `.kv` file, parsed by the format's definition."""
     raw = path.read_bytes()
     magic, version, header_length = struct.unpack("<8sII", raw[:16])
-    assert (magic, version) == (b"RSDOCKV\x00", 1)
+    assert (magic, version) == (b"RSDOCKV\x00", 2)
     offset = -(-(16 + header_length) // 64) * 64
     return json.loads(raw[16 : 16 + header_length]), raw[offset:]
 
 
-def write_kv_file(path, header, data, *, version=1):
-    """A `.kv` file with `header`'s fields under a valid header checksum."""
-    fields = {name: value for name, value in header.items() if name != "checksum"}
-    checksum = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
-    body = json.dumps({**fields, "checksum": checksum}).encode()
+def write_kv_file(path, header, data, *, version=2, secret=None):
+    """A `.kv` file of `header`'s fields and `data` under an HMAC by `secret` (default: the
+    folder's server key, so the file is what the server would have written)."""
+    secret = (path.parent / "server.key").read_bytes() if secret is None else secret
+    fields = {name: value for name, value in header.items() if name != "hmac"}
+    body = json.dumps({**fields, "hmac": file_hmac(secret, fields, data)}).encode()
     head = struct.pack("<8sII", b"RSDOCKV\x00", version, len(body)) + body
     path.write_bytes(head + bytes(-len(head) % 64) + data)
 
@@ -64,12 +76,13 @@ def saved(tmp_path):
     """One entry written to disk by a store of FINGERPRINT; returns (directory, entry)."""
     directory = tmp_path / "documents"
     entry = make_entry()
-    assert DocumentStore(capacity_bytes=1024, directory=directory, fingerprint=FINGERPRINT).put(entry)
+    assert fresh_store(directory).put(entry)
     return directory, entry
 
 
 def fresh_store(directory, **options) -> DocumentStore:
-    return DocumentStore(capacity_bytes=1024, directory=directory, fingerprint=FINGERPRINT, **options)
+    options = {"capacity_bytes": 1024, "layout": LAYOUT, **options}
+    return DocumentStore(directory=directory, fingerprint=FINGERPRINT, **options)
 
 
 # Keys.
@@ -194,7 +207,7 @@ def test_unsafe_key_is_refused():
 
 def test_disk_round_trip_through_a_fresh_store(saved):
     directory, entry = saved
-    assert os.listdir(directory) == [f"{entry.key}.kv"]  # no temporary file left
+    assert kv_files(directory) == [f"{entry.key}.kv"]  # no temporary file left
     header, data = read_kv_file(file_of(directory, entry))
     assert data == entry.data
     assert (header["token_ids"], header["start_position"], header["shape"]) == (
@@ -253,7 +266,7 @@ def test_flipped_payload_byte_is_rejected(saved, caplog):
     with caplog.at_level(logging.WARNING):
         assert store.get(entry.key, TOKENS) is None
     assert not path.exists() and store.stats.rejected_files == 1
-    assert "payload sha256 mismatch" in caplog.text
+    assert "HMAC does not verify" in caplog.text
 
 
 def test_tampered_header_is_rejected(saved, caplog):
@@ -266,7 +279,7 @@ def test_tampered_header_is_rejected(saved, caplog):
     with caplog.at_level(logging.WARNING):
         assert store.get(entry.key, TOKENS) is None
     assert not path.exists() and store.stats.rejected_files == 1
-    assert "header checksum mismatch" in caplog.text
+    assert "HMAC does not verify" in caplog.text
 
 
 def test_bad_magic_is_rejected(saved, caplog):
@@ -282,13 +295,13 @@ def test_bad_magic_is_rejected(saved, caplog):
 @pytest.mark.parametrize(
     "changes, version, reason",
     [
-        ({"shape": [2, 1, 3, 1, 5]}, 1, "shape mismatch"),
-        ({"dtype": "float64"}, 1, "unknown dtype 'float64'"),
-        ({"dtype": "float32"}, 1, "shape mismatch"),
-        ({"payload_bytes": 40}, 1, "shape mismatch"),
-        ({"key": "0" * 64}, 1, "not its file name's"),
-        ({"token_ids": "11,12,13"}, 1, "header fields malformed"),
-        ({}, 2, "format version 2, expected 1"),
+        ({"shape": [2, 1, 3, 1, 5]}, 2, "wrong shape"),
+        ({"dtype": "float64"}, 2, "unknown dtype 'float64'"),
+        ({"dtype": "float32"}, 2, "wrong shape"),
+        ({"payload_bytes": 40}, 2, "shape mismatch"),
+        ({"key": "0" * 64}, 2, "not its file name's"),
+        ({"token_ids": "11,12,13"}, 2, "header fields malformed"),
+        ({}, 1, "format version 1, expected 2"),
     ],
 )
 def test_inconsistent_file_is_rejected(saved, caplog, changes, version, reason):
@@ -308,7 +321,7 @@ def test_payload_length_differs_from_header(saved, caplog):
     path = file_of(directory, entry)
     header, data = read_kv_file(path)
     write_kv_file(path, {**header, "shape": [2, 1, 4, 1, 4], "payload_bytes": 64}, data)
-    store = fresh_store(directory)
+    store = fresh_store(directory, layout=None)  # the layout would refuse the shape first
     with caplog.at_level(logging.WARNING):
         assert store.get(entry.key, TOKENS) is None
     assert not path.exists() and "truncated" in caplog.text
@@ -318,16 +331,19 @@ def test_payload_length_differs_from_header(saved, caplog):
     assert not path.exists() and "1 trailing bytes" in caplog.text
 
 
-def test_file_of_another_model_is_kept(saved, caplog):
+def test_file_of_another_model_is_refused_kept_and_logged_once(saved, caplog):
     directory, entry = saved
     path = file_of(directory, entry)
-    # A store of another model sharing the folder.
+    # A store of another model sharing the folder (its key file too), finding the file under
+    # the name it looks for.
     store = DocumentStore(capacity_bytes=1024, directory=directory, fingerprint="other-model:123")
     with caplog.at_level(logging.INFO):
         assert store.get(entry.key, TOKENS) is None
-    assert path.exists() and entry.key in store
-    assert (store.stats.misses, store.stats.rejected_files) == (1, 0)
-    assert "another model" in caplog.text
+        assert store.get(entry.key, TOKENS) is None  # not read again
+    assert path.exists() and entry.key not in store
+    stats = store.stats
+    assert (stats.misses, stats.rejected_files, stats.foreign_files, stats.disk_lookups) == (2, 0, 1, 1)
+    assert caplog.text.count("another model") == 1
     assert bytes(fresh_store(directory).get(entry.key, TOKENS).data) == entry.data
 
 
@@ -366,7 +382,7 @@ def test_full_disk_keeps_the_ram_copy(tmp_path, monkeypatch, caplog, failing):
     with caplog.at_level(logging.WARNING):
         assert store.put(entry) is False
     monkeypatch.undo()
-    assert os.listdir(tmp_path) == []  # no partial or temporary file
+    assert kv_files(tmp_path) == []  # no partial or temporary file
     assert store.get(entry.key, TOKENS) is entry
     stats = store.stats
     assert (stats.disk_write_errors, stats.num_disk_entries, stats.disk_bytes) == (1, 0, 0)
@@ -390,7 +406,7 @@ def test_disk_budget_evicts_least_recently_used_files(tmp_path):
     store.put(b)
     assert store.get(a.key, a.token_ids) is a  # a RAM hit makes a's file recent too
     store.put(c)
-    assert sorted(os.listdir(tmp_path / "kv")) == sorted(f"{entry.key}.kv" for entry in (a, c))
+    assert kv_files(tmp_path / "kv") == sorted(f"{entry.key}.kv" for entry in (a, c))
     stats = store.stats
     assert (stats.disk_evictions, stats.num_disk_entries, stats.disk_bytes) == (1, 2, 2 * file_bytes)
     # RAM and disk have their own budgets: b's file is gone, its RAM copy is still served.
@@ -419,7 +435,7 @@ def test_file_larger_than_the_disk_budget_is_not_written(tmp_path):
     )
     entry = make_entry()
     assert store.put(entry) is False
-    assert os.listdir(tmp_path) == [] and store.get(entry.key, TOKENS) is entry
+    assert kv_files(tmp_path) == [] and store.get(entry.key, TOKENS) is entry
     assert store.stats.disk_write_errors == 0
 
 
@@ -467,3 +483,138 @@ def test_stats_can_be_read_from_another_thread(tmp_path):
     assert snapshots and all(snapshot.stored_bytes <= 4 * 48 for snapshot in snapshots)
     stats = store.stats
     assert (stats.puts, stats.hits, stats.num_disk_entries, len(store)) == (20, 20, 20, 4)
+
+
+# Keyed integrity, layout, and the disk tier's budget across restarts.
+
+
+def test_forged_file_is_refused(saved, caplog):
+    """Payload changed and the HMAC recomputed by someone who can write the folder, not read the key."""
+    directory, entry = saved
+    path = file_of(directory, entry)
+    header, data = read_kv_file(path)
+    forged = bytes(48)  # another tenant's KV, say
+    write_kv_file(path, header, forged, secret=b"guessed key of 32 bytes, not it!")
+    store = fresh_store(directory)
+    with caplog.at_level(logging.WARNING):
+        assert store.get(entry.key, TOKENS) is None
+    assert not path.exists() and store.stats.rejected_files == 1
+    assert caplog.text.count("HMAC does not verify under the server key") == 1
+    # The same bytes under the server key would have been served: only the HMAC refused it.
+    write_kv_file(path, header, forged)
+    assert bytes(fresh_store(directory).get(entry.key, TOKENS).data) == forged
+
+
+def test_store_under_another_key_refuses_the_files(saved):
+    directory, entry = saved
+    store = fresh_store(directory, secret=b"another server's key, 32 bytes.")
+    assert store.get(entry.key, TOKENS) is None and store.stats.rejected_files == 1
+
+
+def test_shape_is_checked_against_the_tokens_and_the_layout(saved, caplog):
+    directory, entry = saved
+    path = file_of(directory, entry)
+    header, data = read_kv_file(path)
+    # The same 48 bytes and a valid HMAC, but not [2, layers, 3 tokens, heads, head_dim].
+    write_kv_file(path, {**header, "shape": [2, 1, 1, 1, 12]}, data)
+    with caplog.at_level(logging.WARNING):
+        assert fresh_store(directory).get(entry.key, TOKENS) is None
+    assert not path.exists()
+    assert (
+        "wrong shape: shape [2, 1, 1, 1, 12] of float16 is not the KV of 3 tokens ([2, 1, 3, 1, 4]"
+        in caplog.text
+    )
+    store = fresh_store(directory)
+    with pytest.raises(ValueError, match="is not the KV of 3 tokens"):
+        store.put(DocumentKV(entry.key, TOKENS, 1, "float16", (2, 1, 1, 1, 12), entry.data))
+    with pytest.raises(ValueError, match="of float32 is not the KV"):
+        store.put(DocumentKV(entry.key, TOKENS, 1, "float32", (2, 1, 3, 1, 2), entry.data))
+
+
+def test_key_file_is_private_and_kept(tmp_path, caplog):
+    path = tmp_path / "server.key"
+    key = load_or_create_key(path)
+    assert len(key) == 32 and os.stat(path).st_mode & 0o777 == 0o600
+    assert load_or_create_key(path) == key
+    os.chmod(path, 0o644)
+    with caplog.at_level(logging.WARNING):
+        assert load_or_create_key(path) == key
+    assert os.stat(path).st_mode & 0o777 == 0o600 and "made 0600" in caplog.text
+    path.write_bytes(b"short")
+    with pytest.raises(ValueError, match="32 bytes, found 5"):
+        load_or_create_key(path)
+    fresh_store(tmp_path / "kv")
+    assert os.stat(tmp_path / "kv" / "server.key").st_mode & 0o777 == 0o600
+
+
+def test_disk_tier_never_exceeds_its_budget_and_evicts_least_recently_used(tmp_path):
+    entries = [make_entry((11, 12, seed)) for seed in range(10)]
+    probe = fresh_store(tmp_path / "probe", capacity_bytes=0)
+    probe.put(entries[0])
+    file_bytes = probe.stats.disk_bytes  # the same for every entry (same lengths)
+    budget = 3 * file_bytes + file_bytes // 2
+    directory = tmp_path / "kv"
+    store = DocumentStore(
+        capacity_bytes=0,
+        directory=directory,
+        fingerprint=FINGERPRINT,
+        layout=LAYOUT,
+        disk_capacity_bytes=budget,
+    )
+
+    def on_disk() -> list[int]:
+        names = set(kv_files(directory))
+        return [i for i, e in enumerate(entries) if f"{e.key}.kv" in names]
+
+    for index, entry in enumerate(entries):
+        assert store.put(entry)
+        if index == 4:
+            assert on_disk() == [2, 3, 4]
+            assert store.get(entries[2].key, entries[2].token_ids) is not None  # 2 used: 3 is oldest
+        sizes = sum(os.path.getsize(directory / name) for name in kv_files(directory))
+        assert sizes == store.stats.disk_bytes <= budget
+    assert on_disk() == [7, 8, 9]
+    assert store.stats.disk_evictions == 7
+    store.put(entries[5])  # 5 again, after it was evicted; 7 goes
+    assert on_disk() == [5, 8, 9]
+
+
+def test_restart_reuses_the_disk_tier_in_its_order_of_use(tmp_path):
+    a, b, c = (make_entry((11, 12, seed)) for seed in (21, 22, 23))
+    first = fresh_store(tmp_path, capacity_bytes=0)
+    first.put(a)
+    first.put(b)
+    file_bytes = first.stats.disk_bytes // 2
+    os.utime(file_of(tmp_path, a), ns=(1_000_000_000, 1_000_000_000))
+    os.utime(file_of(tmp_path, b), ns=(2_000_000_000, 2_000_000_000))
+    assert bytes(first.get(a.key, a.token_ids).data) == a.data  # a used last: its mtime is now
+    assert os.stat(file_of(tmp_path, a)).st_mtime_ns > 2_000_000_000
+
+    restarted = fresh_store(tmp_path, capacity_bytes=0, disk_capacity_bytes=2 * file_bytes)
+    assert (restarted.stats.num_disk_entries, restarted.stats.disk_bytes) == (2, 2 * file_bytes)
+    found = restarted.find(b.key, b.token_ids)
+    assert (found.tier, bytes(found.entry.data)) == ("disk", b.data)  # b used last now
+    restarted.put(c)
+    assert [file_of(tmp_path, e).exists() for e in (a, b, c)] == [False, True, True]
+
+
+def test_hit_rates_and_bytes_by_tier(tmp_path):
+    a, b = make_entry((11, 12, 1)), make_entry((11, 12, 2))
+    fresh_store(tmp_path).put(a)
+    store = fresh_store(tmp_path, capacity_bytes=1024, disk_capacity_bytes=4096)
+    assert store.find(a.key, a.token_ids).tier == "disk"
+    assert store.find(a.key, a.token_ids).tier == "ram"
+    assert store.find(b.key, b.token_ids) is None  # not on disk: no disk lookup
+    stats = store.stats.to_dict()
+    file_bytes = os.path.getsize(file_of(tmp_path, a))
+    assert {k: stats[k] for k in ("hits", "misses", "ram_hits", "disk_hits", "disk_lookups")} == {
+        "hits": 2,
+        "misses": 1,
+        "ram_hits": 1,
+        "disk_hits": 1,
+        "disk_lookups": 1,
+    }
+    assert (stats["hit_rate"], stats["ram_hit_rate"], stats["disk_hit_rate"]) == (2 / 3, 1 / 3, 1.0)
+    assert (stats["stored_bytes"], stats["disk_bytes"]) == (48, file_bytes)
+    assert (stats["capacity_bytes"], stats["disk_capacity_bytes"]) == (1024, 4096)
+    assert DocumentStore(capacity_bytes=8).stats.disk_capacity_bytes == 0
