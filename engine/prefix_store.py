@@ -6,10 +6,15 @@ the prompt records, and never imports torch). A saved prefix holds:
 - `kv`: the KV of its pinned blocks, `[2 (K, V), num_layers, num_blocks, block_size,
   num_kv_heads, head_dim]` (the pool's layout with only those blocks);
 - the token ids (sidecar) and the registered text and cache salt (safetensors metadata);
-- a fingerprint of the model (config, weight-file headers, sizes and edge bytes), the
-  tokenizer (its serialized vocabulary and merges), the KV dtype and the block size: a prefix
-  saved by any other model, tokenizer or layout, or whose KV has another shape than the
-  fingerprint says, is refused with a log line, never loaded (its prompt is prefilled again).
+- a fingerprint of the model (config, and a full sha256 of every weight file), the tokenizer
+  (its serialized vocabulary and merges), the prefill's precision (its path and the model's
+  dtype: bf16 products give other KV than fp32 ones), the KV dtype and the block size: a prefix
+  saved by any other model, tokenizer, precision or layout, or whose KV has another shape than
+  the fingerprint says, is refused with a log line, never loaded (its prompt is prefilled again).
+
+A weight file's sha256 is computed once per (path, size, mtime) and kept in
+`<model cache>/weight-sha256.json` (`WeightHashes`), so a later start reads no weights to
+fingerprint them (hashing SmolLM2-135M's converted weights takes about a second).
 
 Every function here touches the engine's block manager or KV pool, so it must run on the
 engine's own thread (`NativeEngine.call`).
@@ -20,10 +25,13 @@ blocks, `cache_blocks(tmp, token_ids, n)`, `pin(token_ids)`, `free(tmp)`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
 import logging
+import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,7 +55,8 @@ from ragspeed.prompt_cache.store import (
 
 logger = logging.getLogger(__name__)
 
-_EDGE_BYTES = 1 << 20  # bytes hashed at each end of every weight file
+WEIGHT_HASHES_FILE = "weight-sha256.json"
+_READ_BYTES = 8 << 20  # bytes read at a time when hashing a weight file
 _restore_ids = itertools.count()
 
 
@@ -86,19 +95,60 @@ def _read_tensors(path: Path) -> dict[str, Any]:
     return out
 
 
-def _file_fingerprint(path: Path) -> str:
-    """sha256 of the size and the first and last MiB: catches a swapped or retrained weight file
-    without reading gigabytes at every start-up (a change confined to the middle of a file of
-    the same size goes unnoticed; config.json and the safetensors header are hashed whole)."""
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
-    size = path.stat().st_size
-    digest.update(str(size).encode())
     with open(path, "rb") as file:
-        digest.update(file.read(_EDGE_BYTES))
-        if size > _EDGE_BYTES:
-            file.seek(max(size - _EDGE_BYTES, _EDGE_BYTES))
-            digest.update(file.read(_EDGE_BYTES))
+        while chunk := file.read(_READ_BYTES):
+            digest.update(chunk)
     return digest.hexdigest()
+
+
+class WeightHashes:
+    """Full sha256s of weight files, kept in one JSON file by resolved path with the size and
+    mtime they were computed at: a file whose size or mtime changed is hashed again. The file
+    is rewritten atomically; a lost update (two processes at once) costs a rehash, never a
+    wrong hash. An unreadable or unwritable cache file is ignored: the hash is then computed."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+
+    def _load(self) -> dict[str, Any]:
+        if self.path is None:
+            return {}
+        try:
+            loaded = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+        return loaded if isinstance(loaded, dict) else {}
+
+    def sha256(self, weight_file: Path) -> str:
+        status = weight_file.stat()
+        name = str(weight_file.resolve())
+        stamp = {"size": status.st_size, "mtime_ns": status.st_mtime_ns}
+        known = self._load().get(name)
+        if isinstance(known, dict) and {k: known.get(k) for k in stamp} == stamp:
+            digest = known.get("sha256")
+            if isinstance(digest, str):
+                return digest
+        digest = file_sha256(weight_file)
+        if self.path is not None:
+            hashes = {**self._load(), name: {**stamp, "sha256": digest}}
+            temporary = self.path.with_name(f".{self.path.name}.{uuid.uuid4().hex}.tmp")
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                temporary.write_text(json.dumps(hashes, indent=1, sort_keys=True), encoding="utf-8")
+                os.replace(temporary, self.path)
+            except OSError as error:
+                logger.warning("could not keep weight hashes in %s (%s)", self.path, error)
+                with contextlib.suppress(OSError):
+                    temporary.unlink(missing_ok=True)
+        return digest
+
+
+def default_weight_hashes() -> WeightHashes:
+    from ragspeed.engine.model_zoo import default_cache_dir
+
+    return WeightHashes(default_cache_dir() / WEIGHT_HASHES_FILE)
 
 
 def _tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -111,8 +161,10 @@ def _tokenizer_fingerprint(tokenizer: Any) -> str:
     return hashlib.sha256((content + "\0" + str(template)).encode()).hexdigest()
 
 
-def engine_fingerprint(engine: Any) -> dict[str, Any]:
-    """What must be equal for saved KV to be valid in this engine (see the module docstring)."""
+def engine_fingerprint(engine: Any, hashes: WeightHashes | None = None) -> dict[str, Any]:
+    """What must be equal for saved KV to be valid in this engine (see the module docstring).
+    `hashes`: where weight files' sha256s are kept (default: the model cache's)."""
+    hashes = hashes if hashes is not None else default_weight_hashes()
     path = Path(engine.loaded.path)
     weights = sorted(path.glob("*.safetensors"))
     config = path / "config.json"
@@ -121,13 +173,17 @@ def engine_fingerprint(engine: Any) -> dict[str, Any]:
         model.update(config.read_bytes())
     for weight_file in weights:
         model.update(weight_file.name.encode())
-        model.update(_file_fingerprint(weight_file).encode())
+        model.update(hashes.sha256(weight_file).encode())
+    choice = getattr(engine, "prefill_choice", None)
     return {
         "model": model.hexdigest(),
         "tokenizer": _tokenizer_fingerprint(engine.tokenizer),
         "kv_shape": engine_fingerprint_shape(engine),
         "kv_dtype": str(engine.kv_pool.kv.dtype),
         "quantization": engine.loaded.quantization,
+        # The precision KV is computed at: the prefill's products and the model's own dtype.
+        "prefill": None if choice is None else choice.path.name,
+        "model_dtype": str(engine.runner.model.dtype),
     }
 
 

@@ -4,7 +4,11 @@ with a log line, and the prompt's record stays; temporaries of interrupted write
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
+import shutil
 
 import pytest
 import torch
@@ -12,6 +16,7 @@ import torch
 from ragspeed.engine.prefix_store import (
     PinnedPrefix,
     PrefixStore,
+    WeightHashes,
     engine_fingerprint,
     export_kv,
     pin_prefix,
@@ -132,3 +137,43 @@ def test_restore_with_no_room_returns_none_and_changes_nothing(tiny_checkpoints,
     kv = torch.zeros(2, 2, 10, 8, 2, 16)
     assert restore_prefix(engine, tuple(range(80)), kv, None) is None
     engine.manager.check_invariants()
+
+
+def test_weight_hashes_read_the_whole_file_once(tmp_path):
+    weights = tmp_path / "model.safetensors"
+    data = bytearray(range(256)) * (3 * 4096)  # 3 MiB: the old fingerprint read 1 MiB at each end
+    weights.write_bytes(bytes(data))
+    hashes = WeightHashes(tmp_path / "cache" / "weight-sha256.json")
+    first = hashes.sha256(weights)
+    assert first == hashlib.sha256(data).hexdigest()
+    data[len(data) // 2] ^= 0x01
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(5_000_000_000, 5_000_000_000))
+    second = hashes.sha256(weights)
+    assert second == hashlib.sha256(data).hexdigest() != first
+    # Kept by (path, size, mtime): a later start takes it from the cache file, reading no weights.
+    kept = json.loads((tmp_path / "cache" / "weight-sha256.json").read_text())
+    assert kept == {str(weights.resolve()): {"size": 3 << 20, "mtime_ns": 5_000_000_000, "sha256": second}}
+    kept[str(weights.resolve())]["sha256"] = "from the cache"
+    (tmp_path / "cache" / "weight-sha256.json").write_text(json.dumps(kept))
+    assert WeightHashes(tmp_path / "cache" / "weight-sha256.json").sha256(weights) == "from the cache"
+
+
+def test_fingerprint_covers_the_weights_middle_and_the_prefill_precision(tiny_checkpoints, tmp_path):
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_checkpoints["llama"], model_dir)
+    engine = make_engine(model_dir)
+    hashes = WeightHashes(tmp_path / "weight-sha256.json")
+    before = engine_fingerprint(engine, hashes)
+    assert before["model_dtype"] == "torch.float32"
+    assert before["prefill"] == (None if engine.prefill_choice is None else engine.prefill_choice.path.name)
+    [weights] = model_dir.glob("*.safetensors")
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x01  # a weight in the middle of the file, the size unchanged
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(7_000_000_000, 7_000_000_000))
+    after = engine_fingerprint(engine, hashes)
+    assert after["model"] != before["model"]
+    assert {k: v for k, v in after.items() if k != "model"} == {
+        k: v for k, v in before.items() if k != "model"
+    }
