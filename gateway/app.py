@@ -24,6 +24,7 @@ from ragspeed.gateway.compress import CompressionStage
 from ragspeed.gateway.document_precompute import DocumentPrecompute
 from ragspeed.gateway.errors import install_error_handlers
 from ragspeed.gateway.experiments import ArmError, ArmHintsMiddleware, build_live_experiment
+from ragspeed.gateway.fidelity_gate import settings_default
 from ragspeed.gateway.limits import (
     AdmissionMiddleware,
     AdmissionQueue,
@@ -112,6 +113,10 @@ def create_app(
                 if hasattr(engine, "estimate_new_tokens"):  # an engine on this machine: time it
                     await admission.calibrate(engine)
                 state.precompute = DocumentPrecompute(engine, engine.tokenizer, metrics)
+                # The fidelity gate's choice, read from `bench fidelity`'s result (logged).
+                state.document_cache_default = await asyncio.to_thread(
+                    settings_default, settings.prompts, engine
+                )
                 state.compression = CompressionStage(settings.compression, engine.tokenizer)
                 await asyncio.to_thread(state.compression.warm)
                 await asyncio.to_thread(state.retrieval.warm)

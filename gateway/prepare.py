@@ -257,20 +257,36 @@ class Preparer:
     def document_cache(
         self, options: RagspeedOptions | None, *, compressed: bool = False
     ) -> DocumentCacheOptions | None:
-        """The request's document KV reuse: its `ragspeed.document_cache` over the server's
-        policy; absent, the server's `document_cache` (on or off) decides, for documents that
-        went uncompressed (`eval rag`: reuse after top-docs selection lost 0.09 of accuracy
-        against the selection alone; after no compression, 0.02, within the noise)."""
+        """The request's document KV reuse: its `ragspeed.document_cache` (a policy, true, or
+        false: exact prefill) over the server's policy; absent, the server's `document_cache`
+        decides, for documents that went uncompressed (after top-docs selection reuse lost 0.09
+        of accuracy against the selection alone): auto, the fidelity gate's choice for this
+        model (`state.document_cache_default`, gateway.fidelity_gate: exact prefill unless a
+        policy measured faithful); on, `document_cache_policy`; off, exact prefill."""
         asked = options.document_cache if options is not None else None
         settings = self.state.settings.prompts
-        if asked is False or (asked is None and (settings.document_cache == "off" or compressed)):
+        configured = DocumentCacheOptions(
+            policy=settings.document_cache_policy,
+            num_tokens=settings.document_cache_tokens,
+            ratio=settings.document_cache_ratio,
+            glue=settings.document_cache_glue,
+        )
+        gated = self.state.document_cache_default
+        default = {
+            "on": configured,
+            "auto": gated.options if gated is not None else None,
+        }.get(settings.document_cache)
+        if asked is False or (asked is None and (default is None or compressed)):
             return None
+        if asked is None:
+            return default
         given = asked if isinstance(asked, DocumentCacheIn) else DocumentCacheIn()
+        base = default or configured
         return DocumentCacheOptions(
-            policy=given.policy or settings.document_cache_policy,
-            num_tokens=settings.document_cache_tokens if given.tokens is None else given.tokens,
-            ratio=settings.document_cache_ratio if given.ratio is None else given.ratio,
-            glue=given.glue or settings.document_cache_glue,
+            policy=given.policy or base.policy,
+            num_tokens=base.num_tokens if given.tokens is None else given.tokens,
+            ratio=base.ratio if given.ratio is None else given.ratio,
+            glue=given.glue or base.glue,
         )
 
     def _count_compression(self, report: CompressionReport, arm: str) -> None:

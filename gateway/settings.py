@@ -294,13 +294,13 @@ class PromptSettings(Section):
     document_end_marker: str = Field(
         "</document>", min_length=1, description="Marks the end of a document inside a message."
     )
-    document_cache: Literal["off", "on"] = Field(
-        "on",
-        description="Reuse each document's stored KV at any position instead of prefilling it again: on applies document_cache_policy to every request whose documents go uncompressed (compressed ones only when they ask: after document selection, reuse costs answers); off only to requests that ask (`ragspeed.document_cache`). Token-level compression makes new documents; document selection keeps them whole and reusable.",
+    document_cache: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Reuse each document's stored KV at any position instead of prefilling it again (placing a document approximates attention). auto: requests whose documents go uncompressed get the cheapest repair policy that passed the fidelity gate for this model in `ragspeed bench fidelity` (gateway/fidelity_gate.py; the result is read at start-up), else exact prefill; on: document_cache_policy for every such request, measured or not; off: exact prefill. A request may always ask (`ragspeed.document_cache`: a policy, true, or false for exact prefill); compressed documents reuse only when they ask. Token-level compression makes new documents; document selection keeps them whole and reusable.",
     )
     document_cache_policy: DocumentCachePolicy = Field(
         "reuse",
-        description="Repair after placing stored documents: reuse (none), sink (each document's first document_cache_tokens tokens recomputed in context) or blend (the document_cache_ratio of document tokens whose keys deviate most, recomputed).",
+        description="Repair after placing stored documents, under document_cache on and for a request that asks without naming one (under auto, the gate's policy where one passed): reuse (none), sink (each document's first document_cache_tokens tokens recomputed in context) or blend (the document_cache_ratio of document tokens whose keys deviate most, recomputed).",
     )
     document_cache_tokens: int = Field(16, ge=0, description="sink: each document's first tokens recomputed.")
     document_cache_ratio: float = Field(

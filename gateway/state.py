@@ -11,6 +11,7 @@ from ragspeed.gateway.admission import TTFTAdmission
 from ragspeed.gateway.compress import CompressionStage
 from ragspeed.gateway.document_precompute import DocumentPrecompute
 from ragspeed.gateway.experiments import LiveExperiment
+from ragspeed.gateway.fidelity_gate import DocumentCacheDefault
 from ragspeed.gateway.metrics import GatewayMetrics
 from ragspeed.gateway.pipeline import Pipeline
 from ragspeed.gateway.prompt_registry import PromptService
@@ -32,6 +33,9 @@ class AppState:
     # Built once the engines have started (the stage counts tokens with the engine's tokenizer).
     compression: CompressionStage | None = None
     precompute: DocumentPrecompute | None = None  # collections' document KV, at ingestion
+    # The document-cache policy of requests that do not ask (gateway.fidelity_gate), once the
+    # engine has started; None: exact prefill.
+    document_cache_default: DocumentCacheDefault | None = None
     # Built once every service above is loaded; None while loading (and after a failed load).
     pipeline: Pipeline | None = None
     engine_error: str | None = None  # why loading failed: "ExceptionType: message"

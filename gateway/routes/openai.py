@@ -53,7 +53,17 @@ async def list_models(state: AppState = Depends(app_state)):
                 "owned_by": "ragspeed",
                 "max_model_len": state.engine.max_model_len or None,
                 "engine": state.settings.engine.backend,
-                "ragspeed": {"weights": getattr(state.engine, "weights", None)},
+                "ragspeed": {
+                    "weights": getattr(state.engine, "weights", None),
+                    # the fidelity gate's choice: the policy, why, and the measured figures
+                    "document_cache": _document_cache_default(state),
+                },
             }
         ],
     }
+
+
+def _document_cache_default(state: AppState) -> dict | None:
+    """What requests that do not ask get, and why (None while the engine loads)."""
+    chosen = state.document_cache_default
+    return chosen.as_dict() if chosen is not None else None
