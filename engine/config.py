@@ -38,15 +38,18 @@ class EngineConfig:
     # The draft's weights: "auto" is int8 on a CPU where int8 runs, else `quantization`.
     draft_quantization: str | None = "auto"
     num_speculative_tokens: int = 4
-    # Document KV reuse (engine.document_kv): the store's RAM budget, its disk folder (None: RAM
-    # only) and the dtype its KV is kept in.
-    document_cache_bytes: int = 256 * 2**20
+    # Document KV reuse (engine.document_kv.open_document_store): the store's RAM budget (None:
+    # a quarter of available memory, at most 4 GiB), its disk folder ("auto": <model
+    # cache>/documents; None: RAM only), the disk tier's budget (bounded at start-up by half the
+    # folder's free space) and the dtype its KV is kept in.
+    document_cache_bytes: int | None = None
     document_cache_dir: str | None = None
+    document_cache_disk_bytes: int = 8 * 2**30
     document_cache_dtype: str = "float16"
 
     def __post_init__(self) -> None:
         # "none" (a command line, a settings file) means off.
-        for name in ("quantization", "draft_quantization", "speculative"):
+        for name in ("quantization", "draft_quantization", "speculative", "document_cache_dir"):
             if getattr(self, name) == "none":
                 object.__setattr__(self, name, None)
 

@@ -30,6 +30,11 @@ prefill-only sub-request of prefix + document, queued ahead of the request, whos
 before its blocks are freed. Concurrent requests wait on the same document prefill. A request is
 admitted only when none of its documents is in flight (`Request.blockers`).
 
+The store (`open_document_store`) is sized for a corpus by default: its RAM tier a quarter of
+available memory (at most 4 GiB), its disk tier in the model cache folder (8 GiB, at most half
+the folder's free space), every file under the server key's HMAC and checked against the
+model's KV layout (prompt_cache.document_store).
+
 Placed KV is not a full prefill's: an assembled request's blocks from the first one it computes
 on enter the prefix cache under a variant of its options (`Request.cache_variant`, set at
 admission), found only by requests assembled with the same options (a repeat, a chat's next
@@ -46,26 +51,64 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from ragspeed.engine.attention import scattered_metadata
 from ragspeed.engine.attention import slots as slot_ids
+from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.cpu_kernels.placement import place_kernel_applies, place_kv
+from ragspeed.engine.kv_cache import available_memory_bytes
 from ragspeed.engine.model_runner import ModelRunner
 from ragspeed.engine.protocol import DocumentCacheOptions, DocumentReuse, GenerationRequest
 from ragspeed.engine.request import Request
 from ragspeed.engine.threads import forward_pass
-from ragspeed.prompt_cache.document_store import DocumentKV, DocumentStore, document_key
+from ragspeed.prompt_cache.document_store import (
+    DocumentKV,
+    DocumentStore,
+    KVLayout,
+    disk_budget,
+    document_key,
+)
 
 logger = logging.getLogger(__name__)
 
 STORAGE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 # The layer whose key deviation ranks tokens for `blend` (CacheBlend's choice: layer 1).
 BLEND_LAYER = 1
+# The RAM tier by default: this share of available memory, at most RAM_CAP_BYTES.
+RAM_SHARE = 0.25
+RAM_CAP_BYTES = 4 * 2**30
+# The disk tier takes at most this share of its folder's free space (at start-up).
+DISK_FREE_SHARE = 0.5
+DOCUMENTS_FOLDER = "documents"  # in the model cache folder, for document_cache_dir "auto"
 
 _sub_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class DocumentReuseByTier(DocumentReuse):
+    """`DocumentReuse`, with where the hits came from: the store's RAM or disk tier, or a
+    document prefill in flight for another request; and the stored bytes read from each tier."""
+
+    num_hit_ram: int = 0
+    num_hit_disk: int = 0
+    num_hit_in_flight: int = 0
+    bytes_ram: int = 0
+    bytes_disk: int = 0
+
+    @property
+    def by_tier(self) -> dict[str, int]:
+        """The response's figures (`ragspeed.document_cache`)."""
+        return {
+            "documents_hit_ram": self.num_hit_ram,
+            "documents_hit_disk": self.num_hit_disk,
+            "documents_hit_in_flight": self.num_hit_in_flight,
+            "bytes_read_ram": self.bytes_ram,
+            "bytes_read_disk": self.bytes_disk,
+        }
 
 
 @dataclass
@@ -83,6 +126,11 @@ class DocumentPlan:
     num_hit: int = 0
     num_computed: int = 0
     num_recomputed_tokens: int = 0
+    num_hit_ram: int = 0
+    num_hit_disk: int = 0
+    num_hit_in_flight: int = 0
+    bytes_ram: int = 0
+    bytes_disk: int = 0
 
     @property
     def variant_tag(self) -> str:
@@ -90,8 +138,17 @@ class DocumentPlan:
         o = self.options
         return f"documents:{o.policy}:{o.num_tokens}:{o.ratio}:{o.glue}:{self.kv_dtype}"
 
-    def report(self) -> DocumentReuse:
-        return DocumentReuse(self.num_hit, self.num_computed, self.num_recomputed_tokens)
+    def report(self) -> DocumentReuseByTier:
+        return DocumentReuseByTier(
+            self.num_hit,
+            self.num_computed,
+            self.num_recomputed_tokens,
+            self.num_hit_ram,
+            self.num_hit_disk,
+            self.num_hit_in_flight,
+            self.bytes_ram,
+            self.bytes_disk,
+        )
 
 
 @dataclass
@@ -122,6 +179,59 @@ def document_fingerprint(engine_fingerprint: dict[str, Any], storage_dtype: str)
     fields["kv_token_shape"] = [shape[1], shape[3], shape[4]] if len(shape) == 5 else shape
     fields["storage_dtype"] = storage_dtype
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def ram_budget(requested: int | None) -> int:
+    """`requested` bytes, or by default RAM_SHARE of available memory, at most RAM_CAP_BYTES."""
+    if requested is not None:
+        return requested
+    try:
+        available = available_memory_bytes("cpu")
+    except RuntimeError:  # no /proc/meminfo
+        return 256 * 2**20
+    return min(int(available * RAM_SHARE), RAM_CAP_BYTES)
+
+
+def document_folder(setting: str | None) -> Path | None:
+    """The disk tier's folder: "auto" is `<model cache>/documents`; None is RAM only."""
+    if setting is None:
+        return None
+    if setting == "auto":
+        from ragspeed.engine.model_zoo import default_cache_dir
+
+        return default_cache_dir() / DOCUMENTS_FOLDER
+    return Path(setting).expanduser()
+
+
+def open_document_store(config: EngineConfig, fingerprint: str, kv_pool_shape: Any) -> DocumentStore:
+    """The engine's document store, by `config`'s document_cache_* options, for KV of the pool's
+    layout (`[2, L, num_blocks, block_size, H, D]`) in the storage dtype."""
+    layout = KVLayout(
+        num_layers=int(kv_pool_shape[1]),
+        num_kv_heads=int(kv_pool_shape[4]),
+        head_dim=int(kv_pool_shape[5]),
+        dtype=config.document_cache_dtype,
+    )
+    capacity = ram_budget(config.document_cache_bytes)
+    directory = document_folder(config.document_cache_dir)
+    disk_capacity = None
+    if directory is not None:
+        disk_capacity = disk_budget(directory, config.document_cache_disk_bytes, DISK_FREE_SHARE)
+    store = DocumentStore(
+        capacity_bytes=capacity,
+        directory=directory,
+        fingerprint=fingerprint,
+        disk_capacity_bytes=disk_capacity,
+        layout=layout,
+    )
+    logger.info(
+        "document store: RAM %.0f MiB%s",
+        capacity / 2**20,
+        ""
+        if directory is None
+        else f", disk {directory} {disk_capacity / 2**20:.0f} MiB (asked {config.document_cache_disk_bytes / 2**20:.0f})",
+    )
+    return store
 
 
 class DocumentKVCache:
@@ -187,11 +297,18 @@ class DocumentKVCache:
         prefills: list[Request] = []
         for index, ((start, end), key) in enumerate(zip(placed, keys)):
             counted = plan.is_document[index]
-            entry = self.store.get(key, tokens[start:end])
-            if entry is not None:
+            found = self.store.find(key, tokens[start:end])
+            if found is not None:
+                entry = found.entry
                 plan.kv[index] = _tensor(entry)
                 plan.start_positions[index] = entry.start_position
                 plan.num_hit += counted
+                if found.tier == "ram":
+                    plan.num_hit_ram += counted
+                    plan.bytes_ram += entry.num_bytes
+                else:
+                    plan.num_hit_disk += counted
+                    plan.bytes_disk += entry.num_bytes
                 continue
             in_flight = self._in_flight.get(key)
             if in_flight is None:
@@ -203,6 +320,7 @@ class DocumentKVCache:
                 plan.num_computed += counted
             else:
                 plan.num_hit += counted  # computed once, for another request in flight
+                plan.num_hit_in_flight += counted
             in_flight.waiters.append((request, index))
             request.blockers.add(key)
         # Documents prefilled side by side would each compute the prefix: the first prefill
@@ -423,12 +541,23 @@ class DocumentKVCache:
         return {
             "document_cache_hits": float(store.hits),
             "document_cache_misses": float(store.misses),
+            "document_cache_ram_hits": float(store.ram_hits),
+            "document_cache_disk_hits": float(store.disk_hits),
+            "document_cache_disk_lookups": float(store.disk_lookups),
+            "document_cache_hit_rate": store.hit_rate,
+            "document_cache_ram_hit_rate": store.ram_hit_rate,
+            "document_cache_disk_hit_rate": store.disk_hit_rate,
             "document_cache_stored_bytes": float(store.stored_bytes),
             "document_cache_disk_bytes": float(store.disk_bytes),
+            "document_cache_capacity_bytes": float(store.capacity_bytes),
+            "document_cache_disk_capacity_bytes": float(store.disk_capacity_bytes),
             "document_cache_entries": float(store.num_entries),
+            "document_cache_disk_entries": float(store.num_disk_entries),
             "document_cache_evictions": float(store.evictions),
+            "document_cache_disk_evictions": float(store.disk_evictions),
             "document_cache_load_seconds": float(store.load_seconds_total),
             "document_cache_rejected_files": float(store.rejected_files),
+            "document_cache_foreign_files": float(store.foreign_files),
             "document_cache_requests_assembled": float(self.num_assembled),
             "document_cache_documents_placed": float(self.num_documents_placed),
             "document_cache_documents_computed": float(self.num_documents_computed),

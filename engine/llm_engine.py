@@ -17,7 +17,7 @@ import torch
 
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.detokenizer import IncrementalDetokenizer
-from ragspeed.engine.document_kv import DocumentKVCache, document_fingerprint
+from ragspeed.engine.document_kv import DocumentKVCache, document_fingerprint, open_document_store
 from ragspeed.engine.loader import LoadedModel
 from ragspeed.engine.logprobs import token_logprobs
 from ragspeed.engine.model_runner import ModelRunner
@@ -38,7 +38,6 @@ from ragspeed.engine.sampler import Sampler
 from ragspeed.engine.sampling import SamplingState, validate_sampling
 from ragspeed.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, StepTimeModel
 from ragspeed.engine.spec_decode import TargetParts, build_speculator
-from ragspeed.prompt_cache.document_store import DocumentStore
 from ragspeed.prompt_cache.manager import KVCacheManager
 
 logger = logging.getLogger(__name__)
@@ -126,11 +125,7 @@ class LLMEngine:
             )
             return None
         fingerprint = document_fingerprint(engine_fingerprint(self), config.document_cache_dtype)
-        store = DocumentStore(
-            capacity_bytes=config.document_cache_bytes,
-            directory=config.document_cache_dir,
-            fingerprint=fingerprint,
-        )
+        store = open_document_store(config, fingerprint, self.kv_pool.kv.shape)
         documents = DocumentKVCache(
             store,
             fingerprint=fingerprint,

@@ -147,12 +147,19 @@ class EngineSettings(Section):
         description="Draft model weights: auto (int8 on a CPU, else as --quantization), none or int8. The target verifies every draft, so this moves acceptance, never the output.",
     )
     num_speculative_tokens: int = Field(4, ge=1, description="Draft tokens proposed per step.")
-    document_cache_bytes: int = Field(
-        256 * 2**20, ge=0, description="RAM budget of the document KV store, bytes (LRU beyond it)."
+    document_cache_bytes: int | None = Field(
+        None,
+        ge=0,
+        description="RAM budget of the document KV store, bytes (LRU beyond it); default: a quarter of available memory, at most 4 GiB.",
     )
     document_cache_dir: str | None = Field(
-        None,
-        description="Folder of the document KV store's disk tier (one checksummed file per document); none: RAM only.",
+        "auto",
+        description="Folder of the document KV store's disk tier (one file per document under the HMAC of a server key kept there, mode 0600; LRU by last use, kept across restarts); auto: <model cache>/documents; none: RAM only.",
+    )
+    document_cache_disk_bytes: int = Field(
+        8 * 2**30,
+        ge=0,
+        description="Disk budget of the document KV store's files, bytes (least recently used deleted beyond it); at most half the folder's free space at start-up.",
     )
     document_cache_dtype: DocumentCacheDtype = Field(
         "float16", description="Precision of stored document KV: float16, bfloat16 or float32."

@@ -7,9 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ragspeed import environment
+from ragspeed.engine import document_kv
 from ragspeed.engine.cpu_kernels.placement import place_kernel_applies, place_kv
 from ragspeed.engine.models.rotary import apply_rotary
 from ragspeed.engine.protocol import DocumentCacheOptions, EngineError, GenerationRequest, SamplingParams
+from ragspeed.prompt_cache.document_store import DocumentKV
 from tests.engine.conftest import FAMILIES, assert_all_blocks_free, make_engine
 from tests.engine.tiny_models import build_tiny_checkpoint
 
@@ -272,3 +275,73 @@ def test_a_document_prefill_left_one_token_by_the_prefix_cache_finishes(tiny_che
     assert out["a"]["finish_reason"] == "length"
     assert engine.stats()["document_cache_documents_computed"] == 1
     assert_all_blocks_free(engine)
+
+
+def run_with_report(engine, request: GenerationRequest):
+    """(token ids, the request's DocumentReuse report)."""
+    engine.add_request(request)
+    token_ids, report = [], None
+    while engine.has_unfinished():
+        for out in engine.step():
+            token_ids += out.delta.token_ids
+            report = out.delta.documents if out.delta.documents is not None else report
+    return token_ids, report
+
+
+def test_documents_hit_from_disk_after_the_ram_tier_evicted_them(tiny_checkpoints, tmp_path, reference):
+    options = DocumentCacheOptions("sink", num_tokens=1000)  # lossless: any wrong KV would show
+    # [2, 2 layers, n, 2 KV heads, 16] in float16: 256 bytes a token; 2,600 bytes hold one document.
+    engine = make_engine(
+        tiny_checkpoints["llama"], document_cache_dir=str(tmp_path), document_cache_bytes=2600
+    )
+    _, first = run_with_report(engine, request("a", [0, 1, 2, 3], options))
+    assert (first.num_hit, first.num_computed) == (0, 4)
+    stats = engine.stats()
+    assert (stats["document_cache_entries"], stats["document_cache_disk_entries"]) == (1, 4)
+    assert stats["document_cache_evictions"] == 3
+    token_ids, second = run_with_report(engine, request("b", [3, 1, 0, 2], options))
+    assert token_ids == reference([3, 1, 0, 2])
+    # Document 3 was the last stored, still in RAM; the other three come back from their files.
+    assert (second.num_hit, second.num_computed, second.num_hit_ram, second.num_hit_disk) == (4, 0, 1, 3)
+    sizes = [256 * len(DOCUMENTS[i]) for i in range(4)]
+    assert (second.bytes_ram, second.bytes_disk) == (sizes[3], sizes[0] + sizes[1] + sizes[2])
+    assert second.by_tier["documents_hit_disk"] == 3
+    stats = engine.stats()
+    assert (stats["document_cache_disk_hits"], stats["document_cache_ram_hits"]) == (3, 1)
+    assert stats["document_cache_disk_hit_rate"] == 1.0
+    assert stats["document_cache_capacity_bytes"] == 2600
+    assert_all_blocks_free(engine)
+
+
+def test_the_store_is_sized_and_placed_by_default(tiny_checkpoints, tmp_path, monkeypatch):
+    monkeypatch.setattr(document_kv, "available_memory_bytes", lambda device: 8 * 2**30)
+    assert document_kv.ram_budget(None) == 2 * 2**30 and document_kv.ram_budget(5) == 5
+    monkeypatch.setattr(document_kv, "available_memory_bytes", lambda device: 64 * 2**30)
+    assert document_kv.ram_budget(None) == 4 * 2**30  # capped
+    environment.configure(environment.Environment(cache_dir=tmp_path / "models"))  # restored after
+    engine = make_engine(
+        tiny_checkpoints["llama"], document_cache_dir="auto", document_cache_disk_bytes=10**6
+    )
+    assert document_kv.document_folder("auto") == tmp_path / "models" / "documents"
+    stats = engine.stats()
+    assert (stats["document_cache_capacity_bytes"], stats["document_cache_disk_capacity_bytes"]) == (
+        4 * 2**30,
+        10**6,
+    )
+    assert (tmp_path / "models" / "documents" / "server.key").stat().st_mode & 0o777 == 0o600
+    assert (
+        make_engine(tiny_checkpoints["llama"]).stats()["document_cache_disk_capacity_bytes"] == 0
+    )  # RAM only
+
+
+def test_a_stored_file_of_a_wrong_layout_is_refused(tiny_checkpoints, tmp_path):
+    engine = make_engine(tiny_checkpoints["llama"], document_cache_dir=str(tmp_path))
+    run(engine, request("a", [0], DocumentCacheOptions("reuse")))
+    store = engine.documents.store
+    [key] = [path.stem for path in tmp_path.glob("*.kv")]
+    entry = store.get(key, DOCUMENTS[0])
+    assert entry.shape == (2, 2, 7, 2, 16) and entry.dtype == "float16"
+    with pytest.raises(ValueError, match="is not the KV of 7 tokens"):
+        store.put(
+            DocumentKV(key, entry.token_ids, entry.start_position, "float16", (2, 2, 7, 1, 32), entry.data)
+        )
