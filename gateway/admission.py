@@ -1,12 +1,15 @@
-"""Admission by expected time to first token: refuse at arrival what would miss its deadline.
+"""Admission by expected time to first token: refuse at arrival what the load would make miss
+its deadline.
 
-A request is handed to its engine only when its first token is predicted to come before its
-deadline (`ragspeed.deadline_ms`, else the server's `ttft_deadline_ms`); otherwise it is
-refused at once with 429 and a `Retry-After`, instead of queueing past the point where its
-client gives up (and its prefill is wasted).
+A request is handed to its engine unless the work queued ahead of it is predicted to make its
+first token miss its deadline (`ragspeed.deadline_ms`, else the server's `ttft_deadline_ms`);
+then it is refused at once with 429 and a `Retry-After`, instead of queueing past the point
+where its client gives up (and its prefill is wasted). 429 is for load only: a request's size
+is never a reason for it (a size limit, `max_prompt_tokens`, is a 400 that names it).
 
 The model is one first-come first-served server of prefill work, which is what the native
-engine's scheduler is (batch requests yield to interactive ones):
+engine's scheduler is (continuous batching runs the decodes of requests past their first token
+beside the prefills, in one token budget a step; batch requests yield to interactive ones):
 
 - a request's *work* is its prompt tokens the engine does not hold yet (the engine's
   `estimate_new_tokens`, else the whole prompt);
@@ -14,23 +17,37 @@ engine's scheduler is (batch requests yield to interactive ones):
   fitted by exponentially weighted least squares on the service times observed, where one is
   the time from the later of a request's admission and the previous first token to its own
   first token (so concurrent decodes, and everything else that slows prefill, are in the fit);
-- the *backlog* ahead of a request is the service time of every admitted request still
-  waiting for its first token, less the time already spent on the oldest of them.
+- the *work ahead* of a request (its *backlog*) is the service time of every admitted request
+  still waiting for its first token, less the time already spent on the oldest of them. A
+  request streaming its answer is not ahead: its decodes share each step with the prefills,
+  and what they cost is in the fit and the correction.
 
 Predicted TTFT = (time since arrival (preparation, compression) + backlog + own service time)
 x *correction*, where the correction is a running estimate of the `CORRECTION_QUANTILE`
 quantile of actual over uncorrected TTFT, learnt from every first token: what the model
 misses (slots held by long decodes, steps slowed by other work) is measured, not guessed, and
 an admitted request meets its deadline at that quantile. It starts cautious
-(`CORRECTION_START`): a burst at start-up is judged before any first token came back.
+(`CORRECTION_START`): a burst at start-up is judged before any first token came back. Its
+*time alone* is the same prediction without the backlog: what it takes on an idle server.
+
+The rule: a request is refused when its predicted TTFT passes both its deadline and its time
+alone plus `MIN_WAIT_SHARE` of its deadline; that is, when the work ahead of it makes it late,
+by more than a request that needs its whole deadline alone may still wait. So a lone request
+on an idle server is always served, however long it takes; one that meets its deadline alone
+is refused only when the work ahead pushes it past; one that misses it alone is served late
+behind at most `MIN_WAIT_SHARE` of its deadline of other work, and refused (to retry once that
+work is done: `Retry-After` is the work ahead past what it tolerates) behind more, so that of a
+burst of such requests the first is served and the rest refused, not all.
 
 At arrival, before any preparation (compression, tokenization), the request's own work is not
 known yet: the check there counts the backlog and the service of the smallest of the last
 `RECENT_WORK` admitted requests, so that a request of the usual size is refused before its
-preparation (within a few milliseconds), and only one larger than that after it. A request
-that passed it is *preparing* until it is admitted or refused: the arrival checks after it
-count it ahead too (at that smallest size), so that a burst whose preparations overlap is
-judged at arrival, not one by one after each preparation, when the refusal comes late and the
+preparation (within a few milliseconds), and only one larger than that after it. That is
+sound: the work ahead a request tolerates only shrinks as its own work grows, so one refused
+sized at a lower bound of its work would be refused at its real size too. A request that
+passed it is *preparing* until it is admitted or refused: the arrival checks after it count it
+ahead too (at that smallest size), so that a burst whose preparations overlap is judged at
+arrival, not one by one after each preparation, when the refusal comes late and the
 preparation is wasted. An entry nobody admits or forgets (a client gone before its stream
 started) leaves after `PREPARING_TTL_S`.
 
@@ -58,6 +75,10 @@ CORRECTION_QUANTILE = 0.99  # the target is a p99: an admitted request meets its
 CORRECTION_START = 2.0
 _CORRECTION_STEP = 0.1  # log-step of the quantile estimate
 _CORRECTION_BOUNDS = (0.5, 8.0)
+# Of its deadline, the work ahead that a request may always wait behind: one that needs its
+# whole deadline alone, or more, is still served behind this much (a request of the usual size
+# is not held to it: it waits behind whatever still lets it meet its deadline).
+MIN_WAIT_SHARE = 0.1
 RECENT_WORK = 32  # admitted requests whose smallest work stands for an arrival's own
 PREPARING_TTL_S = 30.0  # a preparing entry older than this is forgotten
 
@@ -185,6 +206,19 @@ class TTFTAdmission:
             return None
         return (self.clock() - arrived_at) + self.backlog_s(priority) + self.fit.seconds(tokens)
 
+    def _judge(self, deadline_s: float | None, alone_s: float, ahead_s: float, arrived_at: float) -> float:
+        """The predicted TTFT of a request whose uncorrected time alone is `alone_s` behind
+        `ahead_s` seconds of work; APIError 429 when that work makes it late (the rule of the
+        module docstring): past its deadline and past its corrected time alone plus
+        `MIN_WAIT_SHARE` of its deadline."""
+        alone_s *= self.correction.value
+        predicted = alone_s + ahead_s * self.correction.value
+        if deadline_s is not None:
+            tolerated = max(deadline_s, alone_s + MIN_WAIT_SHARE * deadline_s)
+            if predicted > tolerated:
+                raise self._refusal(predicted, deadline_s, alone_s, tolerated, arrived_at)
+        return predicted
+
     def predict_s(self, tokens: int, priority: int, arrived_at: float) -> float | None:
         """Predicted TTFT from `arrived_at` of a request of `tokens` work admitted now."""
         uncorrected = self._uncorrected_s(tokens, priority, arrived_at)
@@ -200,12 +234,12 @@ class TTFTAdmission:
         tokens: int | None = None,
         stage_s: float = 0.0,
     ) -> None:
-        """At arrival, before any preparation: refuse when the backlog, the requests that arrived
-        before this one and are still in preparation and this one's own service pass the
-        deadline; else this request is preparing until `admit` or `forget_arrival`. A request's
-        service while it prepares: that of `tokens`, a lower bound of its work that its
-        preparation learnt on the way (checked again before an expensive stage, whose expected
-        `stage_s` seconds come first), else the smallest recent request's."""
+        """At arrival, before any preparation: refuse when the backlog and the requests that
+        arrived before this one and are still in preparation make this one late (the rule of
+        the module docstring); else this request is preparing until `admit` or `forget_arrival`.
+        A request's service while it prepares: that of `tokens`, a lower bound of its work that
+        its preparation learnt on the way (checked again before an expensive stage, whose
+        expected `stage_s` seconds come first), else the smallest recent request's."""
         if deadline_s is not None and self.fit.ready:
             smallest = self.fit.seconds(min(self._recent_work)) if self._recent_work else 0.0
             preparing = sum(
@@ -215,9 +249,7 @@ class TTFTAdmission:
             )
             own = smallest if tokens is None else self.fit.seconds(tokens)
             elapsed = self.clock() - arrived_at + stage_s
-            predicted = (elapsed + self.backlog_s(priority) + preparing + own) * self.correction.value
-            if predicted > deadline_s:
-                raise self._refusal(predicted, deadline_s, arrived_at)
+            self._judge(deadline_s, elapsed + own, self.backlog_s(priority) + preparing, arrived_at)
         self._preparing[arrived_at] = (priority, tokens)
 
     def forget_arrival(self, arrived_at: float) -> None:
@@ -231,13 +263,17 @@ class TTFTAdmission:
         return self._preparing
 
     def admit(self, tokens: int, priority: int, arrived_at: float, deadline_s: float | None) -> Ticket:
-        """A ticket for a request of `tokens` work, or APIError 429 when it would miss its
-        deadline. Requests still preparing are not ahead of it: they will be admitted after."""
+        """A ticket for a request of `tokens` work, or APIError 429 when the work ahead of it
+        makes it late (the rule of the module docstring; `deadline_s` None: never refused).
+        Requests still preparing are not ahead of it: they will be admitted after."""
         self.forget_arrival(arrived_at)
-        uncorrected = self._uncorrected_s(tokens, priority, arrived_at)
-        predicted = None if uncorrected is None else uncorrected * self.correction.value
-        if deadline_s is not None and predicted is not None and predicted > deadline_s:
-            raise self._refusal(predicted, deadline_s, arrived_at)
+        uncorrected: float | None = None
+        predicted: float | None = None
+        if self.fit.ready:
+            alone = (self.clock() - arrived_at) + self.fit.seconds(tokens)
+            ahead = self.backlog_s(priority)
+            uncorrected = alone + ahead
+            predicted = self._judge(deadline_s, alone, ahead, arrived_at)
         self._recent_work.append(tokens)
         ticket = Ticket(self, tokens, priority, arrived_at, self.clock(), uncorrected, predicted)
         self._waiting.append(ticket)
@@ -273,15 +309,20 @@ class TTFTAdmission:
         a, b = self.fit.coefficients()
         return {"step_seconds": a, "seconds_per_token": b, "correction": self.correction.value}
 
-    def _refusal(self, predicted_s: float, deadline_s: float, arrived_at: float) -> APIError:
+    def _refusal(
+        self, predicted_s: float, deadline_s: float, alone_s: float, tolerated_s: float, arrived_at: float
+    ) -> APIError:
+        deadline = f"this request's deadline of {deadline_s:g} s (ragspeed.deadline_ms or ttft_deadline_ms)"
+        if tolerated_s > deadline_s:  # it needs about its deadline alone: it is late for the work ahead
+            deadline = f"{deadline}, and the {alone_s:.1f} s it would take on an idle server"
         return APIError(
             429,
-            f"the server predicts a time to first token of {predicted_s:.1f} s, past this "
-            f"request's deadline of {deadline_s:g} s (ragspeed.deadline_ms or ttft_deadline_ms); "
-            "retry later",
+            f"the server predicts a time to first token of {predicted_s:.1f} s, past {deadline}: "
+            f"{predicted_s - alone_s:.1f} s of it is the work queued ahead; retry later",
             code="ttft_deadline",
             headers={
-                "Retry-After": retry_after(predicted_s - deadline_s),
+                # When enough of the work ahead is done for it to be admitted.
+                "Retry-After": retry_after(predicted_s - tolerated_s),
                 # The server's own time to this answer, for clients that time refusals.
                 "x-ragspeed-refused-after-ms": f"{(self.clock() - arrived_at) * 1000:.3f}",
             },

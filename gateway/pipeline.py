@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -32,13 +32,22 @@ class Pipeline:
         return Preparer(self.state)
 
     async def prepare_chat(self, req: ChatCompletionRequest) -> PreparedRequest:
+        """The request prepared; judged before its compression by the compression's forecast,
+        whose document tokens it carries (`judged_document_tokens`): the admission judges it
+        again if it sends more."""
         options = req.ragspeed
         deadline_ms, priority = options.deadline_ms if options else None, request_priority(options)
+        forecast_tokens: list[int] = []  # the document tokens of the forecast it was judged by
+
+        def check_work(tokens: int, seconds: float) -> float:
+            forecast_tokens.append(tokens)
+            return self.check_arrival(deadline_ms, priority, tokens, seconds)
+
         with self.preparing(deadline_ms, priority):
-            return await self.preparer.chat(
-                req,
-                check_work=lambda tokens, seconds: self.check_arrival(deadline_ms, priority, tokens, seconds),
-            )
+            prepared = await self.preparer.chat(req, check_work=check_work)
+        if prepared.judged_before_compression:
+            prepared = replace(prepared, judged_document_tokens=forecast_tokens[-1])
+        return prepared
 
     def prepare_completion(self, req: CompletionRequest) -> PreparedRequest:
         with self.preparing(None, request_priority(None)):
@@ -57,8 +66,8 @@ class Pipeline:
     def check_arrival(
         self, deadline_ms: float | None, priority: int, tokens: int | None = None, stage_s: float = 0.0
     ) -> float:
-        """429 at once, before any preparation, when the work ahead passes the deadline; else
-        the request's arrival time, under which the admission counts it as preparing. Checked
+        """429 at once, before any preparation, when the work ahead makes the request late (the
+        rule of gateway.admission); else the request's arrival time, under which the admission counts it as preparing. Checked
         again before an expensive stage with `tokens`, a lower bound of the request's work, and
         `stage_s`, the stage's expected seconds."""
         arrived_at = arrival_time() or time.perf_counter()

@@ -91,6 +91,7 @@ class PreparedRequest:
     # Judged against its deadline before its compression, with its forecast: admitted after it
     # without a second judgement (a refusal then would waste the compression and come late).
     judged_before_compression: bool = False
+    judged_document_tokens: int | None = None  # that forecast's; a request sending more is judged again
 
 
 def sampling_params(req: _SamplingFields, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:

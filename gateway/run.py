@@ -71,12 +71,21 @@ class Generation:
 
     def _admit(self) -> Ticket | None:
         """The admission's ticket (None: no admission), or APIError 429 at once. A request judged
-        before its compression is not judged again."""
+        before its compression, by its forecast, is not judged again unless it sends more
+        document tokens than that (the compression failed open, or kept more): then it is
+        judged by its real size."""
         if self.admission is None:
             return None
-        generation = self.prepared.generation
-        deadline_s = self.admission.deadline_s(self.prepared.deadline_ms, generation.priority)
-        if self.prepared.judged_before_compression:
+        prepared, generation = self.prepared, self.prepared.generation
+        deadline_s = self.admission.deadline_s(prepared.deadline_ms, generation.priority)
+        report, forecast_tokens = prepared.compression, prepared.judged_document_tokens
+        as_forecast = (
+            report is not None
+            and not report.failed
+            and forecast_tokens is not None
+            and report.compressed_tokens <= forecast_tokens
+        )
+        if prepared.judged_before_compression and as_forecast:
             deadline_s = None
         try:
             ticket = self.admission.admit(

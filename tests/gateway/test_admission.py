@@ -1,23 +1,26 @@
-"""Admission by predicted time to first token: the service-time fit, the ledger, the refusal,
-and, in-process over the fake engine, a request refused with 429 while another holds the engine."""
+"""Admission by predicted time to first token: the service-time fit, the ledger, the rule (a
+request is refused for the work ahead of it, never for its own size), and, in-process over the
+fake engine, a request refused with 429 while another holds the engine. A real server over a
+slow engine: test_admission_server.py."""
 
 from __future__ import annotations
 
 import asyncio
 import random
-import time
+import threading
 
 import pytest
 
+from ragspeed.compression.sentence_compressor import SentenceCompressor
 from ragspeed.engine.protocol import PRIORITY_BATCH, PRIORITY_INTERACTIVE
 from ragspeed.gateway.admission import (
     CORRECTION_START,
+    MIN_WAIT_SHARE,
     PREPARING_TTL_S,
     QuantileTracker,
     ServiceFit,
     TTFTAdmission,
 )
-from ragspeed.gateway.compress import CompressionStage
 from ragspeed.gateway.errors import APIError
 from tests.gateway.fake_engine import Reply, Stall
 from tests.gateway.inprocess import fake_settings, metric, serve
@@ -93,11 +96,62 @@ def test_requests_ahead_are_counted_and_one_past_its_deadline_is_refused():
         admission.admit(1000, PRIORITY_INTERACTIVE, arrived, 10.0)  # 0.5 + 8 + 2 > 10
     assert refused.value.status_code == 429 and refused.value.code == "ttft_deadline"
     assert refused.value.headers == {"Retry-After": "1", "x-ragspeed-refused-after-ms": "500.000"}
-    assert "predicts a time to first token of 10.5 s" in refused.value.message
+    assert refused.value.message == (
+        "the server predicts a time to first token of 10.5 s, past this request's deadline of 10 s "
+        "(ragspeed.deadline_ms or ttft_deadline_ms): 8.0 s of it is the work queued ahead; retry later"
+    )
     assert admission.num_waiting == 4  # the refused one holds nothing
     clock.now += 1.5  # the engine worked on the oldest: 1.5 s of its 2 s are done
     assert admission.backlog_s(PRIORITY_INTERACTIVE) == pytest.approx(6.5)
     admission.admit(1000, PRIORITY_INTERACTIVE, clock.now, 10.0)
+
+
+def test_a_request_is_never_refused_for_its_own_size():
+    """On an idle server a request that alone takes 30 s is served against a 10 s deadline, at
+    arrival (sized as the smallest recent request or by a lower bound of its work) and at
+    admission; so is one behind at most a tenth of its deadline of work ahead."""
+    clock = Clock()
+    admission = TTFTAdmission(10.0, clock=clock, correction=FIXED)
+    served(admission, clock, 15_000, 30.0)  # 2 ms a token; the smallest recent request 30 s
+    admission.check_arrival(10.0, PRIORITY_INTERACTIVE, clock.now)
+    admission.check_arrival(10.0, PRIORITY_INTERACTIVE, clock.now, tokens=15_000, stage_s=2.0)
+    ticket = admission.admit(15_000, PRIORITY_INTERACTIVE, clock.now - 1.0, 10.0)
+    assert ticket.predicted_s == pytest.approx(31.0)
+    clock.now += 30.0
+    ticket.first_token()  # streaming now: its decodes are not ahead of the next one
+    behind = admission.admit(10_000, PRIORITY_INTERACTIVE, clock.now, 10.0)  # 20 s alone
+    assert behind.predicted_s == pytest.approx(20.0)
+    clock.now += 19.2  # 0.8 s of its prefill left: ahead of the next, within a tenth of 10 s
+    assert MIN_WAIT_SHARE == 0.1
+    last = admission.admit(15_000, PRIORITY_INTERACTIVE, clock.now, 10.0)
+    assert last.predicted_s == pytest.approx(30.8)
+
+
+def test_a_large_request_behind_more_than_a_tenth_of_its_deadline_is_refused_for_load():
+    """A burst of requests that each take 12 s alone against a 10 s deadline: the first is
+    admitted; the next, 12 s behind it, is refused with a Retry-After of the work ahead past
+    the tenth of its deadline it may wait; then one 0.9 s behind is admitted."""
+    clock = Clock()
+    admission = TTFTAdmission(10.0, clock=clock, correction=FIXED)
+    served(admission, clock, 6000, 12.0)  # 2 ms a token
+    first = admission.admit(6000, PRIORITY_INTERACTIVE, clock.now, 10.0)
+    assert first.predicted_s == pytest.approx(12.0)
+    with pytest.raises(APIError) as refused:
+        admission.check_arrival(10.0, PRIORITY_INTERACTIVE, clock.now)  # sized as the first
+    assert refused.value.status_code == 429
+    assert refused.value.headers["Retry-After"] == "11"  # 24 s, 13 s tolerated
+    assert refused.value.message == (
+        "the server predicts a time to first token of 24.0 s, past this request's deadline of 10 s "
+        "(ragspeed.deadline_ms or ttft_deadline_ms), and the 12.0 s it would take on an idle "
+        "server: 12.0 s of it is the work queued ahead; retry later"
+    )
+    with pytest.raises(APIError):
+        admission.admit(6000, PRIORITY_INTERACTIVE, clock.now, 10.0)
+    clock.now += 10.5
+    with pytest.raises(APIError):
+        admission.admit(6000, PRIORITY_INTERACTIVE, clock.now, 10.0)  # 1.5 s ahead: 13.5 s
+    clock.now += 0.6
+    admission.admit(6000, PRIORITY_INTERACTIVE, clock.now, 10.0)  # 0.9 s ahead: 12.9 s
 
 
 def test_at_arrival_the_backlog_and_the_smallest_recent_request_are_counted():
@@ -266,7 +320,9 @@ async def test_a_request_that_would_miss_its_deadline_is_refused_at_once(fake):
         taught = await teacher
         assert taught.status_code == 200 and taught.json()["ragspeed"]["predicted_ttft_ms"] is None
         patient_body = {**body, "ragspeed": {"deadline_ms": 60_000}}
-        holder = asyncio.create_task(client.post("/v1/chat/completions", json=patient_body))
+        # 600 tokens: its prefill's predicted time does not run out while the test goes on.
+        long_body = {**patient_body, "messages": [{"role": "user", "content": "sky " * 300}]}
+        holder = asyncio.create_task(client.post("/v1/chat/completions", json=long_body))
         await held.reached.wait()
         refused = await client.post("/v1/chat/completions", json=body)
         assert refused.status_code == 429
@@ -319,49 +375,113 @@ async def taught(client, fake) -> dict:
     return body
 
 
+async def holding(client, fake, num_tokens: int) -> tuple[Stall, asyncio.Task]:
+    """A request of about `num_tokens` prompt tokens held in the engine before its first token, with
+    a long deadline of its own: work ahead of the requests that follow it."""
+    stall = Stall(at=0)
+    fake.engine.replies.appendleft(Reply(stall=stall))
+    body = {
+        "messages": [{"role": "user", "content": "sky " * (num_tokens // 2)}],
+        "max_tokens": 2,
+        "ragspeed": {"deadline_ms": 3_600_000},
+    }
+    task = asyncio.create_task(client.post("/v1/chat/completions", json=body))
+    await stall.reached.wait()
+    return stall, task
+
+
+async def corrected_seconds_per_token(client) -> float:
+    """The admission's fitted seconds a token times its correction (its step cost is 0 after
+    one request taught it), from /metrics."""
+    metrics = (await client.get("/metrics")).text
+    per_token = metric(metrics, "ragspeed_admission_seconds_per_token")
+    assert metric(metrics, "ragspeed_admission_step_seconds") == 0.0 and per_token is not None
+    return per_token * metric(metrics, "ragspeed_admission_correction")
+
+
+LONG_DOCUMENTS = [
+    " ".join(
+        "sunlight scatters off nitrogen molecules in the upper atmosphere over the ocean".split()[
+            (i + j) % 12
+        ]
+        for j in range(300)
+    )
+    for i in range(10)
+]  # 6,500 tokens of the demo tokenizer
+
+
 @pytest.mark.anyio
-async def test_a_compressed_request_that_would_miss_its_deadline_is_refused_before_compressing(fake):
-    """The engine showed 0.3 s for a few tokens, so a request of twenty long documents passes
-    the check at arrival (sized as the smallest recent request) but not the one before
-    compression, sized by the compressed documents' budget: 429, and no document was compressed."""
-    words = "sunlight scatters off nitrogen molecules in the upper atmosphere over the ocean".split()
-    documents = [" ".join(words[(i + j) % len(words)] for j in range(300)) for i in range(20)]
+async def test_a_compressed_request_the_work_ahead_makes_late_is_refused_before_compressing(fake):
+    """Behind a request of 600 tokens held in the engine, a request of ten long documents
+    with a deadline of 1,000 tokens' time passes the check at arrival (sized as the smallest
+    recent request: 600 + a few tokens' time) but not the one before compression, sized by the
+    compressed documents' budget (over 3,000 tokens alone, 600 ahead of it, more than a tenth
+    of its deadline): 429, and no document was compressed. Alone, it is served."""
     async with serve(fake_settings(ttft_deadline_ms=10_000)) as client:
         body = await taught(client, fake)
+        held, holder = await holding(client, fake, 600)
+        deadline_ms = 1_000 * await corrected_seconds_per_token(client) * 1000
         compressed = {
             **body,
-            "documents": documents,
-            "ragspeed": {"compression": {"method": "bm25", "rate": 0.5}, "deadline_ms": 2_000},
+            "documents": LONG_DOCUMENTS,
+            "ragspeed": {"compression": {"method": "bm25", "rate": 0.5}, "deadline_ms": deadline_ms},
         }
         refused = await client.post("/v1/chat/completions", json=compressed)
         assert refused.status_code == 429 and refused.json()["error"]["code"] == "ttft_deadline"
+        assert "it would take on an idle server" in refused.json()["error"]["message"]
         metrics = (await client.get("/metrics")).text
         assert metric(metrics, "ragspeed_document_tokens_total") is None  # nothing compressed
-        assert len(fake.engine.requests) == 1
-        uncompressed = {**compressed, "documents": documents[:1], "ragspeed": {"deadline_ms": 60_000}}
-        assert (await client.post("/v1/chat/completions", json=uncompressed)).status_code == 200
+        assert metric(metrics, "ragspeed_ttft_refused_requests_total", stage="arrival") == 1.0
+        assert len(fake.engine.requests) == 2
+        held.release.set()
+        assert (await holder).status_code == 200
+        # Nothing ahead now: served, however long it takes alone.
+        assert (await client.post("/v1/chat/completions", json=compressed)).status_code == 200
 
 
 @pytest.mark.anyio
-async def test_a_compressed_request_judged_before_compressing_is_not_refused_after(fake, monkeypatch):
-    """Its compression takes longer than the check before it expected: the prediction after
-    it passes the deadline, but the request, judged before its compression, is admitted."""
-    compress = CompressionStage.__call__
+@pytest.mark.parametrize("fails", [False, True])
+async def test_a_compressed_request_is_judged_again_only_when_it_sends_more_than_forecast(
+    fake, monkeypatch, fails
+):
+    """A request with a deadline of 1 s is judged before its compression with nothing ahead;
+    while it compresses, a request of 600 tokens is admitted and held in the engine, ahead of
+    it. Compressed to its forecast, it is admitted without a second judgement (its prediction
+    passes its deadline); when the compression fails open (the whole documents go in, more
+    tokens than forecast), it is judged again at its real size: 429, at admission."""
+    entered, proceed = threading.Event(), threading.Event()
+    compress = SentenceCompressor.compress
 
-    def slow(self, *args):
-        time.sleep(0.6)
+    def held_compress(self, *args):
+        entered.set()
+        assert proceed.wait(30)
+        if fails:
+            raise RuntimeError("the compressor broke")
         return compress(self, *args)
 
-    monkeypatch.setattr(CompressionStage, "__call__", slow)
+    monkeypatch.setattr(SentenceCompressor, "compress", held_compress)
     async with serve(fake_settings(ttft_deadline_ms=10_000)) as client:
         body = await taught(client, fake)
         compressed = {
             **body,
-            "documents": ["Rayleigh scattering makes the sky blue.", "The ocean reflects the sky."],
+            "documents": LONG_DOCUMENTS[:2],
             "ragspeed": {"compression": {"method": "bm25", "rate": 0.5}, "deadline_ms": 1_000},
         }
-        admitted = await client.post("/v1/chat/completions", json=compressed)
-        assert admitted.status_code == 200
-        assert admitted.json()["ragspeed"]["predicted_ttft_ms"] > 1_000
+        task = asyncio.create_task(client.post("/v1/chat/completions", json=compressed))
+        assert await asyncio.to_thread(entered.wait, 30)
+        held, holder = await holding(client, fake, 600)
+        proceed.set()
+        response = await task
+        held.release.set()
+        assert (await holder).status_code == 200
         metrics = (await client.get("/metrics")).text
-    assert metric(metrics, "ragspeed_ttft_refused_requests_total") is None
+    if fails:
+        assert response.status_code == 429 and response.json()["error"]["code"] == "ttft_deadline"
+        assert metric(metrics, "ragspeed_ttft_refused_requests_total", stage="admission") == 1.0
+        assert metric(metrics, "ragspeed_compression_failures_total") == 1.0
+    else:
+        assert response.status_code == 200
+        report = response.json()["ragspeed"]["compression"]
+        assert not report["failed"] and report["skipped_reason"] is None
+        assert response.json()["ragspeed"]["predicted_ttft_ms"] > 1_000
+        assert metric(metrics, "ragspeed_ttft_refused_requests_total") is None
