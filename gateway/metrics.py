@@ -71,6 +71,86 @@ class _PrefixCacheCollector:
             yield family
 
 
+class _DocumentCacheCollector:
+    """The document KV store's figures by tier (engine.document_kv's `document_cache_*` stats):
+    lookups, hits, evictions and refused files as counters; hit rates (hits over lookups since
+    start: all, RAM; disk: over the lookups that reached a file), bytes, budgets and entries as
+    gauges. Engines without a document store export nothing."""
+
+    # (name, help, family, {tier: stats key after "document_cache_"})
+    _BY_TIER: tuple[tuple[str, str, type, dict[str, str]], ...] = (
+        (
+            "ragspeed_document_cache_hits",
+            "Documents found in the store, by tier.",
+            CounterMetricFamily,
+            {"ram": "ram_hits", "disk": "disk_hits"},
+        ),
+        (
+            "ragspeed_document_cache_evictions",
+            "Documents dropped for room, by tier.",
+            CounterMetricFamily,
+            {"ram": "evictions", "disk": "disk_evictions"},
+        ),
+        (
+            "ragspeed_document_cache_hit_rate",
+            "Share of lookups that hit since start, by tier (disk: of the lookups that reached a file).",
+            GaugeMetricFamily,
+            {"all": "hit_rate", "ram": "ram_hit_rate", "disk": "disk_hit_rate"},
+        ),
+        (
+            "ragspeed_document_cache_bytes",
+            "Bytes held, by tier (RAM: KV payload; disk: file sizes).",
+            GaugeMetricFamily,
+            {"ram": "stored_bytes", "disk": "disk_bytes"},
+        ),
+        (
+            "ragspeed_document_cache_capacity_bytes",
+            "Budget in bytes, by tier (disk -1: unbounded, 0: no disk tier).",
+            GaugeMetricFamily,
+            {"ram": "capacity_bytes", "disk": "disk_capacity_bytes"},
+        ),
+        (
+            "ragspeed_document_cache_entries",
+            "Documents held, by tier.",
+            GaugeMetricFamily,
+            {"ram": "entries", "disk": "disk_entries"},
+        ),
+    )
+
+    def __init__(self, stats: Callable[[], dict[str, float]], model: str):
+        self._stats, self._model = stats, model
+
+    def collect(self):
+        try:
+            stats = self._stats()
+        except Exception:
+            stats = {}
+        if "document_cache_hits" not in stats:
+            return
+        lookups = CounterMetricFamily(
+            "ragspeed_document_cache_lookups", "Documents looked up in the store.", labels=["model"]
+        )
+        lookups.add_metric(
+            [self._model], stats["document_cache_hits"] + stats.get("document_cache_misses", 0.0)
+        )
+        yield lookups
+        for name, doc, kind, keys in self._BY_TIER:
+            family = kind(name, doc, labels=["model", "tier"])
+            for tier, key in keys.items():
+                value = stats.get(f"document_cache_{key}")
+                if value is not None:
+                    family.add_metric([self._model, tier], float(value))
+            yield family
+        if "document_cache_rejected_files" in stats:
+            rejected = CounterMetricFamily(
+                "ragspeed_document_cache_rejected_files",
+                "Store files refused and deleted: truncated, forged (HMAC), corrupt or of another shape.",
+                labels=["model"],
+            )
+            rejected.add_metric([self._model], float(stats["document_cache_rejected_files"]))
+            yield rejected
+
+
 class _AdmissionCollector:
     def __init__(self, fit: Callable[[], dict[str, float]], model: str):
         self._fit, self._model = fit, model
@@ -177,6 +257,7 @@ class GatewayMetrics:
     def watch_engine(self, stats: Callable[[], dict[str, float]], model: str) -> None:
         self.registry.register(_EngineStatsCollector(stats, model))
         self.registry.register(_PrefixCacheCollector(stats, model))
+        self.registry.register(_DocumentCacheCollector(stats, model))
 
     def watch_admission(self, fit: Callable[[], dict[str, float]], model: str) -> None:
         """The admission's service-time fit: `ragspeed_admission_step_seconds` and
