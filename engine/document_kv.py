@@ -101,8 +101,11 @@ class DocumentReuseByTier(DocumentReuse):
 
     @property
     def by_tier(self) -> dict[str, int]:
-        """The response's figures (`ragspeed.document_cache`)."""
+        """The response's figures (`ragspeed.document_cache`): hit rate (documents found over
+        documents asked for), hits and stored bytes read by tier."""
+        asked = self.num_hit + self.num_computed
         return {
+            "hit_rate": self.num_hit / asked if asked else 0.0,
             "documents_hit_ram": self.num_hit_ram,
             "documents_hit_disk": self.num_hit_disk,
             "documents_hit_in_flight": self.num_hit_in_flight,
@@ -477,6 +480,8 @@ class DocumentKVCache:
         """blend's repair: every position through layers 0 .. BLEND_LAYER; then the fresh tokens
         and the placed ones whose layer-BLEND_LAYER keys moved most (a ratio of them) through
         the rest. Returns the tokens computed through every layer."""
+        if first >= last:  # the prefix-cache hit reaches the last token: nothing to repair
+            return 0
         positions = list(range(first, last))
         runner, num_layers = self.runner, len(self.runner.kv_pool.k_caches)
         split = min(BLEND_LAYER + 1, num_layers)
