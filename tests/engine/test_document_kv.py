@@ -305,7 +305,7 @@ def test_documents_hit_from_disk_after_the_ram_tier_evicted_them(tiny_checkpoint
     assert (second.num_hit, second.num_computed, second.num_hit_ram, second.num_hit_disk) == (4, 0, 1, 3)
     sizes = [256 * len(DOCUMENTS[i]) for i in range(4)]
     assert (second.bytes_ram, second.bytes_disk) == (sizes[3], sizes[0] + sizes[1] + sizes[2])
-    assert second.by_tier["documents_hit_disk"] == 3
+    assert (second.by_tier["documents_hit_disk"], second.by_tier["hit_rate"]) == (3, 1.0)
     stats = engine.stats()
     assert (stats["document_cache_disk_hits"], stats["document_cache_ram_hits"]) == (3, 1)
     assert stats["document_cache_disk_hit_rate"] == 1.0
