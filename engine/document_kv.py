@@ -100,7 +100,7 @@ class DocumentReuseByTier(DocumentReuse):
     bytes_disk: int = 0
 
     @property
-    def by_tier(self) -> dict[str, int]:
+    def by_tier(self) -> dict[str, float]:
         """The response's figures (`ragspeed.document_cache`): hit rate (documents found over
         documents asked for), hits and stored bytes read by tier."""
         asked = self.num_hit + self.num_computed
