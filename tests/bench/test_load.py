@@ -174,9 +174,10 @@ def test_compressed_arrivals_are_timed_alone_and_beside_the_streams(native_serve
     assert figures["goodput_per_min"] > 0
 
 
-def test_requests_that_cannot_meet_the_deadline_are_refused_at_once(tiny_model):
-    """A 1 ms TTFT deadline: after the start-up's calibration every request is predicted to miss
-    it, so each is answered 429 with Retry-After, quickly, and nothing is left in the engine."""
+def test_requests_that_miss_the_deadline_alone_are_served_and_refused_only_for_load(tiny_model):
+    """A 1 ms TTFT deadline, which every request misses alone (issue 55: they were all refused,
+    for their size): a request with nothing ahead of it is served; one behind another's prefill
+    is answered 429 with Retry-After, quickly; nothing is left in the engine."""
     with ServerProcess(
         [
             "--engine",
@@ -193,11 +194,11 @@ def test_requests_that_cannot_meet_the_deadline_are_refused_at_once(tiny_model):
         figures = asyncio.run(run_load(server.url, config, server_pid=server.process.pid))
         metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
     assert figures["server_errors"] == 0 and figures["transport_errors"] == 0
-    assert figures["requests_completed"] == 0 and figures["goodput_per_min"] == 0
-    assert figures["refused"] == figures["status_429"] >= 2
-    assert figures["refusal_p100_ms"] < 1000
+    assert figures["requests_completed"] >= 1 and figures["goodput_per_min"] > 0
+    assert figures["refused"] == figures["status_429"]
+    assert figures["refused"] == 0 or figures["refusal_p100_ms"] < 1000
     assert figures["blocks_in_use_at_end"] == 0
-    assert read_gauge(metrics, "ragspeed_ttft_refused_requests_total") == figures["refused"]
+    assert (read_gauge(metrics, "ragspeed_ttft_refused_requests_total") or 0) == figures["refused"]
     # Each refusal is counted at one stage: at arrival, or after its preparation (a request
     # whose arrival finds no admitted request to size it by passes the first check).
     at_arrival = read_gauge(metrics, "ragspeed_ttft_refused_requests_total", stage="arrival") or 0
