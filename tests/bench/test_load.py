@@ -175,9 +175,9 @@ def test_compressed_arrivals_are_timed_alone_and_beside_the_streams(native_serve
 
 
 def test_requests_that_miss_the_deadline_alone_are_served_and_refused_only_for_load(tiny_model):
-    """A 1 ms TTFT deadline, which every request misses alone (issue 55: they were all refused,
-    for their size): a request with nothing ahead of it is served; one behind another's prefill
-    is answered 429 with Retry-After, quickly; nothing is left in the engine."""
+    """A 1 ms TTFT deadline, which every request misses alone (they were once all refused, for
+    their size): a request with nothing ahead of it is served; one behind another's prefill is
+    answered 429 with Retry-After, quickly; nothing is left in the engine."""
     with ServerProcess(
         [
             "--engine",
