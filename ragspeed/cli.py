@@ -244,6 +244,7 @@ def chat(
         "cache-manager": "ragspeed.bench.cache_manager:bench_cache_manager",
         "documents": "ragspeed.bench.documents:bench_documents",
         "engine": "ragspeed.bench.engine:bench_engine_command",
+        "fidelity": "ragspeed.bench.fidelity:bench_fidelity",
         "gateway": "ragspeed.bench.gateway:bench_gateway",
         "kquant": "ragspeed.bench.kquant:bench_kquant",
         "load": "ragspeed.bench.load:bench_load",

@@ -355,6 +355,12 @@ class Progress:
 @click.option(
     "--set", "assignments", multiple=True, help="extra `ragspeed serve` setting KEY=VALUE (repeatable)"
 )
+@click.option(
+    "--teacher-forced/--no-teacher-forced",
+    default=True,
+    show_default=True,
+    help="kv-* configurations: top-1 agreement and KL along full's answer (more engine time)",
+)
 @json_option
 @click.option(
     "--html",
@@ -376,10 +382,12 @@ def rag_command(
     resamples: int,
     seed: int,
     assignments: tuple[str, ...],
+    teacher_forced: bool,
     json_path: str | None,
     html_path: Path | None,
 ) -> None:
-    """Accuracy, EM, F1, TTFT and e2e per configuration, through the gateway and engine in-process."""
+    """Accuracy, EM, F1, TTFT and e2e per configuration, through the gateway and engine in-process;
+    fidelity against full: identical answers, and teacher-forced top-1 agreement and KL."""
     from ragspeed.evals.rag import DEFAULT_SYSTEM_PROMPT, load_examples, parse_configs, run_rag_eval
     from ragspeed.evals.rag_gateway import GatewayStartError
 
@@ -407,6 +415,7 @@ def rag_command(
                 on_done=progress.step,
                 num_resamples=resamples,
                 seed=seed,
+                teacher_forced=teacher_forced,
             )
     except (ValueError, GatewayStartError) as exc:
         raise click.ClickException(str(exc)) from exc

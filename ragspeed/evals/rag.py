@@ -38,6 +38,14 @@ questions both answered, with a bootstrap 95% CI that resamples questions. Accur
 position groups the questions by `gold_index` (0, 4, 9, 14, 19 in the NQ file): the
 lost-in-the-middle curve.
 
+Fidelity against `full` (ragspeed.evals.fidelity), per configuration on the questions both
+answered: the share of answers identical to full's (Wilson 95% CI); and, for the document-cache
+configurations of uncompressed documents (`--teacher-forced`, on by default), teacher-forced along
+full's answer on the gateway's own engine (`NativeEngine.call`, the gateway's prompt layout, each
+configuration's salt: its documents are in the store), the top-1 agreement and mean KL of the
+next-token distributions. Compressed and retrieved prompts differ from full's: no teacher-forced
+figure.
+
 A configuration *fails* when the gateway refuses its warm-up (an unknown method, a compressor
 that cannot be built: a 4xx) or its compressor raises (the gateway then fails open and sends the
 documents uncompressed): it is reported with the error, its remaining requests are not sent, and
@@ -61,6 +69,9 @@ from ragspeed.ab.stats import paired_bootstrap_difference
 from ragspeed.ab.workload import SkippedLine
 from ragspeed.bench.common import percentile
 from ragspeed.compression.registry import COMPRESSORS, DEFAULT_METHOD
+from ragspeed.document import Document
+from ragspeed.engine.protocol import DocumentCacheOptions
+from ragspeed.evals.fidelity import QuestionFidelity, binomial_ci, summarize_fidelity
 from ragspeed.gateway.settings import Settings
 from ragspeed.retrieval.documents import document_id
 
@@ -335,6 +346,8 @@ class RagRun:
     observations: tuple[RagObservation, ...]
     failures: Mapping[str, str]  # configuration -> why it failed
     setup: Mapping[str, Any] = field(default_factory=dict)
+    # configuration -> example index -> teacher-forced fidelity against full (`--teacher-forced`)
+    fidelity: Mapping[str, Mapping[int, QuestionFidelity]] = field(default_factory=dict)
 
 
 def _ttft_ms(reply: StreamedReply) -> float:
@@ -405,15 +418,18 @@ async def run_configs(
     system_prompt: str = DEFAULT_SYSTEM_PROMPT,
     max_tokens: int = 32,
     on_done: Callable[[str], None] = lambda config: None,
+    teacher_forced: bool = True,
 ) -> RagRun:
     """Start the gateway of `settings`, build the retrieval collection of `passages` when a
     configuration retrieves, warm every configuration up, then answer every example with every
-    configuration. `on_done(config name)` is called after each request, warm-ups included."""
+    configuration (and, with `teacher_forced`, measure the document-cache ones along full's
+    answer). `on_done(config name)` is called after each request, warm-ups included."""
     from ragspeed.evals.rag_gateway import CompressorErrors, running_gateway
 
     setup: dict[str, Any] = {}
     failures: dict[str, str] = {}
     observations: list[RagObservation] = []
+    fidelity: dict[str, dict[int, QuestionFidelity]] = {}
 
     def body(
         config: RagConfig, example: RagExample, salt: str, tokens: int, reverse: bool = False
@@ -446,10 +462,68 @@ async def run_configs(
                         else:
                             observations.append(observation)
                     on_done(config.name)
+                forced = [c for c in teacher_forced_configs(configs) if c.name not in failures]
+                if teacher_forced and forced and FULL not in failures:
+                    measured = await _teacher_forced(
+                        app, settings, example, forced, system_prompt=system_prompt, max_tokens=max_tokens
+                    )
+                    for name, question in measured.items():
+                        fidelity.setdefault(name, {})[index] = question
     setup["run_s"] = round(time.perf_counter() - t0, 2)
     # A configuration that failed part way reports no figures: they would mix two kinds of answer.
     kept = tuple(o for o in observations if o.config not in failures)
-    return RagRun(tuple(examples), tuple(configs), kept, failures, setup)
+    return RagRun(tuple(examples), tuple(configs), kept, failures, setup, fidelity)
+
+
+def teacher_forced_configs(configs: Sequence[RagConfig]) -> list[RagConfig]:
+    """The configurations whose prompt is full's with its documents reused: the document-cache
+    ones of uncompressed documents."""
+    return [c for c in configs if c.reuses_documents and c.ragspeed.get("compression") is False]
+
+
+def document_cache_options(config: RagConfig, settings: Settings) -> DocumentCacheOptions:
+    """A configuration's `ragspeed.document_cache` as the gateway resolves it (the settings
+    fill what it does not name)."""
+    asked, prompts = config.ragspeed["document_cache"], settings.prompts
+    return DocumentCacheOptions(
+        policy=asked.get("policy", prompts.document_cache_policy),
+        num_tokens=asked.get("tokens", prompts.document_cache_tokens),
+        ratio=asked.get("ratio", prompts.document_cache_ratio),
+        glue=asked.get("glue", prompts.document_cache_glue),
+    )
+
+
+async def _teacher_forced(
+    app: Any,
+    settings: Settings,
+    example: RagExample,
+    configs: Sequence[RagConfig],
+    *,
+    system_prompt: str,
+    max_tokens: int,
+) -> dict[str, QuestionFidelity]:
+    """Full prefill's greedy answer on the gateway's engine, then each configuration along it
+    (ragspeed.evals.fidelity), on the engine's thread; {} on an engine that cannot run it."""
+    from ragspeed.evals.fidelity import QuestionPrompts, generate, policy_fidelity
+
+    engine = app.state.services.engine
+    if not hasattr(engine, "call"):  # not the native engine
+        return {}
+    documents = [Document(f"{example.line}-{i}", p.text, p.title) for i, p in enumerate(example.documents)]
+    policies = {c.name: document_cache_options(c, settings) for c in configs}
+
+    def measure(llm: Any) -> dict[str, QuestionFidelity]:
+        import torch
+
+        with torch.inference_mode():
+            prompts = QuestionPrompts(llm.tokenizer, system_prompt, example.question, documents)
+            reference = generate(llm, prompts.request(prompts.full, None, "teacher-full", max_tokens))
+            return {
+                name: policy_fidelity(llm, prompts, reference, options, f"eval-{name}", max_tokens)[0]
+                for name, options in policies.items()
+            }
+
+    return await engine.call(measure)
 
 
 async def _build_collection(app: Any, passages: Sequence[Passage]) -> dict[str, Any]:
@@ -517,6 +591,7 @@ def run_rag_eval(
     on_done: Callable[[str], None] = lambda config: None,
     num_resamples: int = 2000,
     seed: int = 0,
+    teacher_forced: bool = True,
 ) -> dict[str, Any]:
     """Load the data, run every configuration through a gateway of `settings_values` (Settings
     fields; nothing persisted), and return the report (`summarize`)."""
@@ -541,6 +616,7 @@ def run_rag_eval(
                 system_prompt=system_prompt,
                 max_tokens=max_tokens,
                 on_done=on_done,
+                teacher_forced=teacher_forced,
             )
         )
     report = summarize(run, num_resamples=num_resamples, seed=seed)
@@ -585,6 +661,7 @@ def summarize(run: RagRun, *, num_resamples: int = 2000, seed: int = 0) -> dict[
         configs[config.name] = {
             **_scores_and_latencies(run, answered, ok),
             "accuracy_minus_full": _minus_full(answered, full, num_resamples, seed),
+            "fidelity": _fidelity(answered, full, run.fidelity.get(config.name)),
             "accuracy_by_gold_index": _by_gold_index(run, ok, positions),
         }
     observations = [
@@ -656,6 +733,40 @@ def _minus_full(
     return {**estimate.as_dict(), "num_pairs": len(pairs)}
 
 
+def _fidelity(
+    answered: dict[int, RagObservation],
+    full: dict[int, RagObservation] | None,
+    forced: Mapping[int, QuestionFidelity] | None,
+) -> dict[str, Any] | None:
+    """Against `full` on the questions both answered: the share of identical answers (texts
+    equal), and the teacher-forced figures where measured; None without `full`."""
+    if full is None:
+        return None
+    pairs = [(full[i].text, o.text) for i, o in answered.items() if i in full and o.ok and full[i].ok]
+    if not pairs:
+        return None
+    identical = sum(a == b for a, b in pairs)
+    low, high = binomial_ci(identical, len(pairs))
+    figures: dict[str, Any] = {
+        "num_pairs": len(pairs),
+        "identical": identical / len(pairs),
+        "identical_ci": [low, high],
+        "top1_agreement": None,
+        "kl_mean": None,
+    }
+    if forced:
+        teacher = summarize_fidelity(list(forced.values()))
+        figures.update(
+            top1_agreement=teacher["top1_agreement"],
+            kl_mean=teacher["kl_mean"],
+            num_positions=teacher["num_positions"],
+            # the engine-level rerun's own identical share (token ids): the gateway's, unless
+            # the rerun's batch differed
+            identical_tokens=teacher["identical"],
+        )
+    return figures
+
+
 def _by_gold_index(run: RagRun, ok: list[RagObservation], positions: list[int]) -> dict[str, Any]:
     """Accuracy of the answered questions by their gold passage's position."""
     by_position = {}
@@ -680,7 +791,7 @@ def _ci(estimate: Mapping[str, float] | None) -> str:
 
 
 SUMMARY_HEADER = (
-    "config", "n", "accuracy", "EM", "F1", "acc - full [95% CI]",
+    "config", "n", "accuracy", "EM", "F1", "acc - full [95% CI]", "= full", "top-1", "KL",
     "TTFT p50", "TTFT p95", "cold TTFT p50", "e2e p50", "e2e p95", "prompt tok p50",
 )  # fmt: skip
 
@@ -699,6 +810,7 @@ def summary_rows(report: Mapping[str, Any]) -> list[tuple[str, ...]]:
                 _fmt(s["exact_match"]),
                 _fmt(s["f1"]),
                 _ci(s["accuracy_minus_full"]),
+                *_fidelity_cells(s.get("fidelity")),
                 f"{_fmt(s['ttft_ms_p50'], 0)} ms",
                 f"{_fmt(s['ttft_ms_p95'], 0)} ms",
                 f"{_fmt(s['cold_ttft_ms_p50'], 0)} ms" if s["cold_ttft_ms_p50"] is not None else "-",
@@ -708,6 +820,13 @@ def summary_rows(report: Mapping[str, Any]) -> list[tuple[str, ...]]:
             )
         )
     return rows
+
+
+def _fidelity_cells(fidelity: Mapping[str, Any] | None) -> tuple[str, str, str]:
+    """Identical share, teacher-forced top-1 agreement and KL (`-` where not measured)."""
+    if fidelity is None:
+        return ("-", "-", "-")
+    return (_fmt(fidelity["identical"]), _fmt(fidelity["top1_agreement"]), _fmt(fidelity["kl_mean"]))
 
 
 def position_rows(report: Mapping[str, Any]) -> list[tuple[str, ...]]:

@@ -384,7 +384,7 @@ def test_eval_rag_command_end_to_end(tiny_model, tmp_path):
     assert 0 < full["ttft_ms_p50"] <= full["e2e_ms_p50"]
     assert set(full["accuracy_by_gold_index"]) == {"0", "3"}
     assert len(report["observations"]) == 6 and report["machine"].startswith("machine: ")
-    # The server's document cache is on by default; full context is a full prefill all the same.
+    # Whatever the server's document-cache default, full context is a full prefill.
     assert all(o["documents_hit"] is None for o in report["observations"])
     assert out_html.read_text().count("<svg") == 2
 
@@ -400,3 +400,41 @@ def test_bad_options_are_named(tmp_path):
     assert setting.exit_code == 2 and "'colour' is not a `ragspeed serve` setting" in setting.output
     missing = runner.invoke(eval_group, ["rag", "--data", str(tmp_path / "absent.jsonl")])
     assert missing.exit_code == 2 and "--data" in missing.output
+
+
+def test_fidelity_against_full_on_literal_answers():
+    from ragspeed.evals.fidelity import QuestionFidelity
+
+    examples = tuple(RagExample(i + 1, f"q{i}", "q", ("x",), (Passage("", "d"),), 0) for i in range(4))
+    configs = tuple(parse_configs("full,kv-reuse"))
+
+    def obs(config, i, text):
+        return RagObservation(config, i, True, text=text, ttft_ms=1.0, e2e_ms=2.0, accuracy=0.0)
+
+    full = [obs("full", i, t) for i, t in enumerate(["Paris", "1901", "Marie Curie", "blue"])]
+    reuse = [obs("kv-reuse", i, t) for i, t in enumerate(["Paris", "1902", "Marie Curie", "red"])]
+    forced = {
+        0: QuestionFidelity(True, (True,), (0.0,)),
+        1: QuestionFidelity(False, (True, False, True), (0.0, 0.4, 0.2)),
+    }
+    run = RagRun(examples, configs, tuple(full + reuse), {}, fidelity={"kv-reuse": forced})
+    report = summarize(run, num_resamples=200)
+    fidelity = report["configs"]["kv-reuse"]["fidelity"]
+    assert (fidelity["num_pairs"], fidelity["identical"]) == (4, 0.5)
+    assert fidelity["top1_agreement"] == 0.75 and fidelity["kl_mean"] == pytest.approx(0.15)
+    assert fidelity["num_positions"] == 4
+    assert report["configs"]["full"]["fidelity"]["identical"] == 1.0
+    assert report["configs"]["full"]["fidelity"]["top1_agreement"] is None  # not measured
+    assert re.search(r"kv-reuse\s+4\s+0\.000.*\s0\.500\s+0\.750\s+0\.150\s", format_text(report))
+
+
+def test_teacher_forced_fidelity_of_a_lossless_repair_end_to_end(tiny_model, tmp_path):
+    # blend recomputing every document token gives full prefill's KV: the same answers and the
+    # same next token at every position of them.
+    configs = parse_configs("full,kv-blend@100")
+    report = run_rag_eval(
+        write_data(tmp_path / "qa.jsonl"), configs, settings_values=tiny_settings(tiny_model), max_tokens=4
+    )
+    fidelity = report["configs"]["kv-blend@100"]["fidelity"]
+    assert fidelity["identical"] == 1.0 and fidelity["top1_agreement"] == 1.0
+    assert fidelity["num_positions"] >= 3 and fidelity["kl_mean"] < 1e-3
