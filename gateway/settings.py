@@ -341,7 +341,7 @@ class LimitSettings(Section):
     ttft_deadline_ms: float | None = Field(
         10000.0,
         gt=0,
-        description="Deadline of an interactive request's first token from its arrival, ms: a request whose predicted time to first token passes it is refused at once with 429 and Retry-After (a request's `ragspeed.deadline_ms` overrides it; none: no such check).",
+        description="Deadline of an interactive request's first token from its arrival, ms: a request that the work queued ahead of it is predicted to make miss it is refused at once with 429 and Retry-After; one that misses it alone is served, and refused only behind more than a tenth of it of other work (a request's `ragspeed.deadline_ms` overrides it; none: no such check).",
     )
     request_timeout_s: float | None = Field(
         600.0,
