@@ -5,12 +5,19 @@ where it is installed, llama.cpp's server)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import subprocess
+import sys
+import time
 
+import httpx
 import openai
 import pytest
 
-from ragspeed.bench.launcher import ServerProcess
+from ragspeed.bench.launcher import ServerProcess, free_port
+from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME, ZOO
 from ragspeed.gateway.prompt import render_documents, split_segments
 from ragspeed.gateway.protocol import ChatCompletionRequest
 from ragspeed.gateway.upstream_chat import upstream_chat_body
@@ -298,3 +305,92 @@ def test_a_json_object_response_format_comes_back_as_json(clients):
         temperature=0,
     )
     assert isinstance(json.loads(answer.choices[0].message.content), dict)
+
+
+# In front of llama.cpp's server (llama-cpp-python[server]; not a dependency of the project).
+
+
+def _llama_cpp_python() -> str | None:
+    """An interpreter whose `llama_cpp.server` imports: RAGSPEED_TEST_LLAMA_CPP_PYTHON (e.g. a
+    venv of its own: it compiles for minutes), else this one where it has it."""
+    named = os.environ.get("RAGSPEED_TEST_LLAMA_CPP_PYTHON")
+    if named:
+        return named
+    try:
+        return sys.executable if importlib.util.find_spec("llama_cpp.server") is not None else None
+    except ImportError:
+        return None
+
+
+@pytest.fixture(scope="module")
+def llama_cpp_server(tmp_path_factory):
+    python = _llama_cpp_python()
+    if python is None:
+        pytest.skip("llama-cpp-python[server] is not installed (nor named by RAGSPEED_TEST_LLAMA_CPP_PYTHON)")
+    port = free_port()
+    gguf = ZOO[DEFAULT_MODEL_NAME].source_file()
+    log = tmp_path_factory.mktemp("llama-cpp") / "server.log"
+    command = [python, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "smol-llama"]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048", "--n_threads", "2"]
+    with open(log, "wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, log.read_text(errors="replace")[-3000:]
+            assert time.monotonic() < deadline, "llama.cpp's server did not start in 120 s"
+            try:
+                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def llama_cpp_clients(llama_cpp_server, tmp_path_factory):
+    cache = default_model_cache(tmp_path_factory)  # the proxy's tokenizer
+    args = ["--engine", "openai", "--upstream", llama_cpp_server, "--upstream-model", "smol-llama"]
+    args += ["--served-model-name", "proxy", "--compression-methods", "identity"]
+    args += ["--compression-default-method", "identity", "--no-enable-retrieval"]
+    with ServerProcess(args, env={"RAGSPEED_CACHE_DIR": str(cache)}) as proxy:
+        yield (
+            openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="unused", max_retries=0),
+            openai.OpenAI(base_url=f"{llama_cpp_server}/v1", api_key="unused", max_retries=0),
+        )
+
+
+def test_in_front_of_llama_cpp_documents_and_json_pass(llama_cpp_clients):
+    via, direct = llama_cpp_clients
+    answer = via.chat.completions.create(
+        model="proxy",
+        messages=QUESTION,
+        max_tokens=24,
+        temperature=0,
+        extra_body={"documents": [NOBEL_DOCUMENT]},
+    )
+    expected = direct.chat.completions.create(
+        model="smol-llama",
+        messages=[
+            {"role": "system", "content": f"{SYSTEM}\n\nDocuments:\n\n[1]\n{NOBEL_DOCUMENT}"},
+            QUESTION[1],
+        ],
+        max_tokens=24,
+        temperature=0,
+    )
+    assert answer.choices[0].message.content == expected.choices[0].message.content
+    assert answer.usage.prompt_tokens == expected.usage.prompt_tokens
+    # llama.cpp honours response_format with a grammar of its own; the proxy only forwards it.
+    formatted = via.chat.completions.create(
+        model="proxy",
+        messages=[{"role": "user", "content": "Give the capital of France as JSON."}],
+        response_format={"type": "json_object"},
+        max_tokens=40,
+        temperature=0,
+    )
+    assert isinstance(json.loads(formatted.choices[0].message.content), dict)
