@@ -21,13 +21,26 @@ stored KV read, the pool's KV written) at the copy bandwidth measured in the sam
 [ttft_warm_bound_ms]. `warm_over_bound` = warm / bound. A step of a few fresh tokens cannot
 spread the weights' bytes over many tokens as a long prefill does: `ttft_warm_bound_weights_ms`
 adds one read of the weights at that bandwidth (what the bound leaves out). Store figures: bytes per token (K and V
-at every layer, in the storage dtype) and documents per GB at the trials' mean document length.
+at every layer) in the storage dtype and in each storage format the store offers, and documents
+per GB at the trials' mean document length.
+
+`--hit-rate` measures instead what the store keeps of a corpus: a pass over the questions (each
+with its documents, one tenant, one system prompt), then the same questions in reverse order,
+with the store's default budgets (engine.document_kv.open_document_store: the RAM tier a share
+of available memory, the disk tier 8 GiB in a fresh folder) unless `--ram-bytes` /
+`--disk-bytes` set them. It reports each pass's share of documents found in the store, by tier.
+With `--bookkeeping` no model runs: the documents are tokenized as the gateway tokenizes them
+and the real `DocumentStore` is fed payloads of the model's real size (zeros, written to real
+files), so the hits are exactly the store's, without the prefill's hours on a small CPU.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
+import sys
+import tempfile
 import time
 from importlib import resources
 from pathlib import Path
@@ -54,6 +67,7 @@ from ragspeed.engine.protocol import (
     SamplingParams,
 )
 from ragspeed.gateway.prompt import Segments, assemble_prompt
+from ragspeed.prompt_cache.document_store import DTYPE_ITEMSIZES, DocumentKV, KVLayout, document_key
 
 NUM_DOCUMENTS = 20
 SYSTEM_PROMPT = "Answer the question using only the provided search results."
@@ -258,6 +272,9 @@ def _summarize(engine: Any, trials: dict[str, list[float]], bandwidth: float) ->
         "copy_gb_per_s": bandwidth / 1e9,
         "store_bytes_per_token": per_token * stored,
         "store_documents_per_gb": 1e9 / (per_token * stored * tokens_per_document),
+        "store_bytes_per_token_by_format": {
+            name: per_token * dtype.itemsize for name, dtype in STORAGE_DTYPES.items()
+        },
     }
 
 
@@ -285,6 +302,191 @@ def print_table(r: dict[str, Any]) -> None:
         f"  store: {r['store_bytes_per_token'] / 1024:.1f} KiB a token,"
         f" {r['store_documents_per_gb']:,.0f} documents per GB"
     )
+    formats = ", ".join(f"{name} {size:,}" for name, size in r["store_bytes_per_token_by_format"].items())
+    print(f"  store bytes per token by format: {formats}")
+
+
+def _hit_rate_prompts(
+    tokenizer: Any, trials: list[tuple[str, list[Document]]]
+) -> list[tuple[GenerationRequest, list[int], list[tuple[int, ...]]]]:
+    """Per question: its request as the gateway lays it out (document spans marked), the prefix
+    before its first document, and each document's token ids."""
+    prompts = []
+    for index, (question, documents) in enumerate(trials):
+        segments = Segments(SYSTEM_PROMPT, tuple(documents), (), question)
+        prompt = assemble_prompt(tokenizer, segments, documents, document_spans=True)
+        spans = prompt.document_spans
+        tokens = prompt.token_ids
+        request = GenerationRequest(
+            f"q{index}", tokens, _GREEDY, document_spans=spans, document_cache=DocumentCacheOptions("reuse")
+        )
+        prompts.append((request, list(tokens[: spans[0][0]]), [tuple(tokens[s:e]) for s, e in spans]))
+    return prompts
+
+
+def _kv_layout(model_path: Path, storage_dtype: str) -> KVLayout:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    num_heads = config.num_attention_heads
+    return KVLayout(
+        num_layers=config.num_hidden_layers,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
+        dtype=storage_dtype,
+    )
+
+
+def run_hit_rate(
+    model: str = DEFAULT_MODEL_NAME,
+    json_path: str | None = None,
+    *,
+    data: Path | None = None,
+    num_trials: int = 60,
+    bookkeeping: bool = False,
+    ram_bytes: int | None = None,
+    disk_bytes: int | None = None,
+    threads: int | None = None,
+) -> dict[str, Any]:
+    """The store's hit rate over a pass of the questions and the same questions reversed."""
+    from transformers import AutoTokenizer
+
+    from ragspeed.engine.document_kv import open_document_store
+    from ragspeed.engine.loader import resolve_model_path
+
+    require_positive(num_trials=num_trials)
+    if threads is not None:
+        require_positive(threads=threads)
+        torch.set_num_threads(threads)
+    trials = file_trials(data, num_trials) if data is not None else shipped_trials(num_trials)
+    model_path = resolve_model_path(model)
+    defaults = EngineConfig()
+    with tempfile.TemporaryDirectory(prefix="ragspeed-hit-rate-") as folder:
+        config = EngineConfig(
+            model=str(model_path),
+            enable_prefix_caching=True,
+            document_cache_bytes=ram_bytes,
+            document_cache_dir=folder,
+            document_cache_disk_bytes=defaults.document_cache_disk_bytes
+            if disk_bytes is None
+            else disk_bytes,
+        )
+        layout = _kv_layout(model_path, config.document_cache_dtype)
+        if bookkeeping:
+            tokenizer = AutoTokenizer.from_pretrained(model_path)
+            pool_shape = [2, layout.num_layers, 1, 1, layout.num_kv_heads, layout.head_dim]
+            store = open_document_store(config, f"bookkeeping:{model}", pool_shape)
+            lookup = _bookkeeping_lookup(store, layout, f"bookkeeping:{model}")
+        else:
+            from ragspeed.engine.factory import build_llm_engine
+
+            engine = build_llm_engine(config)
+            if engine.documents is None:
+                raise ValueError(f"{model}: its rope cannot be shifted, so document KV cannot be reused")
+            tokenizer, store = engine.tokenizer, engine.documents.store
+            lookup = _engine_lookup(engine)
+        prompts = _hit_rate_prompts(tokenizer, trials)
+        passes = {}
+        started = time.perf_counter()
+        for name, order in (("first", prompts), ("reversed", prompts[::-1])):
+            counts = {"documents": 0, "hits": 0, "ram": 0, "disk": 0}
+            for number, prompt in enumerate(order, start=1):
+                for key, value in lookup(prompt).items():
+                    counts[key] += value
+                if number % 10 == 0:
+                    print(
+                        f"  {name} pass: {number}/{len(order)} questions, {time.perf_counter() - started:.0f} s",
+                        file=sys.stderr,
+                    )
+            passes[name] = counts
+        stats = store.stats
+    per_document = statistics.mean(len(tokens) for _, _, documents in prompts for tokens in documents)
+    bytes_per_token = math.prod(layout.shape(1)) * DTYPE_ITEMSIZES[layout.dtype]
+    results: dict[str, Any] = {
+        "model": model,
+        "data": str(data) if data else "shipped passages",
+        "num_questions": num_trials,
+        "mode": "bookkeeping" if bookkeeping else "engine",
+        "tokens_per_document": per_document,
+        "bytes_per_token": bytes_per_token,
+        "bytes_per_document": per_document * bytes_per_token,
+        "ram_capacity_bytes": stats.capacity_bytes,
+        "disk_capacity_bytes": stats.disk_capacity_bytes,
+        "disk_bytes": stats.disk_bytes,
+        "ram_evictions": stats.evictions,
+        "disk_evictions": stats.disk_evictions,
+        "seconds": time.perf_counter() - started,
+        "threads": torch.get_num_threads(),
+    }
+    for name, counts in passes.items():
+        documents = max(counts["documents"], 1)
+        results[f"{name}_documents"] = counts["documents"]
+        results[f"{name}_hit_rate"] = counts["hits"] / documents
+        results[f"{name}_ram_hit_rate"] = counts["ram"] / documents
+        results[f"{name}_disk_hit_rate"] = counts["disk"] / documents
+    print_hit_rate(results)
+    write_json(json_path, results)
+    return results
+
+
+def _bookkeeping_lookup(store: Any, layout: KVLayout, fingerprint: str):
+    """A question's documents looked up in `store` as the engine looks them up, and the missed
+    ones stored with payloads of their real size (zeros: one shared read-only buffer)."""
+    zeros = memoryview(bytes(1 << 20)).toreadonly()
+
+    def lookup(prompt: tuple[GenerationRequest, list[int], list[tuple[int, ...]]]) -> dict[str, int]:
+        nonlocal zeros
+        _, prefix, documents = prompt
+        counts = {"documents": len(documents), "hits": 0, "ram": 0, "disk": 0}
+        for token_ids in documents:
+            key = document_key(fingerprint, None, prefix, token_ids)
+            found = store.find(key, token_ids)
+            if found is not None:
+                counts["hits"] += 1
+                counts[found.tier] += 1
+                continue
+            shape = layout.shape(len(token_ids))
+            num_bytes = DTYPE_ITEMSIZES[layout.dtype] * math.prod(shape)
+            if num_bytes > len(zeros):
+                zeros = memoryview(bytes(2 * num_bytes)).toreadonly()
+            store.put(DocumentKV(key, token_ids, len(prefix), layout.dtype, shape, zeros[:num_bytes]))
+        return counts
+
+    return lookup
+
+
+def _engine_lookup(engine: Any):
+    """A question run through the engine (one token, glue recomputed): its documents' hits by tier."""
+
+    def lookup(prompt: tuple[GenerationRequest, list[int], list[tuple[int, ...]]]) -> dict[str, int]:
+        request = prompt[0]
+        _, report = _ttft(engine, request)
+        return {
+            "documents": report.num_hit + report.num_computed,
+            "hits": report.num_hit,
+            "ram": report.num_hit_ram,
+            "disk": report.num_hit_disk,
+        }
+
+    return lookup
+
+
+def print_hit_rate(r: dict[str, Any]) -> None:
+    print(machine_line(r["threads"]))
+    print(
+        f"document store hit rate, {r['model']} ({r['mode']}): {r['num_questions']} questions ({r['data']}),"
+        f" {r['tokens_per_document']:.0f} tokens a document, {r['bytes_per_document'] / 1e6:.2f} MB stored"
+    )
+    print(
+        f"  budgets: RAM {r['ram_capacity_bytes'] / 2**20:,.0f} MiB, disk {r['disk_capacity_bytes'] / 2**20:,.0f} MiB;"
+        f" {r['disk_bytes'] / 2**20:,.0f} MiB on disk after both passes;"
+        f" evictions RAM {r['ram_evictions']}, disk {r['disk_evictions']}"
+    )
+    for name in ("first", "reversed"):
+        print(
+            f"  {name + ' pass':16s} {r[f'{name}_hit_rate']:7.1%} of {r[f'{name}_documents']} documents hit"
+            f" (RAM {r[f'{name}_ram_hit_rate']:.1%}, disk {r[f'{name}_disk_hit_rate']:.1%})"
+        )
 
 
 @click.command("documents")
@@ -306,6 +508,28 @@ def print_table(r: dict[str, Any]) -> None:
 @click.option(
     "--threads", default=None, type=click.IntRange(min=1), help="torch CPU threads (default: torch's)"
 )
+@click.option(
+    "--hit-rate",
+    is_flag=True,
+    help="measure the store's hit rate over a pass of the questions and the same questions reversed",
+)
+@click.option(
+    "--bookkeeping",
+    is_flag=True,
+    help="--hit-rate without the model: the store fed payloads of the real size",
+)
+@click.option(
+    "--ram-bytes",
+    default=None,
+    type=click.IntRange(min=0),
+    help="--hit-rate: RAM tier budget [default: the store's]",
+)
+@click.option(
+    "--disk-bytes",
+    default=None,
+    type=click.IntRange(min=0),
+    help="--hit-rate: disk tier budget [default: the store's]",
+)
 def bench_documents(
     model: str,
     json_path: str | None,
@@ -314,9 +538,26 @@ def bench_documents(
     policy: str,
     glue: str,
     threads: int | None,
+    hit_rate: bool,
+    bookkeeping: bool,
+    ram_bytes: int | None,
+    disk_bytes: int | None,
 ) -> None:
-    """Warm TTFT of a 20-document request from the document store, against full prefill and its bound."""
+    """Warm TTFT of a 20-document request from the document store, against full prefill and its
+    bound; or (--hit-rate) the store's hit rate over a corpus."""
     try:
+        if hit_rate:
+            run_hit_rate(
+                model,
+                json_path,
+                data=data,
+                num_trials=num_trials,
+                bookkeeping=bookkeeping,
+                ram_bytes=ram_bytes,
+                disk_bytes=disk_bytes,
+                threads=threads,
+            )
+            return
         run_bench_documents(
             model, json_path, data=data, num_trials=num_trials, policy=policy, glue=glue, threads=threads
         )

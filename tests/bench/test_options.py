@@ -12,7 +12,10 @@ from ragspeed.bench.quant import bench_quant
 
 FLAGS = {
     bench_cache: ["--model", "--json", "--num-questions", "--num-cold", "--threads", "--system-prompt"],
-    bench_documents: ["--model", "--json", "--data", "--num-trials", "--policy", "--glue", "--threads"],
+    bench_documents: [
+        "--model", "--json", "--data", "--num-trials", "--policy", "--glue", "--threads", "--hit-rate",
+        "--bookkeeping", "--ram-bytes", "--disk-bytes",
+    ],
     bench_engine_command: [
         "--model", "--json", "--repeats", "--threads", "--transformers-requests", "--attention-lens",
         "--transformers", "--llamacpp", "--llamacpp-gguf", "--llamacpp-requests", "--quantization",
