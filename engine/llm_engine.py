@@ -19,6 +19,7 @@ from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.detokenizer import IncrementalDetokenizer
 from ragspeed.engine.document_kv import DocumentKVCache, document_fingerprint, open_document_store
 from ragspeed.engine.loader import LoadedModel
+from ragspeed.engine.logits_process import LogitsProcessor
 from ragspeed.engine.logprobs import token_logprobs
 from ragspeed.engine.model_runner import ModelRunner
 from ragspeed.engine.models.linear import decode_weights
@@ -38,6 +39,7 @@ from ragspeed.engine.sampler import Sampler
 from ragspeed.engine.sampling import SamplingState, validate_sampling
 from ragspeed.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, StepTimeModel
 from ragspeed.engine.spec_decode import TargetParts, build_speculator
+from ragspeed.engine.structured import GrammarCompiler
 from ragspeed.prompt_cache.manager import KVCacheManager
 
 logger = logging.getLogger(__name__)
@@ -86,6 +88,7 @@ class LLMEngine:
             min_prefill_tokens=config.block_size,
         )
         self.sampler = Sampler(config.device, seed=config.seed)
+        self.grammars = GrammarCompiler(tokenizer, self.arch.vocab_size, self.eos_token_ids)
         target = TargetParts(self.runner, self.manager, tokenizer, self.arch.vocab_size, self.max_model_len)
         self.speculator = build_speculator(config, target)  # None unless config.speculative
         if self.speculator is not None:
@@ -157,6 +160,8 @@ class LLMEngine:
         max_tokens = 0 if prefill_only else request.sampling.max_tokens
         if not prefill_only:
             validate_sampling(request.sampling, vocab)
+            if request.sampling.structured is not None:
+                self.grammars.compile(request.sampling.structured)  # a 400 for a bad constraint
         check_context_length(num_prompt, max_tokens, self.max_model_len)
         end = 0
         for start, stop in request.document_spans:
@@ -178,7 +183,9 @@ class LLMEngine:
         self.validate(request, prefill_only=prefill_only)
         if self.scheduler.get(request.request_id) is not None:
             raise EngineError(f"request_id {request.request_id!r} is already running", param="request_id")
-        state = SamplingState.create(request.sampling, self.eos_token_ids, self.device)
+        state = SamplingState.create(
+            request.sampling, self.eos_token_ids, self.device, self._processor(request, prefill_only)
+        )
         detokenizer = None
         if not prefill_only:
             detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
@@ -190,6 +197,13 @@ class LLMEngine:
                 prefill.priority = engine_request.priority  # queued as the request they serve
                 self.scheduler.add(prefill)  # ahead of the request, which waits on them
         self.scheduler.add(engine_request)
+
+    def _processor(self, request: GenerationRequest, prefill_only: bool) -> LogitsProcessor | None:
+        params = request.sampling
+        if prefill_only or not params.processes_logits:
+            return None
+        matcher = None if params.structured is None else self.grammars.matcher(params.structured)
+        return LogitsProcessor(params, request.prompt_token_ids, matcher)
 
     def abort(self, request_id: str) -> StepOutput | None:
         """Stop a request and free its blocks now; unknown ids are ignored (None)."""
@@ -361,13 +375,16 @@ class LLMEngine:
         request.all_token_ids.append(token)
         self.num_generation_tokens_total += 1
         params = request.sampling.params
+        processor = request.sampling.processor
         finish: str | None = None
         text = ""
         if token in request.sampling.stop_token_ids:
             finish = "stop"  # the stop token's text is not part of the output
         else:
+            if processor is not None:
+                processor.accept(token)
             text = request.stop_matcher.feed(detokenizer.add([token]))
-            if request.stop_matcher.stopped:
+            if request.stop_matcher.stopped or (processor is not None and processor.is_complete):
                 finish = "stop"
         if finish is None and (
             request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len

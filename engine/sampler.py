@@ -1,5 +1,8 @@
 """Turn last-token logits into next tokens: greedy, temperature, top-k, top-p, min-p, seeds.
 
+Rows of requests with a logits processor (penalties, logit_bias, a grammar's mask:
+engine.logits_process) are copied and processed first; the other rows are sampled as they are.
+
 The filters run batched over the rows that sample; only the final draw is per row, because a
 request with a seed draws from its own `torch.Generator` (so its output does not depend on what
 else is in the batch). The draw is the exponential race `argmax(p / E)`, `E ~ Exp(1)`, which
@@ -38,7 +41,26 @@ class Sampler:
         self._argmax = GreedyArgmax()
 
     def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> list[int]:
-        """logits [num_requests, vocab] fp32 -> one token id per request."""
+        """logits [num_requests, vocab] fp32 -> one token id per request; `logits` is not
+        changed."""
+        processed = [i for i, s in enumerate(states) if s.processor is not None]
+        if not processed:
+            return self._draw(logits, states)
+        tokens = [0] * len(states)
+        free = [i for i, s in enumerate(states) if s.processor is None]
+        if free:
+            for i, token in zip(free, self._draw(logits[free], [states[i] for i in free])):
+                tokens[i] = token
+        rows = logits[processed]  # a copy: [num_processed, vocab]
+        for row, i in enumerate(processed):
+            processor = states[i].processor
+            assert processor is not None
+            processor(rows[row])
+        for i, token in zip(processed, self._draw(rows, [states[i] for i in processed])):
+            tokens[i] = token
+        return tokens
+
+    def _draw(self, logits: torch.Tensor, states: list[SamplingState]) -> list[int]:
         greedy = [s.params.greedy for s in states]
         if any(greedy):
             tokens = self._argmax(logits)

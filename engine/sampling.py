@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ragspeed.engine.logits_process import LogitsProcessor
 from ragspeed.engine.protocol import MAX_LOGPROBS, EngineError, SamplingParams
 
 
@@ -37,6 +38,16 @@ def validate_sampling(params: SamplingParams, vocab_size: int) -> None:
     for token_id in params.stop_token_ids:
         if not 0 <= token_id < vocab_size:
             raise bad("stop_token_ids", f"token ids in [0, {vocab_size})", token_id)
+    for token_id, bias in params.logit_bias:
+        if not 0 <= token_id < vocab_size:
+            raise bad("logit_bias", f"keyed by token ids in [0, {vocab_size})", token_id)
+        if not -100.0 <= bias <= 100.0:
+            raise bad("logit_bias", "biases in [-100, 100]", bias)
+    for param in ("frequency_penalty", "presence_penalty"):
+        if not -2.0 <= getattr(params, param) <= 2.0:
+            raise bad(param, "in [-2, 2]", getattr(params, param))
+    if not params.repetition_penalty > 0.0:
+        raise bad("repetition_penalty", "> 0", params.repetition_penalty)
 
 
 @dataclass
@@ -46,10 +57,15 @@ class SamplingState:
     params: SamplingParams
     stop_token_ids: frozenset[int]  # stop ids plus eos unless ignore_eos
     generator: torch.Generator | None  # per-request seed: reproducible whatever the batch
+    processor: LogitsProcessor | None = None  # where `params.processes_logits`
 
     @classmethod
     def create(
-        cls, params: SamplingParams, eos_token_ids: tuple[int, ...], device: torch.device | str
+        cls,
+        params: SamplingParams,
+        eos_token_ids: tuple[int, ...],
+        device: torch.device | str,
+        processor: LogitsProcessor | None = None,
     ) -> SamplingState:
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
@@ -58,4 +74,4 @@ class SamplingState:
         if params.seed is not None and not params.greedy:
             generator = torch.Generator(device=device)
             generator.manual_seed(params.seed)
-        return cls(params, frozenset(stop_ids), generator)
+        return cls(params, frozenset(stop_ids), generator, processor)

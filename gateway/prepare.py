@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, cast
 
@@ -26,6 +26,7 @@ from ragspeed.engine.protocol import (
     EngineClient,
     GenerationRequest,
     SamplingParams,
+    StructuredOutput,
     check_context_length,
 )
 from ragspeed.gateway.errors import APIError
@@ -40,6 +41,8 @@ from ragspeed.gateway.protocol import (
     _SamplingFields,
 )
 from ragspeed.gateway.security import Principal, current_principal
+from ragspeed.gateway.surface import output_constraint, tool_calls, unhonoured_fields
+from ragspeed.gateway.tools import ToolCalls, render_tools
 from ragspeed.gateway.upstream_chat import upstream_chat_body
 
 if TYPE_CHECKING:  # gateway.state holds the pipeline that holds the preparer
@@ -92,9 +95,31 @@ class PreparedRequest:
     # without a second judgement (a refusal then would waste the compression and come late).
     judged_before_compression: bool = False
     judged_document_tokens: int | None = None  # that forecast's; a request sending more is judged again
+    tools: ToolCalls | None = None  # tools the gateway renders and parses (not a forwarded chat)
+    ignored_fields: tuple[str, ...] = ()  # what the client sent that changes nothing here
+    n: int = 1  # choices: n generations of the same prompt
+
+    def choices(self) -> list[PreparedRequest]:
+        """One request per choice: the same prompt, its KV shared through the prefix cache;
+        a seeded request's choice i draws from seed + i, so that the choices differ."""
+        choices = [self]
+        for index in range(1, self.n):
+            sampling = self.generation.sampling
+            seed = None if sampling.seed is None else sampling.seed + index
+            request_id = f"{self.request_id}-{index}"
+            generation = replace(
+                self.generation, request_id=request_id, sampling=replace(sampling, seed=seed)
+            )
+            choices.append(replace(self, request_id=request_id, generation=generation))
+        return choices
 
 
-def sampling_params(req: _SamplingFields, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
+def sampling_params(
+    req: _SamplingFields,
+    max_tokens: int | None,
+    default_max_tokens: int,
+    structured: StructuredOutput | None = None,
+) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens or default_max_tokens,
         temperature=req.temperature,
@@ -106,7 +131,21 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None, default_max_to
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
         logprobs=req.num_logprobs,
+        frequency_penalty=req.frequency_penalty,
+        presence_penalty=req.presence_penalty,
+        repetition_penalty=req.repetition_penalty,
+        logit_bias=tuple(sorted((int(token), bias) for token, bias in (req.logit_bias or {}).items())),
+        structured=structured,
     )
+
+
+@dataclass(frozen=True)
+class Surface:
+    """What the engine makes of a request's fields beyond plain chat (gateway.surface)."""
+
+    tools: ToolCalls | None = None
+    constraint: StructuredOutput | None = None
+    ignored_fields: tuple[str, ...] = ()
 
 
 def request_priority(options: RagspeedOptions | None) -> int:
@@ -180,6 +219,7 @@ class Preparer:
             req = arm.apply(req)  # the arm's per-request options win over the client's
         arm_name = arm.name if arm is not None else DEFAULT_ARM
         engine = state.arm_engines.get(arm_name, state.engine)
+        surface = self.surface(req, engine)
         timer = StageTimer()
         with timer.stage("segments"):
             segments = split_segments(
@@ -191,6 +231,12 @@ class Preparer:
         options = req.ragspeed
         if options and options.system_prompt:
             segments = state.prompts.apply(segments, options.system_prompt)
+        if surface.tools is not None:  # static, as the system prompt it follows
+            tools_text = render_tools(surface.tools.tools)
+            system = segments.static_system_prompt
+            segments = replace(
+                segments, static_system_prompt=f"{system}\n\n{tools_text}" if system else tools_text
+            )
         documents = segments.documents
         if options and options.retrieval:
             if not state.retrieval.enabled:
@@ -243,8 +289,27 @@ class Preparer:
             start, end = prompts.document_start_marker, prompts.document_end_marker
             chat = upstream_chat_body(req, segments, documents, start_marker=start, end_marker=end)
         return self._prepared(
-            req, prompt, timer, max_tokens, report, engine, options, document_cache, arm_name, judged, chat
+            req,
+            prompt,
+            timer,
+            max_tokens,
+            report,
+            engine,
+            options,
+            document_cache,
+            arm_name,
+            judged,
+            chat,
+            surface=surface,
         )
+
+    def surface(self, req: _SamplingFields, engine: EngineClient) -> Surface:
+        """What the engine makes of the request's fields beyond plain chat. A proxy that
+        forwards chat sends them upstream as they came, for the upstream to honour or refuse."""
+        if getattr(engine, "forwards_chat", False) and isinstance(req, ChatCompletionRequest):
+            return Surface()
+        tools = tool_calls(req) if isinstance(req, ChatCompletionRequest) else None
+        return Surface(tools, output_constraint(req, tools), unhonoured_fields(req))
 
     async def _cpu_job(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Compression or retrieval embedding, off the event loop: beside a native engine, on a
@@ -324,7 +389,16 @@ class Preparer:
                 token_ids = list(prompt_ids)
                 text = self.engine.tokenizer.decode(token_ids)
         prompt = Prompt(text=text, token_ids=tuple(token_ids), num_static_tokens=0)
-        return self._prepared(req, prompt, timer, req.max_tokens, None, self.engine, options=None)
+        return self._prepared(
+            req,
+            prompt,
+            timer,
+            req.max_tokens,
+            None,
+            self.engine,
+            None,
+            surface=self.surface(req, self.engine),
+        )
 
     def _prepared(
         self,
@@ -339,9 +413,11 @@ class Preparer:
         arm: str = DEFAULT_ARM,
         judged_before_compression: bool = False,
         chat: dict[str, Any] | None = None,
+        *,
+        surface: Surface,
     ) -> PreparedRequest:
         settings = self.state.settings
-        sampling = sampling_params(req, max_tokens, settings.prompts.default_max_tokens)
+        sampling = sampling_params(req, max_tokens, settings.prompts.default_max_tokens, surface.constraint)
         # The one context check (the engines run the same one on their own inputs): here, before
         # the key's token budget is charged.
         check_context_length(len(prompt.token_ids), sampling.max_tokens, engine.max_model_len)
@@ -384,4 +460,7 @@ class Preparer:
             return_prompt=bool(options and options.return_prompt),
             deadline_ms=options.deadline_ms if options is not None else None,
             judged_before_compression=judged_before_compression,
+            tools=surface.tools,
+            ignored_fields=surface.ignored_fields,
+            n=req.n,
         )

@@ -25,6 +25,7 @@ from typing import Any
 
 from ragspeed.document import Document
 from ragspeed.gateway.protocol import ChatMessage, DocumentIn
+from ragspeed.gateway.tools import render_tool_calls
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,8 @@ def split_segments(
     for message in messages:
         text, found = extract_documents(message.text, start_marker, end_marker)
         docs.extend(found)
+        if message.tool_calls:  # an assistant turn's calls, as the model writes them
+            text = f"{text}\n{render_tool_calls(message)}" if text else render_tool_calls(message)
         if message.role in ("system", "developer") and not turns:
             if text:
                 system_parts.append(text)

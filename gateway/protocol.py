@@ -29,7 +29,6 @@ class _Strict(BaseModel):
 # response's `x-ragspeed-ignored-fields` header.
 IGNORED_FIELDS = frozenset(
     {
-        "user",  # honoured only as the A/B arm's assignment key
         "metadata",
         "store",
         "service_tier",

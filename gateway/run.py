@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ragspeed.engine.protocol import DocumentReuse, PromptTooLongError, TokenDelta, TokenLogprob
@@ -18,6 +18,7 @@ from ragspeed.gateway.admission import Ticket, TTFTAdmission, estimate_new_token
 from ragspeed.gateway.errors import APIError
 from ragspeed.gateway.limits import DeadlineExceeded, next_before
 from ragspeed.gateway.prepare import PreparedRequest
+from ragspeed.gateway.tools import ToolCallParser, merge_tool_calls
 
 if TYPE_CHECKING:  # gateway.state holds the pipeline that builds generations
     from ragspeed.gateway.state import AppState
@@ -32,6 +33,8 @@ class Generation:
     admission: TTFTAdmission | None = None  # refuses a request predicted to miss its deadline
     text_parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # when the request asked
+    wire_logprobs: list[dict[str, Any]] = field(default_factory=list)  # an upstream chat's, as sent
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # whole calls, by index
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -115,12 +118,15 @@ class Generation:
         if timeout_s is not None:
             deadline = asyncio.get_running_loop().time() + timeout_s - (self._engine_start - timer.start)
         engine_stream = self.prepared.engine.generate(self.prepared.generation)
+        parser = ToolCallParser() if self.prepared.tools is not None else None
         try:
             while True:
                 try:
                     delta = await next_before(engine_stream, deadline, timeout_s)
                 except StopAsyncIteration:
                     break
+                if parser is not None:
+                    delta = _parse_tool_calls(parser, delta)
                 now = time.perf_counter()
                 if self.ttft_s is None and (delta.token_ids or delta.text or delta.finish_reason):
                     self.ttft_s = now - timer.start
@@ -139,6 +145,10 @@ class Generation:
                 self.text_parts.append(delta.text)
                 if delta.logprobs:
                     self.logprobs.extend(delta.logprobs)
+                if delta.wire_logprobs is not None:
+                    self.wire_logprobs.append(delta.wire_logprobs)
+                if delta.tool_calls:
+                    merge_tool_calls(self.tool_calls, delta.tool_calls)
                 if delta.finish_reason is not None:
                     self.finish_reason = delta.finish_reason
                 yield delta
@@ -184,3 +194,16 @@ class Generation:
         metrics.prompt_tokens.labels(**labels).inc(self.num_prompt_tokens)
         metrics.cached_tokens.labels(**labels).inc(self.num_cached_tokens)
         metrics.generation_tokens.labels(**labels).inc(self.num_completion_tokens)
+
+
+def _parse_tool_calls(parser: ToolCallParser, delta: TokenDelta) -> TokenDelta:
+    """`delta` with its text split into content and tool calls; the last delta flushes what the
+    parser held, and finishes as `tool_calls` where calls were made and the model stopped."""
+    text, calls = parser.feed(delta.text)
+    finish_reason = delta.finish_reason
+    if finish_reason is not None:
+        rest, more = parser.finish()
+        text, calls = text + rest, calls + more
+        if finish_reason == "stop" and parser.num_calls:
+            finish_reason = "tool_calls"
+    return replace(delta, text=text, tool_calls=tuple(calls), finish_reason=finish_reason)

@@ -13,7 +13,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -36,8 +36,14 @@ class Shape:
     def content(self, text: str) -> dict[str, Any]:
         return {"delta": {"content": text}} if self.chat else {"text": text}
 
-    def whole(self, text: str) -> dict[str, Any]:
-        return {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+    def whole(self, gen: Generation) -> dict[str, Any]:
+        if not self.chat:
+            return {"text": gen.text}
+        if not gen.tool_calls:
+            return {"message": {"role": "assistant", "content": gen.text}}
+        # A turn of calls has no content unless the model wrote some beside them (OpenAI: null).
+        content = gen.text or None
+        return {"message": {"role": "assistant", "content": content, "tool_calls": gen.tool_calls}}
 
     @property
     def chunk_object(self) -> str:
@@ -123,8 +129,8 @@ class TextChunks:
     stream: the bytes `_sse` gives for the whole chunk, for a string encoding instead of a
     dict's (a tenth of the time)."""
 
-    def __init__(self, base: dict[str, Any], shape: Shape):
-        payload = {**base, "choices": [{"index": 0, **shape.content(_TEXT_MARK), "finish_reason": None}]}
+    def __init__(self, base: dict[str, Any], shape: Shape, index: int = 0):
+        payload = {**base, "choices": [{"index": index, **shape.content(_TEXT_MARK), "finish_reason": None}]}
         whole = _sse(payload)
         mark = json.dumps(_TEXT_MARK).encode()
         assert whole.count(mark) == 1, "the text mark must appear once"
@@ -136,6 +142,7 @@ class TextChunks:
 
 def timing_headers(gen: Generation) -> dict[str, str]:
     headers = {
+        **ignored_fields_header(gen),
         "x-ragspeed-request-id": gen.prepared.request_id,
         "x-ragspeed-arm": gen.prepared.arm,
         "x-ragspeed-prompt-tokens": str(len(gen.prepared.generation.prompt_token_ids)),
@@ -147,6 +154,12 @@ def timing_headers(gen: Generation) -> dict[str, str]:
     if gen.num_cached_tokens:
         headers["x-ragspeed-cached-tokens"] = str(gen.num_cached_tokens)
     return headers
+
+
+def ignored_fields_header(gen: Generation) -> dict[str, str]:
+    """The fields the client sent that changed nothing (gateway.surface), where there are any."""
+    ignored = gen.prepared.ignored_fields
+    return {"x-ragspeed-ignored-fields": ",".join(ignored)} if ignored else {}
 
 
 def ragspeed_fields(gen: Generation) -> dict[str, Any]:
@@ -190,14 +203,24 @@ def ragspeed_fields(gen: Generation) -> dict[str, Any]:
     return out
 
 
-def usage(gen: Generation) -> dict[str, Any]:
-    """The OpenAI `usage` object."""
+def usage(gens: list[Generation]) -> dict[str, Any]:
+    """The OpenAI `usage` object of one response: its prompt once, every choice's output."""
+    num_completion_tokens = sum(gen.num_completion_tokens for gen in gens)
     return {
-        "prompt_tokens": gen.num_prompt_tokens,
-        "completion_tokens": gen.num_completion_tokens,
-        "total_tokens": gen.num_prompt_tokens + gen.num_completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": gen.num_cached_tokens},
+        "prompt_tokens": gens[0].num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": gens[0].num_prompt_tokens + num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": gens[0].num_cached_tokens},
     }
+
+
+def choice_logprobs(gen: Generation, shape: Shape) -> dict[str, Any] | None:
+    """A whole choice's logprobs: the engine's, formatted, or an upstream's, joined."""
+    if gen.wire_logprobs:
+        return {"content": [entry for part in gen.wire_logprobs for entry in part.get("content") or ()]}
+    if gen.wants_logprobs:
+        return LogprobsFormatter(gen.tokenizer, chat=shape.chat)(gen.logprobs)
+    return None
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -205,111 +228,210 @@ async def _until_disconnected(request: Request) -> None:
         pass
 
 
-async def complete(gen: Generation, shape: Shape, request: Request) -> JSONResponse:
-    """Run the request to its end; abort it if the client goes away first."""
+async def complete(gens: list[Generation], shape: Shape, request: Request) -> JSONResponse:
+    """Run the request's choices to their end; abort them if the client goes away first, or
+    the others when one fails."""
 
-    async def drain() -> None:
-        async for _ in gen.deltas():
+    async def drain(deltas: AsyncIterator[TokenDelta]) -> None:
+        async for _ in deltas:
             pass
 
-    work = asyncio.ensure_future(drain())
+    async def drain_choices() -> None:
+        # The first choice's prompt is in the prefix cache by its first token: the others
+        # start then, and prefill only what is left.
+        first = gens[0].deltas()
+        try:
+            if await _prime(first) is not None:
+                await _all([drain(first), *(drain(gen.deltas()) for gen in gens[1:])])
+        finally:
+            await first.aclose()
+
+    work = asyncio.ensure_future(drain_choices())
     watch = asyncio.ensure_future(_until_disconnected(request))
     try:
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
         if not work.done():
-            work.cancel()  # the client left: closing the generator aborts the request
+            work.cancel()  # the client left: closing the generators aborts the requests
     await asyncio.gather(work, return_exceptions=True)
     if work.cancelled():
         return JSONResponse({}, status_code=499)
     work.result()  # re-raise engine errors for the error handlers
-    logprobs = None
-    if gen.wants_logprobs:
-        logprobs = LogprobsFormatter(gen.tokenizer, chat=shape.chat)(gen.logprobs)
+    gen = gens[0]
     body = {
         "id": f"{'chatcmpl' if shape.chat else 'cmpl'}-{gen.prepared.request_id}",
         "object": shape.object_name,
         "created": int(time.time()),
         "model": gen.model_id,
         "choices": [
-            {"index": 0, **shape.whole(gen.text), "finish_reason": gen.finish_reason, "logprobs": logprobs}
+            {
+                "index": index,
+                **shape.whole(choice),
+                "finish_reason": choice.finish_reason,
+                "logprobs": choice_logprobs(choice, shape),
+            }
+            for index, choice in enumerate(gens)
         ],
-        "usage": usage(gen),
+        "usage": usage(gens),
         "ragspeed": ragspeed_fields(gen),
     }
     return JSONResponse(body, headers=timing_headers(gen))
 
 
-async def stream(gen: Generation, shape: Shape, include_usage: bool) -> SSEResponse:
-    deltas = gen.deltas()
+async def _all(awaitables: list[Any]) -> None:
+    """Await them all; the first to fail cancels the others (which frees their requests)."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
     try:
-        first = await anext(deltas)  # engine errors surface here, before any byte is sent
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _indexed(deltas: AsyncIterator[TokenDelta]) -> AsyncIterator[tuple[int, TokenDelta]]:
+    async for delta in deltas:
+        yield 0, delta
+
+
+async def _merged(streams: list[AsyncIterator[TokenDelta]]) -> AsyncIterator[tuple[int, TokenDelta]]:
+    """The deltas of several choices as they come, each with its choice's index."""
+    pending = {asyncio.ensure_future(anext(stream)): index for index, stream in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                index = pending.pop(task)
+                try:
+                    delta = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(streams[index]))] = index
+                yield index, delta
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+
+async def _prime(deltas: AsyncIterator[TokenDelta]) -> TokenDelta | None:
+    try:
+        return await anext(deltas)
     except StopAsyncIteration:
-        first = None
-    except BaseException:
-        await deltas.aclose()
-        raise
+        return None
+
+
+async def stream(gens: list[Generation], shape: Shape, include_usage: bool) -> SSEResponse:
+    streams = [gen.deltas() for gen in gens]
+    # Every choice's first delta is awaited before the status goes out: engine errors surface
+    # here, as an HTTP error. The first choice's prompt is in the prefix cache by its first
+    # token: the others start then, and prefill only what is left.
+    primed: list[Any] = []
+    for batch in (streams[:1], streams[1:]):
+        primed += await asyncio.gather(*(_prime(deltas) for deltas in batch), return_exceptions=True)
+    failed = next((p for p in primed if isinstance(p, BaseException)), None)
+    if failed is not None:
+        for deltas in streams:
+            await deltas.aclose()
+        raise failed
+    firsts = cast(list[TokenDelta | None], primed)
+    gen = gens[0]
     base = {
         "id": f"{'chatcmpl' if shape.chat else 'cmpl'}-{gen.prepared.request_id}",
         "object": shape.chunk_object,
         "created": int(time.time()),
         "model": gen.model_id,
     }
+    text_chunks = [TextChunks(base, shape, index) for index in range(len(gens))]
+    formatters = [
+        LogprobsFormatter(choice.tokenizer, chat=shape.chat) if choice.wants_logprobs else None
+        for choice in gens
+    ]
 
-    text_chunk = TextChunks(base, shape)
-    formatter = None
-    if gen.wants_logprobs:
-        formatter = LogprobsFormatter(gen.tokenizer, chat=shape.chat)
+    def chunk(index: int | None, choice: dict[str, Any] | None = None, **extra: Any) -> bytes:
+        return _sse({**base, "choices": [] if choice is None else [{"index": index, **choice}], **extra})
 
-    def chunk(choice: dict[str, Any] | None, **extra: Any) -> bytes:
-        return _sse({**base, "choices": [] if choice is None else [{"index": 0, **choice}], **extra})
-
-    def delta_events(delta: TokenDelta) -> bytes:
-        if formatter is not None and delta.logprobs:
+    def delta_events(index: int, delta: TokenDelta) -> bytes:
+        events = b""
+        formatter = formatters[index]
+        if delta.wire_logprobs is not None:  # an upstream's, as it sent them
+            events = chunk(
+                index, {**shape.content(delta.text), "logprobs": delta.wire_logprobs, "finish_reason": None}
+            )
+        elif formatter is not None and delta.logprobs:
             # Every token gets its logprobs, also one whose text is held back (a split UTF-8
             # character, a possible stop string) or not shown (EOS).
             logprobs = formatter(delta.logprobs)
-            return chunk({**shape.content(delta.text), "logprobs": logprobs, "finish_reason": None})
-        return text_chunk(delta.text) if delta.text else b""
+            events = chunk(index, {**shape.content(delta.text), "logprobs": logprobs, "finish_reason": None})
+        elif delta.text:
+            events = text_chunks[index](delta.text)
+        if delta.tool_calls:
+            events += chunk(index, {"delta": {"tool_calls": list(delta.tool_calls)}, "finish_reason": None})
+        return events
+
+    async def following() -> AsyncIterator[tuple[int, TokenDelta]]:
+        """The firsts, then every choice's deltas as they come."""
+        for index, first in enumerate(firsts):
+            if first is not None:
+                yield index, first
+        live = [deltas for deltas, first in zip(streams, firsts) if first is not None]
+        if len(streams) == 1:
+            if live:
+                async for pair in _indexed(streams[0]):
+                    yield pair
+            return
+        indexes = [index for index, first in enumerate(firsts) if first is not None]
+        async for index, delta in _merged(live):
+            yield indexes[index], delta
 
     async def body() -> AsyncIterator[bytes]:
-        """The role chunk, then one piece per engine delta, each sent as it comes, and the
-        ending (final chunk, usage, [DONE]) in one `LastPiece`. A piece goes out with the next
+        """The role chunks, then one piece per engine delta, each sent as it comes, and the
+        ending (final chunks, usage, [DONE]) in one `LastPiece`. A piece goes out with the next
         one where nothing is waited for in between: the role chunk with the first delta's
         (primed, so there already), the last delta's (it has the finish reason) with the
         ending. Every write wakes the client: fewer pieces, fewer wake-ups."""
+        pairs = following()
         try:
-            held = (
-                chunk({"delta": {"role": "assistant", "content": ""}, "finish_reason": None})
-                if shape.chat
-                else b""
-            )
-            delta = first
-            while delta is not None:
-                held += delta_events(delta)
-                if held and delta.finish_reason is None:
-                    yield held
-                    held = b""
+            held = b""
+            if shape.chat:
+                role = {"delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                held = b"".join(chunk(index, role) for index in range(len(gens)))
+            while True:
                 try:
-                    delta = await anext(deltas)
+                    index, delta = await anext(pairs)
                 except StopAsyncIteration:
                     break
                 except DeadlineExceeded:  # the status is sent: end the stream as aborted
-                    gen.finish_reason = "abort"
+                    for choice in gens:
+                        choice.finish_reason = choice.finish_reason or "abort"
                     break
                 except EngineError as exc:  # failed after the status was sent: say so in-stream
                     yield LastPiece(
                         held + _sse(error_body(exc.status_code, exc.message, exc.param, exc.code)) + DONE
                     )
                     return
+                held += delta_events(index, delta)
+                if held and delta.finish_reason is None:
+                    yield held
+                    held = b""
             final: dict[str, Any] = {"delta": {}} if shape.chat else {"text": ""}
-            ending = chunk({**final, "finish_reason": gen.finish_reason}, ragspeed=ragspeed_fields(gen))
+            ending = b"".join(
+                chunk(index, {**final, "finish_reason": choice.finish_reason})
+                for index, choice in enumerate(gens[:-1])
+            )
+            ending += chunk(
+                len(gens) - 1,
+                {**final, "finish_reason": gens[-1].finish_reason},
+                ragspeed=ragspeed_fields(gen),
+            )
             if include_usage:
-                ending += chunk(None, usage=usage(gen))
+                ending += chunk(None, usage=usage(gens))
             yield LastPiece(held + ending + DONE)
         finally:
-            await deltas.aclose()  # aborts the engine request if the client went away
+            await pairs.aclose()
+            for deltas in streams:
+                await deltas.aclose()  # aborts the engine requests if the client went away
 
     return SSEResponse(
         body(),

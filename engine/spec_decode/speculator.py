@@ -68,6 +68,10 @@ class Speculator:
         num_tokens: list[int] = []
         for request, k in zip(decodes, wanted):
             request.spec_token_ids = []
+            if request.sampling.processor is not None:
+                # Its logits are processed (a grammar, penalties): drafts would be verified
+                # against other distributions than it samples from, so it decodes plainly.
+                continue
             # Seeded sampling must give the same text for the same seed, and verification
             # draws random numbers differently from plain sampling: such requests cannot follow
             # a switch that depends on measured times, only the hard cap.

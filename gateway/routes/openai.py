@@ -23,22 +23,23 @@ async def pipeline_on_loop(request: Request) -> Pipeline:
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, pipeline: Pipeline = Depends(pipeline_on_loop)
 ):
-    gen = pipeline.run(await pipeline.prepare_chat(body))
+    prepared = await pipeline.prepare_chat(body)
+    gens = [pipeline.run(choice) for choice in prepared.choices()]
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await stream(gen, CHAT, include_usage)
-    return await complete(gen, CHAT, request)
+        return await stream(gens, CHAT, include_usage)
+    return await complete(gens, CHAT, request)
 
 
 @router.post("/v1/completions")
 async def completions(
     body: CompletionRequest, request: Request, pipeline: Pipeline = Depends(pipeline_on_loop)
 ):
-    gen = pipeline.run(pipeline.prepare_completion(body))
+    gens = [pipeline.run(choice) for choice in pipeline.prepare_completion(body).choices()]
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await stream(gen, TEXT, include_usage)
-    return await complete(gen, TEXT, request)
+        return await stream(gens, TEXT, include_usage)
+    return await complete(gens, TEXT, request)
 
 
 @router.get("/v1/models")

@@ -31,7 +31,7 @@ ACME_KEY, GLOBEX_KEY, SLOW_KEY, THRIFTY_KEY, ADMIN_KEY = (
         (b'{"model": "tiny"}', 400, "messages"),
         (b'{"messages": []}', 400, "messages"),
         (b'{"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}', 404, "model"),
-        (b'{"messages": [{"role": "user", "content": "hi"}], "n": 2}', 400, "n"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "n": 17}', 400, "n"),
         (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": -5}', 400, "max_tokens"),
         (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}', 400, "max_tokens"),
         (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 3}', 400, "temperature"),
