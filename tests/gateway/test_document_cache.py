@@ -76,3 +76,28 @@ def test_document_bodies_are_tokenized_on_their_own_and_the_text_is_unchanged():
     bodies = ["".join(map(chr, split.token_ids[s:e])) for s, e in split.document_spans]
     assert bodies == [" One\nFirst text.", "\nSecond text."]
     assert "[1] One\nFirst text.\n\n[2]\nSecond text." in split.text
+
+
+@pytest.mark.anyio
+async def test_without_a_measured_policy_requests_get_exact_prefill_unless_they_ask(fake):
+    from tests.gateway.inprocess import SERVED_MODEL, fake_settings, serve
+
+    body = {
+        "model": SERVED_MODEL,
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": "Who won?"}],
+        "documents": [{"title": "Physics", "text": NOBEL_DOCUMENT}],
+    }
+    async with serve(fake_settings()) as client:
+        models = (await client.get("/v1/models")).json()
+        await client.post("/v1/chat/completions", json=body)
+        await client.post("/v1/chat/completions", json={**body, "ragspeed": {"document_cache": True}})
+    # The fake engine reuses no document KV: the gate's choice is exact prefill, and says why.
+    assert models["data"][0]["ragspeed"]["document_cache"] == {
+        "policy": "exact",
+        "reason": "this engine does not reuse document KV",
+        "figures": {},
+    }
+    default, asked = fake.engine.requests
+    assert default.document_cache is None and default.document_spans == ()
+    assert asked.document_cache is not None and asked.document_cache.policy == "reuse"
