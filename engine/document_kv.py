@@ -218,8 +218,10 @@ def open_document_store(config: EngineConfig, fingerprint: str, kv_pool_shape: A
     capacity = ram_budget(config.document_cache_bytes)
     directory = document_folder(config.document_cache_dir)
     disk_capacity = None
+    disk_line = ""
     if directory is not None:
         disk_capacity = disk_budget(directory, config.document_cache_disk_bytes, DISK_FREE_SHARE)
+        disk_line = f", disk {directory} {disk_capacity / 2**20:.0f} MiB (asked {config.document_cache_disk_bytes / 2**20:.0f})"
     store = DocumentStore(
         capacity_bytes=capacity,
         directory=directory,
@@ -227,13 +229,7 @@ def open_document_store(config: EngineConfig, fingerprint: str, kv_pool_shape: A
         disk_capacity_bytes=disk_capacity,
         layout=layout,
     )
-    logger.info(
-        "document store: RAM %.0f MiB%s",
-        capacity / 2**20,
-        ""
-        if directory is None
-        else f", disk {directory} {disk_capacity / 2**20:.0f} MiB (asked {config.document_cache_disk_bytes / 2**20:.0f})",
-    )
+    logger.info("document store: RAM %.0f MiB%s", capacity / 2**20, disk_line)
     return store
 
 
