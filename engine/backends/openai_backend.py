@@ -13,7 +13,9 @@ Upstreams are vLLM, SGLang, TGI, llama.cpp's server or another ragspeed. Two mod
 
 Either way the answer streams back. Closing the stream (the client went away) closes the
 upstream connection, which makes the upstream abort too. The requests go through a small
-pooled HTTP/1.1 client of the backend's own (engine/backends/http11.py): one write a request.
+pooled HTTP/1.1 client of the backend's own (engine/backends/http11.py): one write a request;
+in `ragspeed bench gateway` it serves 4x httpx's requests a second and 1.3x aiohttp's
+(docs/benchmarks.md, "Proxy HTTP client").
 
 Failures: a request that failed to connect (nothing was sent, so it is safe to repeat) is
 retried on the next upstream after a jittered backoff, up to `upstream_max_retries` times.
