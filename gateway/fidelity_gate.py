@@ -2,7 +2,7 @@
 
 Placing stored document KV (engine.document_kv) approximates attention: a placed document does
 not see the documents before it. So a policy other than exact prefill is a model's default only
-where it was measured to keep that model's answers (DESIGN.md, contract 7). Terms, all against
+where it was measured to keep that model's answers (docs/architecture.md, contract 8). Terms, all against
 *full prefill* (the same prompt with no document reuse), on the same questions:
 
 - *identical*: the share of greedy answers whose token ids equal full prefill's;
