@@ -141,6 +141,11 @@ def load_or_create_key(path: str | os.PathLike) -> bytes:
             logger.warning("document store: key %s had mode %o; made 0600", path, mode)
             os.fchmod(fd, 0o600)
         key = os.read(fd, KEY_BYTES + 1)
+        for _ in range(20):  # another server created it an instant ago and is writing it
+            if key:
+                break
+            time.sleep(0.05)
+            key = os.pread(fd, KEY_BYTES + 1, 0)
     finally:
         os.close(fd)
     if len(key) != KEY_BYTES:  # a writer killed between create and write, or not our file
