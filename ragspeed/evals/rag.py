@@ -602,6 +602,7 @@ def run_rag_eval(
     with tempfile.TemporaryDirectory(prefix="ragspeed-eval-rag-") as tmp:
         values: dict[str, Any] = {
             "prompt_cache_dir": None,
+            "document_cache_dir": None,  # RAM only: a run finds no documents stored by another
             "collections_dir": str(Path(tmp) / "collections"),
             **offered_methods(configs, settings_values or {}),
         }
