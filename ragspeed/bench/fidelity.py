@@ -252,7 +252,7 @@ def format_table(table: dict[str, Any]) -> str:
                 f"{s['ttft_warm_ms']:.0f} ms",
                 f"{s['warm_over_exact']:.3f}",
                 cold,
-                s["gate"],
+                "pass" if s["gate"] == "pass" else "fail",
             )
         )
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
@@ -291,7 +291,7 @@ def run_bench_fidelity(
         raise ValueError(f"{data}: no valid question")
     if num_documents < 1:
         raise ValueError(f"--documents must be >= 1, got {num_documents}")
-    settings = Settings(model=model, **(engine_values or {}))  # the server's engine, as served
+    settings = Settings(**{"model": model, **(engine_values or {})})  # the server's engine, as served
     engine = build_llm_engine(settings.engine.config())
     if engine.documents is None:
         raise ValueError(
