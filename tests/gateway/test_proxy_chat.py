@@ -261,7 +261,7 @@ def test_documents_reach_the_upstream_in_its_system_message(clients):
     assert answer.usage.prompt_tokens == expected.usage.prompt_tokens
 
 
-def test_a_vendor_field_reaches_the_upstream(clients):
+def test_a_vendor_field_reaches_the_upstream(clients, upstream):
     via, direct = clients
     asked = {"messages": [{"role": "user", "content": "What is 2+2?"}], "max_tokens": 24, "temperature": 0}
     natural = direct.chat.completions.create(model="smol", **asked)
@@ -270,15 +270,30 @@ def test_a_vendor_field_reaches_the_upstream(clients):
     forced = via.chat.completions.create(model="proxy", extra_body={"ignore_eos": True}, **asked)
     assert (forced.choices[0].finish_reason, forced.usage.completion_tokens) == ("length", 24)
     assert forced.choices[0].message.content.startswith(natural.choices[0].message.content)
+    # A field ragspeed itself does not honour (undeclared, in model_extra) goes upstream too: the
+    # upstream ragspeed refuses it, and its 400 comes back through the proxy.
+    with pytest.raises(openai.BadRequestError) as refused:
+        via.chat.completions.create(model="proxy", extra_body={"best_of": 2}, **asked)
+    message = refused.value.body["message"]
+    assert message.startswith(f"upstream {upstream.url}/v1 answered 400") and "best_of" in message
+
+
+def test_logprobs_come_back_as_the_upstream_sent_them(clients):
+    via, direct = clients
+    asked = {"messages": QUESTION, "max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    expected = direct.chat.completions.create(model="smol", **asked).choices[0].logprobs.content
+    answer = via.chat.completions.create(model="proxy", **asked).choices[0].logprobs.content
+    assert [(t.token, len(t.top_logprobs)) for t in answer] == [(t.token, 2) for t in expected]
+    chunks = via.chat.completions.create(model="proxy", stream=True, **asked)
+    streamed = [
+        t.token for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content
+    ]
+    assert streamed == [t.token for t in expected]
 
 
 # Tools and structured output are the upstream's to honour; the proxy forwards them.
-NATIVE_TOOLS_PENDING = pytest.mark.xfail(
-    reason="the native engine's tools and response_format are still being built", strict=False
-)
 
 
-@NATIVE_TOOLS_PENDING
 def test_a_named_tool_choice_comes_back_as_a_tool_call(clients):
     via, _ = clients
     answer = via.chat.completions.create(
@@ -294,7 +309,6 @@ def test_a_named_tool_choice_comes_back_as_a_tool_call(clients):
     assert isinstance(json.loads(call.function.arguments), dict)
 
 
-@NATIVE_TOOLS_PENDING
 def test_a_json_object_response_format_comes_back_as_json(clients):
     via, _ = clients
     answer = via.chat.completions.create(
