@@ -285,8 +285,12 @@ def _dying_upstream() -> tuple[socket.socket, int]:
                 conn, _ = sock.accept()
             except OSError:
                 return
-            conn.recv(65536)
-            chunk = b'data: {"choices": [{"index": 0, "text": "Hello", "finish_reason": null}]}\n\n'
+            request = conn.recv(65536)
+            # Chat requests go upstream as chat (upstream_api: chat), text ones as completions.
+            if request.startswith(b"POST /v1/chat/completions"):
+                chunk = b'data: {"choices": [{"index": 0, "delta": {"content": "Hello"}, "finish_reason": null}]}\n\n'
+            else:
+                chunk = b'data: {"choices": [{"index": 0, "text": "Hello", "finish_reason": null}]}\n\n'
             conn.sendall(
                 b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
                 + f"{len(chunk):x}\r\n".encode()
