@@ -41,13 +41,6 @@ def upstream_chat_body(
     # exclude_unset: a field the client did not send is not invented (an upstream's defaults
     # may differ from ours); by_alias: `schema`, `json` as on the wire.
     body = req.model_dump(exclude_unset=True, by_alias=True, exclude=set(CONSUMED_FIELDS))
-    # Keys of stream_options other than the one the backend sets (vLLM's
-    # continuous_usage_stats...) still reach the upstream.
-    sent_options = req.stream_options.model_dump(exclude_unset=True) if req.stream_options else {}
-    stream_options = {k: v for k, v in sent_options.items() if k != "include_usage"}
-    if stream_options:
-        body["stream_options"] = stream_options
-
     messages: list[dict[str, Any]] = body["messages"]
     num_leading_system = 0
     while num_leading_system < len(messages) and messages[num_leading_system]["role"] in _SYSTEM_ROLES:
