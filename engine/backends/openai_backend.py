@@ -54,6 +54,7 @@ from ragspeed.engine.protocol import (
 _UNKNOWN_CONTEXT = 1 << 20  # the upstream enforces its own limit
 _BACKOFF_BASE_S = 0.05  # retry k sleeps uniform(0, base * 2**k), capped: "full jitter"
 _BACKOFF_CAP_S = 2.0
+UPSTREAM_APIS = ("chat", "completions")  # UpstreamConfig.api: the modes of the module docstring
 
 
 class CircuitBreaker:
@@ -250,6 +251,8 @@ class OpenAIEngine:
         self.model_name = config.model
         self.upstream_model = upstream.model or config.model
         self.max_model_len = config.max_model_len or _UNKNOWN_CONTEXT
+        if upstream.api not in UPSTREAM_APIS:
+            raise ValueError(f"upstream api must be one of {', '.join(UPSTREAM_APIS)}, got {upstream.api!r}")
         # The gateway builds GenerationRequest.chat only for a backend that forwards chat.
         self.forwards_chat = upstream.api == "chat"
         self._base_urls = [upstream_base_url(u) for u in upstream.urls]

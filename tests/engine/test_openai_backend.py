@@ -315,3 +315,8 @@ def test_completions_mode_posts_the_rendered_prompt_and_refuses_logprobs():
     assert not forwards_chat
     assert [(d.text, d.finish_reason) for d in deltas] == [(" tok tok", "length")]
     assert (refused.param, refused.code) == ("logprobs", "logprobs_unsupported")
+
+
+def test_an_unknown_upstream_api_fails_at_construction():
+    with pytest.raises(ValueError, match="upstream api must be one of chat, completions, got 'rest'"):
+        _chat_engine("http://127.0.0.1:1", api="rest")
