@@ -16,8 +16,8 @@ A *measurement* (`FidelityResult`) is what `ragspeed bench fidelity` wrote for o
 path, which changes the arithmetic), beside the compiled kernels (`result_path`). Measuring
 takes minutes on a 2-core CPU, too long for start-up: the server only reads the file.
 
-The *choice* (`choose_default`): among the measured policies that pass `FIDELITY_GATE`, the
-cheapest (lowest warm time to first token); none passing, or no measurement for this key: exact
+The *choice* (`choose_default`): among the measured policies that pass `FIDELITY_GATE` and are
+faster than full prefill, the cheapest (lowest warm time to first token); none passing, or no measurement for this key: exact
 prefill (no document reuse unless a request asks for it).
 """
 
@@ -89,6 +89,7 @@ class FidelityResult:
     num_questions: int
     policies: tuple[PolicyFigures, ...]
     data: str = ""
+    ttft_exact_ms: float | None = None  # full prefill's median TTFT in the same run
     version: int = RESULT_VERSION
 
     def to_json(self) -> dict[str, Any]:
@@ -189,8 +190,11 @@ def choose_default(result: FidelityResult | None, gate: FidelityGate = FIDELITY_
         return DocumentCacheDefault(
             None, EXACT, "no fidelity measurement for this model: run `ragspeed bench fidelity`"
         )
+    # A policy no faster than full prefill (a control that recomputes every token) never serves.
+    exact_ms = result.ttft_exact_ms if result.ttft_exact_ms is not None else float("inf")
     candidates: Sequence[PolicyFigures] = sorted(
-        (p for p in result.policies if p.name != EXACT), key=lambda p: p.ttft_warm_ms
+        (p for p in result.policies if p.name != EXACT and p.ttft_warm_ms < exact_ms),
+        key=lambda p: p.ttft_warm_ms,
     )
     passing = [p for p in candidates if not gate.failures(p)]
     if passing:

@@ -45,6 +45,7 @@ from ragspeed.bench.common import (
 from ragspeed.document import Document
 from ragspeed.engine.protocol import DocumentCacheOptions
 from ragspeed.evals.fidelity import (
+    Distribution,
     QuestionFidelity,
     QuestionPrompts,
     generate,
@@ -139,6 +140,7 @@ def measure(
         reference_text = engine.tokenizer.decode(list(reference.token_ids), skip_special_tokens=True)
         raw[EXACT]["accuracy"].append(best_subspan(reference_text, example.answers))
         cold = q < cold_questions
+        reference_forced: dict[int, Distribution] = {}  # full prefill's forced steps, shared
         if not cold:  # the documents stored once for every policy
             first = policies[names[0]]
             generate(engine, prompts.request(prompts.reversed, first, f"shared-{q}", 1))
@@ -148,7 +150,9 @@ def measure(
             if cold:
                 stored = generate(engine, prompts.request(prompts.reversed, options, salt, 1))
                 raw[name]["cold_ms"].append(1000 * stored.ttft_s)
-            fidelity, greedy = policy_fidelity(engine, prompts, reference, options, salt, max_tokens)
+            fidelity, greedy = policy_fidelity(
+                engine, prompts, reference, options, salt, max_tokens, reference_forced, EXACT
+            )
             raw[name]["fidelity"].append(fidelity)
             text = engine.tokenizer.decode(list(greedy.token_ids), skip_special_tokens=True)
             raw[name]["accuracy"].append(best_subspan(text, example.answers))
@@ -320,6 +324,7 @@ def run_bench_fidelity(
         num_questions=len(examples),
         policies=tuple(_policy_figures(name, table[name]) for name in chosen),
         data=f"{data} (first {len(examples)} questions, {num_documents} documents each)",
+        ttft_exact_ms=table[EXACT]["ttft_warm_ms"],
     )
     decision = choose_default(result)
     report = {

@@ -90,12 +90,22 @@ class QuestionFidelity:
     kl: tuple[float, ...]  # per reference position
 
 
-def compare(reference: Generated, greedy: Generated, forced: dict[int, Distribution]) -> QuestionFidelity:
-    """`greedy`: the configuration's own run; `forced`: its distributions at `forced_positions`."""
+def compare(
+    reference: Generated,
+    greedy: Generated,
+    forced: dict[int, Distribution],
+    reference_forced: dict[int, Distribution] | None = None,
+) -> QuestionFidelity:
+    """`greedy`: the configuration's own run; `forced`: its distributions at `forced_positions`;
+    `reference_forced`: full prefill's at those positions computed as the forced steps are
+    (`policy_fidelity`), else its greedy run's."""
     divergence = first_divergence(reference.token_ids, greedy.token_ids)
     top1, kl = [], []
     for t, ref in enumerate(reference.distributions):
-        dist = greedy.distributions[t] if t <= divergence and t < len(greedy.distributions) else forced[t]
+        if t <= divergence and t < len(greedy.distributions):
+            dist = greedy.distributions[t]
+        else:
+            dist, ref = forced[t], (reference_forced or {}).get(t, ref)
         top1.append(ref[0][0] == dist[0][0])
         kl.append(top_k_kl(ref, dist))
     return QuestionFidelity(greedy.token_ids == reference.token_ids, tuple(top1), tuple(kl))
@@ -209,12 +219,24 @@ def policy_fidelity(
     options: DocumentCacheOptions,
     salt: str,
     max_tokens: int,
+    reference_forced: dict[int, Distribution],
+    reference_salt: str,
 ) -> tuple[QuestionFidelity, Generated]:
     """One policy on one question against `reference`: its greedy run on the spanned prompt,
-    then a one-token request per forced position."""
+    then a one-token request per forced position, and full prefill's same step where not yet in
+    `reference_forced` (filled here, shared by a question's policies). A forced step computes
+    its new tokens as a prefill chunk, while the reference's distributions after its first
+    token came from decode steps, which may run other kernels (a GGUF model decodes on its
+    quantized blocks and prefills on dense weights): both sides of a forced position are
+    computed alike."""
     greedy = generate(engine, prompts.request(prompts.spanned, options, salt, max_tokens))
     forced: dict[int, Distribution] = {}
     for t in forced_positions(reference.token_ids, greedy.token_ids):
-        step = generate(engine, prompts.request(prompts.spanned, options, salt, 1, reference.token_ids[:t]))
-        forced[t] = step.distributions[0]
-    return compare(reference, greedy, forced), greedy
+        answer = reference.token_ids[:t]
+        forced[t] = generate(
+            engine, prompts.request(prompts.spanned, options, salt, 1, answer)
+        ).distributions[0]
+        if t not in reference_forced:
+            step = generate(engine, prompts.request(prompts.full, None, reference_salt, 1, answer))
+            reference_forced[t] = step.distributions[0]
+    return compare(reference, greedy, forced, reference_forced), greedy

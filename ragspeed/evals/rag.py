@@ -518,8 +518,11 @@ async def _teacher_forced(
         with torch.inference_mode():
             prompts = QuestionPrompts(llm.tokenizer, system_prompt, example.question, documents)
             reference = generate(llm, prompts.request(prompts.full, None, "teacher-full", max_tokens))
+            forced: dict = {}  # full prefill's forced steps, shared by the configurations
             return {
-                name: policy_fidelity(llm, prompts, reference, options, f"eval-{name}", max_tokens)[0]
+                name: policy_fidelity(
+                    llm, prompts, reference, options, f"eval-{name}", max_tokens, forced, "teacher-full"
+                )[0]
                 for name, options in policies.items()
             }
 

@@ -31,8 +31,10 @@ def figures(name, options, identical, top1, warm_ms):
     return PolicyFigures(name, options, 30, identical, top1, 0.01, warm_ms, 900.0)
 
 
-def result(*policies, key="k" * 64):
-    return FidelityResult(key, "m", "2026-12-07T03:00:00+00:00", "cpu", 30, tuple(policies))
+def result(*policies, key="k" * 64, exact_ms=None):
+    return FidelityResult(
+        key, "m", "2026-12-07T03:00:00+00:00", "cpu", 30, tuple(policies), ttft_exact_ms=exact_ms
+    )
 
 
 def test_the_cheapest_passing_policy_is_chosen():
@@ -58,6 +60,12 @@ def test_a_policy_short_of_either_threshold_fails_and_none_passing_is_exact_pref
     assert chosen.options is None and chosen.policy == EXACT
     assert "best reuse: top-1 agreement 98.0% < 99%" in chosen.reason
     assert chosen.figures["policy"] == "reuse"
+
+
+def test_a_passing_policy_no_faster_than_full_prefill_is_never_chosen():
+    lossless = figures("blend@100", {**BLEND, "ratio": 1.0}, 1.0, 1.0, 9000.0)
+    assert choose_default(result(lossless, exact_ms=8000.0)).policy == EXACT
+    assert choose_default(result(lossless, exact_ms=10000.0)).policy == "blend@100"
 
 
 def test_without_a_measurement_the_default_is_exact_prefill():
