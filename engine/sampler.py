@@ -47,16 +47,21 @@ class Sampler:
         if not processed:
             return self._draw(logits, states)
         tokens = [0] * len(states)
+        host = logits.detach().cpu().numpy()  # no copy on a CPU
         free = [i for i, s in enumerate(states) if s.processor is None]
         if free:
-            for i, token in zip(free, self._draw(logits[free], [states[i] for i in free])):
+            free_rows = torch.from_numpy(host[free]).to(logits.device)
+            for i, token in zip(free, self._draw(free_rows, [states[i] for i in free])):
                 tokens[i] = token
-        rows = logits[processed]  # a copy: [num_processed, vocab]
+        # A copy [num_processed, vocab], processed in numpy (engine.logits_process says why).
+        rows = host[processed]
         for row, i in enumerate(processed):
             processor = states[i].processor
             assert processor is not None
             processor(rows[row])
-        for i, token in zip(processed, self._draw(rows, [states[i] for i in processed])):
+        for i, token in zip(
+            processed, self._draw(torch.from_numpy(rows).to(logits.device), [states[i] for i in processed])
+        ):
             tokens[i] = token
         return tokens
 

@@ -17,7 +17,6 @@ from typing import Any
 import llguidance
 import llguidance.hf
 import numpy as np
-import torch
 
 from ragspeed.engine.protocol import EngineError, StructuredOutput
 
@@ -94,11 +93,11 @@ class GrammarMatcher:
         self._matcher = matcher
         self._words = np.zeros(((vocab_size + 31) // 32,), dtype=np.int32)  # the mask
 
-    def mask_logits(self, logits: torch.Tensor) -> None:
+    def mask_logits(self, logits: np.ndarray) -> None:
         """Set to -inf, in place, the logits [vocab] of every token the grammar forbids next."""
         self._matcher.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
         allowed = np.unpackbits(self._words.view(np.uint8), bitorder="little")[: logits.shape[0]]
-        logits.masked_fill_(torch.from_numpy(allowed) == 0, float("-inf"))
+        np.putmask(logits, allowed == 0, -np.inf)
 
     def accept(self, token_id: int) -> None:
         """Advance past a sampled token (one the mask allowed)."""

@@ -6,7 +6,8 @@ as the SmolLM2 and Hermes-style models were taught:
 
     <tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</tool_call>
 
-The output is constrained by a grammar (engine.structured) built from the tools' schemas:
+The output is constrained by a grammar (engine.structured) built from the tools' schemas (an
+arguments object takes only its declared keys unless its schema says otherwise):
 `required` and a named choice allow a call and nothing else; `auto` allows an answer in text
 (one that does not begin with `<`) or a call; `none` renders no tools and constrains nothing.
 `parallel_tool_calls: false` allows one call. `ToolCallParser` turns the text into OpenAI's
@@ -26,17 +27,26 @@ from ragspeed.gateway.protocol import ChatMessage, NamedToolChoice, ToolDefiniti
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 
+# The instructions SmolLM2-Instruct was taught tools with (its model card), less the empty list
+# for "no call": here an answer in text says that.
 _INSTRUCTIONS = (
-    "You can call the tools below. To call them, answer with "
-    f'{CALL_OPEN}[{{"name": <tool name>, "arguments": <arguments as a JSON object>}}]{CALL_CLOSE} '
-    "and nothing else; otherwise answer in text."
+    "You are an expert in composing functions. You are given a question and a set of possible "
+    "functions. Based on the question, you will need to make one or more function/tool calls to "
+    "achieve the purpose. If none of the functions can be used, point it out and answer in text. "
+    "If the given question lacks the parameters required by the function, also point it out."
+)
+_FORMAT = (
+    "The output MUST strictly adhere to the following format, and NO other text MUST be included. "
+    "Please make sure the parameter type is correct.\n"
+    f'{CALL_OPEN}[{{"name": "func_name1", "arguments": {{"argument1": "value1", "argument2": "value2"}}}}]{CALL_CLOSE}'
 )
 
 
 def render_tools(tools: list[ToolDefinition]) -> str:
     """The tools block of the system prompt."""
     specs = [tool.function.model_dump(exclude_none=True) for tool in tools]
-    return f"{_INSTRUCTIONS}\n\n<tools>\n{json.dumps(specs, ensure_ascii=False)}\n</tools>"
+    tools = json.dumps(specs, ensure_ascii=False)
+    return f"{_INSTRUCTIONS}\n\nYou have access to the following tools:\n<tools>{tools}</tools>\n\n{_FORMAT}"
 
 
 def render_tool_calls(message: ChatMessage) -> str:
@@ -52,7 +62,10 @@ def render_tool_calls(message: ChatMessage) -> str:
 
 
 def _call_schema(tool: ToolDefinition) -> dict[str, Any]:
-    parameters = tool.function.parameters or {"type": "object", "properties": {}}
+    # Arguments are the parameters declared, as OpenAI's strict mode and llama.cpp's tool
+    # grammar take them: a schema that says nothing of other keys admits none (else a small
+    # model fills the call with keys it copies from the schema).
+    parameters = {"additionalProperties": False, **(tool.function.parameters or {"type": "object"})}
     return {
         "type": "object",
         "properties": {"name": {"const": tool.function.name}, "arguments": parameters},

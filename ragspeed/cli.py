@@ -247,6 +247,7 @@ def chat(
         "fidelity": "ragspeed.bench.fidelity:bench_fidelity",
         "gateway": "ragspeed.bench.gateway:bench_gateway",
         "kquant": "ragspeed.bench.kquant:bench_kquant",
+        "grammar": "ragspeed.bench.grammar:bench_grammar",
         "load": "ragspeed.bench.load:bench_load",
         "quant": "ragspeed.bench.quant:bench_quant",
         "restarts": "ragspeed.bench.restarts:bench_restarts",

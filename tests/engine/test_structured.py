@@ -8,6 +8,7 @@ import json
 import re
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 
@@ -105,7 +106,7 @@ def test_penalties_and_bias_on_literal_logits():
     processor = LogitsProcessor(params, prompt_token_ids=[1], matcher=None)
     for token in (2, 2, 3):
         processor.accept(token)
-    logits = torch.tensor([1.0, 4.0, 2.0, -1.0, 0.5, 3.0])
+    logits = np.array([1.0, 4.0, 2.0, -1.0, 0.5, 3.0], dtype=np.float32)
     processor(logits)
     # token 1: in the prompt only -> repetition 4 / 2; token 2: output twice -> 2 / 2 - 0.5 * 2 - 0.25;
     # token 3: once, negative -> -1 * 2 - 0.5 - 0.25; tokens 0 and 4: biased.

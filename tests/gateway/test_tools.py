@@ -35,7 +35,7 @@ CLOCK = ToolDefinition.model_validate({"type": "function", "function": {"name": 
 
 def test_the_tools_block_lists_each_tool_as_json():
     block = render_tools([WEATHER, CLOCK])
-    listed = json.loads(block.split("<tools>\n")[1].split("\n</tools>")[0])
+    listed = json.loads(block.split("<tools>")[1].split("</tools>")[0])
     assert [t["name"] for t in listed] == ["get_weather", "now"]
     assert listed[0]["parameters"]["required"] == ["city"]
     assert "<tool_call>" in block
