@@ -16,8 +16,8 @@ A *measurement* (`FidelityResult`) is what `ragspeed bench fidelity` wrote for o
 path, which changes the arithmetic), beside the compiled kernels (`result_path`). Measuring
 takes minutes on a 2-core CPU, too long for start-up: the server only reads the file.
 
-The *choice* (`choose_default`): among the measured policies that pass `FIDELITY_GATE` and are
-faster than full prefill, the cheapest (lowest warm time to first token); none passing, or no measurement for this key: exact
+The *choice* (`choose_default`): among the measured policies that pass `FIDELITY_GATE` and take
+less than `max_ttft_ratio` (0.8) of full prefill's warm time to first token, the cheapest (lowest warm time to first token); none passing, or no measurement for this key: exact
 prefill (no document reuse unless a request asks for it).
 """
 
@@ -63,6 +63,9 @@ class PolicyFigures:
 class FidelityGate:
     min_identical: float = 0.95
     min_top1_agreement: float = 0.99
+    # A repair that saves less than this share of full prefill's warm TTFT is not worth any
+    # approximation (blend@100 recomputes every token: faithful, and about as slow as exact).
+    max_ttft_ratio: float = 0.8
 
     def failures(self, figures: PolicyFigures) -> list[str]:
         """What `figures` miss, in words; empty when they pass."""
@@ -190,10 +193,10 @@ def choose_default(result: FidelityResult | None, gate: FidelityGate = FIDELITY_
         return DocumentCacheDefault(
             None, EXACT, "no fidelity measurement for this model: run `ragspeed bench fidelity`"
         )
-    # A policy no faster than full prefill (a control that recomputes every token) never serves.
+    # A policy hardly faster than full prefill (a control that recomputes every token) never serves.
     exact_ms = result.ttft_exact_ms if result.ttft_exact_ms is not None else float("inf")
     candidates: Sequence[PolicyFigures] = sorted(
-        (p for p in result.policies if p.name != EXACT and p.ttft_warm_ms < exact_ms),
+        (p for p in result.policies if p.name != EXACT and p.ttft_warm_ms < gate.max_ttft_ratio * exact_ms),
         key=lambda p: p.ttft_warm_ms,
     )
     passing = [p for p in candidates if not gate.failures(p)]
