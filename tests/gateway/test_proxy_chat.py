@@ -296,17 +296,27 @@ def test_logprobs_come_back_as_the_upstream_sent_them(clients):
 
 def test_a_named_tool_choice_comes_back_as_a_tool_call(clients):
     via, _ = clients
-    answer = via.chat.completions.create(
-        model="proxy",
-        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
-        tools=[WEATHER_TOOL],
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        max_tokens=40,
-        temperature=0,
-    )
+    asked = {
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "tools": [WEATHER_TOOL],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "max_tokens": 40,
+        "temperature": 0,
+    }
+    answer = via.chat.completions.create(model="proxy", **asked)
     (call,) = answer.choices[0].message.tool_calls
     assert call.function.name == "get_weather"
     assert isinstance(json.loads(call.function.arguments), dict)
+    assert answer.choices[0].finish_reason == "tool_calls"
+    # Streamed, the upstream's tool-call deltas come through and add up to the same call.
+    deltas = [
+        d
+        for c in via.chat.completions.create(model="proxy", stream=True, **asked)
+        if c.choices
+        for d in c.choices[0].delta.tool_calls or ()
+    ]
+    assert {d.function.name for d in deltas if d.function.name} == {"get_weather"}
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
 
 
 def test_a_json_object_response_format_comes_back_as_json(clients):
