@@ -15,7 +15,7 @@ from ragspeed.engine.cpu_kernels.decoder import FusedDecoder
 from ragspeed.engine.gguf import converted_copy, source_of
 from ragspeed.engine.loader import load_model
 from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME, ZOO
-from ragspeed.engine.models.linear import GgufLinear
+from ragspeed.engine.models.linear import DenseLinear, GgufLinear
 from ragspeed.engine.protocol import GenerationRequest
 from ragspeed.engine.quant import QuantizationUnavailableError
 from ragspeed.engine.quant.gguf_blocks import (
@@ -167,10 +167,45 @@ def default_gguf():
         pytest.skip(str(error))
 
 
+def _rms(t: torch.Tensor) -> float:
+    return t.double().square().mean().sqrt().item()
+
+
+def _assert_error_is_the_int16_rounding(blocks_logits, reference, ids, monkeypatch) -> None:
+    """The blocks' logits differ from the fp32 model's (`reference`, the file's dequantized
+    weights) by the kernels' one rounding, each product's inputs to int16 per group of 32
+    (steps of max |x| / 32767): no more than the same rounding applied to the fp32 model's own
+    products (`int16_rows`, in torch) gives.
+
+    That rounding is noise, not a bound to write down in advance: on the tiny model its largest
+    effect on 24,576 logits is about 9x its RMS, 1.95e-3 on one build and 2.04e-3 on another
+    for the same Q4_0 weights. The order of the fp32 sums (AVX-512's 16-lane against AVX2's
+    8-lane horizontal sums in attention, 1e-7 apart) decides which rare values cross a rounding
+    boundary, and the change cascades through the later roundings: the AVX2 and AVX-512 builds
+    draw different samples of one noise (5e-4 apart, their RMS 2.29e-4 and 2.31e-4), as
+    does the emulation in torch (whose max was 2.02e-3). So the test compares statistics of
+    the noise: its RMS, stable to a few percent from draw to draw (within 10%), and its
+    largest value, a tail statistic (within 1.5x: draws measured 0.92-1.09x the emulation's).
+    """
+    original, rounded = DenseLinear.forward, []
+    monkeypatch.setattr(
+        DenseLinear, "forward", lambda self, x: rounded.append(self) or original(self, int16_rows(x))
+    )
+    emulated = window_logits(reference, ids)
+    monkeypatch.setattr(DenseLinear, "forward", original)
+    # every product rounded: 4 a layer (QKV, output, gate-up, down) and the LM head
+    assert len(rounded) == 4 * len(reference.model.layers) + 1
+    exact = window_logits(reference, ids)
+    noise, error = emulated - exact, blocks_logits - exact
+    assert _rms(error) <= 1.1 * _rms(noise), (_rms(error), _rms(noise))
+    assert error.abs().max() <= 1.5 * noise.abs().max(), (error.abs().max(), noise.abs().max())
+    assert torch.equal(blocks_logits.argmax(-1), exact.argmax(-1))
+
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
-def test_an_engine_decodes_the_files_blocks(tiny_checkpoints, tmp_path, qtype):
+def test_an_engine_decodes_the_files_blocks(tiny_checkpoints, tmp_path, monkeypatch, qtype):
     """`auto` picks the blocks for a GGUF model; its decode steps agree with the fp32 model of
-    the file's dequantized weights."""
+    the file's dequantized weights, but for the activations' int16 rounding."""
     path = write_tiny_gguf(tiny_checkpoints["llama"], tmp_path / f"tiny-{qtype}.gguf", qtype)
     folder = converted_copy(path, tmp_path / "converted")
     assert source_of(folder) == path.resolve()
@@ -184,9 +219,7 @@ def test_an_engine_decodes_the_files_blocks(tiny_checkpoints, tmp_path, qtype):
     assert resident_weight_bytes(model) < resident_weight_bytes(reference.model) / 2
     ids = list(range(5, 69))
     blocks_logits = decode_window_logits(engine.loaded, ids)
-    reference_logits = window_logits(reference, ids)
-    assert torch.equal(blocks_logits.argmax(-1), reference_logits.argmax(-1))
-    torch.testing.assert_close(blocks_logits, reference_logits, rtol=0, atol=2e-3)
+    _assert_error_is_the_int16_rounding(blocks_logits, reference, ids, monkeypatch)
 
 
 def test_gguf_weights_need_a_gguf_model(tiny_checkpoints):
