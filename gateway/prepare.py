@@ -107,8 +107,11 @@ class PreparedRequest:
             sampling = self.generation.sampling
             seed = None if sampling.seed is None else sampling.seed + index
             request_id = f"{self.request_id}-{index}"
+            chat = self.generation.chat
+            if chat is not None and chat.get("seed") is not None:  # a forwarded chat's own seed
+                chat = {**chat, "seed": chat["seed"] + index}
             generation = replace(
-                self.generation, request_id=request_id, sampling=replace(sampling, seed=seed)
+                self.generation, request_id=request_id, sampling=replace(sampling, seed=seed), chat=chat
             )
             choices.append(replace(self, request_id=request_id, generation=generation))
         return choices

@@ -124,6 +124,14 @@ def render_documents(documents: Sequence[Document]) -> str:
     return "Documents:\n\n" + "\n\n".join(blocks)
 
 
+def system_text(static_system_prompt: str, documents: Sequence[Document]) -> str:
+    """The system turn: the static system prompt, then the documents (either may be empty)."""
+    if not documents:
+        return static_system_prompt
+    rendered = render_documents(documents)
+    return f"{static_system_prompt}\n\n{rendered}" if static_system_prompt else rendered
+
+
 def _render(tokenizer: Any, turns: list[dict[str, str]], add_generation_prompt: bool) -> str:
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(
@@ -158,9 +166,7 @@ def assemble_prompt(
 ) -> Prompt:
     """The prompt of `segments` with `documents`; `static_token_ids` is `static_prefix_token_ids`
     or a cache of it (the gateway's, by tokenizer and text)."""
-    system = segments.static_system_prompt
-    if documents:
-        system = f"{system}\n\n{render_documents(documents)}" if system else render_documents(documents)
+    system = system_text(segments.static_system_prompt, documents)
     turns = [{"role": "system", "content": system}] if system else []
     turns += [{"role": t.role, "content": t.content} for t in segments.history]
     if segments.question or not segments.history:

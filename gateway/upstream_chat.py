@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ragspeed.document import Document
-from ragspeed.gateway.prompt import Segments, extract_documents, render_documents
+from ragspeed.gateway.prompt import Segments, extract_documents, system_text
 from ragspeed.gateway.protocol import ChatCompletionRequest
 
 # Fields the gateway consumes: the documents and its own options; `stream` and `stream_options`
@@ -47,10 +47,7 @@ def upstream_chat_body(
         num_leading_system += 1
     rest = [_without_documents(m, start_marker, end_marker) for m in messages[num_leading_system:]]
 
-    # The same system text as assemble_prompt's, byte for byte.
-    system = segments.static_system_prompt
-    if documents:
-        system = f"{system}\n\n{render_documents(documents)}" if system else render_documents(documents)
+    system = system_text(segments.static_system_prompt, documents)  # assemble_prompt's, byte for byte
     body["messages"] = ([{"role": "system", "content": system}] if system else []) + rest
     return body
 
