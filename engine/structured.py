@@ -48,12 +48,16 @@ def grammar_text(structured: StructuredOutput) -> str:
 
 class GrammarCompiler:
     """Compiles and keeps grammars for one tokenizer; builds matchers. The tokenizer's byte
-    table is built on the first constrained request (about half a second), not at start-up."""
+    table (about half a second) is built by `warm()` or the first constrained request."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]):
         self._hf_tokenizer = tokenizer
         self.vocab_size = vocab_size  # the logits' width (may exceed the tokenizer's size)
         self._eos_token_ids = list(eos_token_ids)
+
+    def warm(self) -> None:
+        """Build the tokenizer's table now rather than at the first constrained request."""
+        self._tokenizer  # noqa: B018 - a cached property, built here
 
     @functools.cached_property
     def _tokenizer(self) -> llguidance.LLTokenizer:

@@ -194,6 +194,9 @@ class NativeEngine:
             return
         self._loop = asyncio.get_running_loop()
         self._engine = await asyncio.to_thread(build_llm_engine, self.config)
+        # The grammar library's table of the tokenizer (about half a second), off the event
+        # loop, which validates requests (and compiles their constraints) as they come.
+        await asyncio.to_thread(self._engine.grammars.warm)
         self.cpu_budget = CpuBudget(self._engine.num_threads)
         # The Rust tokenizers' batch encoding (the compressors' and embedders' tokenizers) runs
         # on a pool of one thread per core of its own, outside the budget; an operator's
