@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.hf
@@ -20,9 +20,16 @@ import numpy as np
 
 from ragspeed.engine.protocol import EngineError, StructuredOutput
 
+if TYPE_CHECKING:  # a TypedDict of the library's stubs only
+    from llguidance._lib import JsonCompileOptions
+
 # JSON as OpenAI writes it, on one line: the library's default, any whitespace between tokens,
 # lets a small model wander into runs of blank lines inside an object.
-JSON_LAYOUT: dict[str, Any] = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+JSON_LAYOUT: JsonCompileOptions = {
+    "item_separator": ", ",
+    "key_separator": ": ",
+    "whitespace_flexible": False,
+}
 
 
 def grammar_text(structured: StructuredOutput) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -290,12 +290,14 @@ async def _all(awaitables: list[Any]) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _indexed(deltas: AsyncIterator[TokenDelta]) -> AsyncIterator[tuple[int, TokenDelta]]:
+async def _indexed(deltas: AsyncIterator[TokenDelta]) -> AsyncGenerator[tuple[int, TokenDelta], None]:
     async for delta in deltas:
         yield 0, delta
 
 
-async def _merged(streams: list[AsyncIterator[TokenDelta]]) -> AsyncIterator[tuple[int, TokenDelta]]:
+async def _merged(
+    streams: Sequence[AsyncIterator[TokenDelta]],
+) -> AsyncGenerator[tuple[int, TokenDelta], None]:
     """The deltas of several choices as they come, each with its choice's index."""
     pending = {asyncio.ensure_future(anext(stream)): index for index, stream in enumerate(streams)}
     try:
@@ -370,7 +372,7 @@ async def stream(gens: list[Generation], shape: Shape, include_usage: bool) -> S
             events += chunk(index, {"delta": {"tool_calls": list(delta.tool_calls)}, "finish_reason": None})
         return events
 
-    async def following() -> AsyncIterator[tuple[int, TokenDelta]]:
+    async def following() -> AsyncGenerator[tuple[int, TokenDelta], None]:
         """The firsts, then every choice's deltas as they come."""
         for index, first in enumerate(firsts):
             if first is not None:

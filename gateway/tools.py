@@ -44,9 +44,8 @@ _FORMAT = (
 
 def render_tools(tools: list[ToolDefinition]) -> str:
     """The tools block of the system prompt."""
-    specs = [tool.function.model_dump(exclude_none=True) for tool in tools]
-    tools = json.dumps(specs, ensure_ascii=False)
-    return f"{_INSTRUCTIONS}\n\nYou have access to the following tools:\n<tools>{tools}</tools>\n\n{_FORMAT}"
+    specs = json.dumps([tool.function.model_dump(exclude_none=True) for tool in tools], ensure_ascii=False)
+    return f"{_INSTRUCTIONS}\n\nYou have access to the following tools:\n<tools>{specs}</tools>\n\n{_FORMAT}"
 
 
 def render_tool_calls(message: ChatMessage) -> str:

@@ -25,6 +25,7 @@ import time
 from typing import Any
 
 import click
+import numpy as np
 
 from ragspeed.bench.common import (
     json_option,
@@ -112,9 +113,7 @@ class LlguidanceContender:
         return self.compiler.matcher(StructuredOutput("json_schema", json.dumps(schema)))
 
     def mask_seconds(self, matcher: Any, token_ids: list[int], vocab_size: int) -> list[float]:
-        import torch
-
-        logits = torch.zeros(vocab_size)
+        logits = np.zeros(vocab_size, dtype=np.float32)
         times = []
         for token in token_ids:
             start = time.perf_counter()
@@ -174,7 +173,10 @@ def library_figures(engine: Any, echo=click.echo) -> dict[str, float]:
     tokenizer, vocab, eos = engine.tokenizer, engine.arch.vocab_size, engine.eos_token_ids
     figures: dict[str, float] = {}
     for contender in (LlguidanceContender(tokenizer, vocab, eos), XgrammarContender(tokenizer, vocab, eos)):
-        cold, cached, masks, agreed, judged = [], [], [], 0, 0
+        cold: list[float] = []
+        cached: list[float] = []
+        masks: list[float] = []
+        agreed = judged = 0
         for schema, valid, invalid in SCHEMAS.values():
             for is_cached, into in ((False, cold), (True, cached)):
                 start = time.perf_counter()
