@@ -32,6 +32,7 @@ def fake_settings(**overrides: Any) -> Settings:
         model="fake",
         served_model_name=SERVED_MODEL,
         prompt_cache_dir=None,
+        document_cache_dir=None,  # RAM only: a test's documents are not found by a later run
         max_model_len=4096,
         compression_methods=list(MODEL_FREE_METHODS),
         compression_default_method="bm25",
