@@ -31,6 +31,7 @@ from ragspeed.bench.common import (
     json_option,
     machine_line,
     model_option,
+    prefill_line,
     print_rows,
     quantization_option,
     repeats_option,
@@ -266,6 +267,7 @@ def bench_grammar(model: str, quantization: str, repeats: int, json_path: str | 
 
     engine = build_llm_engine(EngineConfig(model=model, quantization=quantization))
     click.echo(machine_line(engine.num_threads))
+    click.echo(prefill_line(engine))  # the CPU's capabilities and the prefill path
     figures: dict[str, Any] = {"model": model, **library_figures(engine), **engine_figures(engine, repeats)}
     targets = {"constrained_ratio": "<= 1.15", "batch16_free_row_ratio": "<= 1.0"}
     print_rows(

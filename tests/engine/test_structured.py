@@ -16,7 +16,7 @@ from ragspeed.engine.logits_process import LogitsProcessor
 from ragspeed.engine.protocol import EngineError, GenerationRequest, SamplingParams, StructuredOutput
 from ragspeed.engine.sampler import Sampler
 from ragspeed.engine.sampling import SamplingState
-from tests.engine.conftest import assert_all_blocks_free, make_engine
+from tests.engine.conftest import assert_all_blocks_free, make_engine, speculate_every_step
 
 SCHEMA = {
     "type": "object",
@@ -123,3 +123,33 @@ def test_the_sampler_leaves_the_logits_it_is_given_unchanged():
     ]
     assert Sampler("cpu")(logits, states) == [0, 0]
     assert torch.equal(logits, before)  # raw logprobs are taken from these
+
+
+class _Repeater:
+    """Drafts the last token again, k times: something to verify at every step."""
+
+    name = "repeater"
+
+    def propose(self, token_ids, num_tokens):
+        return [token_ids[-1]] * num_tokens
+
+
+def test_processed_rows_decode_plainly_beside_speculating_ones(tiny_checkpoints):
+    path = tiny_checkpoints["llama"]
+    biased = _request("biased", max_tokens=16, ignore_eos=True, logit_bias=((7, 5.0),))
+    plain = make_engine(path).generate([biased])["biased"]["token_ids"]
+    engine = make_engine(path, speculative="ngram")
+    speculate_every_step(engine)
+    engine.speculator.proposer = _Repeater()
+    out = engine.generate([biased])
+    assert out["biased"]["token_ids"] == plain
+    assert engine.stats()["spec_draft_tokens"] == 0  # the processed row got no drafts
+    out = engine.generate(
+        [
+            _request("biased2", max_tokens=16, ignore_eos=True, logit_bias=((7, 5.0),)),
+            _request("free", max_tokens=16, ignore_eos=True),
+        ]
+    )
+    assert out["biased2"]["token_ids"] == plain
+    assert engine.stats()["spec_draft_tokens"] > 0  # the free row beside it speculated
+    assert_all_blocks_free(engine)
