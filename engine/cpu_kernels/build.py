@@ -10,6 +10,11 @@ ctypes signatures are read from kernels.h, the header kernels.c includes, so the
 
 `RAGSPEED_CPU_KERNELS=0` turns the kernels off (oneDNN / fbgemm for every product); `CC` names
 the compiler.
+
+The engine runs the build for this CPU (`-march=native`). Tests also build the narrower ones
+(`ISA_FLAGS`) and run them here for real: an AVX-512 CPU runs the AVX2 build's code (what an
+AVX2-only machine compiles) and the plain C one, so every branch of kernels.c is tested on one
+machine.
 """
 
 from __future__ import annotations
@@ -35,6 +40,12 @@ log = logging.getLogger(__name__)
 SOURCE = Path(str(resources.files("ragspeed.engine.cpu_kernels") / "kernels.c"))
 HEADER = SOURCE.with_name("kernels.h")  # the exported prototypes, read for the ctypes signatures
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-lm", "-Werror=missing-prototypes")
+# Builds for narrower CPUs than this one (tests): what is turned off after -march=native.
+ISA_FLAGS: dict[str, tuple[str, ...]] = {
+    "native": (),
+    "avx2": ("-mno-avx512f", "-mno-avxvnni"),  # an AVX2-only CPU (Zen 3): no AVX-512, no VNNI
+    "plain": ("-mno-avx", "-Wno-psabi"),  # SSE only: the kernels' plain C branches
+}
 
 
 def _cpu_signature() -> str:
@@ -52,12 +63,12 @@ def cache_dir() -> Path:
     return current().kernel_cache or Path.home() / ".cache" / "ragspeed" / "kernels"
 
 
-def _compile(compiler: str, target: Path) -> None:
+def _compile(compiler: str, target: Path, flags: tuple[str, ...] = FLAGS) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as staging:
         staged = Path(staging) / target.name
         subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", str(staged)],
+            [compiler, *flags, str(SOURCE), "-o", str(staged)],
             check=True,
             capture_output=True,
             text=True,
@@ -99,22 +110,23 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
 
 
 @functools.cache
-def load_library() -> ctypes.CDLL | None:
+def load_library(isa: str = "native") -> ctypes.CDLL | None:
     """The compiled kernels, or None (turned off, not x86/ARM Linux, no compiler, or the build
-    failed: logged once)."""
+    failed: logged once). `isa` other than "native" builds for a narrower CPU (`ISA_FLAGS`)."""
     if not current().cpu_kernels:
         return None
     compiler = shutil.which(current().compiler) or shutil.which("gcc")
     if platform.system() != "Linux" or compiler is None:
         log.info("CPU kernels off: needs Linux and a C compiler")
         return None
+    flags = FLAGS + ISA_FLAGS[isa]
     key = hashlib.sha256(
-        "\n".join([SOURCE.read_text(), HEADER.read_text(), compiler, *FLAGS, _cpu_signature()]).encode()
+        "\n".join([SOURCE.read_text(), HEADER.read_text(), compiler, *flags, _cpu_signature()]).encode()
     ).hexdigest()[:16]
     target = cache_dir() / f"kernels-{key}.so"
     try:
         if not target.exists():
-            _compile(compiler, target)
+            _compile(compiler, target, flags)
         return _bind(ctypes.CDLL(str(target)))
     except (OSError, subprocess.SubprocessError) as error:
         detail = getattr(error, "stderr", "") or error

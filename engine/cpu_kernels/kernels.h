@@ -48,5 +48,15 @@ void ragspeed_greedy_steps(const Model *model, const float *rotation_table, int 
                            const int64_t *fed, const int32_t *num_fed, const int64_t *positions,
                            const int32_t *num_steps, float min_confidence, int64_t *drafts,
                            int32_t *counts, int max_steps, int num_threads);
+void ragspeed_quantize_q8(const float *x, int m, int k, int8_t *xq, float *xs, float *xsum,
+                          int num_threads);
+void ragspeed_gemm_u4q8(const uint8_t *w, const float *scale, const float *bias, const int8_t *xq,
+                        const float *xs, const float *xsum, float *y, int m, int n, int k,
+                        int num_threads);
+void ragspeed_gemm_u4f32(const uint8_t *w, const float *scale, const float *bias, const float *x,
+                         float *y, int m, int n, int k, int num_threads);
+void ragspeed_gemm_u4i16(const uint8_t *w, const float *scale, const float *bias, const float *x,
+                         float *y, int m, int n, int k, int num_threads);
+int ragspeed_u4q8_isa(void);
 
 #endif

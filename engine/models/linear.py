@@ -14,7 +14,9 @@ the blocks at close to the machine's read bandwidth, about 1.5x faster than the 
 
 The packed copy that serves prefill products is one of `DENSE_PREFILL_PATHS` (fp32, or bf16 on
 a CPU with AMX-BF16 or AVX512-BF16: engine.packed); a model loads on fp32 and
-engine.precision moves it (`use_prefill`) once the quality gate passes a faster path.
+engine.precision moves it (`use_prefill`) once the quality gate passes a faster path. A GGUF
+model's 4-bit weights have one more, `INT8_BLOCKS` (`GGUF_PREFILL_PATHS`): the file's values
+times int8 activations, no dense copy (engine.cpu_kernels.int8_prefill).
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ragspeed.engine.cpu_kernels import BlockedWeight, blocked_kernels_available, takes_blocked
+from ragspeed.engine.cpu_features import CpuFeatures
+from ragspeed.engine.cpu_kernels import BlockedWeight, blocked_kernels_available, load_library, takes_blocked
+from ragspeed.engine.cpu_kernels.int8_prefill import Int8BlocksGemm, quantize_q4_1
 from ragspeed.engine.linear_kind import LinearKind
 from ragspeed.engine.packed import PackedLinear, bf16_missing
 from ragspeed.engine.quant import QUANT_KINDS
@@ -46,6 +50,40 @@ DENSE_PREFILL_PATHS: tuple[PrefillPath, ...] = (
     PrefillPath("bf16", "bf16", "rounded to bf16", bf16_missing, _packed(torch.bfloat16)),
     PrefillPath("fp32", "fp32", "kept in fp32", runs_anywhere, _packed(torch.float32)),
 )
+
+
+def _int8_blocks_missing(features: CpuFeatures) -> str | None:
+    return None if load_library() is not None else "ragspeed's CPU kernels could not be built"
+
+
+# The blocks' types the integer prefill products take; a layer of another type (Q8_0, the
+# K-quants, mixed rows) keeps the fp32 copy under INT8_BLOCKS and INT16_BLOCKS.
+INT8_BLOCK_TYPES = ("Q4_0", "Q4_1")
+
+# A GGUF model's prefill on its 4-bit blocks (engine.cpu_kernels.int8_prefill): integer
+# multiply-adds (AVX-512 VNNI, AVX2, plain C) of the file's values, no dense copy. `build` takes
+# (values, steps and offsets), as GgufBlocks.kernel_weight() gives them; the probe's weight is
+# rounded to Q4_1 first. Activations rounded to int8 per block of 32 (llama.cpp's Q8_1: the
+# integer units' full rate, 2x-4x fp32's), or to int16 as the decode kernels round them (half
+# that rate, a rounding 256x finer). Both are "int8" precision paths for `--dtype`.
+INT8_BLOCKS = PrefillPath(
+    "int8-blocks",
+    "int8",
+    "rounded to int8 per block of 32",
+    _int8_blocks_missing,
+    lambda weight, bias: Int8BlocksGemm(weight[0], weight[1], bias),
+    quantize_q4_1,
+)
+INT16_BLOCKS = PrefillPath(
+    "int16-blocks",
+    "int8",
+    "rounded to int16 per block of 32",
+    _int8_blocks_missing,
+    lambda weight, bias: Int8BlocksGemm(weight[0], weight[1], bias, activation_bits=16),
+    quantize_q4_1,
+)
+BLOCKS_PATHS = (INT8_BLOCKS, INT16_BLOCKS)
+GGUF_PREFILL_PATHS: tuple[PrefillPath, ...] = (*BLOCKS_PATHS, *DENSE_PREFILL_PATHS)
 
 
 class DenseLinear(LinearKind):
@@ -72,7 +110,8 @@ class DenseLinear(LinearKind):
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__(in_features, out_features, bias)
-        self.prefill: PackedLinear | None = None  # oneDNN layout of W, CPU (engine.packed)
+        # oneDNN layout of W, CPU (engine.packed); a GGUF layer's INT8_BLOCKS product
+        self.prefill: PackedLinear | Int8BlocksGemm | None = None
         self.path: PrefillPath | None = None  # the prefill path `prefill` was built for
         self.weight_t: torch.Tensor | None = None  # [in_features, out_features], elsewhere
         self.blocked: BlockedWeight | None = None  # fp32 CPU weights, ragspeed's kernels
@@ -172,12 +211,19 @@ class GgufLinear(DenseLinear):
 
     def use_prefill(self, path: PrefillPath) -> None:
         if self.qtype is None:
-            super().use_prefill(path)
+            super().use_prefill(path if path not in BLOCKS_PATHS else DENSE_PREFILL_PATHS[-1])
+            self.path = path
             return
         self.path = path
         values, scales = self.blocks.unblocked()
         assert scales is not None, "blocks carry their steps"
-        self.prefill = _packed_by(path, kernel_dequantize(values, scales), self.bias)
+        if path in BLOCKS_PATHS and self.qtype in INT8_BLOCK_TYPES:
+            product = path.build((values, scales), self.bias)
+            assert isinstance(product, Int8BlocksGemm)
+            self.prefill = product
+            return
+        dense_path = DENSE_PREFILL_PATHS[-1] if path in BLOCKS_PATHS else path
+        self.prefill = _packed_by(dense_path, kernel_dequantize(values, scales), self.bias)
 
     @property
     def blocks(self) -> BlockedWeight:
@@ -193,6 +239,8 @@ class GgufLinear(DenseLinear):
     def num_resident_bytes(self) -> int:
         if self.qtype is None:
             return super().num_resident_bytes
+        if isinstance(self.prefill, Int8BlocksGemm):
+            return self.blocks.num_bytes + self.prefill.num_bytes
         prefill = 0 if self.prefill is None else self.num_params * self.prefill.element_size
         return self.blocks.num_bytes + prefill
 

@@ -36,7 +36,7 @@ class QualityGate:
         """What `report` misses, in words; empty when it passes."""
         missed = []
         if report.ppl_increase > self.max_ppl_increase:
-            missed.append(f"perplexity {report.ppl_increase:+.2%} > +{self.max_ppl_increase:.0%}")
+            missed.append(f"perplexity {report.ppl_increase:+.2%} > +{self.max_ppl_increase * 100:g}%")
         if report.top1_agreement < self.min_top1_agreement:
             missed.append(f"top-1 agreement {report.top1_agreement:.2%} < {self.min_top1_agreement:.0%}")
         return missed

@@ -168,7 +168,7 @@ def _measure_quality(
 ) -> _QualityReports:
     """Every engine's logits against the fp32 model's on `num_windows` windows of `text`. Leaves
     the int8 model on the prefill path the gate chose, the fp32 model on fp32."""
-    from ragspeed.engine.models.linear import DENSE_PREFILL_PATHS
+    from ragspeed.engine.models.linear import BLOCKS_PATHS, DENSE_PREFILL_PATHS
     from ragspeed.engine.quant.gate import gate_prefill, use_prefill_path
     from ragspeed.engine.quant.prefill import prefill_candidates, runnable_paths
     from ragspeed.engine.quant.probe import machine_probe
@@ -198,11 +198,20 @@ def _measure_quality(
     # The fp16 KV cache alone (fp32 weights), and with the file's blocks: serve's default path.
     kv_fp16_report = against_fp32(lambda ids: window_logits(fp32_loaded, ids, kv_dtype=torch.float16))
     gguf_reports = {}
-    if "gguf" in engines:  # its prefill is the fp32 model's; its decode reads the blocks
+    if "gguf" in engines:  # its decode reads the blocks; its prefill, each path the CPU runs
+        gguf = engines["gguf"]
         gguf_reports = {
-            name: against_fp32(partial(decode_window_logits, engines["gguf"].loaded, kv_dtype=kv_dtype))
+            name: against_fp32(partial(decode_window_logits, gguf.loaded, kv_dtype=kv_dtype))
             for name, kv_dtype in (("gguf_decode", torch.float32), ("default", torch.float16))
         }
+        # The integer prefill paths on the file's blocks against the fp32 model of its
+        # weights: the gate that makes one of them serve's default (engine.precision).
+        for path in BLOCKS_PATHS:
+            if path.missing(features) is None:
+                name = "gguf_prefill_" + path.name.replace("-", "_")
+                gguf_reports[name] = prefill_against_fp32(gguf.loaded, path)
+        if gguf.prefill_choice is not None:  # back on the path its start-up chose
+            use_prefill_path(gguf.loaded.model, gguf.prefill_choice.path)
     outcome = gate_prefill(candidates, lambda p: int8_reports[p.name])
     # The timings run on the chosen path (the most precise one where none passed).
     timed_path = outcome.path or candidates[-1]
@@ -302,6 +311,10 @@ def _quality_figures(quality: _QualityReports) -> dict[str, Any]:
         figures[f"{name}_ppl_increase"] = report.ppl_increase
         figures[f"{name}_top1_agreement"] = report.top1_agreement
         figures[f"{name}_logit_rms_error"] = report.logit_rms_error
+        if name.startswith("gguf_prefill_"):  # the prefill gate (engine.precision.PREFILL_GATE)
+            figures[f"target_{name}_ppl_increase_le_0_1pct"] = report.ppl_increase <= 0.001
+            figures[f"target_{name}_top1_agreement_ge_99pct"] = report.top1_agreement >= 0.99
+            continue
         figures[f"target_{name}_ppl_increase_le_0_1pct"] = abs(report.ppl_increase) <= 0.001
         figures[f"target_{name}_top1_agreement_ge_99_5pct"] = report.top1_agreement >= 0.995
     return figures
@@ -377,6 +390,9 @@ def _print_quality(r: dict[str, Any]) -> None:
         "gguf_decode": "gguf blocks' decode vs fp32 (the file's dequantized weights)",
         "default": "serve's default (gguf blocks, fp16 KV cache) vs fp32",
     }
+    prefill_names = [k.removesuffix("_top1_agreement") for k in r if k.startswith("gguf_prefill_")]
+    for name in sorted(n for n in prefill_names if not n.endswith(("_ppl_increase", "_logit_rms_error"))):
+        lines[name] = f"gguf blocks' prefill {name.removeprefix('gguf_prefill_')} vs fp32"
     for name, label in lines.items():
         if f"{name}_top1_agreement" in r:
             print(

@@ -20,7 +20,15 @@ from ragspeed.engine.quant.quality import QualityReport
 from tests.engine.conftest import AMX, AVX2, AVX512_BF16, make_engine
 
 # The prefill paths' product times, injected (engine.quant.probe; its own tests order by others)
-SECONDS = {"bf16": 1.0, "fp32": 4.0, "bf16-dequantized": 1.0, "fbgemm-u8": 2.0, "fp32-dequantized": 4.0}
+SECONDS = {
+    "bf16": 1.0,
+    "fp32": 4.0,
+    "bf16-dequantized": 1.0,
+    "fbgemm-u8": 2.0,
+    "fp32-dequantized": 4.0,
+    "int8-blocks": 0.5,
+    "int16-blocks": 0.8,
+}
 PROBE = PrefillProbe(
     ProbeGemm(64, 1), lambda paths, gemm: Measurement({p.name: SECONDS[p.name] for p in paths}, 1.0)
 )
@@ -44,6 +52,11 @@ def _names(plan) -> list[str]:
         ("auto", "int8", AVX512_BF16, ["bf16-dequantized", "fbgemm-u8", "fp32-dequantized"]),
         ("float32", "int8", AMX, ["fbgemm-u8", "fp32-dequantized"]),
         ("bfloat16", "int8", AMX, ["bf16-dequantized", "fp32-dequantized"]),
+        # a GGUF model's blocks: the integer paths run on every CPU (AVX2 and AVX-512 code alike)
+        ("auto", "gguf", AVX2, ["int8-blocks", "int16-blocks", "fp32"]),
+        ("auto", "gguf", AMX, ["int8-blocks", "int16-blocks", "bf16", "fp32"]),
+        ("float32", "gguf", AVX512_BF16, ["int8-blocks", "int16-blocks", "fp32"]),
+        ("bfloat16", "gguf", AMX, ["bf16", "fp32"]),
     ],
 )
 def test_policy_by_cpu(dtype, quantization, features, names):
@@ -124,13 +137,13 @@ def test_gate_falls_back_to_fp32_and_logs_why(tiny_checkpoints, caplog):
     plan = plan_prefill("auto", loaded.quantization, "cpu", AMX, PROBE)
     with caplog.at_level(logging.INFO):
         choice = choose_prefill(loaded, plan, lambda: pytest.fail("measure is injected"), measure=_failing)
-    assert choice.path.name == "fp32" and choice.rejected == {"bf16": "perplexity +2.00% > +1%"}
+    assert choice.path.name == "fp32" and choice.rejected == {"bf16": "perplexity +2.00% > +0.1%"}
     assert {m.path.name for m in loaded.model.modules() if isinstance(m, DenseLinear)} == {"fp32"}
     assert caplog.messages == [
-        "prefill path bf16 fails the quality gate (perplexity +2.00% > +1%): falling back to fp32",
+        "prefill path bf16 fails the quality gate (perplexity +2.00% > +0.1%): falling back to fp32",
         "prefill fp32 (activations kept in fp32), decode blocked fp32, dtype auto on Intel Xeon (torch "
         "AVX512): avx2, avx512f, avx512_vnni, avx512_bf16, amx_bf16, amx_int8; no avx_vnni; failed the "
-        "quality gate: bf16 (perplexity +2.00% > +1%)",
+        "quality gate: bf16 (perplexity +2.00% > +0.1%)",
     ]
 
 
@@ -229,3 +242,53 @@ def test_an_engine_on_auto_runs_the_weights_gate(tiny_checkpoints, caplog):
         engine = make_engine(tiny_checkpoints["llama"], quantization="auto")
     assert "int8 weights pass the quality gate" in caplog.text or "int8 weights fail" in caplog.text
     assert engine.weights["quantization"] in ("int8", "none")
+
+
+def _gate_by_top1(top1: dict[str, float]):
+    def measure(path) -> QualityReport:
+        return QualityReport(4, 508, 50.0, 50.0, 0.0, top1.get(path.name, 1.0), 0.1)
+
+    return measure
+
+
+def test_gguf_blocks_prefill_on_the_first_integer_path_the_gate_passes(tmp_path, tiny_checkpoints, caplog):
+    """int8 activations fail the gate (SmolLM2-135M: top-1 96.85%), int16 pass: the model's Q4_1
+    layers move to the int16 product (engine.cpu_kernels.int8_prefill), its Q8_0 head keeps no
+    dense copy; a prefill of many rows then computes each row exactly as the decode kernels do
+    (the same int16 rounding, exact integer sums, the same fp32 steps in the same order)."""
+    from ragspeed.engine.cpu_kernels.int8_prefill import Int8BlocksGemm
+    from ragspeed.engine.gguf import converted_copy
+    from ragspeed.engine.models.linear import GgufLinear
+    from tests.engine.tiny_gguf import write_tiny_gguf
+
+    path = write_tiny_gguf(tiny_checkpoints["llama"], tmp_path / "tiny-Q4_1.gguf", "Q4_1")
+    loaded = load_model(converted_copy(path, tmp_path / "converted"), quantization="gguf")
+    plan = plan_prefill("auto", loaded.quantization, "cpu", AVX2, PROBE)
+    with caplog.at_level(logging.INFO):
+        choice = choose_prefill(
+            loaded,
+            plan,
+            lambda: pytest.fail("measure is injected"),
+            measure=_gate_by_top1({"int8-blocks": 0.9685}),
+        )
+    assert choice.path.name == "int16-blocks"
+    assert choice.rejected == {"int8-blocks": "top-1 agreement 96.85% < 99%"}
+    assert caplog.messages[0] == (
+        "prefill path int8-blocks fails the quality gate (top-1 agreement 96.85% < 99%): falling back to "
+        "int16-blocks"
+    )
+    assert caplog.messages[1].startswith(
+        "prefill int16-blocks (activations rounded to int16 per block of 32), decode the file's blocks"
+    )
+    layers = [m for m in loaded.model.modules() if isinstance(m, GgufLinear) and m.prefill is not None]
+    assert layers and all(
+        isinstance(m.prefill, Int8BlocksGemm) and m.prefill.activation_bits == 16 for m in layers
+    )
+    assert loaded.model.lm_head.prefill is None
+    layer = loaded.model.layers[0].mlp.gate_up_proj
+    x = torch.randn(40, layer.in_features, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(layer.forward(x), layer.blocks.forward(x, layer.num_threads))
+    use_prefill_path(loaded.model, plan.candidates[0])  # int8 (its products: test_int8_prefill)
+    assert layer.prefill.activation_bits == 8
+    use_prefill_path(loaded.model, plan.exact)
+    assert {type(m.prefill).__name__ for m in layers} == {"PackedLinear"}
