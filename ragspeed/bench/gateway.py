@@ -1,7 +1,7 @@
 """`ragspeed bench gateway`: what the gateway (`--engine openai`) adds in front of an upstream.
 
 One run starts an upstream and a gateway in front of it, and sends the same streamed chat
-request to each, side by side:
+request to each (with `--tools`, a tool-calling one), side by side:
 
 - *concurrency 1*: one request at a time, direct to the upstream and through the gateway in
   turn (the order alternating), so that machine drift hits both alike. *Added latency* is the
@@ -60,6 +60,7 @@ class GatewayBenchConfig:
     engine: str = INSTANT  # the upstream: INSTANT, or an engine serving `model`
     model: str = DEFAULT_MODEL_NAME  # the gateway's tokenizer (and the model upstream's model)
     gateway_args: tuple[str, ...] = ()  # extra `ragspeed serve` flags for the gateway
+    tools: bool = False  # a tool-calling request (TOOLS, a call forced)
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,30 @@ def streamed_text(body: bytes) -> str:
     return "".join(parts)
 
 
-def chat_payload(max_tokens: int, model: str | None) -> bytes:
+# `--tools`: a tool-calling request, as an agent framework sends one (three tools, a call forced);
+# the gateway forwards them untouched, and the instant upstream answers as it always does.
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": f"Look up {what} of a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "unit": {"enum": ["metric", "imperial"]}},
+                "required": ["city"],
+            },
+        },
+    }
+    for name, what in (
+        ("get_weather", "the weather"),
+        ("get_time", "the local time"),
+        ("get_population", "the population"),
+    )
+]
+
+
+def chat_payload(max_tokens: int, model: str | None, tools: bool = False) -> bytes:
     body: dict[str, Any] = {
         "messages": [
             {"role": "system", "content": "Answer briefly."},
@@ -140,6 +164,8 @@ def chat_payload(max_tokens: int, model: str | None) -> bytes:
     }
     if model is not None:
         body["model"] = model
+    if tools:
+        body["tools"], body["tool_choice"] = TOOLS, "required"
     return json.dumps(body).encode()
 
 
@@ -199,8 +225,8 @@ async def throughput(url: str, payload: bytes, concurrency: int, seconds: float,
 
 async def measure(config: GatewayBenchConfig, direct_url: str, gateway_url: str) -> dict[str, Any]:
     targets = {
-        "direct": (direct_url, chat_payload(config.max_tokens, UPSTREAM_MODEL)),
-        "gateway": (gateway_url, chat_payload(config.max_tokens, None)),
+        "direct": (direct_url, chat_payload(config.max_tokens, UPSTREAM_MODEL, config.tools)),
+        "gateway": (gateway_url, chat_payload(config.max_tokens, None, config.tools)),
     }
     latencies = await paired_latency(targets, config.num_requests, config.num_warmup)
     probe = await HttpConnection.open(direct_url)
@@ -218,6 +244,7 @@ async def measure(config: GatewayBenchConfig, direct_url: str, gateway_url: str)
         "upstream": config.engine,
         "num_requests": config.num_requests,
         "max_tokens": config.max_tokens,
+        "tools": config.tools,
         "streamed": True,
         "direct_p50_ms": statistics.median(direct_ms),
         "direct_p99_ms": percentile(direct_ms, 0.99),
@@ -267,7 +294,7 @@ def cpu_line() -> str:
 def report_lines(r: dict[str, Any]) -> list[str]:
     upstream = "instant (answers at once)" if r["upstream"] == INSTANT else f"engine {r['upstream']}"
     return [
-        f"upstream: {upstream}; streamed chat, {r['max_tokens']} tokens a request",
+        f"upstream: {upstream}; streamed chat{' with tools' if r.get('tools') else ''}, {r['max_tokens']} tokens a request",
         f"concurrency 1, {r['num_requests']} paired requests:",
         f"  {'':16} {'p50 ms':>9} {'p99 ms':>9}",
         f"  {'upstream alone':16} {r['direct_p50_ms']:9.3f} {r['direct_p99_ms']:9.3f}",
@@ -305,6 +332,7 @@ def report_lines(r: dict[str, Any]) -> list[str]:
     multiple=True,
     help="An extra `ragspeed serve` flag for the gateway (repeatable), e.g. --gateway-arg=--log-level=warning.",
 )
+@click.option("--tools", is_flag=True, help="Send a tool-calling request (three tools, a call forced).")
 @json_option
 def bench_gateway(
     engine: str,
@@ -314,6 +342,7 @@ def bench_gateway(
     concurrency: int,
     seconds: float,
     gateway_args: tuple[str, ...],
+    tools: bool,
     json_path: str | None,
 ) -> None:
     """Latency and throughput the gateway adds in front of an OpenAI-compatible upstream."""
@@ -325,6 +354,7 @@ def bench_gateway(
         engine=engine,
         model=model,
         gateway_args=gateway_args,
+        tools=tools,
     )
     try:
         result = run_gateway_bench(config)
