@@ -135,9 +135,9 @@ class ToolCallParser:
         end = self._held.find(CALL_CLOSE)
         if end < 0:
             return "", []
-        body = self._held.lstrip()[len(CALL_OPEN) : self._held.lstrip().find(CALL_CLOSE)]
-        self._held = self._held[end + len(CALL_CLOSE) :]
-        return "", self._calls(body)
+        whole, self._held = self._held[: end + len(CALL_CLOSE)], self._held[end + len(CALL_CLOSE) :]
+        calls = self._calls(whole.lstrip()[len(CALL_OPEN) : -len(CALL_CLOSE)])
+        return ("", calls) if calls else (whole, [])  # a call that does not parse stays text
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """What is left at the end: held text that never became a call goes out as content."""

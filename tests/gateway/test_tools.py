@@ -128,3 +128,8 @@ def test_streamed_call_deltas_merge_by_index():
         {"id": "a", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}},
         {"id": "b", "type": "function", "function": {"name": "g", "arguments": ""}},
     ]
+
+
+def test_a_closed_call_that_does_not_parse_stays_text():
+    content, calls = _feed_all(ToolCallParser(), ["<tool_call>[{oops}]</tool_call>"])
+    assert content == "<tool_call>[{oops}]</tool_call>" and calls == []
