@@ -148,7 +148,9 @@ def test_a_proposers_one_time_work_is_not_counted_as_the_steps_cost():
 
     class Running:  # what the speculator reads of a running request
         prefill_only, num_tokens, num_computed_tokens, num_output_tokens = False, 10, 9, 1
-        sampling = SimpleNamespace(params=SimpleNamespace(max_tokens=100, greedy=True, seed=None))
+        sampling = SimpleNamespace(
+            params=SimpleNamespace(max_tokens=100, greedy=True, seed=None), processor=None
+        )
         spec_token_ids: list[int] = []
 
     controller = AdaptiveController(4, max_verify_tokens=100)
