@@ -23,6 +23,7 @@ from ragspeed.engine.logits_process import LogitsProcessor
 from ragspeed.engine.logprobs import token_logprobs
 from ragspeed.engine.model_runner import ModelRunner
 from ragspeed.engine.models.linear import decode_weights
+from ragspeed.engine.models.memory import resident_weight_bytes, unquantized_weight_bytes
 from ragspeed.engine.precision import PrefillChoice
 from ragspeed.engine.prefix_store import engine_fingerprint
 from ragspeed.engine.protocol import (
@@ -33,11 +34,11 @@ from ragspeed.engine.protocol import (
     TokenLogprob,
     check_context_length,
 )
-from ragspeed.engine.quant import resident_weight_bytes, unquantized_weight_bytes
 from ragspeed.engine.request import Request
 from ragspeed.engine.sampler import Sampler
 from ragspeed.engine.sampling import SamplingState, validate_sampling
-from ragspeed.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, StepTimeModel
+from ragspeed.engine.scheduler import Scheduler, StepTimeModel
+from ragspeed.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from ragspeed.engine.spec_decode import TargetParts, build_speculator
 from ragspeed.engine.structured import GrammarCompiler
 from ragspeed.prompt_cache.manager import KVCacheManager

@@ -29,7 +29,7 @@ from ragspeed.engine.cpu_kernels.decoder import FusedDecoder
 from ragspeed.engine.kv_cache import KVCachePool
 from ragspeed.engine.models.decoder import DecoderLM
 from ragspeed.engine.models.rotary import RotaryEmbedding
-from ragspeed.engine.scheduler import ScheduledChunk, SchedulerOutput
+from ragspeed.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from ragspeed.engine.step_buffers import StepBuffers
 from ragspeed.engine.threads import DecodeThreads, forward_pass
 

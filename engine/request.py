@@ -6,8 +6,8 @@ tokens whose KV is in the request's blocks. A request *needs a prefill* while
 the step that computes its last missing token samples the next token. After preemption by
 recompute, the output so far becomes part of what is prefilled again.
 
-Document KV reuse (engine.document_kv) adds: `document_plan` (the request's documents and their
-stored KV), `blockers` (keys of the document prefills it waits on: the scheduler admits it only
+Document KV reuse (engine.document_kv) adds: `document_plan` (engine.document_plan: the request's
+documents and their stored KV), `blockers` (keys of the document prefills it waits on: the scheduler admits it only
 once none is left), `cache_variant` (set at admission: its blocks from the first one it computes
 on hold assembled KV, and enter the prefix cache tagged, found only by requests assembled
 alike: prompt_cache.hashing) and, on a document prefill, `document_key` and `document_start` (where its
@@ -17,16 +17,13 @@ document begins).
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
 
 from ragspeed.engine.detokenizer import IncrementalDetokenizer
+from ragspeed.engine.document_plan import DocumentPlan
 from ragspeed.engine.protocol import GenerationRequest
 from ragspeed.engine.sampling import SamplingState
 from ragspeed.engine.stop import StopStringMatcher
 from ragspeed.prompt_cache.hashing import Variant
-
-if TYPE_CHECKING:
-    from ragspeed.engine.document_kv import DocumentPlan
 
 
 class RequestStatus(enum.Enum):

@@ -12,7 +12,6 @@ imports this package and so stays free of them.
 """
 
 from ragspeed.engine.quant.groupwise import GroupInt8Weight, quantize_groupwise
-from ragspeed.engine.quant.memory import resident_weight_bytes, unquantized_weight_bytes
 from ragspeed.engine.quant.per_channel import Int8Weight, quantize_per_channel
 from ragspeed.engine.quant.registry import (
     QUANT_KINDS,
@@ -32,6 +31,4 @@ __all__ = [
     "available_quantizations",
     "check_quantization",
     "quantize_per_channel",
-    "resident_weight_bytes",
-    "unquantized_weight_bytes",
 ]

@@ -17,14 +17,8 @@ Draft tokens never enter `all_token_ids` nor the prefix cache until accepted.
 from ragspeed.engine.spec_decode.controller import AdaptiveController
 from ragspeed.engine.spec_decode.draft import DraftProposer
 from ragspeed.engine.spec_decode.ngram import NgramProposer
-from ragspeed.engine.spec_decode.proposer import (
-    PROPOSERS,
-    PerRequestProposer,
-    Proposer,
-    TargetParts,
-    TokenProposer,
-    build_proposer,
-)
+from ragspeed.engine.spec_decode.proposer import PerRequestProposer, Proposer, TargetParts, TokenProposer
+from ragspeed.engine.spec_decode.registry import PROPOSERS, build_proposer
 from ragspeed.engine.spec_decode.rejection import verify_greedy, verify_sampled
 from ragspeed.engine.spec_decode.speculator import Speculator, build_speculator
 from ragspeed.engine.spec_decode.stats import SpecStats

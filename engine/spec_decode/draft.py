@@ -51,7 +51,7 @@ from ragspeed.engine.loader import LoadedModel, load_for_engine, resolve_model_p
 from ragspeed.engine.model_runner import ModelRunner
 from ragspeed.engine.protocol import EngineError
 from ragspeed.engine.quant import QuantizationUnavailableError, available_quantizations
-from ragspeed.engine.scheduler import ScheduledChunk, SchedulerOutput
+from ragspeed.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from ragspeed.engine.spec_decode.proposer import TargetParts
 from ragspeed.prompt_cache.manager import KVCacheManager
 
@@ -69,7 +69,7 @@ class _DraftState:
 
 @dataclass(frozen=True)
 class _DraftSequence:
-    """What the draft's runner reads of a request (engine.scheduler.ScheduledChunk.request):
+    """What the draft's runner reads of a request (engine.scheduler_output.ScheduledChunk.request):
     the request's tokens followed by the drafts fed so far."""
 
     all_token_ids: list[int]

@@ -1,4 +1,4 @@
-"""The proposer protocols and the registry that maps `EngineConfig.speculative` to a proposer.
+"""The proposer protocols, and what a proposer may read of its target (`TargetParts`).
 
 Two shapes of proposer:
 - `Proposer` (what the `Speculator` calls): drafts for a whole batch of running decodes in one
@@ -7,18 +7,17 @@ Two shapes of proposer:
   the request finishes, aborts or is preempted.
 - `TokenProposer`: a stateless per-request guesser over token ids (a test's oracle). It serves
   through `PerRequestProposer`, which loops over the batch and keeps nothing.
-Prompt lookup (ngram.py) is a `Proposer`: it keeps an n-gram index per request.
+Prompt lookup (ngram.py) is a `Proposer`: it keeps an n-gram index per request. The registry
+(registry.py) maps `EngineConfig.speculative` to a proposer's factory.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.model_runner import ModelRunner
-from ragspeed.engine.protocol import EngineError
 from ragspeed.prompt_cache.manager import KVCacheManager
 
 
@@ -76,41 +75,3 @@ class TargetParts:
 
 def as_batch_proposer(proposer: Proposer | TokenProposer) -> Proposer:
     return proposer if isinstance(proposer, Proposer) else PerRequestProposer(proposer)
-
-
-def _build_ngram(config: EngineConfig, target: TargetParts) -> Proposer:
-    from ragspeed.engine.spec_decode.ngram import NgramProposer
-
-    return NgramProposer()
-
-
-def _build_draft(config: EngineConfig, target: TargetParts) -> Proposer:
-    from ragspeed.engine.model_zoo import ZOO_DRAFTS
-    from ragspeed.engine.spec_decode.draft import build_draft_proposer
-
-    draft = config.draft_model or ZOO_DRAFTS.get(config.model)
-    if not draft:
-        raise EngineError(
-            f"speculative='draft' needs a draft model and none ships for {config.model!r}: train one"
-            f" with `ragspeed train-draft --target {config.model} --out DIR`"
-            " and pass --draft-model DIR",
-            param="draft_model",
-        )
-    return build_draft_proposer(replace(config, draft_model=draft), target)
-
-
-# EngineConfig.speculative -> factory(config, target) of its proposer.
-PROPOSERS: dict[str, Callable[[EngineConfig, TargetParts], Proposer]] = {
-    "ngram": _build_ngram,
-    "draft": _build_draft,
-}
-
-
-def build_proposer(config: EngineConfig, target: TargetParts) -> Proposer:
-    factory = PROPOSERS.get(config.speculative or "")
-    if factory is None:
-        raise EngineError(
-            f"unknown speculative method {config.speculative!r}; choose one of {', '.join(PROPOSERS)}",
-            param="speculative",
-        )
-    return factory(config, target)

@@ -19,8 +19,8 @@ from ragspeed.engine.spec_decode.proposer import (
     TargetParts,
     TokenProposer,
     as_batch_proposer,
-    build_proposer,
 )
+from ragspeed.engine.spec_decode.registry import build_proposer
 from ragspeed.engine.spec_decode.rejection import verify_greedy, verify_sampled
 from ragspeed.engine.spec_decode.stats import SpecStats
 

@@ -16,6 +16,7 @@ from ragspeed.engine.gguf import converted_copy, source_of
 from ragspeed.engine.loader import load_model
 from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME, ZOO
 from ragspeed.engine.models.linear import DenseLinear, GgufLinear
+from ragspeed.engine.models.memory import resident_weight_bytes
 from ragspeed.engine.protocol import GenerationRequest
 from ragspeed.engine.quant import QuantizationUnavailableError
 from ragspeed.engine.quant.gguf_blocks import (
@@ -26,7 +27,6 @@ from ragspeed.engine.quant.gguf_blocks import (
     kernel_dequantize,
     map_rows,
 )
-from ragspeed.engine.quant.memory import resident_weight_bytes
 from ragspeed.engine.quant.quality import decode_window_logits, window_logits
 from ragspeed.engine.sampling import SamplingParams
 from tests.engine.conftest import int16_rows, make_engine

@@ -8,15 +8,11 @@ layout the kind keeps), the norms' weights. A tied LM head counts twice: it keep
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
+from ragspeed.engine.models.decoder import DecoderLM
 from ragspeed.engine.quant.gguf_blocks import GgufBlocks
-
-if TYPE_CHECKING:
-    from ragspeed.engine.models.decoder import DecoderLM
 
 
 def _norm_bytes(model: nn.Module) -> int:
