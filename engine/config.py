@@ -1,5 +1,10 @@
 """The engine's frozen configs, built at the edge (CLI, settings file) and passed down:
-`EngineConfig` for every backend, `UpstreamConfig` beside it for the remote (openai) one."""
+`EngineConfig` for every backend, `UpstreamConfig` beside it for the remote (openai) one.
+
+Each setting is declared once, here: the server's options (gateway.settings) take their names
+and their defaults from these classes, and add only what a user reads (flag, description,
+bounds). `SERVED_ENGINE` is the engine `ragspeed serve` builds when no option is given.
+"""
 
 from __future__ import annotations
 
@@ -52,6 +57,14 @@ class EngineConfig:
         for name in ("quantization", "draft_quantization", "speculative", "document_cache_dir"):
             if getattr(self, name) == "none":
                 object.__setattr__(self, name, None)
+
+
+# The engine a server runs unless told otherwise: EngineConfig's defaults but two. A server takes
+# the quality gate's choice of weights ("auto": int8 or a GGUF file's blocks where they pass) and
+# keeps its document store across restarts in a folder of the model cache; an engine built in
+# code (a bench, a test, the evals) is exact and RAM-only unless it asks, so that its figures
+# depend on no gate and no folder.
+SERVED_ENGINE = EngineConfig(quantization="auto", document_cache_dir="auto")
 
 
 @dataclass(frozen=True)

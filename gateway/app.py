@@ -115,7 +115,7 @@ def create_app(
                 state.precompute = DocumentPrecompute(engine, engine.tokenizer, metrics)
                 # The fidelity gate's choice, read from `bench fidelity`'s result (logged).
                 state.document_cache_default = await asyncio.to_thread(
-                    settings_default, settings.prompts, engine
+                    settings_default, settings.engine, engine
                 )
                 state.compression = CompressionStage(settings.compression, engine.tokenizer)
                 await asyncio.to_thread(state.compression.warm)

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ragspeed.engine.protocol import DocumentCacheOptions
+from ragspeed.gateway.settings import EngineSettings
 
 logger = logging.getLogger(__name__)
 
@@ -221,20 +222,14 @@ def choose_default(result: FidelityResult | None, gate: FidelityGate = FIDELITY_
     )
 
 
-def settings_default(prompts: Any, engine: Any) -> DocumentCacheDefault:
-    """`server_default` for the gateway's prompts settings and its main engine (an
+def settings_default(options: EngineSettings, engine: Any) -> DocumentCacheDefault:
+    """`server_default` for the server's document cache options and its main engine (an
     `EngineClient`; only the native one, `.engine`, reuses document KV)."""
-    configured = DocumentCacheOptions(
-        policy=prompts.document_cache_policy,
-        num_tokens=prompts.document_cache_tokens,
-        ratio=prompts.document_cache_ratio,
-        glue=prompts.document_cache_glue,
-    )
     try:
         llm_engine = getattr(engine, "engine", None)
     except Exception:  # a backend whose engine is not there
         llm_engine = None
-    return server_default(prompts.document_cache, configured, llm_engine)
+    return server_default(options.document_cache, options.document_cache_options(), llm_engine)
 
 
 def server_default(

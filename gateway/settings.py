@@ -20,10 +20,10 @@ import json
 import os
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal, cast, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -31,19 +31,23 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from ragspeed.compression.registry import COMPRESSORS, DEFAULT_METHOD, OFFERED_METHODS
-from ragspeed.engine.config import EngineConfig, UpstreamConfig
+from ragspeed.engine.config import SERVED_ENGINE, EngineConfig, UpstreamConfig
 from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
+from ragspeed.engine.protocol import DocumentCacheOptions
 from ragspeed.gateway.security import ApiKeyEntry, KeyHash
 
 ENV_PREFIX = "RAGSPEED_"
 
-# The keys of engine.dtypes.DTYPES (kept here as a type: settings import no torch).
+# The values EngineConfig's string fields take, as types (settings import no torch): the keys of
+# engine.dtypes.DTYPES, engine.kv_cache.resolve_kv_dtype's, engine.loader.resolve_quantization's
+# ("none": off) and engine.document_kv.STORAGE_DTYPES; engine.protocol.DOCUMENT_CACHE_POLICIES and
+# DOCUMENT_GLUE_MODES.
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
-# engine.protocol.DOCUMENT_CACHE_POLICIES, DOCUMENT_GLUE_MODES and engine.document_kv.STORAGE_DTYPES,
-# as types.
+KVCacheDtype = Literal["auto", "fp32", "fp16"]
+Quantization = Literal["auto", "none", "int8", "gguf"]
+DocumentCacheDtype = Literal["float16", "bfloat16", "float32"]
 DocumentCachePolicy = Literal["reuse", "sink", "blend"]
 DocumentGlue = Literal["recompute", "reuse"]
-DocumentCacheDtype = Literal["float16", "bfloat16", "float32"]
 
 
 class ConfigError(ValueError):
@@ -84,90 +88,145 @@ class SecuritySettings(Section):
     )
 
 
+_SERVED = SERVED_ENGINE
+
+
 class EngineSettings(Section):
     """Model and engine: the model, the backend and the native engine's KV cache, scheduler,
-    weights, speculative decoding and document KV store."""
+    weights, speculative decoding and document KV reuse (its store, and the policy of the
+    requests that place documents from it).
+
+    Every field but the document cache's policy (`document_cache`, `_policy`, `_tokens`,
+    `_ratio`, `_glue`, which the gateway applies) is EngineConfig's, by the same name, with
+    `SERVED_ENGINE`'s default: engine.config declares each setting once."""
 
     model: str = Field(
-        DEFAULT_MODEL_NAME,
+        _SERVED.model,
         description=f"Model: a zoo name ({DEFAULT_MODEL_NAME}, bench-135m, bench-0.5b), a local HF-format folder, a .gguf file or a hub id (org/name).",
     )
     backend: str = Field(
-        "native", alias="engine", description="Engine backend: native, transformers, openai or vllm."
+        _SERVED.backend, alias="engine", description="Engine backend: native, transformers, openai or vllm."
     )
-    tokenizer: str | None = Field(None, description="Tokenizer path or id; default: the model's.")
-    device: str = Field("cpu", description="Device for embedded engines: cpu or cuda.")
+    tokenizer: str | None = Field(
+        _SERVED.tokenizer, description="Tokenizer path or id; default: the model's."
+    )
+    device: str = Field(_SERVED.device, description="Device for embedded engines: cpu or cuda.")
     dtype: Dtype = Field(
-        "auto",
+        cast(Dtype, _SERVED.dtype),
         description="Precision of embedded engines: auto, float32, bfloat16 or float16. On CPU the native engine keeps fp32 weights, activations and KV cache and chooses only its prefill products' precision: auto takes bf16 where the CPU has AMX-BF16 or AVX512-BF16, a start-up measurement finds it faster than fp32 (kept per machine beside the CPU kernels) and the start-up quality gate passes it, fp32 elsewhere; bfloat16 fails to start on a CPU without them. Elsewhere the compute dtype (auto: bf16 where supported).",
     )
     num_threads: int | None = Field(
-        None,
+        _SERVED.num_threads,
         ge=1,
         description="CPU threads of the native engine's forward pass; default: torch's (one per core). 1 on a CPU shared with other jobs.",
     )
-    max_model_len: int | None = Field(None, ge=16, description="Context length; default: the model's.")
-    block_size: int = Field(16, ge=1, description="Tokens per KV cache block (native engine).")
+    max_model_len: int | None = Field(
+        _SERVED.max_model_len, ge=16, description="Context length; default: the model's."
+    )
+    block_size: int = Field(
+        _SERVED.block_size, ge=1, description="Tokens per KV cache block (native engine)."
+    )
     num_kv_cache_tokens: int | None = Field(
-        None,
+        _SERVED.num_kv_cache_tokens,
         ge=1,
         description="KV cache pool size in tokens (native); default: from kv_cache_memory_fraction.",
     )
     kv_cache_memory_fraction: float = Field(
-        0.1,
+        _SERVED.kv_cache_memory_fraction,
         gt=0,
         le=1,
         description="Share of free memory for the KV cache when num_kv_cache_tokens is unset.",
     )
-    max_num_seqs: int = Field(32, ge=1, description="Most requests in one batch (native).")
+    max_num_seqs: int = Field(_SERVED.max_num_seqs, ge=1, description="Most requests in one batch (native).")
     max_num_batched_tokens: int = Field(
-        512, ge=1, description="Token budget of one engine step: decodes plus prefill chunks (native)."
+        _SERVED.max_num_batched_tokens,
+        ge=1,
+        description="Token budget of one engine step: decodes plus prefill chunks (native).",
     )
     tpot_target_ms: float | None = Field(
-        50.0,
+        _SERVED.tpot_target_ms,
         gt=0,
         description="Time budget of an engine step that carries decodes, ms: the prefill chunks beside them are sized to fit it (native; none: the token budget alone).",
     )
-    enable_prefix_caching: bool = Field(True, description="Reuse the KV of shared prompt prefixes (native).")
-    kv_cache_dtype: Literal["auto", "fp32", "fp16"] = Field(
-        "auto",
+    enable_prefix_caching: bool = Field(
+        _SERVED.enable_prefix_caching, description="Reuse the KV of shared prompt prefixes (native)."
+    )
+    kv_cache_dtype: KVCacheDtype = Field(
+        cast(KVCacheDtype, _SERVED.kv_cache_dtype),
         description="KV cache dtype (native): auto (fp16 on a CPU with ragspeed's kernels for an fp32 model, else the model's dtype), fp32 or fp16. fp16 halves what decode attention reads and what the pool, the document store and the prefix store hold.",
     )
-    quantization: Literal["auto", "none", "int8", "gguf"] | None = Field(
-        "auto",
+    quantization: Quantization | None = Field(
+        cast(Quantization | None, _SERVED.quantization),
         description="Weights (native): auto (on CPU a GGUF file's own blocks, else int8 where its quality gate passes on the model at start-up, else none), gguf (a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks as stored; other types dequantized), int8 (group-wise, its quality gate) or none (the checkpoint's dtype).",
     )
-    speculative: str | None = Field(None, description="Speculative decoding: ngram or draft (native).")
+    speculative: str | None = Field(
+        _SERVED.speculative, description="Speculative decoding: ngram or draft (native)."
+    )
     draft_model: str | None = Field(
-        None,
+        _SERVED.draft_model,
         description="Draft model for --speculative draft: a zoo name, a local folder, a .gguf file or a hub id; same tokenizer as the model.",
     )
     draft_quantization: str | None = Field(
-        "auto",
+        _SERVED.draft_quantization,
         description="Draft model weights: auto (int8 on a CPU, else as --quantization), none or int8. The target verifies every draft, so this moves acceptance, never the output.",
     )
-    num_speculative_tokens: int = Field(4, ge=1, description="Draft tokens proposed per step.")
+    num_speculative_tokens: int = Field(
+        _SERVED.num_speculative_tokens, ge=1, description="Draft tokens proposed per step."
+    )
+    document_cache: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Reuse each document's stored KV at any position instead of prefilling it again (placing a document approximates attention). auto: requests whose documents go uncompressed get the cheapest repair policy that passed the fidelity gate for this model in `ragspeed bench fidelity` (gateway/fidelity_gate.py; the result is read at start-up), else exact prefill; on: document_cache_policy for every such request, measured or not; off: exact prefill. A request may always ask (`ragspeed.document_cache`: a policy, true, or false for exact prefill); compressed documents reuse only when they ask. Token-level compression makes new documents; document selection keeps them whole and reusable.",
+    )
+    document_cache_policy: DocumentCachePolicy = Field(
+        "reuse",
+        description="Repair after placing stored documents, under document_cache on and for a request that asks without naming one (under auto, the gate's policy where one passed): reuse (none), sink (each document's first document_cache_tokens tokens recomputed in context) or blend (the document_cache_ratio of document tokens whose keys deviate most, recomputed).",
+    )
+    document_cache_tokens: int = Field(16, ge=0, description="sink: each document's first tokens recomputed.")
+    document_cache_ratio: float = Field(
+        0.15,
+        ge=0,
+        le=1,
+        description="blend: share of document tokens recomputed.",
+    )
+    document_cache_glue: DocumentGlue = Field(
+        "reuse",
+        description="The text between two documents (separator and number): recompute (in context) or reuse (stored and placed as a document is; fewer fresh tokens).",
+    )
     document_cache_bytes: int | None = Field(
-        None,
+        _SERVED.document_cache_bytes,
         ge=0,
         description="RAM budget of the document KV store, bytes (LRU beyond it); default: a quarter of available memory, at most 4 GiB.",
     )
     document_cache_dir: str | None = Field(
-        "auto",
+        _SERVED.document_cache_dir,
         description="Folder of the document KV store's disk tier (one file per document under the HMAC of a server key kept there, mode 0600; LRU by last use, kept across restarts); auto: <model cache>/documents; none: RAM only.",
     )
     document_cache_disk_bytes: int = Field(
-        8 * 2**30,
+        _SERVED.document_cache_disk_bytes,
         ge=0,
         description="Disk budget of the document KV store's files, bytes (least recently used deleted beyond it); at most half the folder's free space at start-up.",
     )
     document_cache_dtype: DocumentCacheDtype = Field(
-        "float16", description="Precision of stored document KV: float16, bfloat16 or float32."
+        cast(DocumentCacheDtype, _SERVED.document_cache_dtype),
+        description="Precision of stored document KV: float16, bfloat16 or float32.",
     )
 
     def config(self) -> EngineConfig:
-        # The fields are EngineConfig's, by the same names.
-        return EngineConfig(**self.model_dump())
+        """The engine these options build: EngineConfig's fields, by the same names."""
+        return EngineConfig(**self.model_dump(include=set(_CONFIG_FIELDS)))
+
+    def document_cache_options(self) -> DocumentCacheOptions:
+        """The repair policy the document cache options name (under `on`, and for a request
+        that asks without naming one where the fidelity gate chose none)."""
+        return DocumentCacheOptions(
+            policy=self.document_cache_policy,
+            num_tokens=self.document_cache_tokens,
+            ratio=self.document_cache_ratio,
+            glue=self.document_cache_glue,
+        )
+
+
+_CONFIG_FIELDS = frozenset(field.name for field in fields(EngineConfig))
 
 
 class UpstreamSettings(Section):
@@ -284,8 +343,8 @@ class RetrievalSettings(Section):
 
 
 class PromptSettings(Section):
-    """Prompts: how a request becomes a prompt (document markers, max_tokens, document KV
-    reuse) and where registered prompts are kept."""
+    """Prompts: how a request becomes a prompt (document markers, max_tokens) and where
+    registered prompts are kept."""
 
     cache_dir: str | None = Field(
         ".ragspeed/prompts",
@@ -300,22 +359,6 @@ class PromptSettings(Section):
     )
     document_end_marker: str = Field(
         "</document>", min_length=1, description="Marks the end of a document inside a message."
-    )
-    document_cache: Literal["auto", "on", "off"] = Field(
-        "auto",
-        description="Reuse each document's stored KV at any position instead of prefilling it again (placing a document approximates attention). auto: requests whose documents go uncompressed get the cheapest repair policy that passed the fidelity gate for this model in `ragspeed bench fidelity` (gateway/fidelity_gate.py; the result is read at start-up), else exact prefill; on: document_cache_policy for every such request, measured or not; off: exact prefill. A request may always ask (`ragspeed.document_cache`: a policy, true, or false for exact prefill); compressed documents reuse only when they ask. Token-level compression makes new documents; document selection keeps them whole and reusable.",
-    )
-    document_cache_policy: DocumentCachePolicy = Field(
-        "reuse",
-        description="Repair after placing stored documents, under document_cache on and for a request that asks without naming one (under auto, the gate's policy where one passed): reuse (none), sink (each document's first document_cache_tokens tokens recomputed in context) or blend (the document_cache_ratio of document tokens whose keys deviate most, recomputed).",
-    )
-    document_cache_tokens: int = Field(16, ge=0, description="sink: each document's first tokens recomputed.")
-    document_cache_ratio: float = Field(
-        0.15, ge=0, le=1, description="blend: share of document tokens recomputed."
-    )
-    document_cache_glue: DocumentGlue = Field(
-        "reuse",
-        description="The text between two documents (separator and number): recompute (in context) or reuse (stored and placed as a document is; fewer fresh tokens).",
     )
 
 

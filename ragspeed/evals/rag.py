@@ -484,12 +484,12 @@ def teacher_forced_configs(configs: Sequence[RagConfig]) -> list[RagConfig]:
 def document_cache_options(config: RagConfig, settings: Settings) -> DocumentCacheOptions:
     """A configuration's `ragspeed.document_cache` as the gateway resolves it (the settings
     fill what it does not name)."""
-    asked, prompts = config.ragspeed["document_cache"], settings.prompts
+    asked, configured = config.ragspeed["document_cache"], settings.engine.document_cache_options()
     return DocumentCacheOptions(
-        policy=asked.get("policy", prompts.document_cache_policy),
-        num_tokens=asked.get("tokens", prompts.document_cache_tokens),
-        ratio=asked.get("ratio", prompts.document_cache_ratio),
-        glue=asked.get("glue", prompts.document_cache_glue),
+        policy=asked.get("policy", configured.policy),
+        num_tokens=asked.get("tokens", configured.num_tokens),
+        ratio=asked.get("ratio", configured.ratio),
+        glue=asked.get("glue", configured.glue),
     )
 
 

@@ -161,3 +161,41 @@ def test_serve_is_a_command_and_freezes_the_start_up_heap_once_ready():
         assert gc.get_freeze_count() > frozen
     finally:
         gc.unfreeze()
+
+
+def test_the_engine_options_are_engine_configs_fields_with_the_served_engines_defaults():
+    """Each engine setting is declared once (engine.config): the engine section's options take
+    EngineConfig's names and `SERVED_ENGINE`'s defaults, and each of them reaches the config."""
+    from dataclasses import fields
+
+    from ragspeed.engine.config import SERVED_ENGINE, EngineConfig
+    from ragspeed.gateway.settings import EngineSettings, Settings
+
+    config_fields = [f.name for f in fields(EngineConfig)]
+    not_options = ["seed"]  # an engine built in code seeds itself; a server's is 0
+    policy = [  # the document cache's policy, which the gateway applies
+        "document_cache",
+        "document_cache_policy",
+        "document_cache_tokens",
+        "document_cache_ratio",
+        "document_cache_glue",
+    ]
+    section = list(EngineSettings.model_fields)
+    assert sorted(section) == sorted([n for n in config_fields if n not in not_options] + policy)
+    assert [o.section for o in OPTIONS.values() if o.name.startswith("document_cache")] == ["engine"] * 9
+    assert Settings().engine.config() == SERVED_ENGINE
+    for name in config_fields:
+        if name not in not_options:
+            assert EngineSettings.model_fields[name].default == getattr(SERVED_ENGINE, name), name
+    # A server differs from an engine built in code in two defaults alone, both "auto".
+    built = EngineConfig()
+    assert {n for n in config_fields if getattr(built, n) != getattr(SERVED_ENGINE, n)} == {
+        "quantization",
+        "document_cache_dir",
+    }
+    changed = Settings(block_size=32, document_cache_bytes=5, document_cache_dtype="float32").engine.config()
+    assert (changed.block_size, changed.document_cache_bytes, changed.document_cache_dtype) == (
+        32,
+        5,
+        "float32",
+    )
