@@ -56,16 +56,14 @@ from typing import Any
 
 import torch
 
-from ragspeed.engine.attention import scattered_metadata
 from ragspeed.engine.attention import slots as slot_ids
 from ragspeed.engine.config import EngineConfig
-from ragspeed.engine.cpu_kernels.placement import place_kernel_applies, place_kv
 from ragspeed.engine.document_plan import DocumentPlan
 from ragspeed.engine.kv_cache import available_memory_bytes
 from ragspeed.engine.model_runner import ModelRunner
 from ragspeed.engine.protocol import DocumentCacheOptions, GenerationRequest
 from ragspeed.engine.request import Request
-from ragspeed.engine.threads import forward_pass
+from ragspeed.engine.scheduler_output import ScheduledChunk
 from ragspeed.prompt_cache.document_store import (
     DocumentKV,
     DocumentStore,
@@ -192,13 +190,6 @@ class DocumentKVCache:
         # Document prefills no request waits for any more (theirs was aborted): the engine
         # aborts them before its next step.
         self.orphans: list[str] = []
-        pool = runner.kv_pool.kv  # [2, L, num_blocks, block_size, H, D]
-        self._flat = pool.view(pool.shape[0], pool.shape[1], -1, pool.shape[4], pool.shape[5])
-        num_slots = self._flat.shape[2]
-        # The pool as rows of one token's K (or V) at one layer, and the first row of each
-        # (K or V, layer): a document is placed by one index_copy_ of all its rows.
-        self._rows = pool.view(-1, pool.shape[4] * pool.shape[5])
-        self._first_rows = (torch.arange(2 * pool.shape[1], device=pool.device) * num_slots).view(-1, 1)
         self.num_assembled = 0
         self.num_documents_placed = 0
         self.num_documents_computed = 0
@@ -291,7 +282,7 @@ class DocumentKVCache:
         assert key is not None
         token_ids = tuple(sub.prompt_token_ids[start:])
         slots = _slots(block_table, start, len(sub.prompt_token_ids), self.runner.block_size)
-        kv = self._flat.index_select(2, slots.to(self._flat.device))
+        kv = self.runner.read_kv(slots)
         kv = kv.to(STORAGE_DTYPES[self.storage_dtype]).cpu().contiguous()  # [2, L, n, H, D]
         entry = DocumentKV(
             key=key,
@@ -369,7 +360,6 @@ class DocumentKVCache:
         """Copy each known document's KV into its span (from `first`, before `last`), its keys
         rotated to their new place; which positions [0, last) now hold placed KV."""
         placed = [False] * last
-        device, dtype = self._flat.device, self._flat.dtype
         for (start, end), kv, stored_start, is_document in zip(
             plan.spans, plan.kv, plan.start_positions, plan.is_document
         ):
@@ -378,17 +368,7 @@ class DocumentKVCache:
                 continue
             kv = kv[:, :, begin - start : stop - start]  # [2, L, n, H, D]
             slots = _slots(block_table, begin, stop, self.runner.block_size)
-            delta = start - stored_start
-            if place_kernel_applies(kv, self._flat):
-                rotation = self.runner.rotary.shift_rotation(delta)
-                place_kv(kv, rotation, slots, self._flat, self.runner.num_threads)
-            else:
-                kv, slots = kv.to(device), slots.to(device)
-                keys = self.runner.rotary.shift_keys(kv[0], delta)
-                rows = torch.cat((keys.to(dtype), kv[1].to(dtype)))  # [2 L, n, H, D]
-                self._rows.index_copy_(
-                    0, (self._first_rows + slots).view(-1), rows.view(-1, self._rows.shape[1])
-                )
+            self.runner.place_kv(kv, slots, start - stored_start)
             placed[begin:stop] = [True] * (stop - begin)
             self.num_documents_placed += is_document
         return placed
@@ -414,14 +394,13 @@ class DocumentKVCache:
         if first >= last:  # the prefix-cache hit reaches the last token: nothing to repair
             return 0
         positions = list(range(first, last))
-        runner, num_layers = self.runner, len(self.runner.kv_pool.k_caches)
+        runner, num_layers = self.runner, self.runner.num_layers
         split = min(BLEND_LAYER + 1, num_layers)
-        slots = _slots(block_table, first, last, runner.block_size).to(self._flat.device)
-        reused_keys = self._flat[0, BLEND_LAYER].index_select(0, slots).float()  # [n, H, D]
-        hidden, residual = self._forward(
-            [request.all_token_ids[p] for p in positions], positions, block_table, layers=(0, split)
-        )
-        deviation = (self._flat[0, BLEND_LAYER].index_select(0, slots).float() - reused_keys).norm(dim=(1, 2))
+        slots = _slots(block_table, first, last, runner.block_size)
+        reused_keys = runner.read_kv(slots, BLEND_LAYER).float()  # [n, H, D]
+        table = tuple(block_table)
+        hidden, residual = runner.run_chunk(_scattered(request, positions, table), layers=(0, split))
+        deviation = (runner.read_kv(slots, BLEND_LAYER).float() - reused_keys).norm(dim=(1, 2))
         is_placed = torch.tensor([placed[p] for p in positions], dtype=torch.bool)
         num_placed = int(is_placed.sum())
         assert request.document_plan is not None
@@ -434,41 +413,12 @@ class DocumentKVCache:
             keep[ranked.cpu()] = True
         rows = keep.nonzero().view(-1)
         if len(rows) and split < num_layers:
-            self._forward(
-                None,
-                [positions[i] for i in rows.tolist()],
-                block_table,
+            runner.run_chunk(
+                _scattered(request, [positions[i] for i in rows.tolist()], table),
                 layers=(split, num_layers),
                 stream=(hidden[rows.to(hidden.device)], residual[rows.to(hidden.device)]),
             )
         return len(rows)
-
-    def _forward(
-        self,
-        token_ids: list[int] | None,
-        positions: list[int],
-        block_table: list[int],
-        layers: tuple[int, int] | None = None,
-        stream: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A scattered step over `positions` through `layers` (first, end; default all), from the
-        tokens' embeddings or from a residual `stream` (hidden, residual) of earlier layers."""
-        runner = self.runner
-        model, pool = runner.model, runner.kv_pool
-        first, end = layers or (0, len(pool.k_caches))
-        meta = scattered_metadata(
-            block_table, positions, runner.block_size, runner.device, model.dtype, runner.num_threads
-        )
-        freqs = runner.rotary.lookup(torch.tensor(positions, dtype=torch.long, device=runner.device))
-        with forward_pass([len(positions)], runner.num_threads, runner.device):
-            if stream is None:
-                ids = torch.tensor(token_ids, dtype=torch.long, device=runner.device)
-                hidden, residual = model.embed(ids), None
-            else:
-                hidden, residual = stream
-            return model.run_layers(
-                hidden, residual, freqs, pool.k_caches[first:end], pool.v_caches[first:end], meta, first
-            )
 
     # ------------------------------------------------------------------ figures
 
@@ -504,6 +454,12 @@ class DocumentKVCache:
 
 def _slots(block_table: list[int], start: int, end: int, block_size: int) -> torch.Tensor:
     return torch.tensor(slot_ids(block_table, start, end, block_size), dtype=torch.long)
+
+
+def _scattered(request: Request, positions: list[int], block_table: tuple[int, ...]) -> ScheduledChunk:
+    """`request`'s tokens at `positions` (ascending) as one scattered chunk: each sees the keys
+    up to its own position, placed or computed."""
+    return ScheduledChunk(request, positions[0], len(positions), block_table, positions=tuple(positions))
 
 
 def _tensor(entry: DocumentKV) -> torch.Tensor:

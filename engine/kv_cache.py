@@ -34,14 +34,34 @@ class KVCachePool:
         # On a CPU, huge pages: decode attention streams each request's blocks every step.
         on_cpu = torch.device(device).type == "cpu"
         self.kv = huge_page_zeros(shape, dtype) if on_cpu else torch.zeros(shape, dtype=dtype, device=device)
-        flat = self.kv.view(2, arch.num_layers, num_blocks * block_size, arch.num_kv_heads, -1)
+        num_slots = num_blocks * block_size
+        # [2, num_layers, num_slots, num_kv_heads, head_dim]: K and V of every layer by slot.
+        self.by_slot = self.kv.view(2, arch.num_layers, num_slots, arch.num_kv_heads, -1)
         # Per-layer views, built once: the layer loop zips over them, no indexing per step.
-        self.k_caches: list[torch.Tensor] = list(flat[0].unbind(0))
-        self.v_caches: list[torch.Tensor] = list(flat[1].unbind(0))
+        self.k_caches: list[torch.Tensor] = list(self.by_slot[0].unbind(0))
+        self.v_caches: list[torch.Tensor] = list(self.by_slot[1].unbind(0))
+        # The pool as rows of one token's K (or V) at one layer, and the first row of each
+        # (K or V, layer): `write` puts a token range of every layer in one index_copy_.
+        self._rows = self.kv.view(-1, arch.num_kv_heads * arch.head_dim)
+        self._first_rows = (torch.arange(2 * arch.num_layers, device=self.kv.device) * num_slots).view(-1, 1)
 
     @property
     def num_bytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
+
+    def write(self, kv: torch.Tensor, slots: torch.Tensor) -> None:
+        """kv [2, num_layers, n, num_kv_heads, head_dim] in the pool's dtype, where it lies,
+        into `slots` ([n] int64) of every layer."""
+        rows = kv.reshape(-1, self._rows.shape[1])  # [2 * num_layers * n, num_kv_heads * head_dim]
+        self._rows.index_copy_(0, (self._first_rows + slots).view(-1), rows)
+
+    def read(self, slots: torch.Tensor, layer: int | None = None) -> torch.Tensor:
+        """K/V at `slots` ([n] int64): [2, num_layers, n, num_kv_heads, head_dim]; or, for one
+        `layer`, its keys [n, num_kv_heads, head_dim]."""
+        slots = slots.to(self.kv.device)
+        if layer is not None:
+            return self.k_caches[layer].index_select(0, slots)
+        return self.by_slot.index_select(2, slots)
 
 
 KV_CACHE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}

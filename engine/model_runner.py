@@ -15,6 +15,14 @@ alone runs on `num_threads` or one fewer, whichever its timings show faster for 
 (engine.threads.DecodeThreads: in a server, every token also wakes the event loop). On a CPU shared with other jobs, one
 thread in all is faster: each parallel op waits for a descheduled thread there, which can
 make a step several times slower than on one thread.
+
+Outside the scheduler's steps, the runner computes one chunk for whoever needs rows of a
+request through some layers (`run_chunk`: the document cache's blend, engine.document_kv) or
+every row's logits (`chunk_logits`: the quality gate's windows, engine.window_logits), runs a
+draft model's greedy steps in one call of the CPU kernels (`greedy_steps`), and it writes and
+reads a request's KV by slot (`place_kv`, `read_kv`: placed and captured documents).
+Those go through the same batch building, metadata, threads and model as a step, so what a step
+learns they get.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import torch
 
 from ragspeed.engine.attention import AttentionMetadata, build_metadata, slots, slots_at
 from ragspeed.engine.cpu_kernels.decoder import FusedDecoder
+from ragspeed.engine.cpu_kernels.placement import place_kernel_applies, place_kv
 from ragspeed.engine.kv_cache import KVCachePool
 from ragspeed.engine.models.decoder import DecoderLM
 from ragspeed.engine.models.rotary import RotaryEmbedding
@@ -92,6 +101,115 @@ class ModelRunner:
     @torch.inference_mode()
     def _execute(self, output: SchedulerOutput) -> torch.Tensor | None:
         """`execute`, layer by layer or in the fused decoder's call as the model decides."""
+        ids, freqs_cis, meta, sample_index = self._inputs(output)
+        chunk_sizes = [c.num_tokens for c in output.chunks]
+        caches = self.kv_pool.k_caches, self.kv_pool.v_caches
+        with forward_pass(chunk_sizes, self.num_threads, self.device):
+            if not sample_index:
+                self.model(ids, freqs_cis, *caches, meta)
+                return None
+            rows = None
+            if len(sample_index) < len(ids):
+                rows = torch.tensor(sample_index, device=self.device)
+            return self.model.sample_logits(ids, freqs_cis, *caches, meta, rows)
+
+    @torch.inference_mode()
+    def run_chunk(
+        self,
+        chunk: ScheduledChunk,
+        *,
+        layers: tuple[int, int] | None = None,
+        stream: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One chunk's rows (its request's tokens at its positions) through `layers` (first,
+        end; default all), from the tokens' embeddings or from the residual `stream` (hidden,
+        residual) that the layers before `first` left: (hidden, residual) after the last layer
+        run, whose sum is the residual stream there (`DecoderLM.run_layers`). Each layer run
+        writes the rows' K/V at their slots."""
+        ids, freqs_cis, meta, _ = self._inputs(SchedulerOutput((), (chunk,)))
+        first, end = layers or (0, self.num_layers)
+        k_caches, v_caches = self.kv_pool.k_caches[first:end], self.kv_pool.v_caches[first:end]
+        with forward_pass([chunk.num_tokens], self.num_threads, self.device):
+            hidden, residual = (self.model.embed(ids), None) if stream is None else stream
+            return self.model.run_layers(hidden, residual, freqs_cis, k_caches, v_caches, meta, first)
+
+    @torch.inference_mode()
+    def chunk_logits(self, chunk: ScheduledChunk, *, decode_kernels: bool | None = None) -> torch.Tensor:
+        """fp32 logits of every row of one chunk, [num_tokens, num_logits]: the forward (its
+        K/V written) and the LM head over all of them. `decode_kernels`: every product on the
+        blocked decode kernels (True), on the prefill's (False), or as a step of this size
+        would run it (None; engine.threads.forward_pass)."""
+        ids, freqs_cis, meta, _ = self._inputs(SchedulerOutput((), (chunk,)))
+        caches = self.kv_pool.k_caches, self.kv_pool.v_caches
+        with forward_pass([chunk.num_tokens], self.num_threads, self.device, decode_kernels):
+            return self.model.compute_logits(self.model(ids, freqs_cis, *caches, meta))
+
+    @property
+    def runs_greedy_steps(self) -> bool:
+        """Whether `greedy_steps` runs this model: ragspeed's CPU kernels hold all of it, its
+        embedding and LM head too (engine.cpu_kernels.decoder)."""
+        fused = self.model._fused_decoder()
+        return fused is not None and fused.greedy
+
+    def greedy_steps(
+        self,
+        fed: list[list[int]],
+        positions: list[int],
+        block_tables: torch.Tensor,  # [num_sequences, max_blocks] int64
+        num_steps: list[int],
+        *,
+        vocab_size: int,
+        d2t: torch.Tensor | None,
+        min_confidence: float,
+    ) -> list[list[int]]:
+        """Greedy tokens of each sequence, in one call of ragspeed's CPU kernels: it is fed its
+        `fed` tokens from `positions` on (their K/V written), then proposes up to `num_steps`
+        tokens, each fed back but the last, stopping early under `min_confidence` (a draft
+        model's proposal: engine.spec_decode.draft). The argmax runs over the first
+        `vocab_size` logits, a row mapped to a token id through `d2t` where given."""
+        fused = self.model._fused_decoder()
+        assert fused is not None and fused.greedy, "runs_greedy_steps says when this runs"
+        return fused.greedy_steps(
+            self.rotary.freqs_cis,
+            vocab_size,
+            d2t,
+            self.kv_pool.k_caches,
+            self.kv_pool.v_caches,
+            block_tables,
+            self.block_size,
+            fed,
+            positions,
+            num_steps,
+            min_confidence,
+            self.num_threads,
+        )
+
+    def place_kv(self, kv: torch.Tensor, slots: torch.Tensor, delta: int) -> None:
+        """Write K/V of `n` tokens ([2, num_layers, n, num_kv_heads, head_dim], any float dtype)
+        at `slots` ([n] int64), the keys rotated `delta` positions further
+        (RotaryEmbedding.shift_keys: exact): a stored document placed at a new position."""
+        pool = self.kv_pool
+        if place_kernel_applies(kv, pool.by_slot):
+            place_kv(kv, self.rotary.shift_rotation(delta), slots, pool.by_slot, self.num_threads)
+            return
+        kv, slots = kv.to(pool.kv.device), slots.to(pool.kv.device)
+        keys = self.rotary.shift_keys(kv[0], delta)  # [num_layers, n, num_kv_heads, head_dim] fp32
+        pool.write(torch.stack((keys.to(pool.kv.dtype), kv[1].to(pool.kv.dtype))), slots)
+
+    def read_kv(self, slots: torch.Tensor, layer: int | None = None) -> torch.Tensor:
+        """K/V at `slots` ([n] int64) in the pool's dtype: [2, num_layers, n, num_kv_heads,
+        head_dim]; or, for one `layer`, its keys [n, num_kv_heads, head_dim]."""
+        return self.kv_pool.read(slots, layer)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.kv_pool.k_caches)
+
+    def _inputs(
+        self, output: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """A step's flat batch in the step buffers, where the model runs: token ids [n],
+        rotations [n, 1, head_dim/2], the attention metadata, and the rows that sample."""
         bs = self.block_size
         input_ids: list[int] = []
         position_spans: list[tuple[int, int]] = []  # (first position, count), in batch order
@@ -116,17 +234,7 @@ class ModelRunner:
                 sample_index.extend(range(last - len(drafts), last + 1))
         ids, freqs_cis, slots_t = self.buffers.tokens(input_ids, slot_mapping, position_spans)
         meta = self._metadata(output, self._on_device(slots_t))
-        ids, freqs_cis = self._on_device(ids), self._on_device(freqs_cis)
-        chunk_sizes = [c.num_tokens for c in output.chunks]
-        caches = self.kv_pool.k_caches, self.kv_pool.v_caches
-        with forward_pass(chunk_sizes, self.num_threads, self.device):
-            if not sample_index:
-                self.model(ids, freqs_cis, *caches, meta)
-                return None
-            rows = None
-            if len(sample_index) < len(input_ids):
-                rows = torch.tensor(sample_index, device=self.device)
-            return self.model.sample_logits(ids, freqs_cis, *caches, meta, rows)
+        return self._on_device(ids), self._on_device(freqs_cis), meta, sample_index
 
     def _metadata(self, output: SchedulerOutput, slot_mapping: torch.Tensor) -> AttentionMetadata:
         """The step's AttentionMetadata (engine.attention.build_metadata), its tensors views of

@@ -41,8 +41,9 @@ from ragspeed.engine.models.linear import DENSE_PREFILL_PATHS, GGUF_PREFILL_PATH
 from ragspeed.engine.quant.gate import QualityGate, gate_prefill, use_prefill_path
 from ragspeed.engine.quant.prefill import PREFILL_PATHS, PrefillPath, runnable_paths
 from ragspeed.engine.quant.probe import PrefillProbe, machine_probe
-from ragspeed.engine.quant.quality import QualityReport, compare_logits, decode_window_logits, window_logits
+from ragspeed.engine.quant.quality import QualityReport, compare_logits
 from ragspeed.engine.threads import cpu_threads
+from ragspeed.engine.window_logits import decode_window_logits, window_logits
 
 logger = logging.getLogger(__name__)
 

@@ -10,6 +10,7 @@ both the scheduler that makes these and the runner that reads them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 from ragspeed.engine.request import Request
 
@@ -69,3 +70,21 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.decodes and not self.prefills
+
+
+@dataclass(frozen=True)
+class TokenSequence:
+    """Token ids computed outside the scheduler (a draft's tokens and drafts so far, a quality
+    window), as a chunk's request: the model runner reads only what this has of a `Request`
+    (its tokens, `prefill_only`)."""
+
+    all_token_ids: list[int]
+    prefill_only: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    def chunk(self, start: int, num_tokens: int, block_table: tuple[int, ...]) -> ScheduledChunk:
+        """Tokens `start .. start + num_tokens` of this sequence, for a model runner."""
+        return ScheduledChunk(cast("Request", self), start, num_tokens, block_table)

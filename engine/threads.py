@@ -32,13 +32,18 @@ def forward_threads(num_tokens: int, num_threads: int, device: torch.device) -> 
 
 
 @contextmanager
-def forward_pass(chunk_sizes: list[int], num_threads: int, device: torch.device) -> Iterator[None]:
+def forward_pass(
+    chunk_sizes: list[int], num_threads: int, device: torch.device, decode_kernels: bool | None = None
+) -> Iterator[None]:
     """One forward pass over chunks of `chunk_sizes` tokens (the model runner's and the draft
     proposer's): its thread count (`forward_threads`) and, when every chunk is small
-    (decodes, verifications), the row-invariant CPU kernels (engine.cpu_kernels.decode_step)."""
-    small_chunks = max(chunk_sizes, default=0) <= SMALL_CHUNK_QUERIES
+    (decodes, verifications), the row-invariant CPU kernels (engine.cpu_kernels.decode_step);
+    `decode_kernels` True or False chooses those kernels whatever the sizes (a quality
+    window measures one kind of product)."""
+    if decode_kernels is None:
+        decode_kernels = max(chunk_sizes, default=0) <= SMALL_CHUNK_QUERIES
     with cpu_threads(forward_threads(sum(chunk_sizes), num_threads, device)):
-        with decode_step(small_chunks):
+        with decode_step(decode_kernels):
             yield
 
 

@@ -1,6 +1,7 @@
 """Quality of a quantized model against its unquantized twin, on real text.
 
-Both models score the same windows of token ids (each window one prefill from position 0):
+Both models score the same windows of token ids (each window one prefill from position 0, through
+the model runner: engine.window_logits); this module holds the figures, over any logits:
 - *perplexity*: `exp(mean NLL)` of every next token of every window;
 - *ppl increase*: `ppl_quantized / ppl_reference - 1` (a fraction: 0.02 is 2%);
 - *top-1 agreement*: the fraction of positions where both models' argmax next token is the same;
@@ -20,11 +21,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ragspeed.engine.attention import build_metadata
-from ragspeed.engine.cpu_kernels.blocked import decode_step
-from ragspeed.engine.kv_cache import KVCachePool
-from ragspeed.engine.loader import LoadedModel
-
 
 @dataclass(frozen=True)
 class QualityReport:
@@ -35,48 +31,6 @@ class QualityReport:
     ppl_increase: float
     top1_agreement: float
     logit_rms_error: float
-
-
-@torch.inference_mode()
-def window_logits(
-    loaded: LoadedModel, token_ids: list[int], block_size: int = 16, kv_dtype: torch.dtype | None = None
-) -> torch.Tensor:
-    """fp32 logits [len(token_ids), vocab] of one sequence: one prefill through paged attention,
-    its KV pool in `kv_dtype` (default the model's dtype)."""
-    n = len(token_ids)
-    num_blocks = -(-n // block_size)
-    device, dtype = loaded.model.device, loaded.model.dtype
-    pool = KVCachePool(loaded.arch, num_blocks, block_size, kv_dtype or dtype, device)
-    meta = build_metadata(
-        decode_tables=[],
-        decode_context_lens=[],
-        prefill_tables=[list(range(num_blocks))],
-        prefill_context_lens=[n],
-        prefill_num_queries=[n],
-        slot_mapping=list(range(n)),
-        block_size=block_size,
-        device=device,
-        dtype=dtype,
-    )
-    positions = torch.arange(n, device=device)
-    hidden = loaded.model(
-        torch.tensor(token_ids, device=device),
-        loaded.rotary.lookup(positions),
-        pool.k_caches,
-        pool.v_caches,
-        meta,
-    )  # [n, hidden_size]
-    return loaded.model.compute_logits(hidden)  # [n, vocab]
-
-
-def decode_window_logits(
-    loaded: LoadedModel, token_ids: list[int], kv_dtype: torch.dtype | None = None
-) -> torch.Tensor:
-    """`window_logits` with every product on the decode kernels (engine.cpu_kernels.blocked:
-    int8 weights times int16 activations): each position's logits as a decode step computes
-    them, teacher-forced."""
-    with decode_step(True):
-        return window_logits(loaded, token_ids, kv_dtype=kv_dtype)
 
 
 def text_windows(
@@ -92,22 +46,13 @@ def text_windows(
     return [ids[i * window : (i + 1) * window] for i in range(num_windows)]
 
 
-def compare_quality(
-    reference: LoadedModel, quantized: LoadedModel, windows: list[list[int]]
-) -> QualityReport:
-    return compare_logits(
-        lambda ids: window_logits(reference, ids),
-        lambda ids: window_logits(quantized, ids),
-        windows,
-    )
-
-
 def compare_logits(
     reference: Callable[[list[int]], torch.Tensor],
     quantized: Callable[[list[int]], torch.Tensor],
     windows: list[list[int]],
 ) -> QualityReport:
-    """`compare_quality` over any two functions from a window to its logits [n, vocab]."""
+    """The report of two functions from a window to its logits [n, vocab] (the reference's and the
+    quantized model's: engine.window_logits), over `windows`."""
     nll_ref = nll_quant = 0.0
     agree = total = 0
     squared_error = 0.0

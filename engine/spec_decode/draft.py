@@ -40,7 +40,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import torch
 
@@ -51,12 +51,9 @@ from ragspeed.engine.loader import LoadedModel, load_for_engine, resolve_model_p
 from ragspeed.engine.model_runner import ModelRunner
 from ragspeed.engine.protocol import EngineError
 from ragspeed.engine.quant import QuantizationUnavailableError, available_quantizations
-from ragspeed.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from ragspeed.engine.scheduler_output import ScheduledChunk, SchedulerOutput, TokenSequence
 from ragspeed.engine.spec_decode.proposer import TargetParts
 from ragspeed.prompt_cache.manager import KVCacheManager
-
-if TYPE_CHECKING:
-    from ragspeed.engine.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -65,24 +62,6 @@ logger = logging.getLogger(__name__)
 class _DraftState:
     num_computed: int = 0  # leading request tokens with draft KV
     pending: list[int] = field(default_factory=list)  # drafts fed after them, unverified
-
-
-@dataclass(frozen=True)
-class _DraftSequence:
-    """What the draft's runner reads of a request (engine.scheduler_output.ScheduledChunk.request):
-    the request's tokens followed by the drafts fed so far."""
-
-    all_token_ids: list[int]
-    prefill_only: bool = False
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
-    def chunk(self, start: int, num_tokens: int, block_table: tuple[int, ...]) -> ScheduledChunk:
-        """Tokens `start .. start + num_tokens` of this sequence, for the draft's runner. The
-        runner reads only what a sequence has of a `Request` (its tokens, `prefill_only`)."""
-        return ScheduledChunk(cast("Request", self), start, num_tokens, block_table)
 
 
 class _Drafting(NamedTuple):
@@ -116,7 +95,6 @@ class DraftProposer:
     ):
         self.loaded = loaded
         self.model = loaded.model
-        self.rotary = loaded.rotary
         self.max_model_len = loaded.rotary.freqs_cis.shape[0]
         # A sub-vocabulary head (engine.models.arch.ModelArch.draft_vocab_size): head row i scores
         # target token d2t[i], [num_logits] int64; None: row i scores token i.
@@ -180,7 +158,7 @@ class DraftProposer:
                 continue  # the draft pool is full: no drafts for this request, nothing preempted
             table = self.manager.block_ids(request_id)
             active.append(_Drafting(index, state, table, tokens, k))
-            chunks.append(_DraftSequence(tokens).chunk(num_computed, len(tokens) - num_computed, table))
+            chunks.append(TokenSequence(tokens).chunk(num_computed, len(tokens) - num_computed, table))
         if not active:
             return drafts
 
@@ -193,22 +171,21 @@ class DraftProposer:
     def _draft(self, active: list[_Drafting], chunks: list[ScheduledChunk], drafts: list[list[int]]) -> None:
         """Greedy draft steps: `chunks` (the catch-up) gives draft 1 of every active request,
         then one flat decode step per further draft; appends to `drafts` in place."""
-        fused = self.model._fused_decoder() if self.fused_steps else None
-        fused = fused if fused is not None and fused.greedy else None
+        fused = self.fused_steps and self.runner.runs_greedy_steps
         prefill = max(c.num_tokens for c in chunks) > SMALL_CHUNK_QUERIES  # a new request's prompt
-        if fused is not None and not prefill:
+        if fused and not prefill:
             fed = [c.request.all_token_ids[c.start :] for c in chunks]
-            self._fused_steps(fused, active, fed, [c.start for c in chunks], drafts)
+            self._fused_steps(active, fed, [c.start for c in chunks], drafts)
             return
         going = active
         for step in range(max(a.k for a in active)):
-            if step and fused is not None:  # after a long catch-up (a prefill) forward
+            if step and fused:  # after a long catch-up (a prefill) forward
                 fed = [[drafts[a.row][-1]] for a in going]
-                self._fused_steps(fused, going, fed, [a.num_tokens for a in going], drafts, 1)
+                self._fused_steps(going, fed, [a.num_tokens for a in going], drafts, 1)
                 return
             if step:  # requests still drafting feed their latest draft: one flat batch
                 chunks = [
-                    _DraftSequence(a.token_ids + drafts[a.row]).chunk(
+                    TokenSequence(a.token_ids + drafts[a.row]).chunk(
                         a.num_tokens + step - 1, 1, a.block_table
                     )
                     for a in going
@@ -229,7 +206,6 @@ class DraftProposer:
 
     def _fused_steps(
         self,
-        fused,
         going: list[_Drafting],
         fed: list[list[int]],
         positions: list[int],
@@ -242,19 +218,14 @@ class DraftProposer:
         Python, which for a draft this small is a large share of a step."""
         longest = max(a.num_tokens + a.k - 1 for a in going)
         tables = padded_tables([list(a.block_table) for a in going], -(-longest // self.block_size))
-        steps = fused.greedy_steps(
-            self.rotary.freqs_cis,
-            self.vocab_size,
-            self.d2t,
-            self.runner.kv_pool.k_caches,
-            self.runner.kv_pool.v_caches,
-            tables,
-            self.block_size,
+        steps = self.runner.greedy_steps(
             fed,
             positions,
+            tables,
             [a.k - skip for a in going],
-            self.min_confidence,
-            self.num_threads,
+            vocab_size=self.vocab_size,
+            d2t=self.d2t,
+            min_confidence=self.min_confidence,
         )
         for a, tokens in zip(going, steps):
             drafts[a.row].extend(tokens)

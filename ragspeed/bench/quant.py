@@ -172,12 +172,8 @@ def _measure_quality(
     from ragspeed.engine.quant.gate import gate_prefill, use_prefill_path
     from ragspeed.engine.quant.prefill import prefill_candidates, runnable_paths
     from ragspeed.engine.quant.probe import machine_probe
-    from ragspeed.engine.quant.quality import (
-        compare_logits,
-        decode_window_logits,
-        text_windows,
-        window_logits,
-    )
+    from ragspeed.engine.quant.quality import compare_logits, text_windows
+    from ragspeed.engine.window_logits import decode_window_logits, window_logits
 
     windows = text_windows(engines["fp32"].tokenizer, text, window=window, num_windows=num_windows)
     int8_loaded, fp32_loaded = engines["int8"].loaded, engines["fp32"].loaded

@@ -27,8 +27,8 @@ from ragspeed.engine.quant.gguf_blocks import (
     kernel_dequantize,
     map_rows,
 )
-from ragspeed.engine.quant.quality import decode_window_logits, window_logits
 from ragspeed.engine.sampling import SamplingParams
+from ragspeed.engine.window_logits import decode_window_logits, window_logits
 from tests.engine.conftest import int16_rows, make_engine
 from tests.engine.tiny_gguf import random_k_quant_bytes, write_tiny_gguf
 from tests.engine.tiny_models import build_tiny_checkpoint

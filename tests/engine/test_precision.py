@@ -202,7 +202,8 @@ def test_forced_bf16_branch_computes_on_this_cpu(tiny_checkpoints):
     # bf16 and the native engine only the prefill GEMMs; each first token (the prefill's) is.
     assert [g[0] for g in got] == [r[0] for r in reference]
     # Prefill logits against transformers' bf16 ones, by the gate's measures.
-    from ragspeed.engine.quant.quality import compare_logits, window_logits
+    from ragspeed.engine.quant.quality import compare_logits
+    from ragspeed.engine.window_logits import window_logits
 
     windows = calibration_windows(engine.tokenizer)
 

@@ -19,14 +19,9 @@ from ragspeed.engine.quant import (
     check_quantization,
     quantize_per_channel,
 )
-from ragspeed.engine.quant.quality import (
-    compare_logits,
-    compare_quality,
-    decode_window_logits,
-    text_windows,
-    window_logits,
-)
+from ragspeed.engine.quant.quality import compare_logits, text_windows
 from ragspeed.engine.quant.weight_only_int8 import WeightOnlyInt8Kernel
+from ragspeed.engine.window_logits import compare_quality, decode_window_logits, window_logits
 from tests.engine.conftest import make_engine
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
