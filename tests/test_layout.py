@@ -176,3 +176,87 @@ def test_a_program_that_never_configures_gets_the_process_environment(monkeypatc
     monkeypatch.setenv("RAGSPEED_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(environment, "_current", None)
     assert environment.current().cache_dir == tmp_path
+
+
+def _engine_imports() -> dict[str, set[str]]:
+    """The native engine's modules (as installed: `ragspeed.engine.x`) and the engine modules
+    each one imports, anywhere in it: at the top, in a function, under TYPE_CHECKING."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "engine"
+    modules = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root).with_suffix("").parts
+        name = ".".join(("ragspeed", "engine", *parts))
+        modules[name.removesuffix(".__init__")] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                targets = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            imported |= {t for t in targets if t in modules and t != name}
+        graph[name] = imported
+    return graph
+
+
+def _reaches(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for target in graph[todo.pop()]:
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def test_the_engine_modules_import_in_no_loop():
+    """Each import loop was cut by moving a definition below both ends (the scheduler's output
+    types, a request's document plan, the weight counts, the proposer registry). The one loop
+    left (the prefill paths and their probe) may only shrink."""
+    graph = _engine_imports()
+    allowed = {"ragspeed.engine.quant.prefill", "ragspeed.engine.quant.probe"}
+    looping = sorted(name for name in graph if name in _reaches(graph, name) and name not in allowed)
+    assert looping == []
+
+
+def test_the_quality_figures_and_the_scheduler_output_stand_below_the_runner():
+    graph = _engine_imports()
+    below_runner = (
+        "ragspeed.engine.quant.quality",  # figures over logits; engine.window_logits runs the model
+        "ragspeed.engine.scheduler_output",
+        "ragspeed.engine.request",
+        "ragspeed.engine.document_plan",
+        "ragspeed.engine.models.memory",
+    )
+    assert {
+        name: sorted(_reaches(graph, name) & {"ragspeed.engine.model_runner", "ragspeed.engine.scheduler"})
+        for name in below_runner
+    } == {name: [] for name in below_runner}
+    assert _reaches(graph, "ragspeed.engine.quant.quality") == set()
+    assert "ragspeed.engine.scheduler" not in _reaches(graph, "ragspeed.engine.model_runner")
+
+
+def test_only_the_runner_and_the_models_run_the_model():
+    """One compute path: the document cache, the quality windows and the draft proposer go
+    through engine.model_runner.ModelRunner, never the model's layers, head or fused kernels."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "engine"
+    forward = re.compile(
+        r"\.(run_layers|compute_logits|sample_logits|greedy_steps|decode_logits|_fused_decoder)\("
+    )
+    found = [
+        f"{path.relative_to(root)}:{number}"
+        for path in sorted(root.rglob("*.py"))
+        if path.parent.name not in ("models", "cpu_kernels") and path.name != "model_runner.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if forward.search(line) and "self.runner." not in line
+    ]
+    assert found == []
