@@ -179,9 +179,17 @@ class LLMEngine:
         """Queue a request. `prefill_only` fills the prefix cache and samples nothing; with `pin`
         its full blocks are pinned as it finishes, in the same step (nothing can evict them
         between the prefill and the pin)."""
+        self.validate(request, prefill_only=prefill_only)
+        self.add_validated(request, prefill_only=prefill_only, pin=pin)
+
+    def add_validated(
+        self, request: GenerationRequest, *, prefill_only: bool = False, pin: bool = False
+    ) -> None:
+        """`add_request` for a request that `validate` passed with the same `prefill_only`: the
+        native backend validates on the event loop, so that a refusal raises before anything
+        is queued, and queues it on the engine thread without a second validation."""
         if pin and not prefill_only:
             raise ValueError("pin needs prefill_only")
-        self.validate(request, prefill_only=prefill_only)
         if self.scheduler.get(request.request_id) is not None:
             raise EngineError(f"request_id {request.request_id!r} is already running", param="request_id")
         state = SamplingState.create(

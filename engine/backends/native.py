@@ -232,7 +232,8 @@ class NativeEngine:
             return False
         if isinstance(command, _Add):
             try:
-                engine.add_request(command.request, prefill_only=command.prefill_only, pin=command.pin)
+                # `generate` and `_prefill_only` validated it before queuing the command.
+                engine.add_validated(command.request, prefill_only=command.prefill_only, pin=command.pin)
             except BaseException as exc:  # refused: hand the error to the waiting consumer
                 self._loop.call_soon_threadsafe(command.sink.put_nowait, exc)
                 return True

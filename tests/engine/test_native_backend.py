@@ -145,3 +145,27 @@ def test_streamed_text_never_splits_a_utf8_character(tiny_checkpoints):
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
     assert core.manager.num_free_blocks == core.manager.num_blocks
+
+
+def test_a_request_is_validated_once(tiny_checkpoints):
+    """On the event loop before it is queued (a refusal raises at once), not again on the
+    engine thread."""
+
+    async def main():
+        engine = await started(tiny_checkpoints["llama"])
+        calls: list[str] = []
+        validate = engine.engine.validate
+
+        def counting(request, **kwargs):
+            calls.append(request.request_id)
+            return validate(request, **kwargs)
+
+        engine.engine.validate = counting  # type: ignore[method-assign]
+        tokens = [
+            t async for d in engine.generate(GenerationRequest("a", PROMPT, GREEDY)) for t in d.token_ids
+        ]
+        await engine.shutdown()
+        return tokens, calls
+
+    tokens, calls = run(main())
+    assert len(tokens) == 12 and calls == ["a"]
