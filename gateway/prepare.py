@@ -32,7 +32,13 @@ from ragspeed.engine.protocol import (
 from ragspeed.gateway.errors import APIError
 from ragspeed.gateway.experiments import current_hints
 from ragspeed.gateway.limits import arrival_time
-from ragspeed.gateway.prompt import Prompt, assemble_prompt, split_segments, static_prefix_token_ids
+from ragspeed.gateway.prompt import (
+    Prompt,
+    assemble_prompt,
+    split_segments,
+    static_prefix_token_ids,
+    with_tools,
+)
 from ragspeed.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -42,7 +48,7 @@ from ragspeed.gateway.protocol import (
 )
 from ragspeed.gateway.security import Principal, current_principal
 from ragspeed.gateway.surface import output_constraint, tool_calls, unhonoured_fields
-from ragspeed.gateway.tools import ToolCalls, render_tools
+from ragspeed.gateway.tools import ToolCalls, tool_format
 from ragspeed.gateway.upstream_chat import upstream_chat_body
 
 if TYPE_CHECKING:  # gateway.state holds the pipeline that holds the preparer
@@ -234,12 +240,8 @@ class Preparer:
         options = req.ragspeed
         if options and options.system_prompt:
             segments = state.prompts.apply(segments, options.system_prompt)
-        if surface.tools is not None:  # static, as the system prompt it follows
-            tools_text = render_tools(surface.tools.tools)
-            system = segments.static_system_prompt
-            segments = replace(
-                segments, static_system_prompt=f"{system}\n\n{tools_text}" if system else tools_text
-            )
+        if surface.tools is not None:
+            segments = with_tools(segments, surface.tools)
         documents = segments.documents
         if options and options.retrieval:
             if not state.retrieval.enabled:
@@ -311,7 +313,8 @@ class Preparer:
         forwards chat sends them upstream as they came, for the upstream to honour or refuse."""
         if getattr(engine, "forwards_chat", False) and isinstance(req, ChatCompletionRequest):
             return Surface()
-        tools = tool_calls(req) if isinstance(req, ChatCompletionRequest) else None
+        chat = isinstance(req, ChatCompletionRequest)
+        tools = tool_calls(req, tool_format(engine.tokenizer)) if chat else None
         return Surface(tools, output_constraint(req, tools), unhonoured_fields(req))
 
     async def _cpu_job(self, fn: Callable[..., Any], *args: Any) -> Any:

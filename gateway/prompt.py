@@ -19,19 +19,30 @@ the text stays the same.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ragspeed.document import Document
 from ragspeed.gateway.protocol import ChatMessage, DocumentIn
-from ragspeed.gateway.tools import render_tool_calls
+from ragspeed.gateway.tools import (
+    PastCall,
+    ToolCalls,
+    past_calls,
+    render_past_calls,
+    render_tools,
+    template_calls,
+    template_tools,
+    tool_format,
+)
 
 
 @dataclass(frozen=True)
 class Turn:
     role: str
     content: str
+    tool_calls: tuple[PastCall, ...] = ()  # an assistant turn's calls
 
 
 @dataclass(frozen=True)
@@ -40,6 +51,7 @@ class Segments:
     documents: tuple[Document, ...]
     history: tuple[Turn, ...]
     question: str
+    tools: str = ""  # the request's tools for a chat template that renders them (JSON text)
 
 
 @dataclass(frozen=True)
@@ -89,14 +101,12 @@ def split_segments(
     for message in messages:
         text, found = extract_documents(message.text, start_marker, end_marker)
         docs.extend(found)
-        if message.tool_calls:  # an assistant turn's calls, as the model writes them
-            text = f"{text}\n{render_tool_calls(message)}" if text else render_tool_calls(message)
         if message.role in ("system", "developer") and not turns:
             if text:
                 system_parts.append(text)
         else:
             role = "system" if message.role == "developer" else message.role
-            turns.append(Turn(role=role, content=text))
+            turns.append(Turn(role=role, content=text, tool_calls=past_calls(message)))
     question = ""
     if turns and turns[-1].role == "user":
         question = turns.pop().content
@@ -132,10 +142,31 @@ def system_text(static_system_prompt: str, documents: Sequence[Document]) -> str
     return f"{static_system_prompt}\n\n{rendered}" if static_system_prompt else rendered
 
 
-def _render(tokenizer: Any, turns: list[dict[str, str]], add_generation_prompt: bool) -> str:
+def with_tools(segments: Segments, tools: ToolCalls) -> Segments:
+    """`segments` with the request's tools: in the system prompt they follow (generic format:
+    static, so they stay in the cached prefix) or for the chat template to render."""
+    if tools.format.in_template:
+        return replace(segments, tools=template_tools(tools.tools))
+    system, rendered = segments.static_system_prompt, render_tools(tools.tools)
+    return replace(segments, static_system_prompt=f"{system}\n\n{rendered}" if system else rendered)
+
+
+def _turn(turn: Turn, in_template: bool) -> dict[str, Any]:
+    """A history turn as the chat template reads it: its calls in the template's own format,
+    or written into its text in the generic one."""
+    if not turn.tool_calls:
+        return {"role": turn.role, "content": turn.content}
+    if in_template:
+        return {"role": turn.role, "content": turn.content, "tool_calls": template_calls(turn.tool_calls)}
+    calls = render_past_calls(turn.tool_calls)
+    return {"role": turn.role, "content": f"{turn.content}\n{calls}" if turn.content else calls}
+
+
+def _render(tokenizer: Any, turns: list[dict[str, Any]], add_generation_prompt: bool, tools: str = "") -> str:
     if getattr(tokenizer, "chat_template", None):
+        extra = {"tools": json.loads(tools)} if tools else {}
         return tokenizer.apply_chat_template(
-            turns, tokenize=False, add_generation_prompt=add_generation_prompt
+            turns, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
         )
     # A model without a chat template (a base model): a plain transcript.
     lines = [f"{t['role'].capitalize()}: {t['content']}" for t in turns]
@@ -168,10 +199,11 @@ def assemble_prompt(
     or a cache of it (the gateway's, by tokenizer and text)."""
     system = system_text(segments.static_system_prompt, documents)
     turns = [{"role": "system", "content": system}] if system else []
-    turns += [{"role": t.role, "content": t.content} for t in segments.history]
+    in_template = tool_format(tokenizer).in_template
+    turns += [_turn(t, in_template) for t in segments.history]
     if segments.question or not segments.history:
         turns.append({"role": "user", "content": segments.question})
-    text = _render(tokenizer, turns, add_generation_prompt=True)
+    text = _render(tokenizer, turns, add_generation_prompt=True, tools=segments.tools)
     spans: tuple[tuple[int, int], ...] = ()
     pieces = _document_pieces(text, documents) if document_spans and documents else None
     if pieces is None:

@@ -118,7 +118,8 @@ class Generation:
         if timeout_s is not None:
             deadline = asyncio.get_running_loop().time() + timeout_s - (self._engine_start - timer.start)
         engine_stream = self.prepared.engine.generate(self.prepared.generation)
-        parser = ToolCallParser() if self.prepared.tools is not None else None
+        tools = self.prepared.tools
+        parser = ToolCallParser(tools.format) if tools is not None else None
         try:
             while True:
                 try:

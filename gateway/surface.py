@@ -16,7 +16,7 @@ from ragspeed.gateway.protocol import (
     CompletionRequest,
     _SamplingFields,
 )
-from ragspeed.gateway.tools import ToolCalls
+from ragspeed.gateway.tools import GENERIC, ToolCalls, ToolFormat
 
 # vLLM's `guided_*` names and the `structured_outputs` key each stands for.
 _GUIDED = {
@@ -54,12 +54,14 @@ def unhonoured_fields(req: _SamplingFields) -> tuple[str, ...]:
     return tuple(sorted(name for name in extra if name not in ("modalities", "echo")))
 
 
-def tool_calls(req: ChatCompletionRequest) -> ToolCalls | None:
-    """The request's tools as the native engine serves them; None without tools (or `none`)."""
+def tool_calls(req: ChatCompletionRequest, fmt: ToolFormat = GENERIC) -> ToolCalls | None:
+    """The request's tools as the native engine serves them, in the model's tool format `fmt`;
+    None without tools (or `none`). Parallel calls unless the request or the format says not."""
     if not req.tools or req.tool_choice == "none":
         return None
     choice = req.tool_choice or "auto"
-    return ToolCalls(req.tools, choice, parallel=req.parallel_tool_calls is not False)
+    parallel = fmt.parallel if req.parallel_tool_calls is None else req.parallel_tool_calls
+    return ToolCalls(req.tools, choice, parallel=parallel, format=fmt)
 
 
 def output_constraint(req: _SamplingFields, tools: ToolCalls | None = None) -> StructuredOutput | None:

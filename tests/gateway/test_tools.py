@@ -1,5 +1,6 @@
-"""Tool calls in the generic format: the tools block, the grammar of a call, the parser that
-turns streamed text into OpenAI's `tool_calls`, and the merge of streamed call deltas."""
+"""Tool calls: the format of a chat template, the generic format's tools block, the grammar of
+a call in each format, the parser that turns streamed text into OpenAI's `tool_calls`, and the
+merge of streamed call deltas."""
 
 from __future__ import annotations
 
@@ -9,11 +10,16 @@ import pytest
 
 from ragspeed.gateway.protocol import ChatMessage, NamedToolChoice, ToolDefinition
 from ragspeed.gateway.tools import (
+    GENERIC,
+    HERMES,
+    LLAMA3_JSON,
     ToolCallParser,
     merge_tool_calls,
-    render_tool_calls,
+    past_calls,
+    render_past_calls,
     render_tools,
     tool_call_grammar,
+    tool_format,
 )
 
 WEATHER = ToolDefinition.model_validate(
@@ -56,7 +62,7 @@ def test_history_calls_are_rendered_as_the_model_writes_them():
         }
     )
     assert (
-        render_tool_calls(message)
+        render_past_calls(past_calls(message))
         == '<tool_call>[{"name": "get_weather", "arguments": {"city": "Oslo"}}]</tool_call>'
     )
 
@@ -133,3 +139,93 @@ def test_streamed_call_deltas_merge_by_index():
 def test_a_closed_call_that_does_not_parse_stays_text():
     content, calls = _feed_all(ToolCallParser(), ["<tool_call>[{oops}]</tool_call>"])
     assert content == "<tool_call>[{oops}]</tool_call>" and calls == []
+
+
+class _Tokenizer:
+    def __init__(self, chat_template: str | None):
+        self.chat_template = chat_template
+
+
+@pytest.mark.parametrize(
+    ("template", "expected"),
+    [
+        (None, GENERIC),
+        ("{% for m in messages %}{{ m['content'] }}{% endfor %}", GENERIC),  # knows no tools
+        ("{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %}<tool_call>", HERMES),
+        ('{% if tools %}{"name": ..., "parameters": ...}{% endif %}', LLAMA3_JSON),
+        ("{% if tools %}{{ tools | tojson }}{% endif %}", GENERIC),  # takes tools, format unknown
+    ],
+)
+def test_the_format_is_read_from_the_chat_template(template, expected):
+    assert tool_format(_Tokenizer(template)) is expected
+
+
+def test_hermes_blocks_are_parsed_one_by_one():
+    text = (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
+    )
+    parser = ToolCallParser(HERMES)
+    first_content, first = parser.feed(text[:80])
+    assert first_content == "" and [c["function"]["name"] for c in first] == ["get_weather"]
+    content, calls = _feed_all(parser, [text[80:]])
+    assert content == "" and [(c["index"], c["function"]["name"]) for c in calls] == [(1, "now")]
+
+
+def test_a_llama3_call_is_the_whole_output_and_names_its_arguments_parameters():
+    text = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
+    content, calls = _feed_all(ToolCallParser(LLAMA3_JSON), [text[:5], text[5:]])
+    assert content == ""
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Oslo"})
+    ]
+    assert _feed_all(ToolCallParser(LLAMA3_JSON), ["Oslo is cold."]) == ("Oslo is cold.", [])
+
+
+def test_each_format_constrains_calls_in_its_own_shape():
+    hermes = tool_call_grammar([WEATHER], "required", parallel=True, fmt=HERMES)
+    single = tool_call_grammar([WEATHER], "required", parallel=False, fmt=HERMES)
+    llama = tool_call_grammar([WEATHER], "auto", parallel=False, fmt=LLAMA3_JSON)
+    assert hermes is not None and '("\\n" block)*' in hermes.spec and '"<tool_call>\\n"' in hermes.spec
+    assert single is not None and "block)*" not in single.spec
+    assert llama is not None and '"parameters"' in llama.spec and "ANSWER: /[^\\{]" in llama.spec
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_model):
+    from tests.engine.conftest import make_engine
+
+    return make_engine(tiny_model)
+
+
+@pytest.mark.parametrize("fmt", [GENERIC, HERMES, LLAMA3_JSON], ids=lambda f: f.name)
+@pytest.mark.parametrize("parallel", [False, True])
+def test_a_random_model_held_to_each_format_writes_calls_its_parser_reads(tiny_engine, fmt, parallel):
+    """Whatever the random weights prefer, the grammar leaves only calls of the declared tools
+    with arguments of their schema, in the shape the format's parser reads."""
+    from ragspeed.engine.protocol import GenerationRequest, SamplingParams
+
+    # The city is an enum: a random model would fill a free string to max_tokens.
+    weather = WEATHER.model_copy(deep=True)
+    assert weather.function.parameters is not None
+    weather.function.parameters["properties"]["city"] = {"enum": ["Paris", "Oslo"]}
+    grammar = tool_call_grammar([weather, CLOCK], "required", parallel=parallel, fmt=fmt)
+    requests = [
+        GenerationRequest(
+            f"r{seed}",
+            (5, 9, 12, 40, 7),
+            SamplingParams(max_tokens=200, temperature=1.0, seed=seed, structured=grammar),
+        )
+        for seed in range(4)
+    ]
+    for out in tiny_engine.generate(requests).values():
+        assert out["finish_reason"] == "stop", out["text"]
+        content, calls = _feed_all(ToolCallParser(fmt), [out["text"]])
+        assert content == "" and calls, out["text"]
+        assert parallel or len(calls) == 1
+        for call in calls:
+            arguments = json.loads(call["function"]["arguments"])
+            if call["function"]["name"] == "get_weather":
+                assert arguments in ({"city": "Paris"}, {"city": "Oslo"})
+            else:
+                assert call["function"]["name"] == "now" and arguments == {}
