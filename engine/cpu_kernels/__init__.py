@@ -1,8 +1,9 @@
 """ragspeed's own CPU kernels: products of a few rows with a weight stored in column blocks,
 decode attention over the paged pool, the residual add with RMSNorm, and the whole decoder of a
-decode-type step in one call.
+decode-type step in one call, and prefill products on a GGUF file's 4-bit blocks with integer
+multiply-adds (int8_prefill).
 
-`kernels.c` is compiled on first use with the machine's C compiler for the machine's own CPU
+The C sources (`kernels.c`, `gemm_int8.c`) are compiled on first use with the machine's C compiler for the machine's own CPU
 (`-march=native`) and kept in a cache; `build.load_library` returns None where that is not
 possible, and the model then runs layer by layer on oneDNN / fbgemm / SDPA alone.
 `BlockedWeight` holds one weight in the kernel's layout and runs the product; `decoder.py` runs

@@ -1,12 +1,14 @@
-"""Compile kernels.c once per machine and load it with ctypes.
+"""Compile the kernel sources (kernels.c, gemm_int8.c) once per machine into one library and load
+it with ctypes.
 
 The library goes to `~/.cache/ragspeed/kernels/kernels-<hash>.so` (or the configured kernel
 cache, `$RAGSPEED_KERNEL_CACHE`: ragspeed.environment),
-the hash covering the source and its header, the compiler command and the CPU's model and flags,
+the hash covering the sources and their headers, the compiler command and the CPU's model and flags,
 so a changed source or another machine builds its own. It is compiled to a temporary name and
 renamed, so processes starting at once never load half a file. It links the OpenMP runtime torch
 already loaded (libgomp): the kernels share torch's threads instead of bringing their own. The
-ctypes signatures are read from kernels.h, the header kernels.c includes, so the two cannot disagree.
+ctypes signatures are read from kernels.h, the header every source includes, so they cannot
+disagree; kernels_common.h holds what the sources share and exports nothing.
 
 `RAGSPEED_CPU_KERNELS=0` turns the kernels off (oneDNN / fbgemm for every product); `CC` names
 the compiler.
@@ -36,9 +38,11 @@ from ragspeed.environment import current
 
 log = logging.getLogger(__name__)
 
-# Package data; a file on disk in every install (the compiler is given its path).
-SOURCE = Path(str(resources.files("ragspeed.engine.cpu_kernels") / "kernels.c"))
-HEADER = SOURCE.with_name("kernels.h")  # the exported prototypes, read for the ctypes signatures
+# Package data; files on disk in every install (the compiler is given their paths).
+_FOLDER = Path(str(resources.files("ragspeed.engine.cpu_kernels")))
+SOURCES = (_FOLDER / "kernels.c", _FOLDER / "gemm_int8.c")  # compiled together into one library
+HEADER = _FOLDER / "kernels.h"  # the exported prototypes, read for the ctypes signatures
+HEADERS = (HEADER, _FOLDER / "kernels_common.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-lm", "-Werror=missing-prototypes")
 # Builds for narrower CPUs than this one (tests): what is turned off after -march=native.
 ISA_FLAGS: dict[str, tuple[str, ...]] = {
@@ -68,7 +72,7 @@ def _compile(compiler: str, target: Path, flags: tuple[str, ...] = FLAGS) -> Non
     with tempfile.TemporaryDirectory(dir=target.parent) as staging:
         staged = Path(staging) / target.name
         subprocess.run(
-            [compiler, *flags, str(SOURCE), "-o", str(staged)],
+            [compiler, *flags, *map(str, SOURCES), "-o", str(staged)],
             check=True,
             capture_output=True,
             text=True,
@@ -121,7 +125,7 @@ def load_library(isa: str = "native") -> ctypes.CDLL | None:
         return None
     flags = FLAGS + ISA_FLAGS[isa]
     key = hashlib.sha256(
-        "\n".join([SOURCE.read_text(), HEADER.read_text(), compiler, *flags, _cpu_signature()]).encode()
+        "\n".join([*(p.read_text() for p in SOURCES + HEADERS), compiler, *flags, _cpu_signature()]).encode()
     ).hexdigest()[:16]
     target = cache_dir() / f"kernels-{key}.so"
     try:
@@ -130,5 +134,5 @@ def load_library(isa: str = "native") -> ctypes.CDLL | None:
         return _bind(ctypes.CDLL(str(target)))
     except (OSError, subprocess.SubprocessError) as error:
         detail = getattr(error, "stderr", "") or error
-        log.warning("CPU kernels off: building %s failed: %s", SOURCE.name, detail)
+        log.warning("CPU kernels off: building %s failed: %s", " + ".join(p.name for p in SOURCES), detail)
         return None

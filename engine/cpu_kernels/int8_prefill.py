@@ -1,4 +1,4 @@
-"""Prefill products on a GGUF file's 4-bit blocks with int8 activations (kernels.c's
+"""Prefill products on a GGUF file's 4-bit blocks with int8 activations (gemm_int8.c's
 `ragspeed_quantize_q8` and `ragspeed_gemm_u4q8`).
 
 A prefill chunk's products are bound by arithmetic. Their fp32 path multiplies a dense fp32 copy
@@ -52,7 +52,7 @@ class QuantizedRows:
 
 
 def quantize_rows(x: torch.Tensor, num_threads: int, library: ctypes.CDLL | None = None) -> QuantizedRows:
-    """x fp32 [m, k], k a multiple of INT8_GROUP -> its `QuantizedRows` (kernels.c)."""
+    """x fp32 [m, k], k a multiple of INT8_GROUP -> its `QuantizedRows` (gemm_int8.c)."""
     library = library or load_library()
     assert library is not None, "blocked_kernels_available() first"
     x = x.contiguous()

@@ -1,5 +1,6 @@
-/* The kernels' exported functions: kernels.c includes this header, so the compiler checks each
- * definition against its prototype, and build.py reads the ctypes signatures from it.
+/* The kernels' exported functions: every source (kernels.c, gemm_int8.c) includes this header, so
+ * the compiler checks each definition against its prototype, and build.py reads the ctypes
+ * signatures from it.
  *
  * Its fixed style (what build.py's parser reads): one prototype per declaration, ending in `);`,
  * its return type `void` or `int`, each parameter a pointer or one of `int`, `int64_t`, `float`.

@@ -1,9 +1,9 @@
 """Prefill products with int8 activations on the file's 4-bit blocks (engine.cpu_kernels.int8_prefill),
-each branch of kernels.c built and run here: the build for this CPU, the AVX2 one (what an
+each branch of gemm_int8.c built and run here: the build for this CPU, the AVX2 one (what an
 AVX2-only CPU compiles; an AVX-512 CPU runs its code) and the plain C one.
 
 References in numpy / float64 from the same quantized rows:
-- the rounding of the rows is compared bit for bit (fp32 arithmetic, as kernels.c's);
+- the rounding of the rows is compared bit for bit (fp32 arithmetic, as gemm_int8.c's);
 - the integer sums are compared exactly: with steps of 1, offsets and row sums of 0, each output
   is a sum of int32 group sums below 2^24 in magnitude, which fp32 holds exactly;
 - the scaled product is within the bound of its fp32 arithmetic: each output adds 2G terms

@@ -3,8 +3,8 @@ response's status and body chunks with their arrival times, and, where asked, a 
 hangs up mid-stream.
 
 `httpx.ASGITransport` returns a response only once the app has sent all of it, so it can neither
-time a first token nor disconnect during a stream; the evals (ragspeed.evals.rag_gateway) and
-the in-process gateway tests use this instead.
+time a first token nor disconnect during a stream; `eval rag` (ragspeed.evals.rag_gateway) and
+the in-process gateway tests use this instead. Tooling, not serving: the app never imports it.
 """
 
 from __future__ import annotations
