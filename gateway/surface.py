@@ -6,6 +6,7 @@ engine refuses or ignores (gateway.protocol's REFUSED_FIELDS and IGNORED_FIELDS)
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 from ragspeed.engine.protocol import StructuredOutput
@@ -67,11 +68,13 @@ def tool_calls(req: ChatCompletionRequest, fmt: ToolFormat = GENERIC) -> ToolCal
 def output_constraint(req: _SamplingFields, tools: ToolCalls | None = None) -> StructuredOutput | None:
     """The one constraint on the output the request asks for; a 400 where it asks for two."""
     asked: list[tuple[str, StructuredOutput]] = []
-    if tools is not None and (grammar := tools.grammar) is not None:
-        asked.append(("tools", grammar))
+    answer = _response_format(req) if isinstance(req, ChatCompletionRequest) else None
+    if tools is not None and (grammar := replace(tools, answer=answer).grammar) is not None:
+        asked.append(("tools", grammar))  # with tools, response_format is what an answer must be
+        answer = None
+    if answer is not None:
+        asked.append(("response_format", answer))
     if isinstance(req, ChatCompletionRequest):
-        if req.response_format is not None and (fmt := _response_format(req)) is not None:
-            asked.append(("response_format", fmt))
         if req.structured_outputs is not None:
             asked.append(("structured_outputs", _structured_outputs(req)))
         for name, key in _GUIDED.items():
@@ -86,8 +89,7 @@ def output_constraint(req: _SamplingFields, tools: ToolCalls | None = None) -> S
 
 def _response_format(req: ChatCompletionRequest) -> StructuredOutput | None:
     fmt = req.response_format
-    assert fmt is not None
-    if fmt.type == "text":
+    if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
         return StructuredOutput("json_object")

@@ -17,7 +17,8 @@
 The output is constrained by a grammar (engine.structured) built from the tools' schemas (an
 arguments object takes only its declared keys unless its schema says otherwise): `required`
 and a named choice allow calls and nothing else; `auto` allows an answer in text (one that
-cannot begin a call) or calls; `none` constrains nothing. `parallel_tool_calls` absent takes
+cannot begin a call), or in the JSON of the request's `response_format`, or calls; `none`
+constrains nothing. `parallel_tool_calls` absent takes
 the format's own answer, as llama.cpp's server does: several calls where the template writes
 several (hermes), one where it does not (generic, llama3-json); llama3-json never writes more
 than one. `ToolCallParser` turns the text
@@ -166,9 +167,14 @@ def _literal(text: str) -> str:
 
 
 def tool_call_grammar(
-    tools: list[ToolDefinition], choice: str | NamedToolChoice, parallel: bool, fmt: ToolFormat = GENERIC
+    tools: list[ToolDefinition],
+    choice: str | NamedToolChoice,
+    parallel: bool,
+    fmt: ToolFormat = GENERIC,
+    answer: StructuredOutput | None = None,
 ) -> StructuredOutput | None:
-    """The constraint of a request with tools (None for `tool_choice: none`)."""
+    """The constraint of a request with tools (None for `tool_choice: none`). With `auto`, the
+    answer in text is free, or held to `answer` (the request's JSON `response_format`)."""
     if choice == "none":
         return None
     if isinstance(choice, NamedToolChoice):
@@ -186,11 +192,15 @@ def tool_call_grammar(
             f"call: block{more}\nblock: {_literal(fmt.open)}one {_literal(fmt.close)}\n"
             f"one: %json {json.dumps(one)}"
         )
-    if choice == "auto":
-        # An answer in text may not begin as a call does.
-        first = re.escape(_call_start(fmt)[0])
-        return StructuredOutput("grammar", f"start: ANSWER | call\nANSWER: /[^{first}](.|\\n)*/\n{rules}")
-    return StructuredOutput("grammar", f"start: call\n{rules}")
+    if choice != "auto":
+        return StructuredOutput("grammar", f"start: call\n{rules}")
+    if answer is not None:
+        schema = json.loads(answer.spec) if answer.kind == "json_schema" else {"type": "object"}
+        answer_rule = f"answer: %json {json.dumps({**schema, 'x-guidance': JSON_LAYOUT})}"
+        return StructuredOutput("grammar", f"start: answer | call\n{answer_rule}\n{rules}")
+    # An answer in text may not begin as a call does.
+    first = re.escape(_call_start(fmt)[0])
+    return StructuredOutput("grammar", f"start: ANSWER | call\nANSWER: /[^{first}](.|\\n)*/\n{rules}")
 
 
 def _call_start(fmt: ToolFormat) -> str:
@@ -206,10 +216,11 @@ class ToolCalls:
     choice: str | NamedToolChoice
     parallel: bool
     format: ToolFormat = GENERIC
+    answer: StructuredOutput | None = None  # the JSON an answer that is not a call must be
 
     @property
     def grammar(self) -> StructuredOutput | None:
-        return tool_call_grammar(self.tools, self.choice, self.parallel, self.format)
+        return tool_call_grammar(self.tools, self.choice, self.parallel, self.format, self.answer)
 
 
 class ToolCallParser:

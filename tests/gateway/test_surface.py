@@ -146,6 +146,21 @@ async def test_each_way_of_asking_for_a_constraint(fake, extra, expected):
     assert fake.engine.requests[0].sampling.structured == expected
 
 
+async def test_tools_and_a_response_format_make_one_grammar(fake):
+    """With `auto`, the answer that is not a call takes the response format (OpenAI allows
+    both); a required call leaves the format nothing to hold."""
+    clock = {"type": "function", "function": {"name": "now"}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    async with serve(fake_settings()) as client:
+        for choice in ("auto", "required"):
+            body = {"messages": HI, "tools": [clock], "tool_choice": choice, "response_format": fmt}
+            response = await client.post("/v1/chat/completions", json=body)
+            assert response.status_code == 200, response.text
+    auto, required = (r.sampling.structured for r in fake.engine.requests)
+    assert auto is not None and auto.kind == "grammar" and auto.spec.startswith("start: answer | call")
+    assert required is not None and required.spec.startswith("start: call") and "answer" not in required.spec
+
+
 @pytest.mark.parametrize(
     "extra, param",
     [

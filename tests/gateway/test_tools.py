@@ -229,3 +229,35 @@ def test_a_random_model_held_to_each_format_writes_calls_its_parser_reads(tiny_e
                 assert arguments in ({"city": "Paris"}, {"city": "Oslo"})
             else:
                 assert call["function"]["name"] == "now" and arguments == {}
+
+
+def test_with_auto_an_answer_that_is_not_a_call_takes_the_response_format(tiny_engine):
+    """tools with `auto` beside a JSON response_format: every output is a call or that JSON."""
+    import jsonschema
+
+    from ragspeed.engine.protocol import GenerationRequest, SamplingParams, StructuredOutput
+
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    answer = StructuredOutput("json_schema", json.dumps(schema))
+    grammar = tool_call_grammar([CLOCK], "auto", parallel=False, answer=answer)
+    assert grammar is not None and grammar.spec.startswith("start: answer | call")
+    requests = [
+        GenerationRequest(
+            f"r{seed}",
+            (5, 9, 12, 40, 7),
+            SamplingParams(max_tokens=60, temperature=1.0, seed=seed, structured=grammar),
+        )
+        for seed in range(6)
+    ]
+    for out in tiny_engine.generate(requests).values():
+        assert out["finish_reason"] == "stop", out["text"]
+        content, calls = _feed_all(ToolCallParser(), [out["text"]])
+        if calls:
+            assert content == "" and [c["function"]["name"] for c in calls] == ["now"]
+        else:
+            jsonschema.validate(json.loads(content), schema)
