@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from ragspeed.engine.attention import slots as slot_ids
+from ragspeed.engine.attention_metadata import slots as slot_ids
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.document_plan import DocumentPlan
 from ragspeed.engine.kv_cache import available_memory_bytes

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ragspeed.engine.attention import AttentionMetadata, build_metadata, slots, slots_at
+from ragspeed.engine.attention_metadata import AttentionMetadata, build_metadata, slots, slots_at
 from ragspeed.engine.cpu_kernels.decoder import FusedDecoder
 from ragspeed.engine.cpu_kernels.placement import place_kernel_applies, place_kv
 from ragspeed.engine.kv_cache import KVCachePool
@@ -237,7 +237,7 @@ class ModelRunner:
         return self._on_device(ids), self._on_device(freqs_cis), meta, sample_index
 
     def _metadata(self, output: SchedulerOutput, slot_mapping: torch.Tensor) -> AttentionMetadata:
-        """The step's AttentionMetadata (engine.attention.build_metadata), its tensors views of
+        """The step's AttentionMetadata (engine.attention_metadata.build_metadata), its tensors views of
         the step buffers."""
         decodes, prefills = output.decodes, output.prefills
         return build_metadata(
@@ -258,6 +258,6 @@ class ModelRunner:
     def _kernel_rows(
         self, tables: Sequence[Sequence[int]], context_lens: Sequence[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """attention.KernelRows in the step buffers, where the model runs."""
+        """attention_metadata.KernelRows in the step buffers, where the model runs."""
         tables_t, lens_t = self.buffers.kernel_rows(tables, context_lens)
         return self._on_device(tables_t), self._on_device(lens_t)

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ragspeed.engine.attention import SMALL_CHUNK_QUERIES
+from ragspeed.engine.attention_metadata import SMALL_CHUNK_QUERIES
 from ragspeed.engine.cpu_kernels import decode_step
 
 # A step of at most this many tokens runs its small ops on one thread.

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ragspeed.engine.attention import AttentionMetadata, paged_attention
+from ragspeed.engine.attention import paged_attention
+from ragspeed.engine.attention_metadata import AttentionMetadata
 from ragspeed.engine.cpu_kernels.decoder import FusedDecoder
 from ragspeed.engine.cpu_kernels.norm import add_rms_norm, add_rms_norm_applies
 from ragspeed.engine.models.arch import ModelArch

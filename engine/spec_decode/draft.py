@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ragspeed.engine.attention import SMALL_CHUNK_QUERIES, padded_tables
+from ragspeed.engine.attention_metadata import SMALL_CHUNK_QUERIES, padded_tables
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.kv_cache import KVCachePool
 from ragspeed.engine.loader import LoadedModel, load_for_engine, resolve_model_path

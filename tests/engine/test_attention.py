@@ -8,15 +8,8 @@ import pytest
 import torch
 
 from ragspeed.engine import attention as attention_module
-from ragspeed.engine.attention import (
-    SMALL_CHUNK_QUERIES,
-    PrefillSpan,
-    build_metadata,
-    causal_mask,
-    chunk_attention,
-    masked_chunk_attention,
-    paged_attention,
-)
+from ragspeed.engine.attention import chunk_attention, masked_chunk_attention, paged_attention
+from ragspeed.engine.attention_metadata import SMALL_CHUNK_QUERIES, PrefillSpan, build_metadata, causal_mask
 from ragspeed.engine.cpu_kernels import load_library
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ragspeed.engine.attention import SMALL_CHUNK_QUERIES, build_metadata, slots
+from ragspeed.engine.attention_metadata import SMALL_CHUNK_QUERIES, build_metadata, slots
 from ragspeed.engine.cpu_kernels import blocked_kernels_available, decode_step
 from ragspeed.engine.gguf import converted_copy
 from ragspeed.engine.kv_cache import KVCachePool
