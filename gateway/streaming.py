@@ -54,6 +54,20 @@ CHAT = Shape("chat.completion", chat=True)
 TEXT = Shape("text_completion", chat=False)
 
 
+def _call_pieces(calls: tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
+    """Tool-call deltas in OpenAI's chunking: a whole call becomes its head (index, id, type,
+    name, no arguments yet) and then its arguments; a piece already (an upstream's) stays so."""
+    pieces = []
+    for call in calls:
+        function = call.get("function") or {}
+        if not (call.get("id") and function.get("arguments")):
+            pieces.append(call)
+            continue
+        pieces.append({**call, "function": {**function, "arguments": ""}})
+        pieces.append({"index": call["index"], "function": {"arguments": function["arguments"]}})
+    return pieces
+
+
 def _sse(payload: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
 
@@ -368,8 +382,8 @@ async def stream(gens: list[Generation], shape: Shape, include_usage: bool) -> S
             events = chunk(index, {**shape.content(delta.text), "logprobs": logprobs, "finish_reason": None})
         elif delta.text:
             events = text_chunks[index](delta.text)
-        if delta.tool_calls:
-            events += chunk(index, {"delta": {"tool_calls": list(delta.tool_calls)}, "finish_reason": None})
+        for piece in _call_pieces(delta.tool_calls):
+            events += chunk(index, {"delta": {"tool_calls": [piece]}, "finish_reason": None})
         return events
 
     async def following() -> AsyncGenerator[tuple[int, TokenDelta], None]:

@@ -110,15 +110,23 @@ def test_streamed_calls_arrive_whole_in_openais_chunks(client):
         stream=True,
     )
     calls: dict[int, dict] = {}
+    pieces: dict[int, list] = {}
     finish = None
     for chunk in stream:
         for delta in chunk.choices[0].delta.tool_calls or []:
+            assert delta.function is not None
+            pieces.setdefault(delta.index, []).append(
+                (delta.id, delta.function.name, delta.function.arguments)
+            )
             call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
             call["name"] += delta.function.name or ""
             call["arguments"] += delta.function.arguments or ""
         finish = chunk.choices[0].finish_reason or finish
     assert finish == "tool_calls" and calls
     assert all(_valid(c["name"], c["arguments"]) for c in calls.values())
+    for index, (head, *rest) in pieces.items():  # OpenAI's chunking: the head, then arguments
+        assert head[0].startswith("call_") and head[1] == calls[index]["name"] and not head[2]
+        assert rest and all(piece_id is None and name is None for piece_id, name, _ in rest)
 
 
 def test_the_template_renders_the_tools_and_the_historys_calls(client):
