@@ -83,22 +83,6 @@ class TestRagspeedChatModel(ChatModelIntegrationTests):
     # fails on its words (quoted, from a run with seed 0) and passes where it chooses otherwise.
 
     @pytest.mark.xfail(
-        reason="parallel_tool_calls is true by default, and the model made its right call twice: "
-        "[magic_function(input=3), magic_function(input=3)]",
-        strict=False,
-    )
-    @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
-    def test_tool_calling(self, model: ChatOpenAI) -> None:
-        super().test_tool_calling(model)
-
-    @pytest.mark.xfail(
-        reason="the model made its right call twice: [magic_function(input=3), magic_function(input=3)]",
-        strict=False,
-    )
-    async def test_tool_calling_async(self, model: ChatOpenAI) -> None:
-        await super().test_tool_calling_async(model)
-
-    @pytest.mark.xfail(
         reason="JSON mode asks for an object, not for keys: the model added one, "
         "{'setup': ..., 'punchline': ..., 'json': ...}",
         strict=False,
