@@ -249,6 +249,7 @@ def chat(
         "kquant": "ragspeed.bench.kquant:bench_kquant",
         "grammar": "ragspeed.bench.grammar:bench_grammar",
         "load": "ragspeed.bench.load:bench_load",
+        "prefill": "ragspeed.bench.prefill_paths:bench_prefill",
         "quant": "ragspeed.bench.quant:bench_quant",
         "restarts": "ragspeed.bench.restarts:bench_restarts",
         "spec": "ragspeed.bench.spec:bench_spec",

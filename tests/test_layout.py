@@ -63,6 +63,7 @@ def test_cli_commands_load_when_asked_for():
         "grammar",
         "kquant",
         "load",
+        "prefill",
         "quant",
         "restarts",
         "spec",
@@ -178,17 +179,18 @@ def test_a_program_that_never_configures_gets_the_process_environment(monkeypatc
     assert environment.current().cache_dir == tmp_path
 
 
-def _engine_imports() -> dict[str, set[str]]:
+def _engine_imports(package: str = "engine") -> dict[str, set[str]]:
     """The native engine's modules (as installed: `ragspeed.engine.x`) and the engine modules
-    each one imports, anywhere in it: at the top, in a function, under TYPE_CHECKING."""
+    each one imports, anywhere in it: at the top, in a function, under TYPE_CHECKING; the same
+    for another of the serving packages (`package`: its folder)."""
     import ast
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1] / "engine"
+    root = Path(__file__).resolve().parents[1] / package
     modules = {}
     for path in root.rglob("*.py"):
         parts = path.relative_to(root).with_suffix("").parts
-        name = ".".join(("ragspeed", "engine", *parts))
+        name = ".".join(("ragspeed", package, *parts))
         modules[name.removesuffix(".__init__")] = path
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
@@ -260,3 +262,36 @@ def test_only_the_runner_and_the_models_run_the_model():
         if forward.search(line) and "self.runner." not in line
     ]
     assert found == []
+
+
+def test_the_gateway_modules_import_in_no_loop_and_the_pipeline_reads_no_app_state():
+    """The request path's parts take the services they use (built in stages by
+    gateway.pipeline.build_pipeline), not the app's state: only the app, its dependencies and
+    the routes read `AppState`, and no gateway module reaches itself again."""
+    graph = _engine_imports("gateway")
+    assert sorted(name for name in graph if name in _reaches(graph, name)) == []
+    readers = sorted(name for name, imported in graph.items() if "ragspeed.gateway.state" in imported)
+    assert readers == [
+        "ragspeed.gateway.app",
+        "ragspeed.gateway.dependencies",
+        "ragspeed.gateway.routes.openai",
+        "ragspeed.gateway.routes.ops",
+    ]
+    request_path = ("prepare", "prepared", "pipeline", "run", "document_stage", "compress")
+    for name in request_path:
+        assert "ragspeed.gateway.state" not in _reaches(graph, f"ragspeed.gateway.{name}"), name
+
+
+def test_every_gateway_module_serves():
+    """Tooling lives beside the serving packages (ragspeed.bench, ragspeed.evals): each module of
+    the gateway is imported to serve (the app) or by the SDK (gateway.client)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "gateway"
+    modules = {
+        ".".join(("ragspeed", "gateway", *p.relative_to(root).with_suffix("").parts))
+        for p in root.rglob("*.py")
+    }
+    modules = {name.removesuffix(".__init__") for name in modules}
+    imported = _imported_after("import ragspeed.gateway.app, ragspeed.gateway.client", ("ragspeed.gateway",))
+    assert sorted(modules - set(imported)) == []
