@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from ragspeed.environment import current
+
 # /proc/cpuinfo flags recorded, in the order the start-up line lists them.
 KNOWN_FLAGS = (
     "avx2",
@@ -75,10 +77,27 @@ def parse_cpuinfo(text: str, torch_capability: str) -> CpuFeatures:
     return CpuFeatures(model_name, flags, torch_capability)
 
 
+# What each RAGSPEED_CPU_ISA leaves of the flags and of torch's capability (ragspeed.environment).
+_ISA_FLAGS = {"avx2": frozenset({"avx2"}), "plain": frozenset()}
+_ISA_CAPABILITY = {"avx2": "AVX2", "plain": "DEFAULT"}
+
+
+def narrowed(features: CpuFeatures, isa: str) -> CpuFeatures:
+    """`features` as a CPU of instruction sets `isa` has them ("native": as they are)."""
+    if isa == "native":
+        return features
+    capability = features.torch_capability
+    if capability not in ("DEFAULT", _ISA_CAPABILITY[isa]):
+        capability = _ISA_CAPABILITY[isa]
+    return CpuFeatures(features.model_name, features.flags & _ISA_FLAGS[isa], capability)
+
+
 def read_cpu_features(cpuinfo: Path = Path("/proc/cpuinfo")) -> CpuFeatures:
-    """This machine's features (no flags where /proc/cpuinfo cannot be read)."""
+    """This machine's features (no flags where /proc/cpuinfo cannot be read), narrowed to
+    `RAGSPEED_CPU_ISA`."""
     try:
         text = cpuinfo.read_text()
     except OSError:
         text = ""
-    return parse_cpuinfo(text, torch.backends.cpu.get_cpu_capability())
+    features = parse_cpuinfo(text, torch.backends.cpu.get_cpu_capability())
+    return narrowed(features, current().cpu_isa)

@@ -11,6 +11,11 @@ that use them take them from `current()` and read no environment themselves:
   default ~/.cache/ragspeed/kernels), with the prefill paths' times measured on this machine
   (engine.quant.probe).
 - `RAGSPEED_CPU_KERNELS=0`: no CPU kernels (oneDNN / fbgemm for every product).
+- `RAGSPEED_CPU_ISA`: the instruction sets the engine may use, `native` (the default: all this
+  CPU has), `avx2` (as an AVX2-only CPU: no AVX-512, no VNNI, no BF16) or `plain` (no AVX): the
+  kernels are built for it and the paths chosen by CPU features see only its flags, so a
+  machine with AVX-512 runs the code of a narrower one (with `ATEN_CPU_CAPABILITY=avx2` and
+  `ONEDNN_MAX_CPU_ISA=AVX2`, torch's own kernels too).
 - `CC`: the compiler of the CPU kernels (default `cc`, else `gcc`).
 
 The `ragspeed` command calls `configure()` at start-up; without it, the first `current()` reads
@@ -30,6 +35,8 @@ CACHE_DIR = "RAGSPEED_CACHE_DIR"
 KERNEL_CACHE = "RAGSPEED_KERNEL_CACHE"
 CPU_KERNELS = "RAGSPEED_CPU_KERNELS"
 COMPILER = "CC"
+CPU_ISA = "RAGSPEED_CPU_ISA"
+CPU_ISAS = ("native", "avx2", "plain")
 
 
 @dataclass(frozen=True)
@@ -38,6 +45,11 @@ class Environment:
     kernel_cache: Path | None = None
     cpu_kernels: bool = True
     compiler: str = "cc"
+    cpu_isa: str = "native"  # one of CPU_ISAS
+
+    def __post_init__(self) -> None:
+        if self.cpu_isa not in CPU_ISAS:
+            raise ValueError(f"{CPU_ISA} must be one of {', '.join(CPU_ISAS)}, got {self.cpu_isa!r}")
 
 
 def _folder(value: str | None) -> Path | None:
@@ -51,6 +63,7 @@ def read_environment(environ: Mapping[str, str] = os.environ) -> Environment:
         kernel_cache=_folder(environ.get(KERNEL_CACHE)),
         cpu_kernels=environ.get(CPU_KERNELS, "1") != "0",
         compiler=environ.get(COMPILER) or "cc",
+        cpu_isa=environ.get(CPU_ISA) or "native",
     )
 
 

@@ -152,9 +152,11 @@ def test_the_environment_is_read_once_and_handed_down(monkeypatch, tmp_path):
     from ragspeed.engine.cpu_kernels import build
 
     values = {"RAGSPEED_CACHE_DIR": str(tmp_path / "c"), "RAGSPEED_KERNEL_CACHE": str(tmp_path / "k")}
-    read = environment.read_environment({**values, "RAGSPEED_CPU_KERNELS": "0", "CC": "clang"})
+    read = environment.read_environment(
+        {**values, "RAGSPEED_CPU_KERNELS": "0", "CC": "clang", "RAGSPEED_CPU_ISA": "avx2"}
+    )
     assert read == environment.Environment(
-        tmp_path / "c", tmp_path / "k", cpu_kernels=False, compiler="clang"
+        tmp_path / "c", tmp_path / "k", cpu_kernels=False, compiler="clang", cpu_isa="avx2"
     )
     assert environment.read_environment({}) == environment.Environment()
     for name, value in values.items():

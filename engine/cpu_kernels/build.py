@@ -114,11 +114,13 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
 
 
 @functools.cache
-def load_library(isa: str = "native") -> ctypes.CDLL | None:
+def load_library(isa: str | None = None) -> ctypes.CDLL | None:
     """The compiled kernels, or None (turned off, not x86/ARM Linux, no compiler, or the build
-    failed: logged once). `isa` other than "native" builds for a narrower CPU (`ISA_FLAGS`)."""
+    failed: logged once). `isa` other than "native" builds for a narrower CPU (`ISA_FLAGS`);
+    None takes `RAGSPEED_CPU_ISA` (ragspeed.environment)."""
     if not current().cpu_kernels:
         return None
+    isa = isa or current().cpu_isa
     compiler = shutil.which(current().compiler) or shutil.which("gcc")
     if platform.system() != "Linux" or compiler is None:
         log.info("CPU kernels off: needs Linux and a C compiler")

@@ -521,3 +521,18 @@ def test_k_quant_products_without_vnni_avx512_or_avx2(fresh_build, monkeypatch, 
         expected = (int16_rows(x).double() @ reference.double().T + b).float()
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
         assert torch.equal(blocked.forward(x[2:3], 1), out[2:3]), kind
+
+
+@pytest.mark.parametrize(("isa", "built"), [("avx2", "avx2"), ("plain", "plain C")])
+def test_the_environment_narrows_the_kernels_to_a_smaller_cpu(fresh_build, monkeypatch, isa, built):
+    """RAGSPEED_CPU_ISA builds the kernels for a narrower CPU than this one, so that a machine
+    with AVX-512 runs (and tests) the AVX2-only machine's code."""
+    from ragspeed.engine.cpu_kernels.int8_prefill import isa_of
+
+    monkeypatch.setenv("RAGSPEED_CPU_ISA", isa)
+    environment.configure()
+    library = load_library()
+    assert library is not None and isa_of(library) == built
+    monkeypatch.setenv("RAGSPEED_CPU_ISA", "avx9")
+    with pytest.raises(ValueError, match="RAGSPEED_CPU_ISA must be one of native, avx2, plain, got 'avx9'"):
+        environment.configure()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ragspeed.engine import cpu_features
-from ragspeed.engine.cpu_features import CpuFeatures, parse_cpuinfo, read_cpu_features
+from ragspeed.engine.cpu_features import CpuFeatures, narrowed, parse_cpuinfo, read_cpu_features
 from ragspeed.engine.cpu_kernels import blocked_kernels_available
 from ragspeed.engine.models.linear import DenseLinear
 from ragspeed.engine.quant import Int8Linear, check_quantization
@@ -60,6 +60,13 @@ def test_parse_cpuinfo_and_describe():
     )
     with pytest.raises(ValueError, match=r"unknown CPU flags \['sse9'\]"):
         CpuFeatures("x", frozenset({"sse9"}), "AVX2")
+
+
+def test_a_narrower_isa_leaves_only_its_flags():
+    assert narrowed(VNNI, "native") == VNNI
+    assert narrowed(VNNI, "avx2") == CpuFeatures("Intel Xeon", frozenset({"avx2"}), "AVX2")
+    assert narrowed(VNNI, "plain") == CpuFeatures("Intel Xeon", frozenset(), "DEFAULT")
+    assert narrowed(AVX2, "plain").torch_capability == "DEFAULT"
 
 
 def test_read_cpu_features_of_this_machine(tmp_path):
