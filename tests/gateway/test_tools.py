@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import pytest
 
+from ragspeed.engine.protocol import GenerationRequest, SamplingParams, StructuredOutput
 from ragspeed.gateway.protocol import ChatMessage, NamedToolChoice, ToolDefinition
 from ragspeed.gateway.tools import (
     GENERIC,
@@ -198,28 +200,33 @@ def tiny_engine(tiny_model):
     return make_engine(tiny_model)
 
 
+def _sampled(engine, grammar: StructuredOutput | None, num_seeds: int, max_tokens: int) -> list[dict]:
+    """The engine's outputs under `grammar`, sampled at temperature 1 with seeds 0, 1, ..."""
+    requests = [
+        GenerationRequest(
+            f"r{seed}",
+            (5, 9, 12, 40, 7),
+            SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, structured=grammar),
+        )
+        for seed in range(num_seeds)
+    ]
+    outputs = list(engine.generate(requests).values())
+    for out in outputs:
+        assert out["finish_reason"] == "stop", out["text"]
+    return outputs
+
+
 @pytest.mark.parametrize("fmt", [GENERIC, HERMES, LLAMA3_JSON], ids=lambda f: f.name)
 @pytest.mark.parametrize("parallel", [False, True])
 def test_a_random_model_held_to_each_format_writes_calls_its_parser_reads(tiny_engine, fmt, parallel):
     """Whatever the random weights prefer, the grammar leaves only calls of the declared tools
     with arguments of their schema, in the shape the format's parser reads."""
-    from ragspeed.engine.protocol import GenerationRequest, SamplingParams
-
     # The city is an enum: a random model would fill a free string to max_tokens.
     weather = WEATHER.model_copy(deep=True)
     assert weather.function.parameters is not None
     weather.function.parameters["properties"]["city"] = {"enum": ["Paris", "Oslo"]}
     grammar = tool_call_grammar([weather, CLOCK], "required", parallel=parallel, fmt=fmt)
-    requests = [
-        GenerationRequest(
-            f"r{seed}",
-            (5, 9, 12, 40, 7),
-            SamplingParams(max_tokens=200, temperature=1.0, seed=seed, structured=grammar),
-        )
-        for seed in range(4)
-    ]
-    for out in tiny_engine.generate(requests).values():
-        assert out["finish_reason"] == "stop", out["text"]
+    for out in _sampled(tiny_engine, grammar, num_seeds=4, max_tokens=200):
         content, calls = _feed_all(ToolCallParser(fmt), [out["text"]])
         assert content == "" and calls, out["text"]
         assert parallel or len(calls) == 1
@@ -233,10 +240,6 @@ def test_a_random_model_held_to_each_format_writes_calls_its_parser_reads(tiny_e
 
 def test_with_auto_an_answer_that_is_not_a_call_takes_the_response_format(tiny_engine):
     """tools with `auto` beside a JSON response_format: every output is a call or that JSON."""
-    import jsonschema
-
-    from ragspeed.engine.protocol import GenerationRequest, SamplingParams, StructuredOutput
-
     schema = {
         "type": "object",
         "properties": {"ok": {"type": "boolean"}},
@@ -246,16 +249,7 @@ def test_with_auto_an_answer_that_is_not_a_call_takes_the_response_format(tiny_e
     answer = StructuredOutput("json_schema", json.dumps(schema))
     grammar = tool_call_grammar([CLOCK], "auto", parallel=False, answer=answer)
     assert grammar is not None and grammar.spec.startswith("start: answer | call")
-    requests = [
-        GenerationRequest(
-            f"r{seed}",
-            (5, 9, 12, 40, 7),
-            SamplingParams(max_tokens=60, temperature=1.0, seed=seed, structured=grammar),
-        )
-        for seed in range(6)
-    ]
-    for out in tiny_engine.generate(requests).values():
-        assert out["finish_reason"] == "stop", out["text"]
+    for out in _sampled(tiny_engine, grammar, num_seeds=6, max_tokens=60):
         content, calls = _feed_all(ToolCallParser(), [out["text"]])
         if calls:
             assert content == "" and [c["function"]["name"] for c in calls] == ["now"]
