@@ -34,7 +34,7 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
-from ragspeed.environment import current
+from ragspeed.environment import CPU_ISAS, current
 
 log = logging.getLogger(__name__)
 
@@ -117,10 +117,11 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
 def load_library(isa: str | None = None) -> ctypes.CDLL | None:
     """The compiled kernels, or None (turned off, not x86/ARM Linux, no compiler, or the build
     failed: logged once). `isa` other than "native" builds for a narrower CPU (`ISA_FLAGS`);
-    None takes `RAGSPEED_CPU_ISA` (ragspeed.environment)."""
+    never wider than `RAGSPEED_CPU_ISA` (ragspeed.environment), which None takes."""
     if not current().cpu_kernels:
         return None
-    isa = isa or current().cpu_isa
+    allowed = current().cpu_isa
+    isa = min(isa or allowed, allowed, key=CPU_ISAS[::-1].index)  # CPU_ISAS: widest first
     compiler = shutil.which(current().compiler) or shutil.which("gcc")
     if platform.system() != "Linux" or compiler is None:
         log.info("CPU kernels off: needs Linux and a C compiler")
