@@ -3,7 +3,7 @@ requests over ASGI, and chat completions streamed chunk by chunk with their arri
 
 `httpx.ASGITransport` returns a response only once the app has sent all of it, so it cannot
 time a first token; `stream_chat` drives the streamed requests over raw ASGI
-(ragspeed.gateway.asgi_post), every body chunk timed as the app sends it. Everything else
+(ragspeed.evals.asgi_post), every body chunk timed as the app sends it. Everything else
 (readiness, collections) goes through httpx.
 """
 
@@ -20,8 +20,8 @@ from typing import Any
 
 import httpx
 
+from ragspeed.evals.asgi_post import post
 from ragspeed.gateway.app import create_app
-from ragspeed.gateway.asgi_post import post
 from ragspeed.gateway.settings import Settings
 
 BASE_URL = "http://ragspeed.eval"

@@ -1,5 +1,5 @@
 """Running the gateway app inside the test's event loop: its lifespan, an httpx client over
-`httpx.ASGITransport`, and a raw ASGI stream whose client hangs up (ragspeed.gateway.asgi_post).
+`httpx.ASGITransport`, and a raw ASGI stream whose client hangs up (ragspeed.evals.asgi_post).
 
 Everything here speaks ASGI and HTTP only (the lifespan protocol, requests, responses), never
 the app's internals, so the tests hold whatever the app keeps in its state.
@@ -15,8 +15,8 @@ from typing import Any
 
 import httpx
 
+from ragspeed.evals.asgi_post import post
 from ragspeed.gateway.app import create_app
-from ragspeed.gateway.asgi_post import post
 from ragspeed.gateway.settings import Settings
 
 READY_TIMEOUT_S = 30.0

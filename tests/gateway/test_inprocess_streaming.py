@@ -9,7 +9,7 @@ import json
 import pytest
 
 from ragspeed.engine.protocol import EngineError, UpstreamError
-from ragspeed.gateway.asgi_post import post
+from ragspeed.evals.asgi_post import post
 from tests.gateway.fake_engine import Reply, Stall
 from tests.gateway.inprocess import SERVED_MODEL, fake_settings, hang_up, metric, serve, sse_events
 
