@@ -33,7 +33,7 @@ from ragspeed.gateway.limits import (
     Rejections,
 )
 from ragspeed.gateway.metrics import GatewayMetrics
-from ragspeed.gateway.pipeline import Pipeline
+from ragspeed.gateway.pipeline import build_pipeline
 from ragspeed.gateway.prompt_registry import PromptService
 from ragspeed.gateway.retrieval_service import RetrievalService
 from ragspeed.gateway.routes import collections, experiments, openai, ops, prompts
@@ -130,7 +130,18 @@ def create_app(
             if on_ready is not None:
                 on_ready()
             # Every service is loaded: the pipeline is complete from its first request on.
-            state.pipeline = Pipeline(state)
+            state.pipeline = build_pipeline(
+                settings,
+                metrics=metrics,
+                engine=engine,
+                prompts=state.prompts,
+                retrieval=state.retrieval,
+                compression=state.compression,
+                experiment=experiment,
+                arm_engines=arm_engines,
+                admission=admission,
+                document_cache_default=state.document_cache_default,
+            )
             logger.info(
                 "engine %s ready with %s in %.1f s",
                 settings.engine.backend,

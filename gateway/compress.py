@@ -26,13 +26,22 @@ from ragspeed.compression.base import count_tokens_many
 from ragspeed.compression.scoring.embedding_cache import EmbeddingCache
 from ragspeed.document import Document
 from ragspeed.gateway.errors import APIError
-from ragspeed.gateway.prepare import CompressionReport
 from ragspeed.gateway.prompt import Segments
 from ragspeed.gateway.protocol import CompressionOptions
 from ragspeed.gateway.settings import CompressionSettings
 
 # Weight of the latest compression in the running mean of seconds a document token.
 SMOOTHING = 0.2
+
+
+@dataclass(frozen=True)
+class CompressionReport:
+    method: str
+    original_tokens: int
+    compressed_tokens: int
+    seconds: float
+    failed: bool = False  # the compressor raised; the documents went through uncompressed
+    skipped_reason: str | None = None  # e.g. below the break-even length
 
 
 @dataclass(frozen=True)

@@ -39,12 +39,14 @@ from typing import Any
 import numpy as np
 from pydantic import ValidationError
 
+from ragspeed.engine.protocol import EngineClient
 from ragspeed.gateway.errors import APIError
 from ragspeed.gateway.limits import ASGIApp, Receive, Scope, Send, header
 from ragspeed.gateway.protocol import ChatCompletionRequest, RagspeedOptions
 from ragspeed.gateway.yaml_settings import ArmError, YamlDoc, check_settings, read_yaml
 
 ARM_HEADER = "x-ragspeed-arm"
+DEFAULT_ARM = "default"  # the arm of every request while no experiment runs
 HOLDOUT_ARM = "holdout"
 STICKY_BY = ("user", "api_key", "none")
 _HOLDOUT_SALT = "ragspeed-holdout"
@@ -309,6 +311,24 @@ class LiveExperiment:
             "started_at": self.started_at,
             "arms": arms,
         }
+
+
+@dataclass(frozen=True)
+class ArmEngines:
+    """Which arm serves a request, and on which engine: the arm's own where it has one, else
+    the server's (every request, while no experiment runs)."""
+
+    engine: EngineClient  # the server's
+    experiment: LiveExperiment | None = None
+    arm_engines: Mapping[str, EngineClient] = field(default_factory=dict)  # arms with an engine
+
+    def choose(self, req: ChatCompletionRequest) -> tuple[ChatCompletionRequest, str, EngineClient]:
+        """The request as its arm serves it (the arm's per-request options win over the
+        client's), the arm's name and its engine."""
+        if self.experiment is None:
+            return req, DEFAULT_ARM, self.engine
+        arm = self.experiment.assign(req.user, current_hints())
+        return arm.apply(req), arm.name, self.arm_engines.get(arm.name, self.engine)
 
 
 def build_live_experiment(path: str | Path, base_settings: Mapping[str, Any]) -> LiveExperiment:

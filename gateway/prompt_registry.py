@@ -222,7 +222,7 @@ class PromptService:
             return None
         return self.registry.record_hit(name)
 
-    def apply(self, segments: Segments, name: str) -> Segments:
+    def with_registered_prompt(self, segments: Segments, name: str) -> Segments:
         """The request's segments with the named prompt as its static system prompt."""
         if segments.static_system_prompt:
             raise APIError(

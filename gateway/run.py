@@ -11,25 +11,50 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ragspeed.engine.protocol import DocumentReuse, PromptTooLongError, TokenDelta, TokenLogprob
 from ragspeed.gateway.admission import Ticket, TTFTAdmission, estimate_new_tokens
+from ragspeed.gateway.compress import CompressionReport
 from ragspeed.gateway.errors import APIError
+from ragspeed.gateway.experiments import LiveExperiment
 from ragspeed.gateway.limits import DeadlineExceeded, next_before
-from ragspeed.gateway.prepare import PreparedRequest
+from ragspeed.gateway.metrics import GatewayMetrics
+from ragspeed.gateway.prepared import PreparedRequest
 from ragspeed.gateway.tools import ToolCallParser, merge_tool_calls
 
-if TYPE_CHECKING:  # gateway.state holds the pipeline that builds generations
-    from ragspeed.gateway.state import AppState
+
+@dataclass(frozen=True)
+class Recorder:
+    """Where requests' figures go: the gateway's metrics, labelled by the model it serves, and
+    the live experiment comparing its arms' latencies."""
+
+    metrics: GatewayMetrics
+    model_id: str
+    experiment: LiveExperiment | None = None
+
+    def labels(self, arm: str) -> dict[str, str]:
+        return {"model": self.model_id, "arm": arm}
+
+    def refused(self, stage: str) -> None:
+        """A request refused by its predicted TTFT, at `stage` (arrival or admission)."""
+        self.metrics.ttft_refused.labels(model=self.model_id, stage=stage).inc()
+
+    def compressed(self, report: CompressionReport, arm: str) -> None:
+        labels = self.labels(arm)
+        self.metrics.documents_tokens.labels(**labels, phase="original").inc(report.original_tokens)
+        self.metrics.documents_tokens.labels(**labels, phase="compressed").inc(report.compressed_tokens)
+        if report.failed:
+            self.metrics.compression_fallbacks.labels(**labels).inc()
 
 
 @dataclass
 class Generation:
     """One request running in its engine: iterate `deltas()`; the figures fill in as it goes."""
 
-    state: AppState  # the app's services: metrics, the experiment observing its arms' latencies
     prepared: PreparedRequest
+    recorder: Recorder
+    timeout_s: float | None = None  # request_timeout_s: from its arrival, then it is aborted
     admission: TTFTAdmission | None = None  # refuses a request predicted to miss its deadline
     text_parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # when the request asked
@@ -48,11 +73,11 @@ class Generation:
 
     @property
     def model_id(self) -> str:
-        return self.state.settings.model_id
+        return self.recorder.model_id
 
     @property
     def labels(self) -> dict[str, str]:
-        return {"model": self.model_id, "arm": self.prepared.arm}
+        return self.recorder.labels(self.prepared.arm)
 
     @property
     def text(self) -> str:
@@ -98,22 +123,22 @@ class Generation:
                 deadline_s,
             )
         except APIError:
-            self.state.metrics.ttft_refused.labels(model=self.model_id, stage="admission").inc()
+            self.recorder.refused("admission")
             raise
         self.predicted_ttft_s = ticket.predicted_s
         if ticket.predicted_s is not None:
-            self.state.metrics.ttft_predicted.labels(**self.labels).observe(ticket.predicted_s)
+            self.recorder.metrics.ttft_predicted.labels(**self.labels).observe(ticket.predicted_s)
         return ticket
 
     async def deltas(self) -> AsyncGenerator[TokenDelta, None]:
-        metrics, labels = self.state.metrics, self.labels
+        metrics, labels = self.recorder.metrics, self.labels
         timer = self.prepared.timer
         ticket = self._admit()
         metrics.in_flight.labels(**labels).inc()
         outcome = "error"
         self._engine_start = time.perf_counter()
         counted_ids = 0
-        timeout_s = self.state.settings.limits.request_timeout_s
+        timeout_s = self.timeout_s
         deadline = None  # event-loop time; the deadline counts from the request's arrival
         if timeout_s is not None:
             deadline = asyncio.get_running_loop().time() + timeout_s - (self._engine_start - timer.start)
@@ -175,7 +200,7 @@ class Generation:
                 self._record(outcome)
 
     def _record(self, outcome: str) -> None:
-        metrics, labels, timer = self.state.metrics, self.labels, self.prepared.timer
+        metrics, labels, timer = self.recorder.metrics, self.labels, self.prepared.timer
         end = time.perf_counter()
         self.e2e_s = end - timer.start
         if not self.num_prompt_tokens:
@@ -190,8 +215,8 @@ class Generation:
         if self.tpot_s is not None:
             metrics.tpot.labels(**labels).observe(self.tpot_s)
         metrics.e2e.labels(**labels).observe(self.e2e_s)
-        if self.state.experiment is not None:
-            self.state.experiment.observe(self.prepared.arm, self.ttft_s, self.tpot_s, self.e2e_s)
+        if self.recorder.experiment is not None:
+            self.recorder.experiment.observe(self.prepared.arm, self.ttft_s, self.tpot_s, self.e2e_s)
         metrics.prompt_tokens.labels(**labels).inc(self.num_prompt_tokens)
         metrics.cached_tokens.labels(**labels).inc(self.num_cached_tokens)
         metrics.generation_tokens.labels(**labels).inc(self.num_completion_tokens)

@@ -1,6 +1,6 @@
 """`AppState`: every service the app serves with, built by the lifespan (gateway.app) and kept
-on `app.state.services`; routes read it through gateway.dependencies, and the pipeline, its
-preparer and each running request read it too (one place, no copies of its fields)."""
+on `app.state.services`; routes read it through gateway.dependencies. The pipeline built over
+those services (gateway.pipeline.build_pipeline) holds the few that each of its parts uses."""
 
 from __future__ import annotations
 

@@ -79,6 +79,11 @@ def test_the_pipeline_is_built_once_every_service_is_loaded(tmp_path):
     assert isinstance(state.compression, CompressionStage)
     assert not state.prompts.pins  # the engine has no prefix cache
     assert state.compression.loaded_methods == ("bm25",) and state.retrieval.loaded
-    # The pipeline and its preparer read the one state, not copies of its services.
-    assert state.pipeline.state is state and state.pipeline.preparer.state is state
+    # The pipeline and its preparer hold the state's services themselves, not copies.
+    preparer = state.pipeline.preparer
+    assert preparer.engine is state.engine and preparer.registry is state.prompts
+    assert (
+        preparer.documents.compression is state.compression
+        and preparer.documents.retrieval is state.retrieval
+    )
     assert state.settings is settings and state.admission is not None

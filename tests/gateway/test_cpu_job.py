@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from types import SimpleNamespace
 
-from ragspeed.gateway.prepare import Preparer
+from ragspeed.gateway.cpu_jobs import CpuJobs
 
 
 class _Engine:
@@ -19,18 +18,18 @@ class _Engine:
         return await asyncio.to_thread(fn, *args)
 
 
-def _preparer(engine) -> Preparer:
-    return Preparer(SimpleNamespace(engine=engine))  # type: ignore[arg-type]  # it reads the engine alone
+def _preparer(engine) -> CpuJobs:
+    return CpuJobs(engine)
 
 
 def test_a_cpu_job_runs_beside_the_engine_when_it_has_a_budget():
     engine = _Engine()
-    result = asyncio.run(_preparer(engine)._cpu_job(lambda a, b: a + b, 2, 3))
+    result = asyncio.run(_preparer(engine).run(lambda a, b: a + b, 2, 3))
     assert result == 5
     assert engine.jobs == [(2, 3)]
 
 
 def test_without_a_budget_a_cpu_job_runs_in_a_worker_thread():
     main = threading.get_ident()
-    result = asyncio.run(_preparer(object())._cpu_job(lambda: threading.get_ident() != main))
+    result = asyncio.run(_preparer(object()).run(lambda: threading.get_ident() != main))
     assert result is True

@@ -11,6 +11,7 @@ from ragspeed.gateway.fidelity_gate import (
     EXACT,
     FidelityResult,
     PolicyFigures,
+    RequestDocumentCache,
     choose_default,
     fidelity_key,
     read_result,
@@ -18,7 +19,6 @@ from ragspeed.gateway.fidelity_gate import (
     server_default,
     write_result,
 )
-from ragspeed.gateway.prepare import Preparer
 from ragspeed.gateway.protocol import RagspeedOptions
 from ragspeed.gateway.settings import Settings
 
@@ -108,10 +108,10 @@ def test_modes_off_and_on_and_an_engine_without_document_reuse():
     assert server_default("auto", configured, SimpleNamespace(documents=None)).policy == EXACT
 
 
-def preparer(mode: str, gated: DocumentCacheOptions | None) -> Preparer:
+def preparer(mode: str, gated: DocumentCacheOptions | None) -> RequestDocumentCache:
     default = None if mode != "auto" else SimpleNamespace(options=gated)
-    state = SimpleNamespace(settings=Settings(document_cache=mode), document_cache_default=default)
-    return Preparer(state)  # type: ignore[arg-type]  # document_cache reads these two alone
+    options = Settings(document_cache=mode).engine
+    return RequestDocumentCache(mode, options.document_cache_options(), default)  # type: ignore[arg-type]
 
 
 def asking(document_cache) -> RagspeedOptions:

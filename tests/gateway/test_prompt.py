@@ -6,7 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from ragspeed.document import Document
-from ragspeed.gateway.prepare import Preparer
+from ragspeed.gateway.prepare import StaticPrefixes
 from ragspeed.gateway.prompt import (
     assemble_prompt,
     extract_documents,
@@ -106,7 +106,7 @@ class _CountingTokenizer:
 
 
 def test_the_gateway_keeps_a_static_prefix_unless_its_template_reads_the_clock(tokenizer):
-    preparer = Preparer(state=None)  # type: ignore[arg-type]  # the prefix cache needs no state
+    preparer = StaticPrefixes()
     static = "You are a careful assistant."
     kept = preparer.static_token_ids(tokenizer, static)
     assert kept == static_prefix_token_ids(tokenizer, static)

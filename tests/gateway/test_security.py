@@ -134,18 +134,22 @@ def test_tenant_salt_overrides_the_client_salt(tiny_model):
 
     from ragspeed.engine.backends import build_engine
     from ragspeed.gateway.metrics import GatewayMetrics
-    from ragspeed.gateway.pipeline import Pipeline
+    from ragspeed.gateway.pipeline import build_pipeline
     from ragspeed.gateway.prompt_registry import PromptService
     from ragspeed.gateway.protocol import CompletionRequest
     from ragspeed.gateway.retrieval_service import RetrievalService
     from ragspeed.gateway.security import _current_principal
-    from ragspeed.gateway.state import AppState
 
     settings = load_settings(engine="transformers", model=str(tiny_model))
     engine = build_engine(settings.engine.config())
     asyncio.run(engine.start())
-    services = (RetrievalService(settings.retrieval), PromptService(engine, None))
-    pipeline = Pipeline(AppState(settings, GatewayMetrics(), engine, *services, started_at=0))
+    pipeline = build_pipeline(
+        settings,
+        metrics=GatewayMetrics(),
+        engine=engine,
+        prompts=PromptService(engine, None),
+        retrieval=RetrievalService(settings.retrieval),
+    )
     request = CompletionRequest(prompt="hello there", max_tokens=2, cache_salt="steal-globex")
     assert pipeline.prepare_completion(request).generation.cache_salt == "steal-globex"  # auth off
     ring = KeyRing([ApiKeyEntry(hash=hash_key("a"), tenant="acme")], [])
