@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ragspeed.document import Document
 from ragspeed.gateway.dependencies import app_state, ready_state, retrieval_service
+from ragspeed.gateway.protocol import DocumentIn
 from ragspeed.gateway.security import TenantSalt
 
 router = APIRouter(prefix="/v1/collections")
@@ -24,11 +25,11 @@ class CreateCollection(_Body):
     name: str = Field(..., min_length=1, max_length=64)
 
 
-class DocumentBody(_Body):
-    text: str
-    title: str = ""
-    id: str | None = None
-    metadata: dict[str, Any] = Field(default_factory=dict)
+class DocumentBody(DocumentIn):
+    """A document added to a collection: the wire's one document (a chat request's `documents`
+    item), its unknown keys refused as in every admin body."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
 class PrecomputeKV(TenantSalt):
