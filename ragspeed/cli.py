@@ -99,7 +99,7 @@ class LazyGroup(click.Group):
         "eval": "ragspeed.evals.cli:eval_group",
         "index": "ragspeed.retrieval.cli:index_group",
         "keys": "ragspeed.gateway.security:keys",
-        "models": "ragspeed.engine.cli:models_group",
+        "models": "ragspeed.bench.models:models_group",
         "train-demo": "ragspeed.training.cli:train_demo",
         "train-draft": "ragspeed.training.cli:train_draft",
         "train-rag": "ragspeed.training.cli:train_rag",

@@ -297,3 +297,17 @@ def test_every_gateway_module_serves():
     modules = {name.removesuffix(".__init__") for name in modules}
     imported = _imported_after("import ragspeed.gateway.app, ragspeed.gateway.client", ("ragspeed.gateway",))
     assert sorted(modules - set(imported)) == []
+
+
+def test_the_engine_holds_no_command():
+    """The engine serves; its commands (`ragspeed models`: build a benchmark model, list the zoo)
+    live with the tooling, in ragspeed.bench."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "engine"
+    importing_click = re.compile(r"^\s*(import click|from click\b)", re.MULTILINE)
+    assert (
+        sorted(str(p.relative_to(root)) for p in root.rglob("*.py") if importing_click.search(p.read_text()))
+        == []
+    )

@@ -13,8 +13,8 @@ from click.testing import CliRunner
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ragspeed import environment
+from ragspeed.bench.models import models_group
 from ragspeed.engine import model_zoo
-from ragspeed.engine.cli import models_group
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.loader import resolve_model_path
 from ragspeed.engine.model_zoo import (

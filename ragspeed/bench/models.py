@@ -1,4 +1,6 @@
-"""`ragspeed models ...`: the model zoo.
+"""`ragspeed models ...`: the model zoo's command, tooling beside the engine: build a benchmark
+model (a real architecture with seeded random weights, engine.model_zoo) ahead of its first use,
+and list the zoo.
 
 Command logic lives in plain functions returning dicts (`build_model`, `list_zoo`); the click
 commands print them.
