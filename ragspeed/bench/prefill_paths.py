@@ -9,25 +9,32 @@ rounds is reported, with the ratio to fp32 (of the medians, and the median of ea
 ratio to the fp32 run beside it) and each path's start-up gate figures (against fp32 prefill of
 the same weights: engine.precision).
 
-Where the time goes, per path: attention's share of one prefill (torch's profiler, as `bench
-engine`), and the products' share: one layer's four projections (QKV, output, gate-up, down)
-timed on as many rows as the prompt, alternated between the paths, times the number of layers,
-over the TTFT. Their rate (GFLOP/s) against fp32's is the kernels' own speed-up; the rest of a
-prefill (attention, norms, rotary, the KV writes) does not change with the path, so TTFT's
+Where the time goes, per path, in one more prefill under torch's profiler: attention's share of
+its time (as `bench engine` measures it) and the projections' (QKV, output, gate-up, down of
+every layer), with their rate (GFLOP/s): against fp32's, the kernels' own speed-up. The rest of
+a prefill (attention, norms, rotary, the KV writes) does not change with the path, so TTFT's
 ratio to fp32 cannot fall below that rest's share. Prints the CPU and its capabilities, a table
 and one line of JSON.
+
+`--per-projection` adds which products int8 activations can take: the model with int8 rows in
+one kind of projection only (every layer's QKV, output, gate-up or down; the others on
+int16-blocks), against fp32 prefill of the same weights on windows of the shipped WikiText-2
+text (top-1 agreement, perplexity: engine.quant.quality), beside all-int8 and all-int16.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import click
 import torch
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from ragspeed.bench.common import json_option, model_option, threads_option, write_json
 from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
@@ -35,7 +42,11 @@ from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
 
 def _projections(model: Any) -> dict[str, Any]:
     """The first layer's four projections (every layer has the same shapes)."""
-    layer = model.layers[0]
+    return _projections_of(model.layers[0])
+
+
+def _projections_of(layer: Any) -> dict[str, Any]:
+    """A decoder layer's four projections by kind."""
     return {
         "qkv": layer.self_attn.qkv_proj,
         "o": layer.self_attn.o_proj,
@@ -44,26 +55,81 @@ def _projections(model: Any) -> dict[str, Any]:
     }
 
 
-def _products_seconds(model: Any, paths: list, rows: int, repeats: int) -> dict[str, float]:
-    """Per path, the median time of one layer's four projections on `rows` random rows, the
-    paths alternated in each round (the first round warms up)."""
-    from ragspeed.engine.quant.gate import use_prefill_path
+PRODUCTS_EVENT = "ragspeed::prefill_products"  # the profiler's range around each projection
 
-    generator = torch.Generator().manual_seed(1)
-    inputs = {
-        name: torch.randn(rows, linear.in_features, generator=generator)
-        for name, linear in _projections(model).items()
+
+@contextlib.contextmanager
+def _products_recorded(model: Any) -> Iterator[None]:
+    """Every layer's projections inside a `PRODUCTS_EVENT` range of torch's profiler."""
+    wrapped = [linear for layer in model.layers for linear in _projections_of(layer).values()]
+
+    def recorded(forward: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+        def run(x: torch.Tensor) -> torch.Tensor:
+            with record_function(PRODUCTS_EVENT):
+                return forward(x)
+
+        return run
+
+    for linear in wrapped:
+        linear.forward = recorded(linear.forward)
+    try:
+        yield
+    finally:
+        for linear in wrapped:
+            del linear.forward  # the class's forward again
+
+
+def _where_time_goes(contender: Any, model: Any, prompt: tuple[int, ...]) -> tuple[float, float, float]:
+    """One prefill under torch's profiler: (attention's share of its time, the projections'
+    share, the projections' seconds)."""
+    from ragspeed.engine.attention import PREFILL_ATTENTION_EVENT
+
+    with _products_recorded(model), profile(activities=[ProfilerActivity.CPU]) as profiler:
+        start = time.perf_counter()
+        contender.ttft(prompt)
+        elapsed = time.perf_counter() - start
+    totals = {e.key: e.cpu_time_total / 1e6 for e in profiler.key_averages()}
+    attention, products = totals.get(PREFILL_ATTENTION_EVENT, 0.0), totals.get(PRODUCTS_EVENT, 0.0)
+    return attention / elapsed, products / elapsed, products
+
+
+def _per_projection_quality(engine: Any, num_windows: int = 16, window: int = 128) -> dict[str, Any]:
+    """Top-1 agreement and perplexity against fp32 prefill with int8 rows in one kind of
+    projection (the others int16-blocks), and in all or none of them."""
+    from ragspeed.engine.models.linear import DENSE_PREFILL_PATHS, INT8_BLOCKS, INT16_BLOCKS
+    from ragspeed.engine.quant.gate import use_prefill_path
+    from ragspeed.engine.quant.quality import compare_logits, text_windows
+    from ragspeed.engine.window_logits import window_logits
+    from ragspeed.shipped_data import WIKITEXT
+
+    loaded, model = engine.loaded, engine.loaded.model
+    windows = text_windows(engine.tokenizer, WIKITEXT, window=window, num_windows=num_windows)
+    use_prefill_path(model, DENSE_PREFILL_PATHS[-1])
+    reference = {tuple(ids): window_logits(loaded, ids) for ids in windows}
+    settings: dict[str, tuple[Any, str | None]] = {
+        "all_int16": (INT16_BLOCKS, None),
+        **{f"only_{kind}_int8": (INT16_BLOCKS, kind) for kind in ("qkv", "o", "gate_up", "down")},
+        "all_int8": (INT8_BLOCKS, None),
     }
-    times: dict[str, list[float]] = {p.name: [] for p in paths}
-    for round_ in range(repeats + 1):
-        for path in paths:
-            use_prefill_path(model, path)
-            start = time.perf_counter()
-            for name, linear in _projections(model).items():
-                linear(inputs[name])
-            if round_:
-                times[path.name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    figures: dict[str, Any] = {}
+    print(
+        f"int8 rows by kind of projection, against fp32 prefill on {num_windows} windows of {window} tokens:"
+    )
+    for name, (path, int8_kind) in settings.items():
+        use_prefill_path(model, path)
+        for layer in model.layers:
+            if int8_kind is not None:
+                _projections_of(layer)[int8_kind].use_prefill(INT8_BLOCKS)
+        report = compare_logits(
+            lambda ids: reference[tuple(ids)], lambda ids: window_logits(loaded, ids), windows
+        )
+        figures[f"quality_{name}"] = {
+            "top1_agreement": report.top1_agreement,
+            "ppl_increase": report.ppl_increase,
+        }
+        print(f"  int8 rows {name:18s} top-1 {report.top1_agreement:.2%}, ppl {report.ppl_increase:+.3%}")
+    figures["quality_predictions"] = report.num_predictions
+    return figures
 
 
 def _layer_flop(model: Any, rows: int) -> float:
@@ -72,7 +138,11 @@ def _layer_flop(model: Any, rows: int) -> float:
 
 
 def run_prefill_paths(
-    model: str = DEFAULT_MODEL_NAME, prompt_len: int = 2048, repeats: int = 3, threads: int = 2
+    model: str = DEFAULT_MODEL_NAME,
+    prompt_len: int = 2048,
+    repeats: int = 3,
+    threads: int = 2,
+    per_projection: bool = False,
 ) -> dict[str, Any]:
     from ragspeed.bench.engine import _NativeContender, _random_prompt
     from ragspeed.engine.config import EngineConfig
@@ -96,17 +166,15 @@ def run_prefill_paths(
             ttft = contender.ttft(_random_prompt(generator, prompt_len, vocab))
             if round_:
                 times[path.name].append(ttft)
-    attention_share = {}
+    shares = {}  # path -> (attention's share, the products' share, the products' seconds)
     for path in paths:
         use_prefill_path(engine.loaded.model, path)
-        attention_share[path.name] = contender.attention_share(_random_prompt(generator, prompt_len, vocab))[
-            0
-        ]
-    products = _products_seconds(engine.loaded.model, paths, prompt_len, repeats)
+        prompt = _random_prompt(generator, prompt_len, vocab)
+        shares[path.name] = _where_time_goes(contender, engine.loaded.model, prompt)
+    quality = _per_projection_quality(engine) if per_projection else {}
     chosen = engine.prefill_choice.path if engine.prefill_choice is not None else paths[0]
     use_prefill_path(engine.loaded.model, chosen)
-    num_layers = len(engine.loaded.model.layers)
-    layer_flop = _layer_flop(engine.loaded.model, prompt_len)
+    products_flop = len(engine.loaded.model.layers) * _layer_flop(engine.loaded.model, prompt_len)
     medians = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     fp32 = paths[0].name
     # Each round's ratio to fp32's run beside it, then their median: robust to a round that other
@@ -129,13 +197,14 @@ def run_prefill_paths(
         **{f"ttft_runs_ms_{name}": [t * 1e3 for t in runs] for name, runs in times.items()},
         **{f"over_fp32_{name}": value / medians[fp32] for name, value in medians.items() if name != fp32},
         **{f"paired_over_fp32_{name}": ratio for name, ratio in paired.items()},
-        **{f"attention_share_{name}": share for name, share in attention_share.items()},
-        **{f"products_gflops_{name}": layer_flop / s / 1e9 for name, s in products.items()},
-        **{f"products_share_{name}": num_layers * s * 1e3 / medians[name] for name, s in products.items()},
+        **{f"attention_share_{name}": share[0] for name, share in shares.items()},
+        **{f"products_share_{name}": share[1] for name, share in shares.items()},
+        **{f"products_gflops_{name}": products_flop / share[2] / 1e9 for name, share in shares.items()},
         **{
             f"gate_{name}": {"ppl_increase": r.ppl_increase, "top1_agreement": r.top1_agreement}
             for name, r in reports.items()
         },
+        **quality,
     }
     _print(result, paths, reports)
     return result
@@ -170,12 +239,19 @@ def _print(result: dict[str, Any], paths: list, reports: dict) -> None:
 @click.option("--prompt-len", default=2048, show_default=True, help="tokens of the prompt")
 @click.option("--repeats", default=3, show_default=True, help="alternated rounds; the median is reported")
 @threads_option
-def bench_prefill(model: str, json_path: str | None, prompt_len: int, repeats: int, threads: int) -> None:
+@click.option(
+    "--per-projection",
+    is_flag=True,
+    help="also measure quality with int8 rows in one kind of projection only (the others int16)",
+)
+def bench_prefill(
+    model: str, json_path: str | None, prompt_len: int, repeats: int, threads: int, per_projection: bool
+) -> None:
     """TTFT of one long prompt on each prefill path of a GGUF model (fp32, int8-blocks,
     int16-blocks), alternated in one process, with the start-up gate's figures, the products'
     rate and share of the time, and attention's share."""
     start = time.perf_counter()
-    result = run_prefill_paths(model, prompt_len, repeats, threads)
+    result = run_prefill_paths(model, prompt_len, repeats, threads, per_projection)
     write_json(json_path, result)
     print(f"ran in {time.perf_counter() - start:.0f} s")
 

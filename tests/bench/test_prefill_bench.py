@@ -1,0 +1,43 @@
+"""bench prefill's accounting of where a prefill's time goes (ragspeed.bench.prefill_paths)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+from ragspeed.bench.prefill_paths import PRODUCTS_EVENT, _layer_flop, _products_recorded
+
+
+def _model(num_layers: int = 2) -> SimpleNamespace:
+    """Layers with the four projections of a decoder layer, as nn.Linear (in 4, out 6)."""
+
+    def layer() -> SimpleNamespace:
+        attn = SimpleNamespace(qkv_proj=nn.Linear(4, 6), o_proj=nn.Linear(4, 6))
+        mlp = SimpleNamespace(gate_up_proj=nn.Linear(4, 6), down_proj=nn.Linear(4, 6))
+        return SimpleNamespace(self_attn=attn, mlp=mlp)
+
+    return SimpleNamespace(layers=[layer() for _ in range(num_layers)])
+
+
+def test_every_projection_runs_in_the_products_range_and_gets_its_forward_back():
+    model = _model()
+    x = torch.ones(3, 4)
+    linear = model.layers[1].mlp.down_proj
+    expected = linear(x)
+    with _products_recorded(model), profile(activities=[ProfilerActivity.CPU]) as profiler:
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            outputs = [p(x) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    recorded = outputs[-1]  # the last layer's down projection
+    counts = {e.key: e.count for e in profiler.key_averages()}
+    assert counts[PRODUCTS_EVENT] == 8  # 2 layers x 4 projections
+    assert torch.equal(recorded, expected)
+    assert "forward" not in vars(linear)  # the class's forward again
+
+
+def test_a_layers_flop_counts_two_a_multiply_add():
+    # 4 projections of 4 inputs x 6 outputs, on 10 rows
+    assert _layer_flop(_model(), 10) == 4 * 2 * 10 * 4 * 6
