@@ -137,6 +137,32 @@ def _layer_flop(model: Any, rows: int) -> float:
     return sum(2.0 * rows * p.in_features * p.out_features for p in _projections(model).values())
 
 
+def _prompts(vocab_size: int, prompt_len: int) -> Iterator[tuple[int, ...]]:
+    """Fresh random prompts, seeded: no run hits the prefix cache of another."""
+    from ragspeed.bench.engine import _random_prompt
+
+    generator = torch.Generator().manual_seed(0)
+    while True:
+        yield _random_prompt(generator, prompt_len, vocab_size)
+
+
+def _alternated_ttfts(
+    contender: Any, model: Any, paths: list, prompts: Iterator[tuple[int, ...]], repeats: int
+) -> dict[str, list[float]]:
+    """Each path's TTFT (s) in `repeats` rounds, the paths taking turns in each (the first
+    round warms up)."""
+    from ragspeed.engine.quant.gate import use_prefill_path
+
+    times: dict[str, list[float]] = {p.name: [] for p in paths}
+    for round_ in range(repeats + 1):
+        for path in paths:
+            use_prefill_path(model, path)
+            ttft = contender.ttft(next(prompts))
+            if round_:
+                times[path.name].append(ttft)
+    return times
+
+
 def run_prefill_paths(
     model: str = DEFAULT_MODEL_NAME,
     prompt_len: int = 2048,
@@ -144,7 +170,7 @@ def run_prefill_paths(
     threads: int = 2,
     per_projection: bool = False,
 ) -> dict[str, Any]:
-    from ragspeed.bench.engine import _NativeContender, _random_prompt
+    from ragspeed.bench.engine import _NativeContender
     from ragspeed.engine.config import EngineConfig
     from ragspeed.engine.cpu_features import read_cpu_features
     from ragspeed.engine.factory import build_llm_engine
@@ -157,20 +183,12 @@ def run_prefill_paths(
     features = read_cpu_features()
     paths = [DENSE_PREFILL_PATHS[-1], *(p for p in BLOCKS_PATHS if p.missing(features) is None)]
     contender = _NativeContender(engine)
-    generator = torch.Generator().manual_seed(0)
-    vocab = engine.arch.vocab_size
-    times: dict[str, list[float]] = {p.name: [] for p in paths}
-    for round_ in range(repeats + 1):  # the first round warms up
-        for path in paths:
-            use_prefill_path(engine.loaded.model, path)
-            ttft = contender.ttft(_random_prompt(generator, prompt_len, vocab))
-            if round_:
-                times[path.name].append(ttft)
+    prompts = _prompts(engine.arch.vocab_size, prompt_len)
+    times = _alternated_ttfts(contender, engine.loaded.model, paths, prompts, repeats)
     shares = {}  # path -> (attention's share, the products' share, the products' seconds)
     for path in paths:
         use_prefill_path(engine.loaded.model, path)
-        prompt = _random_prompt(generator, prompt_len, vocab)
-        shares[path.name] = _where_time_goes(contender, engine.loaded.model, prompt)
+        shares[path.name] = _where_time_goes(contender, engine.loaded.model, next(prompts))
     quality = _per_projection_quality(engine) if per_projection else {}
     chosen = engine.prefill_choice.path if engine.prefill_choice is not None else paths[0]
     use_prefill_path(engine.loaded.model, chosen)
