@@ -141,8 +141,10 @@ def calibration_windows(
 # Stricter than the weights' gate: a prefill's rounding goes into the KV that every later token
 # reads. bf16 prefill of the default model at 97.8% top-1 agreement (AVX512-BF16) changed the
 # README question's answer from the document's name to another. Perplexity within +0.1% of the
-# exact path's: `bench quant`'s prefill gate, against the fp32 model of the same weights.
-PREFILL_GATE = QualityGate(max_ppl_increase=0.001, min_top1_agreement=0.99)
+# exact path's: `bench quant`'s prefill gate, against the fp32 model of the same weights. The
+# agreement's 95% lower bound must clear 99%: on the start-up windows' 508 predictions, every
+# one must agree (bf16 agreed on 506 of them, and on 97.8% of bench quant's 2,032).
+PREFILL_GATE = QualityGate(max_ppl_increase=0.001, min_top1_agreement=0.99, confidence=0.95)
 
 
 # What int8 weights must keep of the model's answers to serve under `--quantization auto`,

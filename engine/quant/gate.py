@@ -16,6 +16,8 @@ fp32), which gates what a faster path does to the activations.
 from __future__ import annotations
 
 import logging
+import math
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -31,15 +33,31 @@ logger = logging.getLogger(__name__)
 class QualityGate:
     max_ppl_increase: float = 0.01  # a fraction: +1%
     min_top1_agreement: float = 0.97
+    # None: the measured agreement must reach min_top1_agreement; else the lower bound of its
+    # interval at this confidence (Wilson), so that a few hundred predictions that happen to
+    # agree do not pass a path that disagrees more often on other text.
+    confidence: float | None = None
 
     def failures(self, report: QualityReport) -> list[str]:
         """What `report` misses, in words; empty when it passes."""
         missed = []
         if report.ppl_increase > self.max_ppl_increase:
             missed.append(f"perplexity {report.ppl_increase:+.2%} > +{self.max_ppl_increase * 100:g}%")
-        if report.top1_agreement < self.min_top1_agreement:
-            missed.append(f"top-1 agreement {report.top1_agreement:.2%} < {self.min_top1_agreement:.0%}")
+        top1, bound = report.top1_agreement, f"{report.top1_agreement:.2%}"
+        if self.confidence is not None:
+            top1 = wilson_lower_bound(report.top1_agreement, report.num_predictions, self.confidence)
+            bound += f" ({self.confidence:.0%} lower bound {top1:.2%} of {report.num_predictions})"
+        if top1 < self.min_top1_agreement:
+            missed.append(f"top-1 agreement {bound} < {self.min_top1_agreement:.0%}")
         return missed
+
+
+def wilson_lower_bound(share: float, n: int, confidence: float) -> float:
+    """The lower end of the Wilson score interval of a share measured on `n` trials."""
+    z = statistics.NormalDist().inv_cdf(0.5 + confidence / 2)
+    centre = share + z * z / (2 * n)
+    margin = z * math.sqrt(share * (1 - share) / n + z * z / (4 * n * n))
+    return (centre - margin) / (1 + z * z / n)
 
 
 @dataclass(frozen=True)

@@ -181,6 +181,21 @@ def _report(ppl_increase: float, top1: float) -> QualityReport:
     return QualityReport(4, 1000, 50.0, 50.0 * (1 + ppl_increase), ppl_increase, top1, 0.1)
 
 
+def test_the_prefill_gate_asks_the_agreements_lower_bound():
+    """On the start-up windows' 508 predictions, 506 agreeing (99.6%) is not enough to say the
+    path agrees at 99% (its 95% Wilson lower bound is 98.6%); all 508 are."""
+    from ragspeed.engine.precision import PREFILL_GATE
+
+    def report(agreeing: int) -> QualityReport:
+        return QualityReport(4, 508, 50.0, 50.0, 0.0, agreeing / 508, 0.1)
+
+    assert PREFILL_GATE.failures(report(508)) == []
+    assert PREFILL_GATE.failures(report(506)) == [
+        "top-1 agreement 99.61% (95% lower bound 98.58% of 508) < 99%"
+    ]
+    assert QualityGate(min_top1_agreement=0.99).failures(report(506)) == []  # the measured share alone
+
+
 def test_gate_falls_back_and_logs_why(caplog):
     measured = []
     reports = {

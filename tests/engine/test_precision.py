@@ -273,10 +273,10 @@ def test_gguf_blocks_prefill_on_the_first_integer_path_the_gate_passes(tmp_path,
             measure=_gate_by_top1({"int8-blocks": 0.9685}),
         )
     assert choice.path.name == "int16-blocks"
-    assert choice.rejected == {"int8-blocks": "top-1 agreement 96.85% < 99%"}
+    missed = "top-1 agreement 96.85% (95% lower bound 94.94% of 508) < 99%"
+    assert choice.rejected == {"int8-blocks": missed}
     assert caplog.messages[0] == (
-        "prefill path int8-blocks fails the quality gate (top-1 agreement 96.85% < 99%): falling back to "
-        "int16-blocks"
+        f"prefill path int8-blocks fails the quality gate ({missed}): falling back to int16-blocks"
     )
     assert caplog.messages[1].startswith(
         "prefill int16-blocks (activations rounded to int16 per block of 32), decode the file's blocks"
