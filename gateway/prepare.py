@@ -33,11 +33,10 @@ from ragspeed.gateway.prompt import (
     assemble_prompt,
     split_segments,
     static_prefix_token_ids,
-    with_tools,
 )
 from ragspeed.gateway.prompt_registry import PromptService
 from ragspeed.gateway.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
-from ragspeed.gateway.surface import output_constraint, tool_calls, unhonoured_fields
+from ragspeed.gateway.surface import output_constraint, tool_calls, unhonoured_fields, with_tools
 from ragspeed.gateway.tools import tool_format
 from ragspeed.gateway.upstream_chat import upstream_chat_body
 

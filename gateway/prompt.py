@@ -21,21 +21,12 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from ragspeed.document import Document
 from ragspeed.gateway.protocol import ChatMessage, DocumentIn
-from ragspeed.gateway.tools import (
-    PastCall,
-    ToolCalls,
-    past_calls,
-    render_past_calls,
-    render_tools,
-    template_calls,
-    template_tools,
-    tool_format,
-)
+from ragspeed.gateway.tools import PastCall, past_calls, render_past_calls, template_calls, tool_format
 
 
 @dataclass(frozen=True)
@@ -140,15 +131,6 @@ def system_text(static_system_prompt: str, documents: Sequence[Document]) -> str
         return static_system_prompt
     rendered = render_documents(documents)
     return f"{static_system_prompt}\n\n{rendered}" if static_system_prompt else rendered
-
-
-def with_tools(segments: Segments, tools: ToolCalls) -> Segments:
-    """`segments` with the request's tools: in the system prompt they follow (generic format:
-    static, so they stay in the cached prefix) or for the chat template to render."""
-    if tools.format.in_template:
-        return replace(segments, tools=template_tools(tools.tools))
-    system, rendered = segments.static_system_prompt, render_tools(tools.tools)
-    return replace(segments, static_system_prompt=f"{system}\n\n{rendered}" if system else rendered)
 
 
 def _turn(turn: Turn, in_template: bool) -> dict[str, Any]:

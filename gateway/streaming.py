@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
+from urllib.parse import quote
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -171,8 +172,9 @@ def timing_headers(gen: Generation) -> dict[str, str]:
 
 
 def ignored_fields_header(gen: Generation) -> dict[str, str]:
-    """The fields the client sent that changed nothing (gateway.surface), where there are any."""
-    ignored = gen.prepared.ignored_fields
+    """The fields the client sent that changed nothing (gateway.surface), where there are any;
+    a name outside printable ASCII percent-encoded (a header value is Latin-1 text)."""
+    ignored = [quote(name, safe="!#$&'()*+-./:;<=>?@[]^_`{|}~") for name in gen.prepared.ignored_fields]
     return {"x-ragspeed-ignored-fields": ",".join(ignored)} if ignored else {}
 
 

@@ -11,13 +11,14 @@ from typing import Any
 
 from ragspeed.engine.protocol import StructuredOutput
 from ragspeed.gateway.errors import APIError
+from ragspeed.gateway.prompt import Segments
 from ragspeed.gateway.protocol import (
     REFUSED_FIELDS,
     ChatCompletionRequest,
     CompletionRequest,
     _SamplingFields,
 )
-from ragspeed.gateway.tools import GENERIC, ToolCalls, ToolFormat
+from ragspeed.gateway.tools import GENERIC, ToolCalls, ToolFormat, render_tools, template_tools
 
 # vLLM's `guided_*` names and the `structured_outputs` key each stands for.
 _GUIDED = {
@@ -119,3 +120,12 @@ def _constraint(key: str, value: Any) -> StructuredOutput:
     if key == "choice":
         return StructuredOutput("choice", json.dumps(value))
     return StructuredOutput(key, value)
+
+
+def with_tools(segments: Segments, tools: ToolCalls) -> Segments:
+    """`segments` with the request's tools: in the system prompt they follow (generic format:
+    static, so they stay in the cached prefix) or for the chat template to render."""
+    if tools.format.in_template:
+        return replace(segments, tools=template_tools(tools.tools))
+    system, rendered = segments.static_system_prompt, render_tools(tools.tools)
+    return replace(segments, static_system_prompt=f"{system}\n\n{rendered}" if system else rendered)

@@ -94,6 +94,15 @@ async def test_fields_that_change_nothing_are_named_in_a_header(fake):
     assert "x-ragspeed-ignored-fields" not in plain.headers
 
 
+async def test_a_field_name_outside_latin_1_is_named_percent_encoded(fake):
+    """A header value is Latin-1 text: the name goes out percent-encoded, not as a 500."""
+    body = {"messages": HI, "réglage_ß": 1, "温度": 0.5, "a,b": 2}
+    async with serve(fake_settings()) as client:
+        response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-ragspeed-ignored-fields"] == "a%2Cb,r%C3%A9glage_%C3%9F,%E6%B8%A9%E5%BA%A6"
+
+
 async def test_sampling_fields_reach_the_engine(fake):
     body = {
         "messages": HI,
