@@ -1,7 +1,7 @@
-"""Decode attention over the paged KV pool with kernels.c (engine.attention's CPU fast path).
+"""Decode attention over the paged KV pool with attention.c (engine.attention's CPU fast path).
 
 engine.attention gathers each decode's context out of the pool (two index_selects per layer)
-and calls SDPA; kernels.c reads the keys and values where they lie. bench-135m, batch 1, 256
+and calls SDPA; attention.c reads the keys and values where they lie. bench-135m, batch 1, 256
 tokens of context: the gather and SDPA took about 90 us per layer, 2.8 ms of a 27 ms step.
 """
 
@@ -11,7 +11,7 @@ import torch
 
 from ragspeed.engine.cpu_kernels.build import load_library
 
-MAX_GROUP = 16  # query heads per KV head (kernels.c's MAX_GROUP)
+MAX_GROUP = 16  # query heads per KV head (attention.c's MAX_GROUP)
 MAX_HEAD_DIM = 256
 KV_DTYPES = (torch.float32, torch.float16)  # the pools the kernels read and write
 

@@ -1,4 +1,5 @@
-"""One weight in the layout of kernels.c and its product with a few rows.
+"""One weight in the layout of the decode products (gemv.c, gemv_gguf.c) and its product with a
+few rows.
 
 Layout: W [n, k] as blocks of 16 output columns, the last block padded with zero columns; the
 bias padded to whole blocks the same way. fp32 blocks are `[ceil(n / 16), k, 16]`. int8 blocks
@@ -15,7 +16,7 @@ come in several GGUF types (engine.quant.gguf_blocks.as_mixed) takes the int8 la
 an fp32 step per `Q6K_STEP` inputs and an fp32 offset per `INT8_GROUP`, `[ceil(n / 16), k /
 INT8_GROUP, 3, 16]` (a group's two steps, then its offset). The int8, 4-bit, K-quant and mixed
 kernels quantize each input row per group to int16, sum each group's products exactly in int32
-and scale it once (kernels.c): the activations' rounding is far below the weights'.
+and scale it once (gemv.c): the activations' rounding is far below the weights'.
 
 A product is bound by reading the weight: the kernel streams each block once per pass of a few
 rows (four with AVX2, six with AVX-512). The linear kinds use it up to their `max_rows` rows and
@@ -34,8 +35,8 @@ from ragspeed.engine.cpu_kernels.build import load_library
 from ragspeed.engine.huge_pages import gather_on_huge_pages
 
 BLOCK = 16
-INT8_GROUP = 32  # kernels.c's GROUP; the library reports its own (test_cpu_kernels checks)
-Q6K_STEP = 16  # kernels.c's STEP: inputs a Q6_K step scales
+INT8_GROUP = 32  # kernels_common.h's GROUP; the library reports its own (test_cpu_kernels checks)
+Q6K_STEP = 16  # gemv.h's STEP: inputs a Q6_K step scales
 # (weight dtype, scales dtype, scales dimensions) -> kind
 _KINDS = {
     (torch.float32, None, None): "fp32",
@@ -45,6 +46,7 @@ _KINDS = {
     (torch.int8, torch.float32, 2): "q6k",
     (torch.int8, torch.float32, 3): "kmix",
 }
+BLOCKED_KINDS = tuple(_KINDS.values())  # each has a WEIGHT_* in kernels.h (its upper-case name)
 
 # Set by the model runner and the draft proposer around a step whose chunks are all small.
 _DECODE_STEP = contextvars.ContextVar("ragspeed_decode_step", default=False)

@@ -1,5 +1,4 @@
-"""Compile the kernel sources (kernels.c, gemm_int8.c) once per machine into one library and load
-it with ctypes.
+"""Compile the kernel sources (`SOURCES`) once per machine into one library and load it with ctypes.
 
 The library goes to `~/.cache/ragspeed/kernels/kernels-<hash>.so` (or the configured kernel
 cache, `$RAGSPEED_KERNEL_CACHE`: ragspeed.environment),
@@ -8,14 +7,16 @@ so a changed source or another machine builds its own. It is compiled to a tempo
 renamed, so processes starting at once never load half a file. It links the OpenMP runtime torch
 already loaded (libgomp): the kernels share torch's threads instead of bringing their own. The
 ctypes signatures are read from kernels.h, the header every source includes, so they cannot
-disagree; kernels_common.h holds what the sources share and exports nothing.
+disagree, and so are the ctypes structures and enum values that the callers pass (`structures`,
+`enums`: engine.cpu_kernels.decoder); the other headers hold what the sources share and export
+nothing.
 
 `RAGSPEED_CPU_KERNELS=0` turns the kernels off (oneDNN / fbgemm for every product); `CC` names
 the compiler.
 
 The engine runs the build for this CPU (`-march=native`). Tests also build the narrower ones
 (`ISA_FLAGS`) and run them here for real: an AVX-512 CPU runs the AVX2 build's code (what an
-AVX2-only machine compiles) and the plain C one, so every branch of kernels.c is tested on one
+AVX2-only machine compiles) and the plain C one, so every branch of the kernels is tested on one
 machine.
 """
 
@@ -40,9 +41,15 @@ log = logging.getLogger(__name__)
 
 # Package data; files on disk in every install (the compiler is given their paths).
 _FOLDER = Path(str(resources.files("ragspeed.engine.cpu_kernels")))
-SOURCES = (_FOLDER / "kernels.c", _FOLDER / "gemm_int8.c")  # compiled together into one library
-HEADER = _FOLDER / "kernels.h"  # the exported prototypes, read for the ctypes signatures
-HEADERS = (HEADER, _FOLDER / "kernels_common.h")
+# Compiled together into one library: the decode products (fp32 and int8; GGUF's blocks),
+# attention, the row-wise kernels (norm, argmax, KV placement), the decoder forward, and the
+# prefill products.
+SOURCES = tuple(
+    _FOLDER / name
+    for name in ("gemv.c", "gemv_gguf.c", "attention.c", "rowwise.c", "decoder.c", "gemm_int8.c")
+)
+HEADER = _FOLDER / "kernels.h"  # the exported prototypes and structs, read for the ctypes types
+HEADERS = (HEADER, *(_FOLDER / name for name in ("kernels_common.h", "vector.h", "gemv.h", "internal.h")))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-lm", "-Werror=missing-prototypes")
 # Builds for narrower CPUs than this one (tests): what is turned off after -march=native.
 ISA_FLAGS: dict[str, tuple[str, ...]] = {
@@ -97,13 +104,71 @@ def _ctype(declaration: str) -> type | None:
 
 def signatures(header: str) -> dict[str, tuple[type | None, list[type | None]]]:
     """Each exported function of the header text: its ctypes restype and argtypes."""
-    text = re.sub(r"/\*.*?\*/", "", header, flags=re.DOTALL)
+    text = _uncommented(header)
     found = {}
     for restype, name, parameters in _PROTOTYPE.findall(text):
         parameters = " ".join(parameters.split())
         arguments = [] if parameters in ("", "void") else parameters.split(",")
         found[name] = (_ctype(restype), [_ctype(argument) for argument in arguments])
     return found
+
+
+_ENUM = re.compile(r"^enum\s+(\w+)\s*\{([^}]*)\}\s*;", re.MULTILINE)
+_STRUCT = re.compile(r"^typedef\s+struct\s*\{([^}]*)\}\s*(\w+)\s*;", re.MULTILINE)
+_FIELD_SCALARS: dict[str, type] = {"int": ctypes.c_int, "float": ctypes.c_float}
+
+
+def _uncommented(header: str) -> str:
+    return re.sub(r"/\*.*?\*/", "", header, flags=re.DOTALL)
+
+
+def enums(header: str) -> dict[str, int]:
+    """Each enumerator of the header's enums (`enum Name { A, B = 2 };`) and its value."""
+    values = {}
+    for _, body in _ENUM.findall(_uncommented(header)):
+        value = 0
+        for item in filter(None, (item.strip() for item in body.split(","))):
+            name, _, given = (part.strip() for part in item.partition("="))
+            value = int(given, 0) if given else value
+            values[name] = value
+            value += 1
+    return values
+
+
+def fields(header: str) -> dict[str, list[tuple[str, str]]]:
+    """Each struct of the header (`typedef struct { ... } Name;`): its fields in order, each as
+    (name, type): `int`, `float`, a struct above it, or a pointer (`float *`, `Layer *`)."""
+    found: dict[str, list[tuple[str, str]]] = {}
+    for body, struct in _STRUCT.findall(_uncommented(header)):
+        found[struct] = []
+        for declaration in filter(None, (d.strip() for d in body.split(";"))):
+            words = declaration.replace("*", " * ").split()
+            words = [word for word in words if word != "const"]
+            base, declarators = words[0], " ".join(words[1:]).split(",")
+            for declarator in declarators:
+                *stars, name = declarator.split()
+                found[struct].append((name, f"{base} *" if stars else base))
+    return found
+
+
+def structures(header: str) -> dict[str, type[ctypes.Structure]]:
+    """The header's structs as ctypes structures, in its order (a struct's fields may be the
+    structs above it, or pointers to them)."""
+    made: dict[str, type[ctypes.Structure]] = {}
+    for struct, members in fields(header).items():
+        layout: list[tuple[str, type]] = []
+        for name, kind in members:
+            if kind.endswith("*"):
+                pointee = made.get(kind.removesuffix("*").strip())  # a struct's: typed
+                layout.append((name, ctypes.c_void_p if pointee is None else ctypes.POINTER(pointee)))
+            elif kind in made:
+                layout.append((name, made[kind]))
+            elif kind in _FIELD_SCALARS:
+                layout.append((name, _FIELD_SCALARS[kind]))
+            else:
+                raise ValueError(f"{HEADER.name}: no ctypes type for {struct}.{name} ({kind})")
+        made[struct] = type(struct, (ctypes.Structure,), {"_fields_": layout})
+    return made
 
 
 def _bind(library: ctypes.CDLL) -> ctypes.CDLL:

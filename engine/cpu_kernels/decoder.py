@@ -1,13 +1,13 @@
-"""Every decoder layer of a decode-type step in one call of kernels.c (`ragspeed_decode_forward`).
+"""Every decoder layer of a decode-type step in one call of the kernels (`ragspeed_decode_forward`).
 
 A decode step of a small model is bound by the ops between its products: about fifteen torch
 ops and module calls per layer, each some microseconds. The demo model (8 layers, 7M
 parameters): 2.2 ms a step of which its products take 1.0 ms; its 2-layer draft 0.7 ms of which
-0.2. `FusedDecoder` hands the whole layer stack to kernels.c instead: the same blocked products,
-norms and paged attention, with the rotation, Q/K norm, K/V write and SiLU gate in C (the demo
-step: 2.7 -> 1.6 ms on one thread, with another job on the second core). Where every token of
-the step samples (decodes, verifications), the embedding lookup (fp32 rows or a GGUF file's Q8_0
-blocks) and the LM head's product join the same call, the head in the same parallel region.
+0.2. `FusedDecoder` hands the whole layer stack to decoder.c instead: the same blocked products,
+norms and paged attention, with the rotation, Q/K norm, K/V write and SiLU gate in C. Where
+every token of the step samples (decodes, verifications), the embedding lookup (fp32 rows or a
+GGUF file's Q8_0 blocks) and the LM head's product join the same call, the head in the same
+parallel region.
 `greedy_steps` runs a draft model's whole proposal (catch-up and k greedy steps) in one call
 the same way.
 
@@ -27,55 +27,29 @@ from typing import TYPE_CHECKING
 import torch
 
 from ragspeed.engine.cpu_kernels.attention import KV_DTYPES, MAX_GROUP, MAX_HEAD_DIM
-from ragspeed.engine.cpu_kernels.blocked import BlockedWeight, gather_weights, in_decode_step
-from ragspeed.engine.cpu_kernels.build import load_library
+from ragspeed.engine.cpu_kernels.blocked import BLOCKED_KINDS, BlockedWeight, gather_weights, in_decode_step
+from ragspeed.engine.cpu_kernels.build import HEADER, enums, load_library, structures
 from ragspeed.engine.step_buffers import RowBuffer, StepBuffers
 
 if TYPE_CHECKING:
     from ragspeed.engine.attention import AttentionMetadata
 
 
-class _Linear(ctypes.Structure):
-    _fields_ = [
-        ("w", ctypes.c_void_p),
-        ("scale", ctypes.c_void_p),
-        ("bias", ctypes.c_void_p),
-        ("n", ctypes.c_int),
-        ("k", ctypes.c_int),
-        ("kind", ctypes.c_int),
-    ]
+# kernels.h's structs as ctypes structures and its WEIGHT_* values, read from the header by the
+# parser that binds the functions (build.structures, build.enums): one declaration, in C.
+_STRUCTURES = structures(HEADER.read_text())
+_Linear, _Layer, _Model = _STRUCTURES["Linear"], _STRUCTURES["Layer"], _STRUCTURES["Model"]
+# BlockedWeight.kind -> the WeightKind of a Linear (kernels.h)
+_WEIGHT_KINDS = enums(HEADER.read_text())
+_KINDS = {kind: _WEIGHT_KINDS[f"WEIGHT_{kind.upper()}"] for kind in BLOCKED_KINDS}
 
 
-# BlockedWeight.kind -> kernels.c's WEIGHT_* of a Linear
-_KINDS = {"fp32": 0, "int8": 1, "q4": 2, "q4k": 3, "q6k": 4, "kmix": 5}
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [
-        ("input_norm", ctypes.c_void_p),
-        ("post_norm", ctypes.c_void_p),
-        ("qk_norm", ctypes.c_void_p),
-        ("qkv", _Linear),
-        ("o", _Linear),
-        ("gate_up", _Linear),
-        ("down", _Linear),
-    ]
-
-
-class _Model(ctypes.Structure):
-    _fields_ = [
-        ("layers", ctypes.POINTER(_Layer)),
-        *(
-            (name, ctypes.c_int)
-            for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "inter")
-        ),
-        ("eps", ctypes.c_float),
-        ("scale", ctypes.c_float),
-        ("final_norm", ctypes.c_void_p),
-        ("embed", ctypes.c_void_p),
-        ("embed_q8", ctypes.c_void_p),
-        ("lm_head", _Linear),
-    ]
+def _filled(structure: type[ctypes.Structure], **values) -> ctypes.Structure:
+    """One of kernels.h's structs with every field given by name: a field the header renames,
+    adds or drops fails here instead of shifting the others (ctypes keeps unknown names)."""
+    names = [field[0] for field in structure._fields_]
+    assert sorted(values) == sorted(names), f"{structure.__name__} has the fields {names}"
+    return structure(**values)
 
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:
@@ -89,23 +63,24 @@ def _half(caches: list[torch.Tensor]) -> bool:
 
 
 def _projections(layer) -> tuple:
-    """A decoder layer's four linear kinds, in the order of kernels.c's `Layer`."""
+    """A decoder layer's four linear kinds, in the order of kernels.h's `Layer`."""
     return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
 
 
-def _linear(weight: BlockedWeight) -> _Linear:
-    return _Linear(
-        weight.blocks.data_ptr(),
-        _pointer(weight.scales),
-        _pointer(weight.bias),
-        weight.out_features,
-        weight.in_features,
-        _KINDS[weight.kind],
+def _linear(weight: BlockedWeight) -> ctypes.Structure:
+    return _filled(
+        _Linear,
+        w=weight.blocks.data_ptr(),
+        scale=_pointer(weight.scales),
+        bias=_pointer(weight.bias),
+        n=weight.out_features,
+        k=weight.in_features,
+        kind=_KINDS[weight.kind],
     )
 
 
 class FusedDecoder:
-    """The layer stack of one loaded `DecoderLM` as kernels.c's structs (pointers into the
+    """The layer stack of one loaded `DecoderLM` as kernels.h's structs (pointers into the
     model's own tensors, which it keeps alive)."""
 
     def __init__(self, model) -> None:
@@ -121,12 +96,17 @@ class FusedDecoder:
         layers = []
         for layer in model.layers:
             qk_norm = layer.self_attn.qk_norm_weight
+            qkv, o, gate_up, down = (_linear(p.blocked_weight()) for p in _projections(layer))
             layers.append(
-                _Layer(
-                    self._float(layer.input_layernorm.weight),
-                    self._float(layer.post_attention_layernorm.weight),
-                    None if qk_norm is None else self._float(qk_norm),
-                    *(_linear(p.blocked_weight()) for p in _projections(layer)),
+                _filled(
+                    _Layer,
+                    input_norm=self._float(layer.input_layernorm.weight),
+                    post_norm=self._float(layer.post_attention_layernorm.weight),
+                    qk_norm=None if qk_norm is None else self._float(qk_norm),
+                    qkv=qkv,
+                    o=o,
+                    gate_up=gate_up,
+                    down=down,
                 )
             )
         self.layers = (_Layer * len(layers))(*layers)
@@ -139,20 +119,21 @@ class FusedDecoder:
         self.embeds = fp32_embed or q8_embed
         self.head = lm_head
         self.greedy = lm_head is not None and self.embeds
-        self.model = _Model(
-            self.layers,
-            len(layers),
-            arch.hidden_size,
-            arch.num_heads,
-            arch.num_kv_heads,
-            arch.head_dim,
-            arch.intermediate_size,
-            arch.rms_norm_eps,
-            arch.head_dim**-0.5,
-            self._float(model.norm.weight),
-            self._float(embed) if fp32_embed else None,
-            self._keep_pointer(embed.data) if q8_embed else None,
-            _Linear() if lm_head is None else _linear(lm_head),
+        self.model = _filled(
+            _Model,
+            layers=self.layers,
+            num_layers=len(layers),
+            hidden=arch.hidden_size,
+            num_heads=arch.num_heads,
+            num_kv_heads=arch.num_kv_heads,
+            head_dim=arch.head_dim,
+            inter=arch.intermediate_size,
+            eps=arch.rms_norm_eps,
+            scale=arch.head_dim**-0.5,
+            final_norm=self._float(model.norm.weight),
+            embed=self._float(embed) if fp32_embed else None,
+            embed_q8=self._keep_pointer(embed.data) if q8_embed else None,
+            lm_head=_Linear() if lm_head is None else _linear(lm_head),
         )
         # The last pools' first K and V tensors (identity: tensors hold their memory), pointers.
         self._caches: tuple[tuple[torch.Tensor, torch.Tensor], ctypes.Array, ctypes.Array] | None = None
@@ -337,7 +318,7 @@ class FusedDecoder:
         num_threads: int,
     ) -> list[list[int]]:
         """Greedy decoding of each sequence after its fed tokens, for its `num_steps` tokens, in
-        one call (kernels.c's `ragspeed_greedy_steps`; a token whose softmax probability is
+        one call (decoder.c's `ragspeed_greedy_steps`; a token whose softmax probability is
         below `min_confidence` is its sequence's last); returns each sequence's new tokens
         (token ids: a sub-vocabulary head's argmax row mapped through `d2t`)."""
         num_seqs, max_steps = len(fed), max(num_steps)

@@ -1,9 +1,12 @@
-/* The kernels' exported functions: every source (kernels.c, gemm_int8.c) includes this header, so
- * the compiler checks each definition against its prototype, and build.py reads the ctypes
- * signatures from it.
+/* The kernels' exported functions, and the structs and enum their Python callers fill in: every
+ * source includes this header, so the compiler checks each definition against its prototype, and
+ * build.py reads from it the ctypes signatures (`signatures`) and the ctypes structures and enum
+ * values (`structures`, `enums`) that engine/cpu_kernels/decoder.py passes.
  *
  * Its fixed style (what build.py's parser reads): one prototype per declaration, ending in `);`,
- * its return type `void` or `int`, each parameter a pointer or one of `int`, `int64_t`, `float`.
+ * its return type `void` or `int`, each parameter a pointer or one of `int`, `int64_t`, `float`;
+ * a struct as `typedef struct { fields } Name;`, each field declaration `type a, *b;` of a scalar
+ * (`int`, `float`), pointers, or a struct declared above; an enum as `enum Name { A, B = 2 };`.
  */
 #ifndef RAGSPEED_KERNELS_H
 #define RAGSPEED_KERNELS_H
@@ -11,7 +14,38 @@
 #include <stdint.h>
 
 typedef uint16_t f16; /* fp16 values (their bits) */
-typedef struct Model Model;
+/* A Linear's kind: the product that runs it. */
+enum WeightKind { WEIGHT_FP32, WEIGHT_INT8, WEIGHT_Q4, WEIGHT_Q4K, WEIGHT_Q6K, WEIGHT_KMIX };
+
+/* One projection, y [m, n] = x [m, k] @ W.T + bias, in the blocks of its kind. */
+typedef struct {
+    const void *w;      /* the blocks of its kind: ragspeed_gemv_f32, _i8, _q4, _q4k, _q6k or _kmix */
+    const void *scale;  /* int8: group scales; 4-bit: steps and offsets (fp16; Q4_K fp32);
+                           Q6_K: fp32 steps; mixed: fp32 steps and offsets; fp32: NULL */
+    const float *bias;  /* padded to blocks, or NULL */
+    int n, k, kind;     /* kind: a WeightKind */
+} Linear;
+
+/* A decoder layer: its norms' weights and its four projections. */
+typedef struct {
+    const float *input_norm, *post_norm; /* [hidden] */
+    const float *qk_norm;                /* [num_heads + num_kv_heads, head_dim], or NULL */
+    Linear qkv, o, gate_up, down;
+} Layer;
+
+/* The decoder stack that ragspeed_decode_forward and ragspeed_greedy_steps run. */
+typedef struct {
+    const Layer *layers; /* [num_layers] */
+    int num_layers, hidden, num_heads, num_kv_heads, head_dim, inter;
+    float eps, scale;
+    const float *final_norm; /* [hidden] */
+    /* Token embeddings [vocab rows, hidden], looked up in the kernels (greedy steps, and a
+     * forward given token ids): fp32 rows, or a GGUF file's Q8_0 rows (embed_q8, hidden / 32
+     * blocks of an fp16 step and 32 int8 each); both NULL where Python looks them up. */
+    const float *embed;
+    const uint8_t *embed_q8;
+    Linear lm_head; /* greedy steps and the forward's logits; zero where neither runs */
+} Model;
 
 void ragspeed_to_f16(const float *src, f16 *dst, int n);
 int ragspeed_int8_group(void);

@@ -1,8 +1,8 @@
-"""The residual add and RMSNorm of a decoder layer in one call of kernels.c.
+"""The residual add and RMSNorm of a decoder layer in one call of the kernels (rowwise.c).
 
 torch's `rms_norm` runs as six small ops on a CPU (pow, mean, add, rsqrt, mul, mul) and the
 residual add is a seventh; a decode step of bench-135m runs 61 of these groups, at 15-30 us
-each. kernels.c does each in one pass per row.
+each. rowwise.c does each in one pass per row.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Stored document KV placed into the KV pool with kernels.c (engine.document_kv's CPU fast
+"""Stored document KV placed into the KV pool with rowwise.c (engine.document_kv's CPU fast
 path): the fp16 store read once, each key rotated by its position delta and the pool written
 once."""
 

@@ -113,7 +113,7 @@ def assert_all_blocks_free(engine: LLMEngine) -> None:
 
 def int16_rows(x: torch.Tensor) -> torch.Tensor:
     """What the int8 kernel multiplies for x [m, k]: each group of INT8_GROUP inputs rounded to
-    int16 steps of max |x| / 32767 (fp32 arithmetic, as kernels.c's quantize_rows)."""
+    int16 steps of max |x| / 32767 (fp32 arithmetic, as kernels_common.h's quantize_rows)."""
     m, k = x.shape
     groups = -(-k // INT8_GROUP)
     padded = torch.zeros(m, groups * INT8_GROUP).index_copy_(1, torch.arange(k), x).view(m, groups, -1)

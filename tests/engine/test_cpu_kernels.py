@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ragspeed import environment
-from ragspeed.engine.cpu_kernels import BlockedWeight, build, load_library
+from ragspeed.engine.cpu_kernels import BlockedWeight, build, decoder, load_library
 from ragspeed.engine.cpu_kernels.blocked import INT8_GROUP, Q6K_STEP
 from ragspeed.engine.quant.gguf_blocks import as_mixed, kernel_dequantize
 from ragspeed.engine.quant.groupwise import quantize_groupwise
@@ -134,7 +134,8 @@ def test_turned_off_or_failed_build_means_no_kernels(fresh_build, monkeypatch, c
     load_library.cache_clear()
     monkeypatch.setattr(build, "FLAGS", build.FLAGS + ("-DRAGSPEED_TEST_FLAGS",))  # a new cache key
     assert load_library() is None
-    assert "CPU kernels off: building kernels.c + gemm_int8.c failed" in caplog.text
+    sources = "gemv.c + gemv_gguf.c + attention.c + rowwise.c + decoder.c + gemm_int8.c"
+    assert f"CPU kernels off: building {sources} failed" in caplog.text
     assert not list(fresh_build.glob("kernels-*.so"))
 
 
@@ -182,6 +183,91 @@ def test_the_compiler_refuses_a_definition_that_differs_from_the_header(tmp_path
         text=True,
     )
     assert compiled.returncode != 0 and "ragspeed_argmax" in compiled.stderr
+
+
+LAYOUT_PROBE = """#include <stddef.h>
+#include <stdio.h>
+#include "kernels.h"
+int main(void) {
+%s    return 0;
+}
+"""
+
+
+def _c_layout(header: str, tmp_path) -> list[str]:
+    """What the C compiler makes of the header's structs and enums: each struct's size, each
+    field's offset and size, each enumerator's value, one `name value` a line."""
+    lines = []
+    for struct, members in build.fields(header).items():
+        lines.append(f'    printf("{struct} %zu\\n", sizeof({struct}));\n')
+        for name, _ in members:
+            lines.append(
+                f'    printf("{struct}.{name} %zu %zu\\n", offsetof({struct}, {name}), sizeof((({struct} *)0)->{name}));\n'
+            )
+    for name in build.enums(header):
+        lines.append(f'    printf("{name} %d\\n", (int){name});\n')
+    (tmp_path / "kernels.h").write_text(header)
+    (tmp_path / "probe.c").write_text(LAYOUT_PROBE % "".join(lines))
+    subprocess.run(
+        ["cc", "-I", str(tmp_path), str(tmp_path / "probe.c"), "-o", str(tmp_path / "probe")], check=True
+    )
+    return subprocess.run(
+        [str(tmp_path / "probe")], check=True, capture_output=True, text=True
+    ).stdout.splitlines()
+
+
+def _ctypes_layout(header: str) -> list[str]:
+    """The same from the ctypes structures and enum values the parser reads from the header."""
+    lines = []
+    for struct, structure in build.structures(header).items():
+        lines.append(f"{struct} {ctypes.sizeof(structure)}")
+        for name, _ in structure._fields_:
+            field = getattr(structure, name)
+            lines.append(f"{struct}.{name} {field.offset} {field.size}")
+    return lines + [f"{name} {value}" for name, value in build.enums(header).items()]
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+def test_the_python_structs_have_the_c_layout(tmp_path):
+    header = build.HEADER.read_text()
+    assert _ctypes_layout(header) == _c_layout(header, tmp_path)
+
+
+DRIFTED = """typedef struct {
+    int n, k;
+    const float *bias; /* moved */
+} Linear;
+enum WeightKind { WEIGHT_A, WEIGHT_B = 4, WEIGHT_C };
+"""
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+def test_a_changed_struct_or_enum_changes_the_python_layout(tmp_path):
+    assert build.fields(DRIFTED) == {"Linear": [("n", "int"), ("k", "int"), ("bias", "float *")]}
+    assert build.enums(DRIFTED) == {"WEIGHT_A": 0, "WEIGHT_B": 4, "WEIGHT_C": 5}
+    assert _ctypes_layout(DRIFTED) == _c_layout(DRIFTED, tmp_path)
+    assert _ctypes_layout(DRIFTED) != _ctypes_layout(build.HEADER.read_text())
+
+
+def test_the_decoder_structs_and_weight_kinds_are_the_headers():
+    header = build.HEADER.read_text()
+    assert {name: [f for f, _ in s._fields_] for name, s in build.structures(header).items()} == {
+        "Linear": ["w", "scale", "bias", "n", "k", "kind"],
+        "Layer": ["input_norm", "post_norm", "qk_norm", "qkv", "o", "gate_up", "down"],
+        "Model": [
+            "layers", "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "inter",
+            "eps", "scale", "final_norm", "embed", "embed_q8", "lm_head",
+        ],
+    }  # fmt: skip
+    assert [f for f, _ in decoder._Model._fields_] == [
+        f for f, _ in build.structures(header)["Model"]._fields_
+    ]
+    assert decoder._Model._fields_[0][1]._type_ is decoder._Layer  # Layer *layers
+    # every blocked kind runs in the decoder, each its own WEIGHT_*
+    assert decoder._KINDS == {"fp32": 0, "int8": 1, "q4": 2, "q4k": 3, "q6k": 4, "kmix": 5}
+    assert sorted(decoder._KINDS.values()) == sorted(build.enums(header).values())
+    with pytest.raises(AssertionError, match="Linear has the fields"):
+        decoder._filled(decoder._Linear, w=0, scale=0, bias=0, n=1, k=1)  # kind left out
 
 
 @pytest.mark.parametrize("score_scale", [0.125, 40.0])  # 40: most weights underflow to 0
