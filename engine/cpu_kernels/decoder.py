@@ -32,7 +32,7 @@ from ragspeed.engine.cpu_kernels.build import HEADER, enums, load_library, struc
 from ragspeed.engine.step_buffers import RowBuffer, StepBuffers
 
 if TYPE_CHECKING:
-    from ragspeed.engine.attention import AttentionMetadata
+    from ragspeed.engine.attention_metadata import AttentionMetadata
 
 
 # kernels.h's structs as ctypes structures and its WEIGHT_* values, read from the header by the

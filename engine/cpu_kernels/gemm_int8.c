@@ -1,6 +1,7 @@
 /* ragspeed's prefill products on a GGUF file's 4-bit blocks with integer multiply-adds
- * (engine.cpu_kernels.int8_prefill), int8 or int16 activations; built with kernels.c into one
- * library (build.py), its exported functions declared in kernels.h.
+ * (engine.cpu_kernels.int8_prefill), int8 or int16 activations; built with the decode kernels
+ * (gemv.c, attention.c, ...) into one library (build.py), its exported functions declared in
+ * kernels.h.
  *
  *
  * A prefill chunk's products are bound by arithmetic, and integer multiply-adds run at 2x

@@ -1,5 +1,5 @@
-/* What the kernel sources share (kernels.c: decode products, attention, norms; gemm_int8.c:
- * prefill products on the file's blocks): the column block, the input group, a block's store,
+/* What the kernel sources share (gemv.c, gemv_gguf.c: decode products; gemm_int8.c: prefill
+ * products on the file's blocks): the column block, the input group, a block's store,
  * and the rounding of input rows to int16 per group. Internal: no exported function here
  * (build.py binds those of kernels.h).
  */

@@ -58,7 +58,7 @@ def test_each_build_runs_its_branch():
 
 
 def _numpy_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """kernels.c's rounding in numpy fp32: step max |x| / 127 a group of 32, q = rint(x * 127 / max)."""
+    """the kernels' rounding in numpy fp32: step max |x| / 127 a group of 32, q = rint(x * 127 / max)."""
     m, k = x.shape
     groups = x.reshape(m, k // 32, 32)
     amax = np.abs(groups).max(axis=2, keepdims=True)
@@ -173,7 +173,7 @@ def test_the_probes_stand_in_is_q4_1():
 @pytest.mark.parametrize("m, n, k", [(1, 16, 32), (7, 37, 96), (37, 64, 576), (300, 40, 64)])
 def test_int16_activations_are_the_decode_kernels_rounding(isa, m, n, k):
     """activation_bits 16: the rows rounded as the decode kernels round them (conftest's
-    int16_rows, fp32 arithmetic as kernels.c's), times the weight, within the fp32 bound; and
+    int16_rows, fp32 arithmetic as the decode kernels'), times the weight, within the fp32 bound; and
     the integer sums exact (steps 1, offsets 0, rows of integers below 32,767: their own steps
     are 1 only where a group's largest is 32,767, so the rows here hold it in every group)."""
     gen = torch.Generator().manual_seed(m * n + k + 1)
