@@ -33,7 +33,7 @@ from ragspeed.engine.linear_kind import LinearKind
 from ragspeed.engine.packed import PackedLinear, bf16_missing
 from ragspeed.engine.quant import QUANT_KINDS
 from ragspeed.engine.quant.gguf_blocks import GgufBlocks, MixedBlocks, dense, kernel_dequantize
-from ragspeed.engine.quant.prefill import PrefillPath, runs_anywhere
+from ragspeed.engine.quant.prefill_path import PrefillPath, runs_anywhere
 from ragspeed.engine.threads import linear_threads
 
 

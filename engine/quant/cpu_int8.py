@@ -20,7 +20,7 @@ import torch
 from ragspeed.engine.cpu_kernels import BlockedWeight, blocked_kernels_available, takes_blocked
 from ragspeed.engine.cpu_kernels.blocked import INT8_GROUP
 from ragspeed.engine.quant.groupwise import GroupInt8Weight
-from ragspeed.engine.quant.prefill import PrefillPath
+from ragspeed.engine.quant.prefill_path import PrefillPath
 
 
 class CpuInt8Kernel:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from ragspeed.engine.quant.prefill import PrefillPath
+from ragspeed.engine.quant.prefill_path import PrefillPath
 from ragspeed.engine.quant.quality import QualityReport
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,8 @@ are bound by arithmetic instead, and there the choice is between precision and s
 - `fp32-dequantized`: the same, in fp32: activations stay fp32, so prefill computes exactly
   what decode computes (the same int8 values and scales), at fp32's speed. Runs on every CPU.
 
-A `PrefillPath` is one row of such a table (the dense kind has its own, engine.models.linear):
+A `PrefillPath` (engine.quant.prefill_path) is one row of such a table (the dense kind has its
+own, engine.models.linear):
 what it does to the activations (`precision`: which `--dtype` admits it, engine.precision), why
 a CPU cannot run it, and how it packs a float weight (`prepare`, then `build`).
 `prefill_candidates(features, probe)` keeps those this CPU runs, fastest first by the rates the
@@ -27,8 +28,6 @@ first that passes).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
 
 import torch
 
@@ -37,13 +36,8 @@ from ragspeed.engine.packed import PackedLinear, bf16_missing
 from ragspeed.engine.quant.fbgemm_int8 import FbgemmInt8Kernel, fbgemm_available
 from ragspeed.engine.quant.groupwise import GroupInt8Weight, quantize_groupwise
 from ragspeed.engine.quant.per_channel import quantize_per_channel
+from ragspeed.engine.quant.prefill_path import PrefillKernel, PrefillPath, runs_anywhere
 from ragspeed.engine.quant.probe import PrefillProbe
-
-
-class PrefillKernel(Protocol):
-    num_bytes: int  # held
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 def _dequantized(dtype: torch.dtype) -> Callable[[GroupInt8Weight, torch.Tensor | None], PrefillKernel]:
@@ -66,26 +60,6 @@ def _needs_vnni(features: CpuFeatures) -> str | None:
     if not features.has_vnni:
         return "no VNNI (avx512_vnni / avx_vnni): fbgemm's AVX2 kernel saturates"
     return None
-
-
-def runs_anywhere(features: CpuFeatures) -> str | None:
-    return None
-
-
-def as_float(weight: torch.Tensor) -> torch.Tensor:
-    """A dense path's `prepare`: it builds from the float weight itself."""
-    return weight
-
-
-@dataclass(frozen=True)
-class PrefillPath:
-    name: str
-    precision: str  # "fp32", "bf16" or "int8": what the product does to the activations
-    activations: str  # the same, in words
-    missing: Callable[[CpuFeatures], str | None]  # why this CPU cannot run it, or None
-    build: Callable[..., PrefillKernel]  # (prepare(weight), bias) -> kernel
-    # what `build` takes, from a float weight [out_features, in_features] (the probe's)
-    prepare: Callable[[torch.Tensor], Any] = as_float
 
 
 # Every path a CPU may run; the last runs everywhere and rounds nothing.

@@ -54,7 +54,7 @@ import torch
 from ragspeed.engine.cpu_features import CpuFeatures
 
 if TYPE_CHECKING:
-    from ragspeed.engine.quant.prefill import PrefillPath
+    from ragspeed.engine.quant.prefill_path import PrefillPath
 
 logger = logging.getLogger(__name__)
 
