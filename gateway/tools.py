@@ -18,11 +18,11 @@ The output is constrained by a grammar (engine.structured) built from the tools'
 arguments object takes only its declared keys unless its schema says otherwise): `required`
 and a named choice allow calls and nothing else; `auto` allows an answer in text (one that
 cannot begin a call), or in the JSON of the request's `response_format`, or calls; `none`
-constrains nothing. `parallel_tool_calls` absent takes
-the format's own answer, as llama.cpp's server does: several calls where the template writes
-several (hermes), one where it does not (generic, llama3-json); llama3-json never writes more
-than one. `ToolCallParser` turns the text
-into OpenAI's `tool_calls`, each streamed as one delta once its call is complete.
+constrains nothing. `parallel_tool_calls` absent takes the format's own answer, as llama.cpp's
+server does: several calls where the template writes several (hermes), one where it does not
+(generic, llama3-json); llama3-json never writes more than one. `ToolCallParser` turns the
+text into OpenAI's `tool_calls`, each complete call at once (gateway.streaming sends its head,
+then its arguments).
 """
 
 from __future__ import annotations
