@@ -30,14 +30,22 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import click
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from ragspeed.bench.common import json_option, model_option, threads_option, write_json
+from ragspeed.bench.common import (
+    json_option,
+    model_option,
+    qa_data_option,
+    threads_option,
+    write_json,
+)
 from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
+from ragspeed.shipped_data import NQ_QUESTIONS
 
 
 def _projections(model: Any) -> dict[str, Any]:
@@ -163,12 +171,56 @@ def _alternated_ttfts(
     return times
 
 
+def rag_prompts(tokenizer: Any, data: Path, limit: int) -> list[tuple[int, ...]]:
+    """The first `limit` questions of a QA file with their documents, as `eval rag` prompts them
+    (its system prompt, every document, the gateway's layout)."""
+    from ragspeed.document import Document
+    from ragspeed.evals.rag import DEFAULT_SYSTEM_PROMPT, load_examples
+    from ragspeed.gateway.prompt import Segments, assemble_prompt
+
+    examples, _ = load_examples(data)
+    prompts = []
+    for example in examples[:limit]:
+        documents = tuple(
+            Document(f"{example.line}-{i}", p.text, p.title) for i, p in enumerate(example.documents)
+        )
+        segments = Segments(DEFAULT_SYSTEM_PROMPT, documents, (), example.question)
+        prompts.append(assemble_prompt(tokenizer, segments, documents).token_ids)
+    return prompts
+
+
+def identical_answers(
+    engine: Any, paths: list, prompts: list[tuple[int, ...]], max_tokens: int = 32
+) -> dict[str, float]:
+    """Each path's share of greedy answers identical (token for token) to the first path's,
+    one request at a time; a cache salt per path keeps one path's KV from serving another."""
+    from ragspeed.engine.protocol import GenerationRequest, SamplingParams
+    from ragspeed.engine.quant.gate import use_prefill_path
+
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    answers: dict[str, list[tuple[int, ...]]] = {}
+    for path in paths:
+        use_prefill_path(engine.loaded.model, path)
+        answers[path.name] = []
+        for i, prompt in enumerate(prompts):
+            request = GenerationRequest(f"{path.name}-{i}", prompt, sampling, cache_salt=path.name)
+            answers[path.name].append(tuple(engine.generate([request])[request.request_id]["token_ids"]))
+    exact = answers[paths[0].name]
+    return {
+        name: sum(a == b for a, b in zip(runs, exact)) / len(exact)
+        for name, runs in answers.items()
+        if name != paths[0].name
+    }
+
+
 def run_prefill_paths(
     model: str = DEFAULT_MODEL_NAME,
     prompt_len: int = 2048,
     repeats: int = 3,
     threads: int = 2,
     per_projection: bool = False,
+    answers: int = 0,
+    data: Path = NQ_QUESTIONS,
 ) -> dict[str, Any]:
     from ragspeed.bench.engine import _NativeContender
     from ragspeed.engine.config import EngineConfig
@@ -178,10 +230,15 @@ def run_prefill_paths(
     from ragspeed.engine.quant.gate import use_prefill_path
 
     torch.set_num_threads(threads)
-    config = EngineConfig(model=model, max_model_len=prompt_len + 8, quantization="auto", num_threads=threads)
+    max_model_len = max(prompt_len + 8, 4096 if answers else 0)
+    config = EngineConfig(model=model, max_model_len=max_model_len, quantization="auto", num_threads=threads)
     engine = build_llm_engine(config)
     features = read_cpu_features()
     paths = [DENSE_PREFILL_PATHS[-1], *(p for p in BLOCKS_PATHS if p.missing(features) is None)]
+    answered = [*paths, *(p for p in DENSE_PREFILL_PATHS[:-1] if p.missing(features) is None)]
+    identical = (
+        identical_answers(engine, answered, rag_prompts(engine.tokenizer, data, answers)) if answers else {}
+    )
     contender = _NativeContender(engine)
     prompts = _prompts(engine.arch.vocab_size, prompt_len)
     times = _alternated_ttfts(contender, engine.loaded.model, paths, prompts, repeats)
@@ -223,6 +280,8 @@ def run_prefill_paths(
             for name, r in reports.items()
         },
         **quality,
+        **({"answers": answers} if answers else {}),
+        **{f"identical_answers_{name}": share for name, share in identical.items()},
     }
     _print(result, paths, reports)
     return result
@@ -248,6 +307,13 @@ def _print(result: dict[str, Any], paths: list, reports: dict) -> None:
         if gate:
             line += f"; gate: top-1 {gate.top1_agreement:.2%}, ppl {gate.ppl_increase:+.3%}"
         print(line)
+    if "answers" in result:
+        shares = [
+            f"{k.removeprefix('identical_answers_')} {v:.1%}"
+            for k, v in result.items()
+            if k.startswith("identical_answers_")
+        ]
+        print(f"greedy answers identical to {fp32}'s, {result['answers']} RAG questions: {', '.join(shares)}")
     print(json.dumps(result))
 
 
@@ -262,14 +328,29 @@ def _print(result: dict[str, Any], paths: list, reports: dict) -> None:
     is_flag=True,
     help="also measure quality with int8 rows in one kind of projection only (the others int16)",
 )
+@click.option(
+    "--answers",
+    default=0,
+    type=click.IntRange(min=0),
+    show_default=True,
+    help="also answer this many RAG questions greedily on every path: the share identical to fp32's",
+)
+@qa_data_option("QA jsonl the --answers questions come from (nq_dev.jsonl)")
 def bench_prefill(
-    model: str, json_path: str | None, prompt_len: int, repeats: int, threads: int, per_projection: bool
+    model: str,
+    json_path: str | None,
+    prompt_len: int,
+    repeats: int,
+    threads: int,
+    per_projection: bool,
+    answers: int,
+    data: Path,
 ) -> None:
     """TTFT of one long prompt on each prefill path of a GGUF model (fp32, int8-blocks,
     int16-blocks), alternated in one process, with the start-up gate's figures, the products'
     rate and share of the time, and attention's share."""
     start = time.perf_counter()
-    result = run_prefill_paths(model, prompt_len, repeats, threads, per_projection)
+    result = run_prefill_paths(model, prompt_len, repeats, threads, per_projection, answers, data)
     write_json(json_path, result)
     print(f"ran in {time.perf_counter() - start:.0f} s")
 

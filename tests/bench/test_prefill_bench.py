@@ -41,3 +41,30 @@ def test_every_projection_runs_in_the_products_range_and_gets_its_forward_back()
 def test_a_layers_flop_counts_two_a_multiply_add():
     # 4 projections of 4 inputs x 6 outputs, on 10 rows
     assert _layer_flop(_model(), 10) == 4 * 2 * 10 * 4 * 6
+
+
+def test_answers_on_each_path_are_compared_with_the_first_paths(tmp_path):
+    """The share of a path's greedy answers equal to fp32 prefill's, on eval rag's prompts;
+    a path's KV is kept apart by its cache salt, so each path computes its own prefill."""
+    from ragspeed.bench.prefill_paths import identical_answers, rag_prompts
+    from ragspeed.engine.gguf import converted_copy
+    from ragspeed.engine.models.linear import BLOCKS_PATHS, DENSE_PREFILL_PATHS
+    from ragspeed.shipped_data import NQ_QUESTIONS
+    from tests.engine.conftest import make_engine
+    from tests.engine.tiny_gguf import write_tiny_gguf
+    from tests.engine.tiny_models import build_tiny_checkpoint
+
+    source = build_tiny_checkpoint("llama", tmp_path / "hf", seed=1)
+    (tmp_path / "src").mkdir()
+    gguf = write_tiny_gguf(source, tmp_path / "src" / "tiny.gguf", "Q4_1")
+    engine = make_engine(converted_copy(gguf, tmp_path / "converted"), quantization="gguf")
+    prompts = rag_prompts(engine.tokenizer, NQ_QUESTIONS, 2)
+    assert len(prompts) == 2
+    assert "who sings for the beast in the new movie" in engine.tokenizer.decode(prompts[0])
+    prompts = [prompt[-60:] for prompt in prompts]  # the tiny model's context is short
+    fp32, int16 = DENSE_PREFILL_PATHS[-1], BLOCKS_PATHS[1]
+    assert identical_answers(
+        engine, [fp32, fp32.__class__(**{**vars(fp32), "name": "again"})], prompts, 4
+    ) == {"again": 1.0}
+    shares = identical_answers(engine, [fp32, int16], prompts, max_tokens=4)
+    assert list(shares) == [int16.name] and 0.0 <= shares[int16.name] <= 1.0
