@@ -13,11 +13,13 @@ context blocks out of the pool (whole blocks: few, contiguous copies) and calls 
 - decodes: one batched SDPA call; the query heads of a KV head are grouped as rows
   (`[num_decodes, num_kv_heads, group, head_dim]`), which needs neither a repeat of K/V nor a
   causal mask, only a padding mask when context lengths differ;
-- prefill chunks: on CPU, two calls of SDPA's fused flash kernel each, neither with a mask: the
-  chunk's queries over the keys before it (every query sees every one) and over its own keys
-  (causal, square), merged by their log-sum-exps (`chunk_attention`); so no [n, context] mask
-  nor score matrix exists at long contexts. Elsewhere, one SDPA call with a causal mask shifted
-  by the chunk's start (`masked_chunk_attention`, also the reference of the CPU path).
+- prefill chunks: on CPU with fp32 queries, ragspeed's prefill kernel
+  (engine.cpu_kernels.attention), which reads the context where it lies in the pool; else two
+  calls of SDPA's fused flash kernel each, neither with a mask: the chunk's queries over the
+  keys before it (every query sees every one) and over its own keys (causal, square), merged by
+  their log-sum-exps (`chunk_attention`); so no [n, context] mask nor score matrix exists at
+  long contexts. Elsewhere, one SDPA call with a causal mask shifted by the chunk's start
+  (`masked_chunk_attention`, also the reference of the CPU paths).
 
 A *scattered* chunk (engine.attention_metadata) computes tokens at arbitrary positions of one
 request whose other positions already hold KV (document KV reuse, engine.document_kv): each
@@ -34,7 +36,13 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 
 from ragspeed.engine.attention_metadata import AttentionMetadata, PrefillSpan
-from ragspeed.engine.cpu_kernels.attention import decode_kernel_applies, paged_decode_attention
+from ragspeed.engine.cpu_kernels.attention import (
+    decode_kernel_applies,
+    paged_decode_attention,
+    paged_prefill_attention,
+    prefill_kernel_applies,
+)
+from ragspeed.engine.cpu_kernels.placement import write_kernel_applies, write_kv
 
 # The profiler event around the prefill chunks' attention (`ragspeed bench engine` sums it).
 PREFILL_ATTENTION_EVENT = "ragspeed::prefill_attention"
@@ -75,8 +83,11 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     block_size = meta.block_size
-    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    if write_kernel_applies(k, v, k_cache):
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.num_threads)
+    else:
+        k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     out: torch.Tensor | None
     if meta.row_block_tables is not None and decode_kernel_applies(q, num_kv_heads):
         assert meta.row_context_lens is not None  # set with row_block_tables
@@ -125,8 +136,21 @@ def paged_attention(
         out[:nd] = od.reshape(nd, num_heads, head_dim)
     assert out is not None  # a step of decodes alone returned above
     cpu = q.device.type == "cpu"
+    kernel = meta.prefill_kernel and prefill_kernel_applies(q, num_kv_heads)
     with record_function(PREFILL_ATTENTION_EVENT):
         for span in meta.prefills:
+            if kernel and span.query_positions is None:
+                out[span.query_start : span.query_end] = paged_prefill_attention(
+                    q[span.query_start : span.query_end],
+                    k_cache,
+                    v_cache,
+                    span.block_table,
+                    span.num_cached,
+                    block_size,
+                    scale,
+                    meta.num_threads,
+                )
+                continue
             attend = chunk_attention if cpu and span.query_positions is None else masked_chunk_attention
             table = span.block_table.unsqueeze(0)
             # [1, kv_heads, context_len, D]

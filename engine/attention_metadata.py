@@ -68,9 +68,12 @@ class AttentionMetadata:
     # a row of the decode kernel, [num_tokens, max_blocks] and [num_tokens] int64; else None.
     row_block_tables: torch.Tensor | None = None
     row_context_lens: torch.Tensor | None = None
-    # Threads of the decode-attention kernel: the engine's count, like the linear products
-    # (its tasks, one per sequence and KV head, read the KV pool from memory in parallel).
+    # Threads of the attention kernels: the engine's count, like the linear products (the decode
+    # kernel's tasks, one per sequence and KV head, read the KV pool from memory in parallel).
     num_threads: int = 1
+    # Prefill chunks through the prefill kernel where it applies (fp32 queries on CPU); False:
+    # SDPA's flash kernel, its reference.
+    prefill_kernel: bool = True
 
     @functools.cached_property
     def decode_mask(self) -> torch.Tensor | None:
@@ -185,6 +188,7 @@ def build_metadata(
     num_threads: int = 1,
     prefill_query_positions: list[tuple[int, ...] | None] | None = None,
     kernel_rows: KernelRows | None = None,
+    prefill_kernel: bool = True,
 ) -> AttentionMetadata:
     """A step's metadata. `prefill_query_positions`: per prefill chunk, its query positions
     (ascending) when it is *scattered* (query i sees the keys of positions 0 .. positions[i],
@@ -228,6 +232,7 @@ def build_metadata(
         row_block_tables=row_tables,
         row_context_lens=row_lens,
         num_threads=num_threads,
+        prefill_kernel=prefill_kernel,
     )
 
 

@@ -61,6 +61,9 @@ class ModelRunner:
         self._on_cpu = self.device.type == "cpu"
         self.buffers = StepBuffers(rotary.freqs_cis, self.block_size)
         self.decode_threads = DecodeThreads()
+        # Prefill chunks' attention in the CPU kernel (engine.attention); False: SDPA's, its
+        # reference (`ragspeed bench prefill` times both).
+        self.prefill_kernel = True
 
     def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """A buffer's view (CPU) where the model runs."""
@@ -253,6 +256,7 @@ class ModelRunner:
             num_threads=self.num_threads,
             prefill_query_positions=[c.positions or None for c in prefills],
             kernel_rows=self._kernel_rows,
+            prefill_kernel=self.prefill_kernel,
         )
 
     def _kernel_rows(

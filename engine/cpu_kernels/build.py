@@ -42,11 +42,19 @@ log = logging.getLogger(__name__)
 # Package data; files on disk in every install (the compiler is given their paths).
 _FOLDER = Path(str(resources.files("ragspeed.engine.cpu_kernels")))
 # Compiled together into one library: the decode products (fp32 and int8; GGUF's blocks),
-# attention, the row-wise kernels (norm, argmax, KV placement), the decoder forward, and the
-# prefill products.
+# decode attention, the row-wise kernels (norm, argmax, KV placement), the decoder forward, the
+# prefill products and prefill attention.
 SOURCES = tuple(
     _FOLDER / name
-    for name in ("gemv.c", "gemv_gguf.c", "attention.c", "rowwise.c", "decoder.c", "gemm_int8.c")
+    for name in (
+        "gemv.c",
+        "gemv_gguf.c",
+        "attention.c",
+        "rowwise.c",
+        "decoder.c",
+        "gemm_int8.c",
+        "prefill_attention.c",
+    )
 )
 HEADER = _FOLDER / "kernels.h"  # the exported prototypes and structs, read for the ctypes types
 HEADERS = (HEADER, *(_FOLDER / name for name in ("kernels_common.h", "vector.h", "gemv.h", "internal.h")))

@@ -66,9 +66,15 @@ void ragspeed_paged_decode_attention(const float *q, const void *k_cache, const 
                                      float *out, int num_seqs, int num_heads, int num_kv_heads,
                                      int head_dim, int max_blocks, int block_size, float scale,
                                      int half, int num_threads);
+void ragspeed_prefill_attention(const float *q, const void *k_cache, const void *v_cache,
+                                const int64_t *block_table, float *out, int n, int64_t num_cached,
+                                int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
+                                int half, int num_threads);
 void ragspeed_add_rms_norm(float *x, const float *residual, const float *weight, float *out,
                            int rows, int dim, float eps, int num_threads);
 void ragspeed_argmax(const float *x, int m, int n, int stride, int64_t *out);
+void ragspeed_write_kv(const float *k, const float *v, int64_t k_stride, int64_t v_stride, const int64_t *slots,
+                       void *k_cache, void *v_cache, int n, int row, int half, int num_threads);
 void ragspeed_place_kv(const f16 *kv, const float *rotation, const int64_t *slots, void *pool,
                        int num_layers, int n, int num_kv_heads, int head_dim, int64_t num_slots,
                        int half, int num_threads);

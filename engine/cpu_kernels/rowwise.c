@@ -1,5 +1,6 @@
 /* Kernels that take each row of their input on its own: the residual add with RMSNorm, the argmax
- * of logits, a document's stored KV placed into the pool, and the fp16 rounding of the KV writes.
+ * of logits, a step's KV written into the pool, a document's stored KV placed into it, and the
+ * fp16 rounding of the KV writes.
  */
 #include <omp.h>
 
@@ -65,6 +66,18 @@ int64_t argmax_row(const float *x, int n) {
 /* out[r] = argmax_row of row r of x [m, stride], over its first n values. */
 void ragspeed_argmax(const float *x, int m, int n, int stride, int64_t *out) {
     for (int r = 0; r < m; r++) out[r] = argmax_row(x + (size_t)r * stride, n);
+}
+
+/* A step's keys and values, rows of `row` floats (k's rows k_stride floats apart, v's v_stride),
+ * into the pool's rows at `slots` (fp32, or fp16 where `half`, rounded as torch rounds): torch's
+ * index_copy_ into an fp16 pool converts and copies one element at a time. */
+void ragspeed_write_kv(const float *k, const float *v, int64_t k_stride, int64_t v_stride, const int64_t *slots,
+                       void *k_cache, void *v_cache, int n, int row, int half, int num_threads) {
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static) if(n >= 64)")
+    for (int t = 0; t < n; t++) {
+        put_kv(k_cache, (size_t)slots[t] * row, k + t * k_stride, row, half);
+        put_kv(v_cache, (size_t)slots[t] * row, v + t * v_stride, row, half);
+    }
 }
 
 /* A document's stored KV, fp16 kv [2][layers][n][row] (row = kv_heads * head_dim, pairs

@@ -126,6 +126,21 @@ static inline float reduce_add(vecf v) {
 #endif
 }
 
+/* The largest of v's lanes. */
+static inline float reduce_max(vecf v) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_max_ps((__m512)v);
+#elif defined(__AVX__)
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+#else
+    float m = v[0];
+    for (int i = 1; i < LANES; i++) m = v[i] > m ? v[i] : m;
+    return m;
+#endif
+}
+
 /* e^x for x <= 0 (scores minus their maximum), a vector at a time: x = n ln2 + r, |r| <= ln2 / 2,
  * e^r by its degree-6 Taylor polynomial (relative error < 2e-7), 2^n put in the exponent bits. */
 static inline vecf exp_nonpositive(vecf x) {
@@ -138,6 +153,30 @@ static inline vecf exp_nonpositive(vecf x) {
     vecf p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
     veci two_n = (__builtin_convertvector(n, veci) + 127) << 23;
     return (vecf)((veci)(p * (vecf)two_n) & ~underflow);
+}
+
+/* 2^x for x <= 0 (base-2 scores minus their maximum), a vector at a time: x = n + r, |r| <= 1/2,
+ * 2^r = e^(r ln2) by its degree-6 Taylor polynomial (relative error < 2e-7), times 2^n (AVX-512:
+ * scalef, 0 below the smallest float; else n put in the exponent bits, 0 below 2^-126). */
+static inline vecf exp2_nonpositive(vecf x) {
+#if defined(__AVX512F__)
+    __m512 n = _mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+    const vecf lowest = (vecf){0} - 126.0f;
+    veci underflow = x < lowest;
+    x = (vecf)(((veci)x & ~underflow) | ((veci)lowest & underflow));
+    const vecf shifter = (vecf){0} + 12582912.0f; /* 1.5 * 2^23: rounds to an integer */
+    vecf n = (x + shifter) - shifter;
+#endif
+    vecf r = x - (vecf)n;
+    vecf p = 1.0f + r * (0.693147181f + r * (0.240226507f + r * (0.0555041087f + r * (0.00961812911f +
+             r * (0.00133335581f + r * 0.000154035304f)))));
+#if defined(__AVX512F__)
+    return (vecf)_mm512_scalef_ps((__m512)p, n);
+#else
+    veci two_n = (__builtin_convertvector(n, veci) + 127) << 23;
+    return (vecf)((veci)(p * (vecf)two_n) & ~underflow);
+#endif
 }
 
 /* A vector of x in every lane. */

@@ -1,19 +1,22 @@
 """`ragspeed bench prefill`: TTFT of one long prompt on each prefill path of a GGUF model,
 alternated in one process, with where the time goes.
 
-One engine (serve's defaults: `--quantization auto`, the file's blocks) is moved from path to
-path (engine.quant.gate.use_prefill_path) between runs, so every path sees the same model,
-threads and machine; each run is a fresh random prompt (no prefix cache hit), the paths taking
-turns in each round so that other work on a shared machine slows them alike; the median of the
-rounds is reported, with the ratio to fp32 (of the medians, and the median of each round's
-ratio to the fp32 run beside it) and each path's start-up gate figures (against fp32 prefill of
-the same weights: engine.precision).
+One engine (serve's defaults: `--quantization auto`, the file's blocks) is moved from setup to
+setup between runs: a prefill path (engine.quant.gate.use_prefill_path) and its attention, the
+CPU kernel or SDPA's flash kernel (ModelRunner.prefill_kernel). The reference is fp32 with
+SDPA's attention (`fp32+sdpa`, the engine's prefill before its attention kernel); every path
+then runs with the kernel. So every setup sees the same model, threads and machine; each run is
+a fresh random prompt (no prefix cache hit), the setups taking turns in each round so that other
+work on a shared machine slows them alike; the median of the rounds is reported, with the ratio
+to the reference (of the medians, and the median of each round's ratio to the reference's run
+beside it) and each path's start-up gate figures (against fp32 prefill of the same weights:
+engine.precision).
 
 Where the time goes, per path, in one more prefill under torch's profiler: attention's share of
 its time (as `bench engine` measures it) and the projections' (QKV, output, gate-up, down of
 every layer), with their rate (GFLOP/s): against fp32's, the kernels' own speed-up. The rest of
 a prefill (attention, norms, rotary, the KV writes) does not change with the path, so TTFT's
-ratio to fp32 cannot fall below that rest's share. Prints the CPU and its capabilities, a table
+ratio to fp32 with the same attention cannot fall below that rest's share. Prints the CPU and its capabilities, a table
 and one line of JSON.
 
 `--per-projection` adds which products int8 activations can take: the model with int8 rows in
@@ -30,6 +33,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -154,20 +158,36 @@ def _prompts(vocab_size: int, prompt_len: int) -> Iterator[tuple[int, ...]]:
         yield _random_prompt(generator, prompt_len, vocab_size)
 
 
-def _alternated_ttfts(
-    contender: Any, model: Any, paths: list, prompts: Iterator[tuple[int, ...]], repeats: int
-) -> dict[str, list[float]]:
-    """Each path's TTFT (s) in `repeats` rounds, the paths taking turns in each (the first
-    round warms up)."""
-    from ragspeed.engine.quant.gate import use_prefill_path
+@dataclass(frozen=True)
+class Setup:
+    """A prefill path and the attention beside it: the CPU kernel, or SDPA's (`kernel` False)."""
 
-    times: dict[str, list[float]] = {p.name: [] for p in paths}
+    path: Any  # engine.models.linear's PrefillPath
+    kernel: bool = True
+
+    @property
+    def name(self) -> str:
+        return self.path.name if self.kernel else f"{self.path.name}+sdpa"
+
+    def use(self, engine: Any) -> None:
+        from ragspeed.engine.quant.gate import use_prefill_path
+
+        use_prefill_path(engine.loaded.model, self.path)
+        engine.runner.prefill_kernel = self.kernel
+
+
+def _alternated_ttfts(
+    contender: Any, setups: list[Setup], prompts: Iterator[tuple[int, ...]], repeats: int
+) -> dict[str, list[float]]:
+    """Each setup's TTFT (s) in `repeats` rounds, the setups taking turns in each (the first
+    round warms up)."""
+    times: dict[str, list[float]] = {s.name: [] for s in setups}
     for round_ in range(repeats + 1):
-        for path in paths:
-            use_prefill_path(model, path)
+        for setup in setups:
+            setup.use(contender.engine)
             ttft = contender.ttft(next(prompts))
             if round_:
-                times[path.name].append(ttft)
+                times[setup.name].append(ttft)
     return times
 
 
@@ -190,26 +210,25 @@ def rag_prompts(tokenizer: Any, data: Path, limit: int) -> list[tuple[int, ...]]
 
 
 def identical_answers(
-    engine: Any, paths: list, prompts: list[tuple[int, ...]], max_tokens: int = 32
+    engine: Any, setups: list[Setup], prompts: list[tuple[int, ...]], max_tokens: int = 32
 ) -> dict[str, float]:
-    """Each path's share of greedy answers identical (token for token) to the first path's,
-    one request at a time; a cache salt per path keeps one path's KV from serving another."""
+    """Each setup's share of greedy answers identical (token for token) to the first setup's,
+    one request at a time; a cache salt per setup keeps one setup's KV from serving another."""
     from ragspeed.engine.protocol import GenerationRequest, SamplingParams
-    from ragspeed.engine.quant.gate import use_prefill_path
 
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     answers: dict[str, list[tuple[int, ...]]] = {}
-    for path in paths:
-        use_prefill_path(engine.loaded.model, path)
-        answers[path.name] = []
+    for setup in setups:
+        setup.use(engine)
+        answers[setup.name] = []
         for i, prompt in enumerate(prompts):
-            request = GenerationRequest(f"{path.name}-{i}", prompt, sampling, cache_salt=path.name)
-            answers[path.name].append(tuple(engine.generate([request])[request.request_id]["token_ids"]))
-    exact = answers[paths[0].name]
+            request = GenerationRequest(f"{setup.name}-{i}", prompt, sampling, cache_salt=setup.name)
+            answers[setup.name].append(tuple(engine.generate([request])[request.request_id]["token_ids"]))
+    exact = answers[setups[0].name]
     return {
         name: sum(a == b for a, b in zip(runs, exact)) / len(exact)
         for name, runs in answers.items()
-        if name != paths[0].name
+        if name != setups[0].name
     }
 
 
@@ -227,37 +246,38 @@ def run_prefill_paths(
     from ragspeed.engine.cpu_features import read_cpu_features
     from ragspeed.engine.factory import build_llm_engine
     from ragspeed.engine.models.linear import BLOCKS_PATHS, DENSE_PREFILL_PATHS
-    from ragspeed.engine.quant.gate import use_prefill_path
 
     torch.set_num_threads(threads)
     max_model_len = max(prompt_len + 8, 4096 if answers else 0)
     config = EngineConfig(model=model, max_model_len=max_model_len, quantization="auto", num_threads=threads)
     engine = build_llm_engine(config)
     features = read_cpu_features()
-    paths = [DENSE_PREFILL_PATHS[-1], *(p for p in BLOCKS_PATHS if p.missing(features) is None)]
-    answered = [*paths, *(p for p in DENSE_PREFILL_PATHS[:-1] if p.missing(features) is None)]
+    fp32 = DENSE_PREFILL_PATHS[-1]
+    paths = [fp32, *(p for p in BLOCKS_PATHS if p.missing(features) is None)]
+    setups = [Setup(fp32, kernel=False), *map(Setup, paths)]
+    answered = [*setups, *(Setup(p) for p in DENSE_PREFILL_PATHS[:-1] if p.missing(features) is None)]
     identical = (
         identical_answers(engine, answered, rag_prompts(engine.tokenizer, data, answers)) if answers else {}
     )
     contender = _NativeContender(engine)
     prompts = _prompts(engine.arch.vocab_size, prompt_len)
-    times = _alternated_ttfts(contender, engine.loaded.model, paths, prompts, repeats)
-    shares = {}  # path -> (attention's share, the products' share, the products' seconds)
-    for path in paths:
-        use_prefill_path(engine.loaded.model, path)
-        shares[path.name] = _where_time_goes(contender, engine.loaded.model, next(prompts))
+    times = _alternated_ttfts(contender, setups, prompts, repeats)
+    shares = {}  # setup -> (attention's share, the products' share, the products' seconds)
+    for setup in setups:
+        setup.use(engine)
+        shares[setup.name] = _where_time_goes(contender, engine.loaded.model, next(prompts))
     quality = _per_projection_quality(engine) if per_projection else {}
-    chosen = engine.prefill_choice.path if engine.prefill_choice is not None else paths[0]
-    use_prefill_path(engine.loaded.model, chosen)
+    chosen = engine.prefill_choice.path if engine.prefill_choice is not None else fp32
+    Setup(chosen).use(engine)
     products_flop = len(engine.loaded.model.layers) * _layer_flop(engine.loaded.model, prompt_len)
     medians = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-    fp32 = paths[0].name
-    # Each round's ratio to fp32's run beside it, then their median: robust to a round that other
-    # work on the machine slowed throughout.
+    reference = setups[0].name
+    # Each round's ratio to the reference's run beside it, then their median: robust to a round
+    # that other work on the machine slowed throughout.
     paired = {
-        name: statistics.median(t / f for t, f in zip(runs, times[fp32]))
+        name: statistics.median(t / f for t, f in zip(runs, times[reference]))
         for name, runs in times.items()
-        if name != fp32
+        if name != reference
     }
     reports = {} if engine.prefill_choice is None else engine.prefill_choice.reports
     result: dict[str, Any] = {
@@ -268,10 +288,15 @@ def run_prefill_paths(
         "prompt_len": prompt_len,
         "repeats": repeats,
         "chosen_prefill_path": chosen.name,
+        "reference": reference,
         **{f"ttft_ms_{name}": value for name, value in medians.items()},
         **{f"ttft_runs_ms_{name}": [t * 1e3 for t in runs] for name, runs in times.items()},
-        **{f"over_fp32_{name}": value / medians[fp32] for name, value in medians.items() if name != fp32},
-        **{f"paired_over_fp32_{name}": ratio for name, ratio in paired.items()},
+        **{
+            f"over_reference_{name}": value / medians[reference]
+            for name, value in medians.items()
+            if name != reference
+        },
+        **{f"paired_over_reference_{name}": ratio for name, ratio in paired.items()},
         **{f"attention_share_{name}": share[0] for name, share in shares.items()},
         **{f"products_share_{name}": share[1] for name, share in shares.items()},
         **{f"products_gflops_{name}": products_flop / share[2] / 1e9 for name, share in shares.items()},
@@ -283,27 +308,30 @@ def run_prefill_paths(
         **({"answers": answers} if answers else {}),
         **{f"identical_answers_{name}": share for name, share in identical.items()},
     }
-    _print(result, paths, reports)
+    _print(result, setups, reports)
     return result
 
 
-def _print(result: dict[str, Any], paths: list, reports: dict) -> None:
-    fp32 = paths[0].name
+def _print(result: dict[str, Any], setups: list[Setup], reports: dict) -> None:
+    reference = result["reference"]
     print(f"{result['cpu']}; load average {result['load_average']}; {result['threads']} threads")
     print(
         f"TTFT of {result['prompt_len']} tokens, median of {result['repeats']} alternated rounds; "
-        f"chosen: {result['chosen_prefill_path']}"
+        f"chosen: {result['chosen_prefill_path']}; attention in the CPU kernel, {reference} with SDPA's"
     )
-    for path in paths:
-        name = path.name
+    for setup in setups:
+        name = setup.name
         line = f"  {name:14s} {result[f'ttft_ms_{name}']:9.1f} ms"
-        if name != fp32:
-            line += f"  {result[f'over_fp32_{name}']:.2f}x fp32 (per round {result[f'paired_over_fp32_{name}']:.2f}x)"
+        if name != reference:
+            line += (
+                f"  {result[f'over_reference_{name}']:.2f}x {reference} "
+                f"(per round {result[f'paired_over_reference_{name}']:.2f}x)"
+            )
         line += (
             f"; products {result[f'products_gflops_{name}']:.0f} GFLOP/s, "
             f"{result[f'products_share_{name}']:.0%} of TTFT; attention {result[f'attention_share_{name}']:.0%}"
         )
-        gate = reports.get(name)
+        gate = reports.get(setup.path.name) if setup.kernel else None
         if gate:
             line += f"; gate: top-1 {gate.top1_agreement:.2%}, ppl {gate.ppl_increase:+.3%}"
         print(line)
@@ -313,7 +341,9 @@ def _print(result: dict[str, Any], paths: list, reports: dict) -> None:
             for k, v in result.items()
             if k.startswith("identical_answers_")
         ]
-        print(f"greedy answers identical to {fp32}'s, {result['answers']} RAG questions: {', '.join(shares)}")
+        print(
+            f"greedy answers identical to {reference}'s, {result['answers']} RAG questions: {', '.join(shares)}"
+        )
     print(json.dumps(result))
 
 
@@ -333,7 +363,7 @@ def _print(result: dict[str, Any], paths: list, reports: dict) -> None:
     default=0,
     type=click.IntRange(min=0),
     show_default=True,
-    help="also answer this many RAG questions greedily on every path: the share identical to fp32's",
+    help="also answer this many RAG questions greedily on every path: the share identical to the reference's",
 )
 @qa_data_option("QA jsonl the --answers questions come from (nq_dev.jsonl)")
 def bench_prefill(
@@ -347,8 +377,9 @@ def bench_prefill(
     data: Path,
 ) -> None:
     """TTFT of one long prompt on each prefill path of a GGUF model (fp32, int8-blocks,
-    int16-blocks), alternated in one process, with the start-up gate's figures, the products'
-    rate and share of the time, and attention's share."""
+    int16-blocks) with the CPU attention kernel, and on fp32 with SDPA's attention (the
+    reference), alternated in one process, with the start-up gate's figures, the products' rate
+    and share of the time, and attention's share."""
     start = time.perf_counter()
     result = run_prefill_paths(model, prompt_len, repeats, threads, per_projection, answers, data)
     write_json(json_path, result)

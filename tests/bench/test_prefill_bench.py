@@ -43,10 +43,11 @@ def test_a_layers_flop_counts_two_a_multiply_add():
     assert _layer_flop(_model(), 10) == 4 * 2 * 10 * 4 * 6
 
 
-def test_answers_on_each_path_are_compared_with_the_first_paths(tmp_path):
-    """The share of a path's greedy answers equal to fp32 prefill's, on eval rag's prompts;
-    a path's KV is kept apart by its cache salt, so each path computes its own prefill."""
-    from ragspeed.bench.prefill_paths import identical_answers, rag_prompts
+def test_answers_on_each_setup_are_compared_with_the_first_setups(tmp_path):
+    """The share of a setup's greedy answers equal to fp32 prefill's with SDPA's attention, on
+    eval rag's prompts; a setup's KV is kept apart by its cache salt, so each computes its own
+    prefill."""
+    from ragspeed.bench.prefill_paths import Setup, identical_answers, rag_prompts
     from ragspeed.engine.gguf import converted_copy
     from ragspeed.engine.models.linear import BLOCKS_PATHS, DENSE_PREFILL_PATHS
     from ragspeed.shipped_data import NQ_QUESTIONS
@@ -63,8 +64,9 @@ def test_answers_on_each_path_are_compared_with_the_first_paths(tmp_path):
     assert "who sings for the beast in the new movie" in engine.tokenizer.decode(prompts[0])
     prompts = [prompt[-60:] for prompt in prompts]  # the tiny model's context is short
     fp32, int16 = DENSE_PREFILL_PATHS[-1], BLOCKS_PATHS[1]
-    assert identical_answers(
-        engine, [fp32, fp32.__class__(**{**vars(fp32), "name": "again"})], prompts, 4
-    ) == {"again": 1.0}
-    shares = identical_answers(engine, [fp32, int16], prompts, max_tokens=4)
-    assert list(shares) == [int16.name] and 0.0 <= shares[int16.name] <= 1.0
+    again = Setup(fp32.__class__(**{**vars(fp32), "name": "again"}))
+    assert identical_answers(engine, [Setup(fp32), again], prompts, 4) == {"again": 1.0}
+    setups = [Setup(fp32, kernel=False), Setup(fp32), Setup(int16)]
+    shares = identical_answers(engine, setups, prompts, max_tokens=4)
+    assert list(shares) == ["fp32", "int16-blocks"] and all(0.0 <= s <= 1.0 for s in shares.values())
+    assert engine.runner.prefill_kernel  # the last setup's attention: the kernel

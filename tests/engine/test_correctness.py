@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from ragspeed.engine import attention as attention_module
-from ragspeed.engine.attention import chunk_attention
 from ragspeed.engine.attention_metadata import SMALL_CHUNK_QUERIES
 from ragspeed.engine.protocol import GenerationRequest, SamplingParams
 from tests.engine.conftest import FAMILIES, assert_all_blocks_free, hf_greedy, make_engine
@@ -70,21 +69,30 @@ def test_interleaved_requests_match_transformers(family, mode, overrides, tiny_c
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("attention", ["kernel", "sdpa"])
 def test_long_chunks_after_earlier_chunks_match_transformers(
-    family, monkeypatch, tiny_checkpoints, hf_models
+    family, attention, monkeypatch, tiny_checkpoints, hf_models
 ):
-    """Chunks past SMALL_CHUNK_QUERIES, so prefills take the layer-by-layer path
-    (chunk_attention), after cached keys whose count is not a multiple of the block size."""
+    """Chunks past SMALL_CHUNK_QUERIES, so prefills take the layer-by-layer path (the prefill
+    kernel, or SDPA's in chunk_attention), after cached keys whose count is not a multiple of
+    the block size."""
     num_cached = []
+    kernel, sdpa = attention_module.paged_prefill_attention, attention_module.chunk_attention
 
-    def spy(q, k, v, span, scale):
+    def kernel_spy(q, k_cache, v_cache, table, cached, *args):
+        num_cached.append(cached)
+        return kernel(q, k_cache, v_cache, table, cached, *args)
+
+    def sdpa_spy(q, k, v, span, scale):
         num_cached.append(span.num_cached)
-        return chunk_attention(q, k, v, span, scale)
+        return sdpa(q, k, v, span, scale)
 
-    monkeypatch.setattr(attention_module, "chunk_attention", spy)
+    monkeypatch.setattr(attention_module, "paged_prefill_attention", kernel_spy)
+    monkeypatch.setattr(attention_module, "chunk_attention", sdpa_spy)
     budget = SMALL_CHUNK_QUERIES + 21
     shapes = [(n + SMALL_CHUNK_QUERIES, m) for n, m in SHAPES]
     engine = make_engine(tiny_checkpoints[family], max_num_batched_tokens=budget)
+    engine.runner.prefill_kernel = attention == "kernel"
     requests = [
         GenerationRequest(f"r{i}", tuple(prompt_of(i, n)), greedy(m)) for i, (n, m) in enumerate(shapes)
     ]

@@ -134,7 +134,7 @@ def test_turned_off_or_failed_build_means_no_kernels(fresh_build, monkeypatch, c
     load_library.cache_clear()
     monkeypatch.setattr(build, "FLAGS", build.FLAGS + ("-DRAGSPEED_TEST_FLAGS",))  # a new cache key
     assert load_library() is None
-    sources = "gemv.c + gemv_gguf.c + attention.c + rowwise.c + decoder.c + gemm_int8.c"
+    sources = "gemv.c + gemv_gguf.c + attention.c + rowwise.c + decoder.c + gemm_int8.c + prefill_attention.c"
     assert f"CPU kernels off: building {sources} failed" in caplog.text
     assert not list(fresh_build.glob("kernels-*.so"))
 
@@ -305,6 +305,28 @@ def test_kv_writes_round_to_fp16_as_torch_does(fresh_build, monkeypatch, flags):
     nans, out = torch.full((20,), float("nan")), torch.empty(20, dtype=torch.float16)
     load_library().ragspeed_to_f16(nans.data_ptr(), out.data_ptr(), len(nans))
     assert out.isnan().all()
+
+
+@pytest.mark.parametrize("flags", [(), ("-mno-avx2",), ("-mno-avx512f",)])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_a_steps_kv_writes_equal_index_copy(fresh_build, monkeypatch, flags, kv_dtype):
+    """Rows of a wider tensor (q, k and v split from one projection) into scattered slots: the
+    pool holds what index_copy_ writes, bit for bit, and nothing else changes."""
+    from ragspeed.engine.cpu_kernels.placement import write_kernel_applies, write_kv
+
+    monkeypatch.setattr(build, "FLAGS", build.FLAGS + flags)
+    gen = torch.Generator().manual_seed(4)
+    qkv = torch.randn(37, 5, 24, generator=gen) * 300  # fp16's large and tiny values alike
+    k, v = qkv[:, 3], qkv[:, 4]  # [37, 24]: one KV head of 24, rows 120 floats apart
+    k, v = k.view(37, 1, 24), v.view(37, 1, 24)
+    slots = torch.randperm(100, generator=gen)[:37]
+    before = [torch.randn(100, 1, 24, generator=gen).to(kv_dtype) for _ in range(2)]
+    pools = [pool.clone() for pool in before + before]
+    assert write_kernel_applies(k, v, pools[0])
+    write_kv(k, v, pools[0], pools[1], slots, 2)
+    pools[2].index_copy_(0, slots, k.to(kv_dtype))
+    pools[3].index_copy_(0, slots, v.to(kv_dtype))
+    assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
 
 
 def check_decode_attention(score_scale, block_size, head_dim, kv_dtype=torch.float32):

@@ -1,0 +1,130 @@
+"""The prefill attention kernel (engine/cpu_kernels/prefill_attention.c) against causal attention
+in float64, on every build of the kernels this CPU runs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ragspeed.engine.cpu_kernels import load_library
+from ragspeed.engine.cpu_kernels.attention import paged_prefill_attention
+
+pytestmark = pytest.mark.skipif(
+    load_library() is None, reason="ragspeed's CPU kernels could not be built here"
+)
+
+ISAS = ("native", "avx2", "plain")
+U = 2.0**-24  # fp32's unit roundoff
+
+
+def _library(isa: str):
+    library = load_library(isa)
+    if library is None:
+        pytest.skip(f"the {isa} build of the kernels failed here")
+    return library
+
+
+def _gamma(n: int) -> float:
+    return n * U / (1 - n * U)
+
+
+def _pool(gen, context: int, num_kv_heads: int, head_dim: int, block_size: int, kv_dtype):
+    """A pool with room for the context and 7 blocks more, the context's blocks in random order."""
+    num_blocks = -(-context // block_size)
+    pool_blocks = num_blocks + 7
+    table = torch.randperm(pool_blocks, generator=gen)[:num_blocks]
+    shape = (pool_blocks * block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(kv_dtype)
+    v_cache = torch.randn(shape, generator=gen).to(kv_dtype)
+    return k_cache, v_cache, table
+
+
+def _context(cache: torch.Tensor, table: torch.Tensor, block_size: int, context: int) -> torch.Tensor:
+    slots = (table[:, None] * block_size + torch.arange(block_size)).flatten()[:context]
+    return cache[slots].double()  # [context, num_kv_heads, head_dim]
+
+
+def _check(out, q, keys, values, num_cached: int, scale: float) -> None:
+    """out within the rounding bound of fp32 arithmetic from float64 causal attention.
+
+    Each score is a sum of head_dim products scaled by scale * log2(e): its error is at most
+    gamma(head_dim + 2) times the sum of its terms' magnitudes A, which moves its weight 2^s by
+    a factor of at most 1 + ln2 * gamma(head_dim + 2) * A; the weights' polynomial adds 2e-7, and
+    the output, a weighted mean of the value rows summed over the context (and rescaled once a
+    tile), gamma(context + tiles) times the weighted mean of their magnitudes M. Twice all that
+    is the tolerance, per row and element: a key read from the wrong place, or masked one too
+    late or too early, moves an output by about M / context, far beyond it.
+    """
+    n, num_heads, head_dim = q.shape
+    group = num_heads // keys.shape[1]
+    context = keys.shape[0]
+    k = keys.repeat_interleave(group, dim=1)  # [context, num_heads, head_dim]
+    v = values.repeat_interleave(group, dim=1)
+    qd = q.double()
+    scores = torch.einsum("qhd,khd->hqk", qd, k) * scale
+    visible = torch.ones(n, context, dtype=torch.bool).tril(num_cached)
+    weights = scores.masked_fill(~visible, -math.inf).softmax(-1)  # [num_heads, n, context]
+    expected = torch.einsum("hqk,khd->qhd", weights, v)
+    magnitudes = torch.einsum("qhd,khd->hqk", qd.abs(), k.abs()) * scale / math.log(2)
+    worst = magnitudes.masked_fill(~visible, 0).amax(-1).transpose(0, 1)  # [n, num_heads]
+    mean_value = torch.einsum("hqk,khd->qhd", weights, v.abs())
+    tiles = -(-context // 64)
+    relative = 2 * (math.log(2) * _gamma(head_dim + 2) * worst + 2e-7 + _gamma(context + tiles))
+    error = (out.double() - expected).abs()
+    assert (error <= relative.unsqueeze(-1) * mean_value).all(), float(error.max())
+
+
+# (num_heads, num_kv_heads, head_dim, block_size): SmolLM2's 9 / 3 / 64; a group of 8 and of 16
+# (fewer positions a task); one query head per KV head with head_dim 128; blocks of 5 and 7.
+LAYOUTS = [(9, 3, 64, 16), (4, 2, 16, 5), (8, 1, 32, 7), (32, 2, 64, 16), (2, 2, 128, 16)]
+# (queries, keys before them): one query, tiles and tasks cut inside, a long cached prefix.
+CHUNKS = [(1, 0), (1, 130), (50, 0), (130, 3), (70, 200)]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size", LAYOUTS)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_a_chunk_attends_causally_to_its_context(
+    isa, num_heads, num_kv_heads, head_dim, block_size, kv_dtype
+):
+    library = _library(isa)
+    gen = torch.Generator().manual_seed(num_heads + head_dim + block_size)
+    for n, num_cached in CHUNKS:
+        context = num_cached + n
+        k_cache, v_cache, table = _pool(gen, context, num_kv_heads, head_dim, block_size, kv_dtype)
+        q = torch.randn(n, num_heads, head_dim, generator=gen) * 2
+        scale = head_dim**-0.5
+        out = paged_prefill_attention(q, k_cache, v_cache, table, num_cached, block_size, scale, 2, library)
+        keys, values = (_context(c, table, block_size, context) for c in (k_cache, v_cache))
+        _check(out, q, keys, values, num_cached, scale)
+
+
+def test_scores_far_apart_weigh_only_the_largest():
+    """Scores 40 apart in every tile (most weights underflow to 0) and a later tile's larger
+    maximum (the earlier tiles' sums rescaled): still within the bound."""
+    gen = torch.Generator().manual_seed(2)
+    k_cache, v_cache, table = _pool(gen, 300, 3, 64, 16, torch.float32)
+    q = torch.randn(300, 9, 64, generator=gen)
+    k_cache[table[-1] * 16] *= 40  # one key of the last block dominates its queries
+    out = paged_prefill_attention(q, k_cache, v_cache, table, 0, 16, 0.125, 2)
+    keys, values = (_context(c, table, 16, 300) for c in (k_cache, v_cache))
+    _check(out, q, keys, values, 0, 0.125)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_row_has_the_same_bits_in_any_chunking_and_on_any_threads(isa):
+    """Each row adds its terms in an order fixed by its position alone: a prompt prefilled in one
+    chunk or in three, on one thread or two, gives the same bits."""
+    library = _library(isa)
+    gen = torch.Generator().manual_seed(9)
+    k_cache, v_cache, table = _pool(gen, 333, 3, 64, 16, torch.float16)
+    q = torch.randn(333, 9, 64, generator=gen)
+    whole = paged_prefill_attention(q, k_cache, v_cache, table, 0, 16, 0.125, 1, library)
+    assert torch.equal(paged_prefill_attention(q, k_cache, v_cache, table, 0, 16, 0.125, 2, library), whole)
+    pieces = [(0, 100), (100, 101), (101, 333)]
+    chunked = [
+        paged_prefill_attention(q[a:b], k_cache, v_cache, table, a, 16, 0.125, 2, library) for a, b in pieces
+    ]
+    assert torch.equal(torch.cat(chunked), whole)
