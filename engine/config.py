@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
+from ragspeed.engine.native.loading.model_zoo import DEFAULT_MODEL_NAME
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,7 @@ class EngineConfig:
     model: str = DEFAULT_MODEL_NAME  # a model-zoo name, a local folder, a .gguf file or a hub id
     tokenizer: str | None = None  # defaults to the model's
     device: str = "cpu"
-    # A key of engine.dtypes.DTYPES; "auto": prefill in bf16 where the CPU has AMX-BF16 or
+    # A key of engine.native.loading.dtypes.DTYPES; "auto": prefill in bf16 where the CPU has AMX-BF16 or
     # AVX512-BF16 and the quality gate passes it, else fp32.
     dtype: str = "auto"
     max_model_len: int | None = None  # defaults to the model's context length
@@ -30,20 +30,22 @@ class EngineConfig:
     block_size: int = 16
     num_kv_cache_tokens: int | None = None  # pool size in tokens; None: from memory fraction
     kv_cache_memory_fraction: float = 0.1  # of free host/device memory, when tokens unset
-    kv_cache_dtype: str = "auto"  # "auto" | "fp32" | "fp16" (engine.kv_cache.resolve_kv_dtype)
+    kv_cache_dtype: str = "auto"  # "auto" | "fp32" | "fp16" (engine.native.core.kv_cache.resolve_kv_dtype)
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     # A step that carries decodes gets this time budget; its prefill chunks are sized to fit it
     # from the measured prefill rate (None: the token budget alone).
     tpot_target_ms: float | None = 50.0
     enable_prefix_caching: bool = True
-    quantization: str | None = None  # None | "auto" | "int8" | "gguf" (engine.loader.resolve_quantization)
+    quantization: str | None = (
+        None  # None | "auto" | "int8" | "gguf" (engine.native.loading.loader.resolve_quantization)
+    )
     speculative: str | None = None  # None | "ngram" | "draft"
     draft_model: str | None = None
     # The draft's weights: "auto" is int8 on a CPU where int8 runs, else `quantization`.
     draft_quantization: str | None = "auto"
     num_speculative_tokens: int = 4
-    # Document KV reuse (engine.document_kv.open_document_store): the store's RAM budget (None:
+    # Document KV reuse (engine.native.core.document_kv.open_document_store): the store's RAM budget (None:
     # a quarter of available memory, at most 4 GiB), its disk folder ("auto": <model
     # cache>/documents; None: RAM only), the disk tier's budget (bounded at start-up by half the
     # folder's free space) and the dtype its KV is kept in.

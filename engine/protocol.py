@@ -12,7 +12,7 @@ Terms used across the engine:
   are never evicted while it is pinned (a registered prompt, `PrefixCacheControl`).
 - *document spans*: `[start, end)` ranges of prompt tokens, one per retrieved document, each
   tokenized on its own, so that a document's KV can be computed once and reused at any position
-  (engine.document_kv). Tokens outside every span (the static prefix, the glue between
+  (engine.native.core.document_kv). Tokens outside every span (the static prefix, the glue between
   documents, history and question) are always computed in context.
 - *logprobs*: the natural log of a token's probability under the model's raw next-token
   distribution, log_softmax of the unprocessed logits (vLLM's default `raw_logprobs`): before
@@ -90,7 +90,7 @@ class SamplingParams:
         )
 
 
-# Repair policies of document KV reuse (engine.document_kv says what each recomputes).
+# Repair policies of document KV reuse (engine.native.core.document_kv says what each recomputes).
 DOCUMENT_CACHE_POLICIES = ("reuse", "sink", "blend")
 # What becomes of the glue, the tokens between two documents (their separator and number).
 DOCUMENT_GLUE_MODES = ("recompute", "reuse")

@@ -17,7 +17,7 @@ import json
 import httpx
 
 from ragspeed.bench.launcher import ServerProcess
-from ragspeed.engine.model_zoo import resolve_model
+from ragspeed.engine.native.loading.model_zoo import resolve_model
 
 TOPICS = ("billing", "shipping", "accounts", "returns", "security", "hardware")
 

@@ -1,6 +1,6 @@
 """The fidelity gate: which document-cache policy a server applies by default to a model.
 
-Placing stored document KV (engine.document_kv) approximates attention: a placed document does
+Placing stored document KV (engine.native.core.document_kv) approximates attention: a placed document does
 not see the documents before it. So a policy other than exact prefill is a model's default only
 where it was measured to keep that model's answers (docs/architecture.md, contract 8). Terms, all against
 *full prefill* (the same prompt with no document reuse), on the same questions:
@@ -12,7 +12,7 @@ where it was measured to keep that model's answers (docs/architecture.md, contra
 
 A *measurement* (`FidelityResult`) is what `ragspeed bench fidelity` wrote for one model: one
 `PolicyFigures` per repair policy. It is kept in a JSON file named by the model's *fidelity key*
-(`fidelity_key`: a sha256 of the engine's fingerprint, engine.prefix_store, and of its prefill
+(`fidelity_key`: a sha256 of the engine's fingerprint, engine.native.core.prefix_store, and of its prefill
 path, which changes the arithmetic), beside the compiled kernels (`result_path`). Measuring
 takes minutes on a 2-core CPU, too long for start-up: the server only reads the file.
 
@@ -118,16 +118,16 @@ def fidelity_key(fingerprint: Mapping[str, Any], prefill_path: str | None) -> st
 
 def engine_fidelity_key(llm_engine: Any) -> str:
     """The fidelity key of a native `LLMEngine`."""
-    from ragspeed.engine.prefix_store import engine_fingerprint
+    from ragspeed.engine.native.core.prefix_store import engine_fingerprint
 
     weights = getattr(llm_engine, "weights", None) or {}
     return fidelity_key(engine_fingerprint(llm_engine), weights.get("prefill"))
 
 
 def default_results_dir() -> Path:
-    """Beside the compiled kernels (engine.cpu_kernels.build.cache_dir), as the prefill probe's
+    """Beside the compiled kernels (engine.native.compute.cpu_kernels.build.cache_dir), as the prefill probe's
     measurements are."""
-    from ragspeed.engine.cpu_kernels.build import cache_dir
+    from ragspeed.engine.native.compute.cpu_kernels.build import cache_dir
 
     return cache_dir()
 

@@ -4,7 +4,7 @@ completions' `tokens` / `token_logprobs` / `top_logprobs` / `text_offset` lists.
 A token is named by the tokenizer's decoding of that one id (special tokens included, so an
 end-of-sequence token reads as such); `bytes` is that string's UTF-8. A byte-level BPE token
 that holds part of a multi-byte character decodes to U+FFFD, so its `bytes` are those of U+FFFD,
-as in vLLM. The numbers are the engine's raw logprobs (engine.logprobs), clamped at -9999 as
+as in vLLM. The numbers are the engine's raw logprobs (engine.native.core.logprobs), clamped at -9999 as
 vLLM does, since JSON has no -inf.
 """
 

@@ -72,7 +72,7 @@ class _PrefixCacheCollector:
 
 
 class _DocumentCacheCollector:
-    """The document KV store's figures by tier (engine.document_kv's `document_cache_*` stats):
+    """The document KV store's figures by tier (engine.native.core.document_kv's `document_cache_*` stats):
     lookups, hits, evictions and refused files as counters; hit rates (hits over lookups since
     start: all, RAM; disk: over the lookups that reached a file), bytes, budgets and entries as
     gauges. Engines without a document store export nothing."""

@@ -4,7 +4,7 @@ A *registered prompt* is a named static system prompt. Registering renders it th
 template exactly as a request with only that system message starts (`gateway.prompt`), prefills
 it once and pins its full KV blocks in the native engine, so they are never evicted while it is
 registered; it is also saved to `prompt_cache_dir` (its record: name, text and salt; then its
-KV, token ids, model and tokenizer fingerprint; `engine.prefix_store`) and restored at start-up,
+KV, token ids, model and tokenizer fingerprint; `engine.native.core.prefix_store`) and restored at start-up,
 so a restart does not pay the prefill again. A prompt whose saved KV cannot be used (corrupt,
 from another model, the pool full) is never dropped: it is registered from its record at once
 and prefilled again in the background, while requests naming it prefill it themselves. The
@@ -37,7 +37,7 @@ from ragspeed.gateway.prompt import Segments, assemble_prompt
 from ragspeed.prompt_cache.registry import PromptRegistry, RegisteredPrompt, validate_prompt_name
 
 if TYPE_CHECKING:  # the store is torch's half; imported when a directory is set
-    from ragspeed.engine.prefix_store import PrefixStore, SavedPrompt
+    from ragspeed.engine.native.core.prefix_store import PrefixStore, SavedPrompt
 
 logger = logging.getLogger("ragspeed.gateway")
 
@@ -87,7 +87,7 @@ class PromptService:
         cache = self.cache
         if cache is None or self.directory is None:
             return
-        from ragspeed.engine.prefix_store import PrefixStore
+        from ragspeed.engine.native.core.prefix_store import PrefixStore
 
         self._store = PrefixStore(self.directory, await cache.fingerprint())
         again = []
@@ -157,7 +157,7 @@ class PromptService:
         assert cache is not None  # called only with a pinning engine
         block_ids = await cache.pin(token_ids, cache_salt)
         if store is not None and block_ids:
-            from ragspeed.engine.prefix_store import PinnedPrefix
+            from ragspeed.engine.native.core.prefix_store import PinnedPrefix
 
             try:
                 kv = await cache.export(block_ids)

@@ -32,15 +32,15 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from ragspeed.compression.registry import COMPRESSORS, DEFAULT_METHOD, OFFERED_METHODS
 from ragspeed.engine.config import SERVED_ENGINE, EngineConfig, UpstreamConfig
-from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
+from ragspeed.engine.native.loading.model_zoo import DEFAULT_MODEL_NAME
 from ragspeed.engine.protocol import DocumentCacheOptions
 from ragspeed.gateway.security import ApiKeyEntry, KeyHash
 
 ENV_PREFIX = "RAGSPEED_"
 
 # The values EngineConfig's string fields take, as types (settings import no torch): the keys of
-# engine.dtypes.DTYPES, engine.kv_cache.resolve_kv_dtype's, engine.loader.resolve_quantization's
-# ("none": off) and engine.document_kv.STORAGE_DTYPES; engine.protocol.DOCUMENT_CACHE_POLICIES and
+# engine.native.loading.dtypes.DTYPES, engine.native.core.kv_cache.resolve_kv_dtype's, engine.native.loading.loader.resolve_quantization's
+# ("none": off) and engine.native.core.document_kv.STORAGE_DTYPES; engine.protocol.DOCUMENT_CACHE_POLICIES and
 # DOCUMENT_GLUE_MODES.
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 KVCacheDtype = Literal["auto", "fp32", "fp16"]

@@ -203,7 +203,7 @@ def ragspeed_fields(gen: Generation) -> dict[str, Any]:
             "documents_hit": gen.documents.num_hit,
             "documents_computed": gen.documents.num_computed,
             "recomputed_tokens": gen.documents.num_recomputed_tokens,
-            # the native engine's hit rate, hits and bytes by tier (engine.document_kv)
+            # the native engine's hit rate, hits and bytes by tier (engine.native.core.document_kv)
             **getattr(gen.documents, "by_tier", {}),
         }
     report = gen.prepared.compression

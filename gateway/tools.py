@@ -14,7 +14,7 @@
 - *llama3-json* (Llama 3.1 and later: the template speaks of `"parameters"`): the template
   renders the tools; a call is the whole output, `{"name": ..., "parameters": {...}}`.
 
-The output is constrained by a grammar (engine.structured) built from the tools' schemas (an
+The output is constrained by a grammar (engine.native.core.structured) built from the tools' schemas (an
 arguments object takes only its declared keys unless its schema says otherwise): `required`
 and a named choice allow calls and nothing else; `auto` allows an answer in text (one that
 cannot begin a call), or in the JSON of the request's `response_format`, or calls; `none`
@@ -33,8 +33,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from ragspeed.engine.native.core.structured import JSON_LAYOUT
 from ragspeed.engine.protocol import StructuredOutput
-from ragspeed.engine.structured import JSON_LAYOUT
 from ragspeed.gateway.protocol import ChatMessage, NamedToolChoice, ToolDefinition
 
 

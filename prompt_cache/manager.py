@@ -125,7 +125,7 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> tuple[int, ...]:
         """`block_table` as a tuple: the same object until the table changes, so a reader that
         keeps what it was last handed knows at a glance whether a table is new (the model
-        runner's step buffers write a request's row only then: engine.step_buffers)."""
+        runner's step buffers write a request's row only then: engine.native.compute.step_buffers)."""
         state = self._requests.get(request_id)
         if state is None:
             return ()

@@ -4,12 +4,12 @@ The gateway's `Settings` read the serving options (`RAGSPEED_PORT`, ...). The pr
 folders and switches every command shares are read here, once, by `configure()`; the modules
 that use them take them from `current()` and read no environment themselves:
 
-- `RAGSPEED_CACHE_DIR`: the model cache (engine.model_zoo; default ~/.cache/ragspeed/models) and
+- `RAGSPEED_CACHE_DIR`: the model cache (engine.native.loading.model_zoo; default ~/.cache/ragspeed/models) and
   the folder of the distilled static encoder (compression.scoring.static_encoder; default
   ~/.cache/ragspeed).
-- `RAGSPEED_KERNEL_CACHE`: where the CPU kernels are compiled to (engine.cpu_kernels.build;
+- `RAGSPEED_KERNEL_CACHE`: where the CPU kernels are compiled to (engine.native.compute.cpu_kernels.build;
   default ~/.cache/ragspeed/kernels), with the prefill paths' times measured on this machine
-  (engine.quant.probe).
+  (engine.native.compute.quant.probe).
 - `RAGSPEED_CPU_KERNELS=0`: no CPU kernels (oneDNN / fbgemm for every product).
 - `RAGSPEED_CPU_ISA`: the instruction sets the engine may use, `native` (the default: all this
   CPU has), `avx2` (as an AVX2-only CPU: no AVX-512, no VNNI, no BF16) or `plain` (no AVX): the

@@ -49,7 +49,7 @@ def exact_prefill_paths(monkeypatch):
     compared with fp32 references. The read CPU loses the flags that open a faster path (bf16,
     VNNI); a test of those paths injects its own `CpuFeatures` (tests/engine/test_precision.py,
     test_int8_paths.py)."""
-    from ragspeed.engine import cpu_features
+    from ragspeed.engine.native.compute import cpu_features
 
     read = cpu_features.read_cpu_features
     faster = {"avx512_bf16", "amx_bf16", "avx512_vnni", "avx_vnni"}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME, resolve_model
+from ragspeed.engine.native.loading.model_zoo import DEFAULT_MODEL_NAME, resolve_model
 
 NOBEL_MESSAGES = [
     {"role": "system", "content": "Answer from the documents."},

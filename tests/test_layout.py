@@ -33,8 +33,12 @@ def test_the_app_and_the_serve_command_import_no_tooling():
 def test_the_loader_imports_no_precision_plan():
     """Loading comes first; the prefill plan and the quality gate are chosen after it, so the
     loader (and the quant package it reads) imports neither."""
-    prefixes = ("ragspeed.engine.precision", "ragspeed.engine.quant.quality", "ragspeed.engine.quant.gate")
-    assert _imported_after("import ragspeed.engine.loader", prefixes) == []
+    prefixes = (
+        "ragspeed.engine.native.core.precision",
+        "ragspeed.engine.native.core.quality",
+        "ragspeed.engine.native.core.quality_gate",
+    )
+    assert _imported_after("import ragspeed.engine.native.loading.loader", prefixes) == []
 
 
 def test_cli_commands_load_when_asked_for():
@@ -148,8 +152,8 @@ def test_the_environment_is_read_once_and_handed_down(monkeypatch, tmp_path):
 
     from ragspeed import environment
     from ragspeed.compression.scoring import static_encoder
-    from ragspeed.engine import model_zoo
-    from ragspeed.engine.cpu_kernels import build
+    from ragspeed.engine.native.compute.cpu_kernels import build
+    from ragspeed.engine.native.loading import model_zoo
 
     values = {"RAGSPEED_CACHE_DIR": str(tmp_path / "c"), "RAGSPEED_KERNEL_CACHE": str(tmp_path / "k")}
     read = environment.read_environment(
@@ -230,23 +234,28 @@ def test_the_engine_modules_import_in_no_loop():
 def test_the_quality_figures_and_the_scheduler_output_stand_below_the_runner():
     graph = _engine_imports()
     below_runner = (
-        "ragspeed.engine.quant.quality",  # figures over logits; engine.window_logits runs the model
-        "ragspeed.engine.scheduler_output",
-        "ragspeed.engine.request",
-        "ragspeed.engine.document_plan",
-        "ragspeed.engine.models.memory",
+        "ragspeed.engine.native.core.quality",  # figures over logits; engine.native.core.window_logits runs the model
+        "ragspeed.engine.native.core.scheduler_output",
+        "ragspeed.engine.native.core.request",
+        "ragspeed.engine.native.core.document_plan",
+        "ragspeed.engine.native.models.memory",
     )
     assert {
-        name: sorted(_reaches(graph, name) & {"ragspeed.engine.model_runner", "ragspeed.engine.scheduler"})
+        name: sorted(
+            _reaches(graph, name)
+            & {"ragspeed.engine.native.core.model_runner", "ragspeed.engine.native.core.scheduler"}
+        )
         for name in below_runner
     } == {name: [] for name in below_runner}
-    assert _reaches(graph, "ragspeed.engine.quant.quality") == set()
-    assert "ragspeed.engine.scheduler" not in _reaches(graph, "ragspeed.engine.model_runner")
+    assert _reaches(graph, "ragspeed.engine.native.core.quality") == set()
+    assert "ragspeed.engine.native.core.scheduler" not in _reaches(
+        graph, "ragspeed.engine.native.core.model_runner"
+    )
 
 
 def test_only_the_runner_and_the_models_run_the_model():
     """One compute path: the document cache, the quality windows and the draft proposer go
-    through engine.model_runner.ModelRunner, never the model's layers, head or fused kernels."""
+    through engine.native.core.model_runner.ModelRunner, never the model's layers, head or fused kernels."""
     import re
     from pathlib import Path
 

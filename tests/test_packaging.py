@@ -63,7 +63,10 @@ def test_the_wheel_holds_only_the_ragspeed_namespace(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     top_level = {name.split("/")[0] for name in names}
     assert {t for t in top_level if not t.endswith(".dist-info")} == {"ragspeed"}
-    assert {"ragspeed/engine/cpu_kernels/gemv.c", "ragspeed/engine/cpu_kernels/kernels.h"} <= set(names)
+    assert {
+        "ragspeed/engine/native/compute/cpu_kernels/gemv.c",
+        "ragspeed/engine/native/compute/cpu_kernels/kernels.h",
+    } <= set(names)
     assert {
         f"ragspeed/{p.replace('ragspeed.', '').replace('.', '/')}/__init__.py"
         for p in _source_packages()

@@ -15,7 +15,7 @@ from ragspeed.engine.protocol import EngineClient
 BACKENDS: dict[str, str] = {
     "native": "ragspeed.engine.backends.native:NativeEngine",
     "transformers": "ragspeed.engine.backends.transformers_backend:TransformersEngine",
-    "openai": "ragspeed.engine.backends.openai_backend:OpenAIEngine",
+    "openai": "ragspeed.engine.backends.remote.openai_backend:OpenAIEngine",
     "vllm": "ragspeed.engine.backends.vllm:VLLMEngine",
 }
 

@@ -35,9 +35,10 @@ from typing import Any, TypeVar
 import torch
 
 from ragspeed.engine.config import EngineConfig
-from ragspeed.engine.factory import build_llm_engine
-from ragspeed.engine.llm_engine import LLMEngine, StepOutput
-from ragspeed.engine.prefix_store import (
+from ragspeed.engine.native.compute.threads import cpu_threads
+from ragspeed.engine.native.core.factory import build_llm_engine
+from ragspeed.engine.native.core.llm_engine import LLMEngine, StepOutput
+from ragspeed.engine.native.core.prefix_store import (
     engine_fingerprint,
     export_kv,
     restore_prefix,
@@ -51,7 +52,6 @@ from ragspeed.engine.protocol import (
     SamplingParams,
     TokenDelta,
 )
-from ragspeed.engine.threads import cpu_threads
 
 logger = logging.getLogger(__name__)
 
@@ -411,7 +411,7 @@ class NativeEngine:
 
 class NativePrefixCache:
     """`PrefixCacheControl` of a `NativeEngine`: each operation runs on the engine thread
-    (`engine.prefix_store`'s functions touch the block manager and the KV pool)."""
+    (`engine.native.core.prefix_store`'s functions touch the block manager and the KV pool)."""
 
     def __init__(self, engine: NativeEngine):
         self._engine = engine

@@ -16,11 +16,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from ragspeed.engine import cpu_features
 from ragspeed.engine.config import EngineConfig
-from ragspeed.engine.detokenizer import IncrementalDetokenizer
-from ragspeed.engine.dtypes import model_dtype
-from ragspeed.engine.model_zoo import resolve_model, resolve_tokenizer
+from ragspeed.engine.native.compute import cpu_features
+from ragspeed.engine.native.core.detokenizer import IncrementalDetokenizer
+from ragspeed.engine.native.core.stop import StopStringMatcher
+from ragspeed.engine.native.loading.dtypes import model_dtype
+from ragspeed.engine.native.loading.model_zoo import resolve_model, resolve_tokenizer
 from ragspeed.engine.protocol import (
     EngineError,
     GenerationRequest,
@@ -28,7 +29,6 @@ from ragspeed.engine.protocol import (
     TokenDelta,
     check_context_length,
 )
-from ragspeed.engine.stop import StopStringMatcher
 
 _DONE = object()
 

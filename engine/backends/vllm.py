@@ -13,7 +13,7 @@ Mapping notes:
   an explicit `draft_quantization` is mapped like `quantization`, `"auto"` leaves vLLM's default.
 - `SamplingParams.logprobs` -> vLLM's `logprobs` (the sampled token's logprob plus that many
   alternatives); vLLM's default `logprobs_mode="raw_logprobs"` reports the same distribution as
-  the native engine (engine.logprobs). Its per-token dicts come back as `TokenLogprob`s
+  the native engine (engine.native.core.logprobs). Its per-token dicts come back as `TokenLogprob`s
   through `vllm_token_logprobs`.
 """
 
@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from ragspeed.engine.config import EngineConfig
-from ragspeed.engine.model_zoo import resolve_tokenizer
+from ragspeed.engine.native.loading.model_zoo import resolve_tokenizer
 from ragspeed.engine.protocol import (
     EngineError,
     GenerationRequest,
@@ -156,7 +156,7 @@ class VLLMEngine:
         except ImportError:  # older vLLM
             from vllm import AsyncLLMEngine as engine_cls
 
-        from ragspeed.engine.loader import resolve_model_path
+        from ragspeed.engine.native.loading.loader import resolve_model_path
 
         path = str(resolve_model_path(self.config.model))
         args = AsyncEngineArgs(**vllm_engine_args(self.config, path))

@@ -38,7 +38,7 @@ import torch
 
 from ragspeed.bench.common import json_option, machine_line, model_option, require_positive, write_json
 from ragspeed.engine.config import EngineConfig
-from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
+from ragspeed.engine.native.loading.model_zoo import DEFAULT_MODEL_NAME
 from ragspeed.engine.protocol import GenerationRequest, SamplingParams
 
 QUESTIONS = (
@@ -94,8 +94,8 @@ def run_bench_cache(
 ) -> dict[str, Any]:
     """Cache on and warm vs cache off; print a table, return (and write) flat JSON.
     `system_prompt`: the static prefix's text (default: the shipped system_prompt.txt)."""
-    from ragspeed.engine.factory import build_llm_engine
-    from ragspeed.engine.loader import resolve_model_path
+    from ragspeed.engine.native.core.factory import build_llm_engine
+    from ragspeed.engine.native.loading.loader import resolve_model_path
 
     require_positive(
         num_questions=num_questions,

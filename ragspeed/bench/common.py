@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
+from ragspeed.engine.native.loading.model_zoo import DEFAULT_MODEL_NAME
 from ragspeed.shipped_data import NQ_QUESTIONS
 
 
@@ -40,7 +40,7 @@ def machine_line(threads: int | None = None) -> str:
 
 def prefill_line(engine: Any) -> str:
     """One line naming the prefill path a native engine (`LLMEngine`) chose at start-up and the
-    CPU's capabilities (engine.precision), for every bench that runs one."""
+    CPU's capabilities (engine.native.core.precision), for every bench that runs one."""
     choice = getattr(engine, "prefill_choice", None)
     return "prefill: " + ("one dtype for every product (not a CPU)" if choice is None else choice.describe())
 

@@ -26,7 +26,7 @@ per GB at the trials' mean document length.
 
 `--hit-rate` measures instead what the store keeps of a corpus: a pass over the questions (each
 with its documents, one tenant, one system prompt), then the same questions in reverse order,
-with the store's default budgets (engine.document_kv.open_document_store: the RAM tier a share
+with the store's default budgets (engine.native.core.document_kv.open_document_store: the RAM tier a share
 of available memory, the disk tier 8 GiB in a fresh folder) unless `--ram-bytes` /
 `--disk-bytes` set them. It reports each pass's share of documents found in the store, by tier.
 With `--bookkeeping` no model runs: the documents are tokenized as the gateway tokenizes them
@@ -59,7 +59,7 @@ from ragspeed.bench.common import (
 )
 from ragspeed.document import Document
 from ragspeed.engine.config import EngineConfig
-from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
+from ragspeed.engine.native.loading.model_zoo import DEFAULT_MODEL_NAME
 from ragspeed.engine.protocol import (
     DOCUMENT_GLUE_MODES,
     DocumentCacheOptions,
@@ -160,8 +160,8 @@ def run_bench_documents(
     seed: int = 0,
 ) -> dict[str, Any]:
     """Full, cold and warm TTFT per trial; print a table, return (and write) flat JSON."""
-    from ragspeed.engine.factory import build_llm_engine
-    from ragspeed.engine.loader import resolve_model_path
+    from ragspeed.engine.native.core.factory import build_llm_engine
+    from ragspeed.engine.native.loading.loader import resolve_model_path
 
     require_positive(num_trials=num_trials)
     options = DocumentCacheOptions(policy, glue=glue)  # ValueError names a bad policy or glue
@@ -243,7 +243,7 @@ def _measure_trials(
 def _summarize(engine: Any, trials: dict[str, list[float]], bandwidth: float) -> dict[str, Any]:
     """Medians of the trials, the warm TTFT's bound (fresh tokens at the full prompt's rate
     per token, plus the placed KV's bytes at the copy bandwidth) and the store's footprint."""
-    from ragspeed.engine.document_kv import STORAGE_DTYPES
+    from ragspeed.engine.native.core.document_kv import STORAGE_DTYPES
 
     full, cold, warm = (statistics.median(trials[key]) for key in ("full", "cold", "warm"))
     shape = engine.runner.kv_pool.kv.shape  # [2, L, blocks, block_size, H, D]
@@ -351,8 +351,8 @@ def run_hit_rate(
     """The store's hit rate over a pass of the questions and the same questions reversed."""
     from transformers import AutoTokenizer
 
-    from ragspeed.engine.document_kv import open_document_store
-    from ragspeed.engine.loader import resolve_model_path
+    from ragspeed.engine.native.core.document_kv import open_document_store
+    from ragspeed.engine.native.loading.loader import resolve_model_path
 
     require_positive(num_trials=num_trials)
     if threads is not None:
@@ -378,7 +378,7 @@ def run_hit_rate(
             store = open_document_store(config, f"bookkeeping:{model}", pool_shape)
             lookup = _bookkeeping_lookup(store, layout, f"bookkeeping:{model}")
         else:
-            from ragspeed.engine.factory import build_llm_engine
+            from ragspeed.engine.native.core.factory import build_llm_engine
 
             engine = build_llm_engine(config)
             if engine.documents is None:

@@ -62,10 +62,10 @@ from ragspeed.bench.common import (
     transformers_option,
     write_json,
 )
-from ragspeed.engine.attention import PREFILL_ATTENTION_EVENT
 from ragspeed.engine.config import EngineConfig
-from ragspeed.engine.cpu_features import read_cpu_features
-from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
+from ragspeed.engine.native.compute.attention import PREFILL_ATTENTION_EVENT
+from ragspeed.engine.native.compute.cpu_features import read_cpu_features
+from ragspeed.engine.native.loading.model_zoo import DEFAULT_MODEL_NAME
 from ragspeed.engine.protocol import GenerationRequest, SamplingParams
 
 
@@ -289,8 +289,8 @@ def bench_engine(
     """Measure the native engine (and transformers beside it); print a table, return flat JSON."""
     from transformers import AutoConfig
 
-    from ragspeed.engine.factory import build_llm_engine
-    from ragspeed.engine.loader import context_limit, resolve_model_path
+    from ragspeed.engine.native.core.factory import build_llm_engine
+    from ragspeed.engine.native.loading.loader import context_limit, resolve_model_path
 
     options.check()
     torch.set_num_threads(options.threads)

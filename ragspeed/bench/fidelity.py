@@ -285,7 +285,7 @@ def run_bench_fidelity(
     echo: Any = click.echo,
 ) -> dict[str, Any]:
     """Measure, print the table, write the JSON and (with `save`) the gate's result file."""
-    from ragspeed.engine.factory import build_llm_engine
+    from ragspeed.engine.native.core.factory import build_llm_engine
     from ragspeed.gateway.settings import Settings
 
     chosen = parse_policies(policies, glue)

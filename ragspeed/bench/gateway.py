@@ -34,7 +34,7 @@ import click
 from ragspeed.bench.common import json_option, machine_line, max_tokens_option, percentile, write_json
 from ragspeed.bench.instant_upstream import event_loop_factory
 from ragspeed.bench.launcher import ServerProcess
-from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
+from ragspeed.engine.native.loading.model_zoo import DEFAULT_MODEL_NAME
 
 INSTANT = "instant"
 UPSTREAM_MODEL = "upstream"  # the name the upstream serves, and the gateway sends
@@ -286,7 +286,7 @@ def run_gateway_bench(config: GatewayBenchConfig) -> dict[str, Any]:
 
 
 def cpu_line() -> str:
-    from ragspeed.engine.cpu_features import read_cpu_features
+    from ragspeed.engine.native.compute.cpu_features import read_cpu_features
 
     return "cpu: " + read_cpu_features().describe()
 

@@ -103,7 +103,7 @@ class LlguidanceContender:
     name = "llguidance"
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos: tuple[int, ...]):
-        from ragspeed.engine.structured import GrammarCompiler
+        from ragspeed.engine.native.core.structured import GrammarCompiler
 
         self.compiler = GrammarCompiler(tokenizer, vocab_size, eos)
         self.compiler.matcher(StructuredOutput("json_object"))  # the tokenizer's table, built once
@@ -263,7 +263,7 @@ def engine_figures(engine: Any, repeats: int, max_tokens: int = 48) -> dict[str,
 def bench_grammar(model: str, quantization: str, repeats: int, json_path: str | None) -> None:
     """Structured outputs: llguidance beside xgrammar, and constrained decoding's cost."""
     from ragspeed.engine.config import EngineConfig
-    from ragspeed.engine.factory import build_llm_engine
+    from ragspeed.engine.native.core.factory import build_llm_engine
 
     engine = build_llm_engine(EngineConfig(model=model, quantization=quantization))
     click.echo(machine_line(engine.num_threads))

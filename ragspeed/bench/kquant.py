@@ -3,10 +3,10 @@ the fp32 product of the same weights dequantized (what a K-quant model decoded o
 
 Contenders, for each shape and row count, side by side in one process:
 
-- `q4k` / `q6k`: the K-quant kernels (engine.cpu_kernels.BlockedWeight on Q4_K's or Q6_K's
-  unpacked integers and fp32 steps, engine.quant.k_quants), with random valid values;
+- `q4k` / `q6k`: the K-quant kernels (engine.native.compute.cpu_kernels.BlockedWeight on Q4_K's or Q6_K's
+  unpacked integers and fp32 steps, engine.native.compute.quant.k_quants), with random valid values;
 - `kmix`: the mixed kernel on rows of both, four fifths Q4_K and the rest Q6_K (Q4_K_M's fused
-  QKV of SmolLM2: Q and K Q4_K, V Q6_K), converted by engine.quant.gguf_blocks.as_mixed;
+  QKV of SmolLM2: Q and K Q4_K, V Q6_K), converted by engine.native.compute.quant.gguf_blocks.as_mixed;
 - `fp32`: ragspeed's fp32 kernel on the weight those values stand for, the blocked copy a
   dense weight decodes with;
 - `torch`: `x @ W.T` on that weight.
@@ -30,10 +30,10 @@ import torch
 
 from ragspeed.bench.common import json_option, machine_line, threads_option, write_json
 from ragspeed.bench.engine import BandwidthProbe
-from ragspeed.engine.cpu_features import read_cpu_features
-from ragspeed.engine.cpu_kernels import BlockedWeight, blocked_kernels_available
-from ragspeed.engine.cpu_kernels.blocked import INT8_GROUP, Q6K_STEP
-from ragspeed.engine.quant.gguf_blocks import as_mixed, kernel_dequantize
+from ragspeed.engine.native.compute.cpu_features import read_cpu_features
+from ragspeed.engine.native.compute.cpu_kernels import BlockedWeight, blocked_kernels_available
+from ragspeed.engine.native.compute.cpu_kernels.blocked import INT8_GROUP, Q6K_STEP
+from ragspeed.engine.native.compute.quant.gguf_blocks import as_mixed, kernel_dequantize
 
 # (in_features, out_features): SmolLM2-135M's output, gate (or up), down and fused QKV projections.
 SHAPES = ((576, 576), (576, 1536), (1536, 576), (576, 960))

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ragspeed.bench.common import TokenTimes
-from ragspeed.engine.cpu_features import CpuFeatures
+from ragspeed.engine.native.compute.cpu_features import CpuFeatures
 
 INSTALL_COMMAND = "pip install 'ragspeed[llamacpp]'  (llama-cpp-python; compiles llama.cpp, about 10 minutes)"
 # Types the copies are written in; BF16 only where the CPU has bf16 (`copy_types`).
@@ -53,7 +53,7 @@ def skip_line(reason: str) -> str:
 def model_gguf(model: str) -> Path | None:
     """The GGUF file a `--model` value comes from: a zoo model's packaged file or a .gguf path;
     None for an HF folder or hub id (nothing for llama.cpp to load)."""
-    from ragspeed.engine.model_zoo import ZOO, PackagedGgufModel
+    from ragspeed.engine.native.loading.model_zoo import ZOO, PackagedGgufModel
 
     entry = ZOO.get(model)
     if isinstance(entry, PackagedGgufModel):
@@ -239,7 +239,7 @@ def build_contenders(
     if llama_cpp is None:
         return f"llama-cpp-python is not installed; install it with {INSTALL_COMMAND}"
     if cpu is None:
-        from ragspeed.engine.cpu_features import read_cpu_features
+        from ragspeed.engine.native.compute.cpu_features import read_cpu_features
 
         cpu = read_cpu_features()
     files = gguf_files(model, gguf_paths, cpu, cache_dir)
@@ -264,7 +264,7 @@ def gguf_files(
     if source is None:
         return f"model {model!r} comes from no GGUF file; name one with --llamacpp-gguf PATH"
     if cache_dir is None:
-        from ragspeed.engine.model_zoo import default_cache_dir
+        from ragspeed.engine.native.loading.model_zoo import default_cache_dir
 
         cache_dir = default_cache_dir()
     source_type = gguf_type(source)

@@ -40,7 +40,7 @@ import httpx
 
 from ragspeed.bench.common import machine_line, max_tokens_option, percentile, seed_option, write_json
 from ragspeed.bench.launcher import ServerProcess
-from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
+from ragspeed.engine.native.loading.model_zoo import DEFAULT_MODEL_NAME
 
 _DOC_CHARS = 500  # each document is cut to this many characters
 _DOC_COUNTS = (0, 1, 2, 4)  # documents per request: the prompt length mix

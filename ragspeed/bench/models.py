@@ -1,5 +1,5 @@
 """`ragspeed models ...`: the model zoo's command, tooling beside the engine: build a benchmark
-model (a real architecture with seeded random weights, engine.model_zoo) ahead of its first use,
+model (a real architecture with seeded random weights, engine.native.loading.model_zoo) ahead of its first use,
 and list the zoo.
 
 Command logic lives in plain functions returning dicts (`build_model`, `list_zoo`); the click
@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from ragspeed.engine.model_zoo import BENCH_MODELS, ZOO_NAMES, build_bench_model, list_models
+from ragspeed.engine.native.loading.model_zoo import BENCH_MODELS, ZOO_NAMES, build_bench_model, list_models
 
 
 def _folder_size(path: Path) -> int:

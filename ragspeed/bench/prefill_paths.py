@@ -2,7 +2,7 @@
 alternated in one process, with where the time goes.
 
 One engine (serve's defaults: `--quantization auto`, the file's blocks) is moved from setup to
-setup between runs: a prefill path (engine.quant.gate.use_prefill_path) and its attention, the
+setup between runs: a prefill path (engine.native.core.quality_gate.use_prefill_path) and its attention, the
 CPU kernel or SDPA's flash kernel (ModelRunner.prefill_kernel). The reference is fp32 with
 SDPA's attention (`fp32+sdpa`, the engine's prefill before its attention kernel); every path
 then runs with the kernel. So every setup sees the same model, threads and machine; each run is
@@ -10,7 +10,7 @@ a fresh random prompt (no prefix cache hit), the setups taking turns in each rou
 work on a shared machine slows them alike; the median of the rounds is reported, with the ratio
 to the reference (of the medians, and the median of each round's ratio to the reference's run
 beside it) and each path's start-up gate figures (against fp32 prefill of the same weights:
-engine.precision).
+engine.native.core.precision).
 
 Where the time goes, per path, in one more prefill under torch's profiler: attention's share of
 its time (as `bench engine` measures it) and the projections' (QKV, output, gate-up, down of
@@ -22,7 +22,7 @@ and one line of JSON.
 `--per-projection` adds which products int8 activations can take: the model with int8 rows in
 one kind of projection only (every layer's QKV, output, gate-up or down; the others on
 int16-blocks), against fp32 prefill of the same weights on windows of the shipped WikiText-2
-text (top-1 agreement, perplexity: engine.quant.quality), beside all-int8 and all-int16.
+text (top-1 agreement, perplexity: engine.native.core.quality), beside all-int8 and all-int16.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from ragspeed.bench.common import (
     threads_option,
     write_json,
 )
-from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
+from ragspeed.engine.native.loading.model_zoo import DEFAULT_MODEL_NAME
 from ragspeed.shipped_data import NQ_QUESTIONS
 
 
@@ -94,7 +94,7 @@ def _products_recorded(model: Any) -> Iterator[None]:
 def _where_time_goes(contender: Any, model: Any, prompt: tuple[int, ...]) -> tuple[float, float, float]:
     """One prefill under torch's profiler: (attention's share of its time, the projections'
     share, the projections' seconds)."""
-    from ragspeed.engine.attention import PREFILL_ATTENTION_EVENT
+    from ragspeed.engine.native.compute.attention import PREFILL_ATTENTION_EVENT
 
     with _products_recorded(model), profile(activities=[ProfilerActivity.CPU]) as profiler:
         start = time.perf_counter()
@@ -108,10 +108,10 @@ def _where_time_goes(contender: Any, model: Any, prompt: tuple[int, ...]) -> tup
 def _per_projection_quality(engine: Any, num_windows: int = 16, window: int = 128) -> dict[str, Any]:
     """Top-1 agreement and perplexity against fp32 prefill with int8 rows in one kind of
     projection (the others int16-blocks), and in all or none of them."""
-    from ragspeed.engine.models.linear import DENSE_PREFILL_PATHS, INT8_BLOCKS, INT16_BLOCKS
-    from ragspeed.engine.quant.gate import use_prefill_path
-    from ragspeed.engine.quant.quality import compare_logits, text_windows
-    from ragspeed.engine.window_logits import window_logits
+    from ragspeed.engine.native.core.quality import compare_logits, text_windows
+    from ragspeed.engine.native.core.quality_gate import use_prefill_path
+    from ragspeed.engine.native.core.window_logits import window_logits
+    from ragspeed.engine.native.models.linear import DENSE_PREFILL_PATHS, INT8_BLOCKS, INT16_BLOCKS
     from ragspeed.shipped_data import WIKITEXT
 
     loaded, model = engine.loaded, engine.loaded.model
@@ -162,7 +162,7 @@ def _prompts(vocab_size: int, prompt_len: int) -> Iterator[tuple[int, ...]]:
 class Setup:
     """A prefill path and the attention beside it: the CPU kernel, or SDPA's (`kernel` False)."""
 
-    path: Any  # engine.models.linear's PrefillPath
+    path: Any  # engine.native.models.linear's PrefillPath
     kernel: bool = True
 
     @property
@@ -170,7 +170,7 @@ class Setup:
         return self.path.name if self.kernel else f"{self.path.name}+sdpa"
 
     def use(self, engine: Any) -> None:
-        from ragspeed.engine.quant.gate import use_prefill_path
+        from ragspeed.engine.native.core.quality_gate import use_prefill_path
 
         use_prefill_path(engine.loaded.model, self.path)
         engine.runner.prefill_kernel = self.kernel
@@ -243,9 +243,9 @@ def run_prefill_paths(
 ) -> dict[str, Any]:
     from ragspeed.bench.engine import _NativeContender
     from ragspeed.engine.config import EngineConfig
-    from ragspeed.engine.cpu_features import read_cpu_features
-    from ragspeed.engine.factory import build_llm_engine
-    from ragspeed.engine.models.linear import BLOCKS_PATHS, DENSE_PREFILL_PATHS
+    from ragspeed.engine.native.compute.cpu_features import read_cpu_features
+    from ragspeed.engine.native.core.factory import build_llm_engine
+    from ragspeed.engine.native.models.linear import BLOCKS_PATHS, DENSE_PREFILL_PATHS
 
     torch.set_num_threads(threads)
     max_model_len = max(prompt_len + 8, 4096 if answers else 0)

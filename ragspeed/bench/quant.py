@@ -13,9 +13,9 @@ Figures (one run, after a warm-up, medians of `repeats` runs; JSON keys in brack
   gguf_ttft_512_ms, gguf_weight_bytes] and their decode's quality against fp32, which is the
   file's dequantized weights [gguf_decode_ppl_increase, gguf_decode_top1_agreement,
   gguf_decode_logit_rms_error];
-- quality of int8 against fp32 on `text` (see engine.quant.quality) [ppl_increase (a fraction),
+- quality of int8 against fp32 on `text` (see engine.native.core.quality) [ppl_increase (a fraction),
   top1_agreement, logit_rms_error, ppl_fp32, ppl_int8], of the int8 prefill path the quality
-  gate chose (engine.quant.gate) [int8_prefill_path; None: no path passed]; of the int8 decode
+  gate chose (engine.native.core.quality_gate) [int8_prefill_path; None: no path passed]; of the int8 decode
   kernels, teacher-forced on the same windows [decode_ppl_increase, decode_top1_agreement,
   decode_logit_rms_error]; and of every
   prefill path this CPU runs against the fp32 model: the int8 ones (fbgemm-u8, bf16-dequantized,
@@ -58,13 +58,13 @@ from ragspeed.bench.engine import (
     _TransformersContender,
 )
 from ragspeed.engine.config import EngineConfig
-from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
+from ragspeed.engine.native.loading.model_zoo import DEFAULT_MODEL_NAME
 from ragspeed.shipped_data import WIKITEXT
 
 
 @dataclass(frozen=True)
 class _QualityReports:
-    """Every quality comparison against the fp32 model (engine.quant.quality's reports)."""
+    """Every quality comparison against the fp32 model (engine.native.core.quality's reports)."""
 
     int8: dict[str, Any]  # by int8 prefill path
     dense: dict[str, Any]  # the fp32 model's faster prefill paths
@@ -91,8 +91,8 @@ def run_bench_quant(
     seed: int = 0,
 ) -> dict[str, Any]:
     """Measure int8 vs fp32 (and transformers); print a table, return flat JSON."""
-    from ragspeed.engine.cpu_features import read_cpu_features
-    from ragspeed.engine.loader import resolve_model_path
+    from ragspeed.engine.native.compute.cpu_features import read_cpu_features
+    from ragspeed.engine.native.loading.loader import resolve_model_path
 
     sizes = dict(
         prompt_len=prompt_len, output_len=output_len, ttft_prompt_len=ttft_prompt_len, repeats=repeats
@@ -141,9 +141,9 @@ def run_bench_quant(
 
 def _build_engines(path: Path, max_model_len: int, seed: int) -> dict[str, Any]:
     """Native engines by name: int8, fp32 and, when the model is a GGUF file, its own blocks
-    (engine.quant.gguf_blocks)."""
-    from ragspeed.engine.factory import build_llm_engine
-    from ragspeed.engine.gguf import source_of
+    (engine.native.compute.quant.gguf_blocks)."""
+    from ragspeed.engine.native.core.factory import build_llm_engine
+    from ragspeed.engine.native.loading.gguf import source_of
 
     kinds = {"int8": "int8", "fp32": None, **({"gguf": "gguf"} if source_of(path) is not None else {})}
     return {
@@ -168,12 +168,12 @@ def _measure_quality(
 ) -> _QualityReports:
     """Every engine's logits against the fp32 model's on `num_windows` windows of `text`. Leaves
     the int8 model on the prefill path the gate chose, the fp32 model on fp32."""
-    from ragspeed.engine.models.linear import BLOCKS_PATHS, DENSE_PREFILL_PATHS
-    from ragspeed.engine.quant.gate import gate_prefill, use_prefill_path
-    from ragspeed.engine.quant.prefill import prefill_candidates, runnable_paths
-    from ragspeed.engine.quant.probe import machine_probe
-    from ragspeed.engine.quant.quality import compare_logits, text_windows
-    from ragspeed.engine.window_logits import decode_window_logits, window_logits
+    from ragspeed.engine.native.compute.quant.prefill import prefill_candidates, runnable_paths
+    from ragspeed.engine.native.compute.quant.probe import machine_probe
+    from ragspeed.engine.native.core.quality import compare_logits, text_windows
+    from ragspeed.engine.native.core.quality_gate import gate_prefill, use_prefill_path
+    from ragspeed.engine.native.core.window_logits import decode_window_logits, window_logits
+    from ragspeed.engine.native.models.linear import BLOCKS_PATHS, DENSE_PREFILL_PATHS
 
     windows = text_windows(engines["fp32"].tokenizer, text, window=window, num_windows=num_windows)
     int8_loaded, fp32_loaded = engines["int8"].loaded, engines["fp32"].loaded
@@ -201,7 +201,7 @@ def _measure_quality(
             for name, kv_dtype in (("gguf_decode", torch.float32), ("default", torch.float16))
         }
         # The integer prefill paths on the file's blocks against the fp32 model of its
-        # weights: the gate that makes one of them serve's default (engine.precision).
+        # weights: the gate that makes one of them serve's default (engine.native.core.precision).
         for path in BLOCKS_PATHS:
             if path.missing(features) is None:
                 name = "gguf_prefill_" + path.name.replace("-", "_")
@@ -307,7 +307,7 @@ def _quality_figures(quality: _QualityReports) -> dict[str, Any]:
         figures[f"{name}_ppl_increase"] = report.ppl_increase
         figures[f"{name}_top1_agreement"] = report.top1_agreement
         figures[f"{name}_logit_rms_error"] = report.logit_rms_error
-        if name.startswith("gguf_prefill_"):  # the prefill gate (engine.precision.PREFILL_GATE)
+        if name.startswith("gguf_prefill_"):  # the prefill gate (engine.native.core.precision.PREFILL_GATE)
             figures[f"target_{name}_ppl_increase_le_0_1pct"] = report.ppl_increase <= 0.001
             figures[f"target_{name}_top1_agreement_ge_99pct"] = report.top1_agreement >= 0.99
             continue

@@ -42,7 +42,7 @@ import httpx
 
 from ragspeed.bench.common import machine_line, max_tokens_option, seed_option, write_json
 from ragspeed.bench.launcher import ServerProcess
-from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
+from ragspeed.engine.native.loading.model_zoo import DEFAULT_MODEL_NAME
 from ragspeed.prompt_cache.store import TEMPORARY_GLOB
 
 KINDS = ("register", "record-write", "kv-write", "prefill-again")

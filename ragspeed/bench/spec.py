@@ -9,7 +9,7 @@ Figures (one run; warm-up first; medians of `repeats` runs; JSON keys in bracket
   ngram_mean_accepted_length], and whether both gave the same tokens [outputs_identical].
 - batch 1, wiki-style prompts (the first 64 tokens of held-out passages of the demo's split, as
   plain text to continue), without speculation and with the draft model (`--draft-model`,
-  default the zoo's draft for the model where it is here, engine.model_zoo.zoo_draft; none: the
+  default the zoo's draft for the model where it is here, engine.native.loading.model_zoo.zoo_draft; none: the
   section is skipped and `draft_model` is null; its weights as `--draft-quantization` says, default int8
   on a CPU [draft_quantization]), side by side: [draft_plain_decode_tokens_per_s,
   draft_decode_tokens_per_s, draft_speedup = draft / plain], acceptance and mean accepted
@@ -47,7 +47,7 @@ import torch
 
 from ragspeed.bench.common import json_option, machine_line, qa_data_option, quantization_option, write_json
 from ragspeed.engine.config import EngineConfig
-from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME, zoo_draft
+from ragspeed.engine.native.loading.model_zoo import DEFAULT_MODEL_NAME, zoo_draft
 from ragspeed.engine.protocol import GenerationRequest, SamplingParams
 
 SYSTEM = "Answer the question by quoting the documents."
@@ -240,8 +240,8 @@ def _build_engines(
     quantization: str | None,
 ) -> _SpecEngines:
     """Plain, n-gram, draft-model and ceiling engines over one load of the target's weights."""
-    from ragspeed.engine.factory import build_llm_engine
-    from ragspeed.engine.loader import load_model, resolve_model_path
+    from ragspeed.engine.native.core.factory import build_llm_engine
+    from ragspeed.engine.native.loading.loader import load_model, resolve_model_path
 
     quantization = None if quantization == "none" else quantization
     base = EngineConfig(
@@ -312,7 +312,7 @@ def _draft_section(
 ) -> dict[str, Any]:
     """The draft model's figures on the wiki prompts and the RAG ones; `draft_model` None
     without one."""
-    from ragspeed.engine.spec_decode.draft import draft_quantization as resolve_draft_quantization
+    from ragspeed.engine.native.core.spec_decode.draft import draft_quantization as resolve_draft_quantization
 
     if engines.draft is None:
         return {"draft_model": None}

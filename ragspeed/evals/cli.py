@@ -23,7 +23,7 @@ from ragspeed.bench.common import (
     seed_option,
     write_json,
 )
-from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
+from ragspeed.engine.native.loading.model_zoo import DEFAULT_MODEL_NAME
 from ragspeed.evals.compression import FACTORS, evaluate, flatten, format_table, load_examples
 from ragspeed.retrieval.config import IndexConfig, RetrievalConfig
 from ragspeed.retrieval.errors import RetrievalError
@@ -42,7 +42,7 @@ def load_tokenizer(model: str = DEFAULT_MODEL_NAME, tokenizer: str | None = None
     a folder, a .gguf file or a hub id, as `ragspeed serve --model`)."""
     from transformers import AutoTokenizer
 
-    from ragspeed.engine.model_zoo import ModelUnavailableError, resolve_model
+    from ragspeed.engine.native.loading.model_zoo import ModelUnavailableError, resolve_model
 
     try:
         return AutoTokenizer.from_pretrained(tokenizer or resolve_model(model, tokenizer_only=True))

@@ -1,6 +1,6 @@
 """`ragspeed train-rag`: a LoRA adapter that fits a model to documents prefilled on their own.
 
-The document cache (ragspeed.engine.document_kv) computes each document, and each piece of glue
+The document cache (ragspeed.engine.native.core.document_kv) computes each document, and each piece of glue
 between documents, after the prefix alone, and places it; only the fresh tokens after the last
 document see everything. A stock model never saw documents that cannot see each other, and
 answers worse that way. Block-Attention's recipe fits it: the *student* sees the prompt as the
@@ -12,7 +12,7 @@ adapter off) gives with full attention, by KL(teacher || student). No gold answe
 
 The prompts are the gateway's own (gateway.prompt.assemble_prompt with document spans): a
 random subset of a question's documents, in a random order, under one of a few system prompts.
-The adapter (LoRA on every projection of every layer) is written in ragspeed.engine.adapter's
+The adapter (LoRA on every projection of every layer) is written in ragspeed.engine.native.loading.adapter's
 format, beside a model card with its held-out figures (`held_out_figures`).
 """
 
@@ -34,8 +34,8 @@ from torch import nn
 
 from ragspeed.ab.quality import accuracy
 from ragspeed.document import Document
-from ragspeed.engine.adapter import LORA_A, LORA_B
-from ragspeed.engine.document_kv import placed_spans
+from ragspeed.engine.native.core.document_kv import placed_spans
+from ragspeed.engine.native.loading.adapter import LORA_A, LORA_B
 from ragspeed.evals.rag import DEFAULT_SYSTEM_PROMPT, RagExample, load_examples
 from ragspeed.gateway.prompt import Segments, assemble_prompt
 from ragspeed.training.trainer import TrainingConfig, adamw, scheduled_learning_rate
@@ -349,7 +349,7 @@ def train_rag_adapter(
     """Train the adapter of `base` (a zoo name or folder) into `out`: adapter.safetensors,
     README.md (the card) and figures.json. Returns the figures. The questions are `rag_data`'s
     choice of what `data_dir` holds."""
-    from ragspeed.engine.cpu_features import read_cpu_features
+    from ragspeed.engine.native.compute.cpu_features import read_cpu_features
 
     data = rag_data(data_dir)
     torch.manual_seed(recipe.seed)
@@ -400,8 +400,8 @@ class _Student:
 def _load_student(base: str, recipe: Recipe) -> _Student:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ragspeed.engine.cpu_features import read_cpu_features
-    from ragspeed.engine.model_zoo import resolve_model
+    from ragspeed.engine.native.compute.cpu_features import read_cpu_features
+    from ragspeed.engine.native.loading.model_zoo import resolve_model
 
     base_dir = resolve_model(base)
     tokenizer = AutoTokenizer.from_pretrained(base_dir)

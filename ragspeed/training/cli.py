@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
+from ragspeed.engine.native.loading.model_zoo import DEFAULT_MODEL_NAME
 from ragspeed.shipped_data import DATA_DIR
 
 _DATA_DIR_HELP = "Folder with wiki_passages.txt and wikitext2_raw_test.txt."
@@ -172,7 +172,13 @@ def train_draft(
     draft_vocab: int,
 ) -> None:
     """Distil a small draft model from a target (knowledge distillation), with a model card."""
-    from ragspeed.engine.model_zoo import ZOO, ZOO_DRAFTS, TrainedDraftModel, default_cache_dir, resolve_model
+    from ragspeed.engine.native.loading.model_zoo import (
+        ZOO,
+        ZOO_DRAFTS,
+        TrainedDraftModel,
+        default_cache_dir,
+        resolve_model,
+    )
 
     _check_data_dir(data_dir)
     try:

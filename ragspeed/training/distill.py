@@ -15,7 +15,7 @@ starts as the target's (tied) embedding rows of those tokens; the input embeddin
 so the draft reads every target id. Distillation matches the target's distribution restricted to
 the sub-vocabulary and renormalised (its argmax there is what the draft should propose). The
 folder stores `draft_vocab_size` in config.json and `d2t` (int64) beside the weights; the native
-engine maps drafts back to target ids (engine.spec_decode.draft). transformers cannot load such a
+engine maps drafts back to target ids (engine.native.core.spec_decode.draft). transformers cannot load such a
 folder (its head is not vocabulary-sized): it is the native engine's draft only.
 
 Data (`--data-dir`, the demo's seeded train / held-out split, ragspeed.training.corpus):
@@ -68,7 +68,7 @@ from ragspeed.training.trainer import Phase, Piece, TrainingConfig, TrainingLog,
 T = TypeVar("T")
 
 # Files of the target's folder that are not the draft's own (weights, config, card, and the
-# manifest of a target converted from GGUF, engine.gguf).
+# manifest of a target converted from GGUF, engine.native.loading.gguf).
 _OWN_FILES = ("config.json", "README.md", "ragspeed_gguf.json")
 
 
@@ -403,7 +403,7 @@ def engine_acceptance(
 ) -> dict[str, float]:
     """Acceptance of the draft in the native engine (greedy, k = 4, adaptive), one request at a time."""
     from ragspeed.engine.config import EngineConfig
-    from ragspeed.engine.factory import build_llm_engine
+    from ragspeed.engine.native.core.factory import build_llm_engine
     from ragspeed.engine.protocol import GenerationRequest, SamplingParams
 
     engine = build_llm_engine(
@@ -548,7 +548,7 @@ def distill_draft(
 def _generator(target_dir: Path, tokenizer: Any, recipe: DistillRecipe, seed: int) -> Any:
     """The native engine that writes the target's continuations."""
     from ragspeed.engine.config import EngineConfig
-    from ragspeed.engine.factory import build_llm_engine
+    from ragspeed.engine.native.core.factory import build_llm_engine
 
     max_model_len = recipe.seq_len + recipe.max_new_tokens
     return build_llm_engine(

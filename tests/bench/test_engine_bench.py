@@ -13,7 +13,7 @@ from ragspeed.bench.engine import (
     parse_lengths,
 )
 from ragspeed.engine.config import EngineConfig
-from ragspeed.engine.factory import build_llm_engine
+from ragspeed.engine.native.core.factory import build_llm_engine
 from tests.engine.tiny_models import build_tiny_checkpoint
 
 

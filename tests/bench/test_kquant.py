@@ -4,7 +4,7 @@ import pytest
 from click.testing import CliRunner
 
 from ragspeed.bench import kquant
-from ragspeed.engine.cpu_kernels import load_library
+from ragspeed.engine.native.compute.cpu_kernels import load_library
 
 pytestmark = pytest.mark.skipif(
     load_library() is None, reason="ragspeed's CPU kernels could not be built here"

@@ -16,8 +16,8 @@ import pytest
 
 from ragspeed.bench import llamacpp
 from ragspeed.bench.common import median_gap
-from ragspeed.engine.cpu_features import CpuFeatures
-from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME, ZOO
+from ragspeed.engine.native.compute.cpu_features import CpuFeatures
+from ragspeed.engine.native.loading.model_zoo import DEFAULT_MODEL_NAME, ZOO
 from tests.engine.tiny_gguf import write_tiny_gguf
 from tests.engine.tiny_models import build_tiny_checkpoint
 

@@ -48,8 +48,8 @@ def test_answers_on_each_setup_are_compared_with_the_first_setups(tmp_path):
     eval rag's prompts; a setup's KV is kept apart by its cache salt, so each computes its own
     prefill."""
     from ragspeed.bench.prefill_paths import Setup, identical_answers, rag_prompts
-    from ragspeed.engine.gguf import converted_copy
-    from ragspeed.engine.models.linear import BLOCKS_PATHS, DENSE_PREFILL_PATHS
+    from ragspeed.engine.native.loading.gguf import converted_copy
+    from ragspeed.engine.native.models.linear import BLOCKS_PATHS, DENSE_PREFILL_PATHS
     from ragspeed.shipped_data import NQ_QUESTIONS
     from tests.engine.conftest import make_engine
     from tests.engine.tiny_gguf import write_tiny_gguf

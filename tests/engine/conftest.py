@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from ragspeed.engine.config import EngineConfig
-from ragspeed.engine.cpu_features import CpuFeatures
-from ragspeed.engine.cpu_kernels.blocked import INT8_GROUP
-from ragspeed.engine.factory import build_llm_engine
-from ragspeed.engine.llm_engine import LLMEngine
+from ragspeed.engine.native.compute.cpu_features import CpuFeatures
+from ragspeed.engine.native.compute.cpu_kernels.blocked import INT8_GROUP
+from ragspeed.engine.native.core.factory import build_llm_engine
+from ragspeed.engine.native.core.llm_engine import LLMEngine
 from tests.engine.tiny_models import build_tiny_checkpoint
 
 # CPUs the precision and probe tests inject: Zen 3 (AVX2 only), a Xeon with AMX, Zen 4.
@@ -82,7 +82,7 @@ def engine_config(path, **overrides) -> EngineConfig:
     """The tests' config, on fp32 unless asked: `--dtype auto` would pick bf16 prefill products
     on a CPU with AVX512-BF16 or AMX, whose rounding depends on the batch's rows, and the fp16 KV cache
     of `--kv-cache-dtype auto` rounds every key and value, while these tests compare runs token
-    for token and against fp32 references (engine.precision's own tests choose paths with
+    for token and against fp32 references (engine.native.core.precision's own tests choose paths with
     injected CPU features; test_kv_dtype covers the fp16 pool). No step time budget unless
     asked: it sizes chunks by the machine's measured speed, so a busy machine would change the
     steps these tests count (test_stall_free covers the budget)."""

@@ -7,10 +7,15 @@ import math
 import pytest
 import torch
 
-from ragspeed.engine import attention as attention_module
-from ragspeed.engine.attention import chunk_attention, masked_chunk_attention, paged_attention
-from ragspeed.engine.attention_metadata import SMALL_CHUNK_QUERIES, PrefillSpan, build_metadata, causal_mask
-from ragspeed.engine.cpu_kernels import load_library
+from ragspeed.engine.native.compute import attention as attention_module
+from ragspeed.engine.native.compute.attention import chunk_attention, masked_chunk_attention, paged_attention
+from ragspeed.engine.native.compute.attention_metadata import (
+    SMALL_CHUNK_QUERIES,
+    PrefillSpan,
+    build_metadata,
+    causal_mask,
+)
+from ragspeed.engine.native.compute.cpu_kernels import load_library
 
 
 def test_causal_mask_shifts_by_the_cached_prefix():
@@ -31,7 +36,7 @@ def dense_reference(q, keys, values, num_cached):
 
 @pytest.fixture(params=["kernel", "sdpa"])
 def decode_path(request, monkeypatch):
-    """Decodes through ragspeed's CPU kernel (engine.cpu_kernels) or the SDPA reference."""
+    """Decodes through ragspeed's CPU kernel (engine.native.compute.cpu_kernels) or the SDPA reference."""
     if request.param == "kernel" and load_library() is None:
         pytest.skip("ragspeed's CPU kernels could not be built here")
     if request.param == "sdpa":

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ragspeed.engine import attention as attention_module
-from ragspeed.engine.attention_metadata import SMALL_CHUNK_QUERIES
+from ragspeed.engine.native.compute import attention as attention_module
+from ragspeed.engine.native.compute.attention_metadata import SMALL_CHUNK_QUERIES
 from ragspeed.engine.protocol import GenerationRequest, SamplingParams
 from tests.engine.conftest import FAMILIES, assert_all_blocks_free, hf_greedy, make_engine
 

@@ -1,4 +1,4 @@
-"""ragspeed's CPU kernels (engine.cpu_kernels): the blocked products, their build and cache."""
+"""ragspeed's CPU kernels (engine.native.compute.cpu_kernels): the blocked products, their build and cache."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from ragspeed import environment
-from ragspeed.engine.cpu_kernels import BlockedWeight, build, decoder, load_library
-from ragspeed.engine.cpu_kernels.blocked import INT8_GROUP, Q6K_STEP
-from ragspeed.engine.quant.gguf_blocks import as_mixed, kernel_dequantize
-from ragspeed.engine.quant.groupwise import quantize_groupwise
+from ragspeed.engine.native.compute.cpu_kernels import BlockedWeight, build, decoder, load_library
+from ragspeed.engine.native.compute.cpu_kernels.blocked import INT8_GROUP, Q6K_STEP
+from ragspeed.engine.native.compute.quant.gguf_blocks import as_mixed, kernel_dequantize
+from ragspeed.engine.native.compute.quant.groupwise import quantize_groupwise
 from tests.engine.conftest import int16_rows
 
 pytestmark = pytest.mark.skipif(
@@ -312,7 +312,7 @@ def test_kv_writes_round_to_fp16_as_torch_does(fresh_build, monkeypatch, flags):
 def test_a_steps_kv_writes_equal_index_copy(fresh_build, monkeypatch, flags, kv_dtype):
     """Rows of a wider tensor (q, k and v split from one projection) into scattered slots: the
     pool holds what index_copy_ writes, bit for bit, and nothing else changes."""
-    from ragspeed.engine.cpu_kernels.placement import write_kernel_applies, write_kv
+    from ragspeed.engine.native.compute.cpu_kernels.placement import write_kernel_applies, write_kv
 
     monkeypatch.setattr(build, "FLAGS", build.FLAGS + flags)
     gen = torch.Generator().manual_seed(4)
@@ -334,7 +334,7 @@ def check_decode_attention(score_scale, block_size, head_dim, kv_dtype=torch.flo
     (of the pool's keys and values widened to fp32); on one thread or two, a row alone, in the
     batch or among rows over the same blocks (a verification's, read once for all): the same
     bits."""
-    from ragspeed.engine.cpu_kernels.attention import paged_decode_attention
+    from ragspeed.engine.native.compute.cpu_kernels.attention import paged_decode_attention
 
     gen = torch.Generator().manual_seed(11)
     num_heads, num_kv_heads = 6, 2
@@ -374,7 +374,7 @@ def check_every_group_size(kv_dtype, head_dim=64, block_size=16):
     """Query heads per KV head 1 to 5, contexts of odd lengths across block and chunk boundaries
     in one batch: each row equals softmax(q K^T) V of the pool's keys and values widened to fp32,
     and has the bits it has alone."""
-    from ragspeed.engine.cpu_kernels.attention import paged_decode_attention
+    from ragspeed.engine.native.compute.cpu_kernels.attention import paged_decode_attention
 
     gen = torch.Generator().manual_seed(5)
     lengths = [1, 3, 15, 17, 63, 65, 127, 131, 333]
@@ -420,7 +420,7 @@ def test_decode_attention_for_every_group_size_without_avx512_or_avx2(fresh_buil
 @pytest.mark.parametrize("rows, dim", [(1, 576), (3, 37), (100, 64)])  # 100 rows: threaded
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_add_rms_norm_equals_torch(rows, dim, with_residual):
-    from ragspeed.engine.cpu_kernels.norm import add_rms_norm
+    from ragspeed.engine.native.compute.cpu_kernels.norm import add_rms_norm
 
     gen = torch.Generator().manual_seed(rows + dim)
     x = torch.randn(rows, dim, generator=gen)
@@ -521,7 +521,7 @@ def test_four_bit_products_without_vnni_avx512_or_avx2(fresh_build, monkeypatch,
 def test_argmax_is_torchs_first_largest(fresh_build, monkeypatch, flags):
     """The greedy token of each row, built for each vector width: the first of equal largest
     values, wherever it lies in the row (a vector's lane, the tail past whole vectors)."""
-    from ragspeed.engine.cpu_kernels.argmax import argmax
+    from ragspeed.engine.native.compute.cpu_kernels.argmax import argmax
 
     monkeypatch.setattr(build, "FLAGS", build.FLAGS + flags)
     gen = torch.Generator().manual_seed(11)
@@ -539,10 +539,10 @@ def test_argmax_is_torchs_first_largest(fresh_build, monkeypatch, flags):
 
 
 def _k_quant(kind: str, n: int, k: int, gen: torch.Generator):
-    """Random integers and fp32 scales of a K-quant kind (engine.quant.k_quants' layouts), and
+    """Random integers and fp32 scales of a K-quant kind (engine.native.compute.quant.k_quants' layouts), and
     the fp32 weight they stand for: q4k 4-bit q with a step and an offset per 32 inputs, q6k
     int8 q in -32..31 with a step per 16; kmix rows of both and of Q8_0's full int8 with an
-    fp16 step per 32, converted to the mixed kind (engine.quant.gguf_blocks.as_mixed), the
+    fp16 step per 32, converted to the mixed kind (engine.native.compute.quant.gguf_blocks.as_mixed), the
     weight `kernel_dequantize` gives for them."""
     if kind == "kmix":
         parts = [_k_quant("q4k", n - n // 2, k, gen)[:2], _k_quant("q6k", n // 3, k, gen)[:2]]
@@ -635,7 +635,7 @@ def test_k_quant_products_without_vnni_avx512_or_avx2(fresh_build, monkeypatch, 
 def test_the_environment_narrows_the_kernels_to_a_smaller_cpu(fresh_build, monkeypatch, isa, built):
     """RAGSPEED_CPU_ISA builds the kernels for a narrower CPU than this one, so that a machine
     with AVX-512 runs (and tests) the AVX2-only machine's code."""
-    from ragspeed.engine.cpu_kernels.int8_prefill import isa_of
+    from ragspeed.engine.native.compute.cpu_kernels.int8_prefill import isa_of
 
     monkeypatch.setenv("RAGSPEED_CPU_ISA", isa)
     environment.configure()

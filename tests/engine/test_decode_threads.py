@@ -1,8 +1,8 @@
-"""The thread count of decode steps, chosen by timing both counts (engine.threads.DecodeThreads)."""
+"""The thread count of decode steps, chosen by timing both counts (engine.native.compute.threads.DecodeThreads)."""
 
 from __future__ import annotations
 
-from ragspeed.engine.threads import DecodeThreads
+from ragspeed.engine.native.compute.threads import DecodeThreads
 
 
 class Clock:

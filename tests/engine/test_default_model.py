@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME, ZOO
+from ragspeed.engine.native.loading.model_zoo import DEFAULT_MODEL_NAME, ZOO
 from ragspeed.engine.protocol import GenerationRequest, SamplingParams
 from tests.engine.conftest import hf_greedy, make_engine
 from tests.real_model import NOBEL_DOCUMENT, NOBEL_MESSAGES, default_model_cache
@@ -115,8 +115,8 @@ def test_the_shipped_rag_adapter_merges_into_the_default_model(default_model):
     """The RAG model: the default model's weights plus the shipped adapter, nothing else changed."""
     from safetensors import safe_open
 
-    from ragspeed.engine.adapter import read_adapter
-    from ragspeed.engine.model_zoo import RAG_MODEL_NAME, resolve_model
+    from ragspeed.engine.native.loading.adapter import read_adapter
+    from ragspeed.engine.native.loading.model_zoo import RAG_MODEL_NAME, resolve_model
 
     merged = resolve_model(RAG_MODEL_NAME, cache_dir=default_model.parent)
     pairs, scale = read_adapter(ZOO[RAG_MODEL_NAME].adapter)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from ragspeed import environment
-from ragspeed.engine import document_kv
-from ragspeed.engine.cpu_kernels.placement import place_kernel_applies, place_kv
-from ragspeed.engine.models.rotary import apply_rotary
+from ragspeed.engine.native.compute.cpu_kernels.placement import place_kernel_applies, place_kv
+from ragspeed.engine.native.core import document_kv
+from ragspeed.engine.native.models.rotary import apply_rotary
 from ragspeed.engine.protocol import DocumentCacheOptions, EngineError, GenerationRequest, SamplingParams
 from ragspeed.prompt_cache.document_store import DocumentKV
 from tests.engine.conftest import FAMILIES, assert_all_blocks_free, make_engine

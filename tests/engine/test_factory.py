@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from transformers import AutoTokenizer
 
-from ragspeed.engine.factory import build_kv, load_model_for
-from ragspeed.engine.llm_engine import LLMEngine
-from ragspeed.engine.model_runner import ModelRunner
+from ragspeed.engine.native.core.factory import build_kv, load_model_for
+from ragspeed.engine.native.core.llm_engine import LLMEngine
+from ragspeed.engine.native.core.model_runner import ModelRunner
 from ragspeed.engine.protocol import GenerationRequest, SamplingParams
 from tests.engine.conftest import assert_all_blocks_free, engine_config, make_engine
 

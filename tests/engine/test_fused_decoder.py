@@ -1,4 +1,4 @@
-"""The fused decode forward (engine.cpu_kernels.decoder) against the layer-by-layer path it
+"""The fused decode forward (engine.native.compute.cpu_kernels.decoder) against the layer-by-layer path it
 replaces: the same final hidden states and the same K/V written into the pool, for every family,
 fp32 and int8, decodes alone and decodes beside a verification chunk."""
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ragspeed.engine.attention_metadata import SMALL_CHUNK_QUERIES, build_metadata, slots
-from ragspeed.engine.cpu_kernels import blocked_kernels_available, decode_step
-from ragspeed.engine.gguf import converted_copy
-from ragspeed.engine.kv_cache import KVCachePool
-from ragspeed.engine.loader import load_model
+from ragspeed.engine.native.compute.attention_metadata import SMALL_CHUNK_QUERIES, build_metadata, slots
+from ragspeed.engine.native.compute.cpu_kernels import blocked_kernels_available, decode_step
+from ragspeed.engine.native.core.kv_cache import KVCachePool
+from ragspeed.engine.native.loading.gguf import converted_copy
+from ragspeed.engine.native.loading.loader import load_model
 from ragspeed.engine.protocol import GenerationRequest, SamplingParams
 from tests.engine.conftest import FAMILIES, make_engine
 from tests.engine.tiny_gguf import write_tiny_gguf
@@ -137,7 +137,7 @@ def test_a_row_gets_the_same_bits_in_any_batch(tiny_checkpoints):
 
 
 def test_prefill_steps_and_unsupported_models_take_the_layer_by_layer_path(tiny_checkpoints):
-    from ragspeed.engine.cpu_kernels.decoder import FusedDecoder
+    from ragspeed.engine.native.compute.cpu_kernels.decoder import FusedDecoder
 
     loaded = load_model(tiny_checkpoints["llama"], max_model_len=256)
     n = SMALL_CHUNK_QUERIES + 4  # a prefill chunk past a small one
@@ -179,9 +179,9 @@ def test_a_step_of_decodes_alone_gives_the_logits_and_kv_of_the_general_path(tin
 
 
 def test_decode_steps_give_the_same_bits_on_one_thread_or_two(tiny_checkpoints):
-    """The runner picks each decode step's thread count by timing (engine.threads.DecodeThreads),
+    """The runner picks each decode step's thread count by timing (engine.native.compute.threads.DecodeThreads),
     so a stream may change count between tokens: its logits and K/V must not."""
-    from ragspeed.engine.threads import DecodeThreads
+    from ragspeed.engine.native.compute.threads import DecodeThreads
 
     class Forced(DecodeThreads):
         threads = 1

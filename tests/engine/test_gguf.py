@@ -17,9 +17,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ragspeed import environment
-from ragspeed.engine import gguf as gguf_module
-from ragspeed.engine.gguf import MANIFEST_NAME, GgufError, converted_copy, gguf_cache_dir
-from ragspeed.engine.model_zoo import resolve_model
+from ragspeed.engine.native.loading import gguf as gguf_module
+from ragspeed.engine.native.loading.gguf import MANIFEST_NAME, GgufError, converted_copy, gguf_cache_dir
+from ragspeed.engine.native.loading.model_zoo import resolve_model
 from ragspeed.engine.protocol import GenerationRequest, SamplingParams
 from tests.engine.conftest import hf_greedy, make_engine
 from tests.engine.tiny_gguf import CHAT_TEMPLATE, write_tiny_gguf

@@ -1,4 +1,4 @@
-"""A GGUF file's own blocks (engine.quant.gguf_blocks): decoded by the kernels as stored, equal to
+"""A GGUF file's own blocks (engine.native.compute.quant.gguf_blocks): decoded by the kernels as stored, equal to
 the fp32 product of `gguf.quants.dequantize` (but for the activations' int16 rounding), for random
 blocks of each type and for the default model's own tensors; and an engine that serves them."""
 
@@ -10,16 +10,10 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize, quantize
 
-from ragspeed.engine.cpu_kernels import BlockedWeight, load_library
-from ragspeed.engine.cpu_kernels.decoder import FusedDecoder
-from ragspeed.engine.gguf import converted_copy, source_of
-from ragspeed.engine.loader import load_model
-from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME, ZOO
-from ragspeed.engine.models.linear import DenseLinear, GgufLinear
-from ragspeed.engine.models.memory import resident_weight_bytes
-from ragspeed.engine.protocol import GenerationRequest
-from ragspeed.engine.quant import QuantizationUnavailableError
-from ragspeed.engine.quant.gguf_blocks import (
+from ragspeed.engine.native.compute.cpu_kernels import BlockedWeight, load_library
+from ragspeed.engine.native.compute.cpu_kernels.decoder import FusedDecoder
+from ragspeed.engine.native.compute.quant import QuantizationUnavailableError
+from ragspeed.engine.native.compute.quant.gguf_blocks import (
     KERNEL_TYPES,
     GgufBlocks,
     MixedBlocks,
@@ -27,8 +21,14 @@ from ragspeed.engine.quant.gguf_blocks import (
     kernel_dequantize,
     map_rows,
 )
-from ragspeed.engine.sampling import SamplingParams
-from ragspeed.engine.window_logits import decode_window_logits, window_logits
+from ragspeed.engine.native.core.sampling import SamplingParams
+from ragspeed.engine.native.core.window_logits import decode_window_logits, window_logits
+from ragspeed.engine.native.loading.gguf import converted_copy, source_of
+from ragspeed.engine.native.loading.loader import load_model
+from ragspeed.engine.native.loading.model_zoo import DEFAULT_MODEL_NAME, ZOO
+from ragspeed.engine.native.models.linear import DenseLinear, GgufLinear
+from ragspeed.engine.native.models.memory import resident_weight_bytes
+from ragspeed.engine.protocol import GenerationRequest
 from tests.engine.conftest import int16_rows, make_engine
 from tests.engine.tiny_gguf import random_k_quant_bytes, write_tiny_gguf
 from tests.engine.tiny_models import build_tiny_checkpoint
@@ -248,7 +248,7 @@ def wide_llama(tmp_path_factory):
 )
 def test_an_engine_decodes_k_quant_blocks(wide_llama, tmp_path, monkeypatch, qtype, types, decode):
     """A model of Q4_K or Q6_K matrices (and embeddings), or of Q4_K with V in Q6_K, decodes on
-    their blocks, every decode step in one call of the kernels (engine.cpu_kernels.decoder),
+    their blocks, every decode step in one call of the kernels (engine.native.compute.cpu_kernels.decoder),
     and agrees with the fp32 model of the file's dequantized weights: greedy tokens and each
     position's logits."""
     path = write_tiny_gguf(

@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from ragspeed.engine.backends.http11 import (
+from ragspeed.engine.backends.remote.http11 import (
     ConnectError,
     ConnectionPool,
     ReadTimeout,

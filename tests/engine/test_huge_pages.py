@@ -1,4 +1,4 @@
-"""CPU memory on huge pages (engine.huge_pages): zeroed tensors and tensors gathered back to
+"""CPU memory on huge pages (engine.native.compute.huge_pages): zeroed tensors and tensors gathered back to
 back, the fused decoder's weights moved into one run in the order a step reads them, and the KV
 pool; where Linux gives huge pages, the memory is on them."""
 
@@ -11,10 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from ragspeed.engine.cpu_kernels import blocked_kernels_available
-from ragspeed.engine.huge_pages import ALIGNMENT, HUGE_PAGE, gather_on_huge_pages, huge_page_zeros
-from ragspeed.engine.kv_cache import KVCachePool
-from ragspeed.engine.loader import load_model
+from ragspeed.engine.native.compute.cpu_kernels import blocked_kernels_available
+from ragspeed.engine.native.compute.huge_pages import (
+    ALIGNMENT,
+    HUGE_PAGE,
+    gather_on_huge_pages,
+    huge_page_zeros,
+)
+from ragspeed.engine.native.core.kv_cache import KVCachePool
+from ragspeed.engine.native.loading.loader import load_model
 
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -99,7 +104,7 @@ def test_the_kv_pool_is_zeroed_on_a_huge_page_boundary(tiny_checkpoints):
     not blocked_kernels_available(torch.device("cpu")), reason="ragspeed's CPU kernels are off"
 )
 def test_the_fused_decoder_reads_its_weights_in_one_run_in_step_order(tiny_checkpoints):
-    from ragspeed.engine.cpu_kernels.decoder import _projections
+    from ragspeed.engine.native.compute.cpu_kernels.decoder import _projections
 
     loaded = load_model(tiny_checkpoints["llama"], max_model_len=64, quantization="int8")
     model = loaded.model

@@ -1,5 +1,5 @@
-"""The int8 kind's CPU paths (engine.quant.prefill, engine.quant.gate) chosen by the CPU's
-capabilities (engine.cpu_features): both branches forced on any machine, each path's accuracy,
+"""The int8 kind's CPU paths (engine.native.compute.quant.prefill, engine.native.core.quality_gate) chosen by the CPU's
+capabilities (engine.native.compute.cpu_features): both branches forced on any machine, each path's accuracy,
 the quality gate's fallback and the logged choice."""
 
 from __future__ import annotations
@@ -9,21 +9,26 @@ import logging
 import pytest
 import torch
 
-from ragspeed.engine import cpu_features
-from ragspeed.engine.cpu_features import CpuFeatures, narrowed, parse_cpuinfo, read_cpu_features
-from ragspeed.engine.cpu_kernels import blocked_kernels_available
-from ragspeed.engine.models.linear import DenseLinear
-from ragspeed.engine.quant import Int8Linear, check_quantization
-from ragspeed.engine.quant.gate import QualityGate, gate_prefill, use_prefill_path
-from ragspeed.engine.quant.groupwise import quantize_groupwise
-from ragspeed.engine.quant.prefill import (
+from ragspeed.engine.native.compute import cpu_features
+from ragspeed.engine.native.compute.cpu_features import (
+    CpuFeatures,
+    narrowed,
+    parse_cpuinfo,
+    read_cpu_features,
+)
+from ragspeed.engine.native.compute.cpu_kernels import blocked_kernels_available
+from ragspeed.engine.native.compute.quant import Int8Linear, check_quantization
+from ragspeed.engine.native.compute.quant.groupwise import quantize_groupwise
+from ragspeed.engine.native.compute.quant.prefill import (
     PREFILL_PATHS,
     describe_choice,
     prefill_candidates,
     prefill_path,
 )
-from ragspeed.engine.quant.probe import Measurement, PrefillProbe, ProbeGemm
-from ragspeed.engine.quant.quality import QualityReport
+from ragspeed.engine.native.compute.quant.probe import Measurement, PrefillProbe, ProbeGemm
+from ragspeed.engine.native.core.quality import QualityReport
+from ragspeed.engine.native.core.quality_gate import QualityGate, gate_prefill, use_prefill_path
+from ragspeed.engine.native.models.linear import DenseLinear
 from tests.engine.conftest import int16_rows
 
 AVX2 = CpuFeatures("AMD EPYC", frozenset({"avx2"}), "AVX2")
@@ -31,7 +36,7 @@ VNNI = CpuFeatures("Intel Xeon", frozenset({"avx2", "avx512f", "avx512_vnni", "a
 AMX = CpuFeatures(
     "Intel Xeon", frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16"}), "AVX512"
 )
-# The int8 paths' product times, injected (engine.quant.probe; its own tests order by others)
+# The int8 paths' product times, injected (engine.native.compute.quant.probe; its own tests order by others)
 SECONDS = {"fbgemm-u8": 1.0, "bf16-dequantized": 2.0, "fp32-dequantized": 4.0}
 PROBE = PrefillProbe(
     ProbeGemm(64, 1), lambda paths, gemm: Measurement({p.name: SECONDS[p.name] for p in paths}, 1.0)
@@ -184,7 +189,7 @@ def _report(ppl_increase: float, top1: float) -> QualityReport:
 def test_the_prefill_gate_asks_the_agreements_lower_bound():
     """On the start-up windows' 508 predictions, 506 agreeing (99.6%) is not enough to say the
     path agrees at 99% (its 95% Wilson lower bound is 98.6%); all 508 are."""
-    from ragspeed.engine.precision import PREFILL_GATE
+    from ragspeed.engine.native.core.precision import PREFILL_GATE
 
     def report(agreeing: int) -> QualityReport:
         return QualityReport(4, 508, 50.0, 50.0, 0.0, agreeing / 508, 0.1)
@@ -208,7 +213,7 @@ def test_gate_falls_back_and_logs_why(caplog):
         measured.append(path.name)
         return reports[path.name]
 
-    with caplog.at_level(logging.WARNING, logger="ragspeed.engine.quant.gate"):
+    with caplog.at_level(logging.WARNING, logger="ragspeed.engine.native.core.quality_gate"):
         outcome = gate_prefill(prefill_candidates(VNNI, PROBE), measure)
     assert outcome.path.name == "fp32-dequantized"
     assert measured == ["fbgemm-u8", "bf16-dequantized", "fp32-dequantized"]
@@ -262,7 +267,7 @@ def test_gate_passes_first_path_or_none():
 )
 def test_start_up_logs_the_choice(monkeypatch, caplog, features, line):
     monkeypatch.setattr(cpu_features, "read_cpu_features", lambda: features)
-    with caplog.at_level(logging.INFO, logger="ragspeed.engine.quant.registry"):
+    with caplog.at_level(logging.INFO, logger="ragspeed.engine.native.compute.quant.registry"):
         check_quantization("int8", "cpu")
         check_quantization(None, "cpu")
     assert caplog.messages == [line]
@@ -274,15 +279,15 @@ def test_start_up_gate_on_a_tiny_model(caplog, tiny_checkpoints):
     dtype float32: bf16 not admitted): a strict gate rejects fbgemm-u8 (its activations are
     rounded) and the model falls back, logged; a lenient one keeps it; without VNNI there is
     nothing to gate."""
-    from ragspeed.engine.loader import load_model
-    from ragspeed.engine.precision import choose_prefill, plan_prefill
+    from ragspeed.engine.native.core.precision import choose_prefill, plan_prefill
+    from ragspeed.engine.native.loading.loader import load_model
 
     loaded = load_model(tiny_checkpoints["llama"], quantization="int8", max_model_len=64)
     assert _paths(loaded) == {"fp32-dequantized"}  # loaded on the exact path
     windows = [list(range(3, 35)), list(range(40, 72))]
     plan = plan_prefill("float32", "int8", "cpu", VNNI, PROBE)
     assert [p.name for p in plan.candidates] == ["fbgemm-u8", "fp32-dequantized"]
-    with caplog.at_level(logging.WARNING, logger="ragspeed.engine.quant.gate"):
+    with caplog.at_level(logging.WARNING, logger="ragspeed.engine.native.core.quality_gate"):
         strict = choose_prefill(loaded, plan, lambda: windows, gate=QualityGate(0.0, 1.0))
         assert strict.path.name == "fp32-dequantized"  # nothing rounded matches exactly
         assert caplog.messages[0].startswith("prefill path fbgemm-u8 fails the quality gate (")
@@ -312,7 +317,7 @@ def test_bf16_dequantized_is_close_to_the_exact_path(monkeypatch):
 
 
 def _paths(loaded):
-    from ragspeed.engine.quant.gate import int8_kernels
+    from ragspeed.engine.native.core.quality_gate import int8_kernels
 
     kernels = int8_kernels(loaded.model)
     assert kernels  # every projection and the LM head

@@ -1,4 +1,4 @@
-"""Prefill products with int8 activations on the file's 4-bit blocks (engine.cpu_kernels.int8_prefill),
+"""Prefill products with int8 activations on the file's 4-bit blocks (engine.native.compute.cpu_kernels.int8_prefill),
 each branch of gemm_int8.c built and run here: the build for this CPU, the AVX2 one (what an
 AVX2-only CPU compiles; an AVX-512 CPU runs its code) and the plain C one.
 
@@ -21,16 +21,16 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from ragspeed.engine.cpu_features import read_cpu_features
-from ragspeed.engine.cpu_kernels import load_library
-from ragspeed.engine.cpu_kernels.int8_prefill import (
+from ragspeed.engine.native.compute.cpu_features import read_cpu_features
+from ragspeed.engine.native.compute.cpu_kernels import load_library
+from ragspeed.engine.native.compute.cpu_kernels.int8_prefill import (
     Int8BlocksGemm,
     QuantizedRows,
     isa_of,
     quantize_q4_1,
     quantize_rows,
 )
-from ragspeed.engine.quant.gguf_blocks import GgufBlocks
+from ragspeed.engine.native.compute.quant.gguf_blocks import GgufBlocks
 from tests.engine.conftest import int16_rows
 
 pytestmark = pytest.mark.skipif(

@@ -1,4 +1,4 @@
-"""GGUF's K-quants unpacked (engine.quant.k_quants): integers and fp32 steps whose
+"""GGUF's K-quants unpacked (engine.native.compute.quant.k_quants): integers and fp32 steps whose
 `step * q + offset` is `gguf.quants.dequantize` bit for bit, for random valid blocks."""
 
 from __future__ import annotations
@@ -9,7 +9,12 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from ragspeed.engine.quant.k_quants import dequantize_unpacked, unpack, unpack_q4_k, unpack_q6_k
+from ragspeed.engine.native.compute.quant.k_quants import (
+    dequantize_unpacked,
+    unpack,
+    unpack_q4_k,
+    unpack_q6_k,
+)
 from tests.engine.tiny_gguf import random_k_quant_bytes
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ragspeed.engine.cpu_kernels import load_library
-from ragspeed.engine.kv_cache import resolve_kv_dtype
+from ragspeed.engine.native.compute.cpu_kernels import load_library
+from ragspeed.engine.native.core.kv_cache import resolve_kv_dtype
 from ragspeed.engine.protocol import GenerationRequest, SamplingParams
 from tests.engine.conftest import make_engine
 

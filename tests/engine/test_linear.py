@@ -1,4 +1,4 @@
-"""The dense linear kind (engine.models.linear): ragspeed's blocked kernel for a few rows and
+"""The dense linear kind (engine.native.models.linear): ragspeed's blocked kernel for a few rows and
 oneDNN-packed weights on CPU, `mm` elsewhere."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ragspeed.engine.cpu_kernels import blocked_kernels_available
-from ragspeed.engine.models import linear as linear_module
-from ragspeed.engine.models.linear import DenseLinear
-from ragspeed.engine.threads import cpu_threads
+from ragspeed.engine.native.compute.cpu_kernels import blocked_kernels_available
+from ragspeed.engine.native.compute.threads import cpu_threads
+from ragspeed.engine.native.models import linear as linear_module
+from ragspeed.engine.native.models.linear import DenseLinear
 
 
 @pytest.fixture(params=["blocked", "onednn", "mm"])

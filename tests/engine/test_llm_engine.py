@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from ragspeed.engine.kv_cache import PoolTooSmallError
-from ragspeed.engine.loader import UnsupportedModelError, load_model
+from ragspeed.engine.native.core.kv_cache import PoolTooSmallError
+from ragspeed.engine.native.loading.loader import UnsupportedModelError, load_model
 from ragspeed.engine.protocol import EngineError, GenerationRequest, PromptTooLongError, SamplingParams
 from tests.engine.conftest import assert_all_blocks_free, hf_greedy, make_engine
 from tests.engine.tiny_models import build_tiny_checkpoint

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from ragspeed.engine.logprobs import token_logprobs
+from ragspeed.engine.native.core.logprobs import token_logprobs
 from ragspeed.engine.protocol import EngineError, GenerationRequest, SamplingParams, TokenLogprob
 from tests.engine.conftest import (
     assert_all_blocks_free,

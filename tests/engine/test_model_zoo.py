@@ -14,10 +14,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ragspeed import environment
 from ragspeed.bench.models import models_group
-from ragspeed.engine import model_zoo
 from ragspeed.engine.config import EngineConfig
-from ragspeed.engine.loader import resolve_model_path
-from ragspeed.engine.model_zoo import (
+from ragspeed.engine.native.loading import model_zoo
+from ragspeed.engine.native.loading.loader import resolve_model_path
+from ragspeed.engine.native.loading.model_zoo import (
     ASSETS_DIR,
     BENCH_MODELS,
     DEFAULT_MODEL_NAME,
@@ -278,7 +278,7 @@ def test_cli_list_and_bad_build(tmp_path, monkeypatch):
 
 
 def test_the_default_models_draft_is_built_by_one_command_into_the_cache(tmp_path):
-    from ragspeed.engine.model_zoo import ZOO_DRAFTS, zoo_draft
+    from ragspeed.engine.native.loading.model_zoo import ZOO_DRAFTS, zoo_draft
 
     assert ZOO_DRAFTS[DEFAULT_MODEL_NAME] == "smollm2-135m-instruct-draft"
     assert zoo_draft(DEFAULT_MODEL_NAME, tmp_path) is None and zoo_draft("bench-135m", tmp_path) is None

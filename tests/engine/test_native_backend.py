@@ -8,10 +8,10 @@ import pytest
 
 from ragspeed.engine.backends.native import NativeEngine
 from ragspeed.engine.config import EngineConfig
-from ragspeed.engine.detokenizer import IncrementalDetokenizer
+from ragspeed.engine.native.core.detokenizer import IncrementalDetokenizer
+from ragspeed.engine.native.core.request import Request
+from ragspeed.engine.native.core.sampling import SamplingState
 from ragspeed.engine.protocol import EngineClient, GenerationRequest, PromptTooLongError, SamplingParams
-from ragspeed.engine.request import Request
-from ragspeed.engine.sampling import SamplingState
 
 PROMPT = tuple(range(10, 50))
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -11,7 +11,7 @@ import socket
 import pytest
 
 from ragspeed.bench.instant_upstream import PROMPT_TOKENS, InstantUpstream
-from ragspeed.engine.backends.openai_backend import OpenAIEngine, UpstreamStream, chat_body
+from ragspeed.engine.backends.remote.openai_backend import OpenAIEngine, UpstreamStream, chat_body
 from ragspeed.engine.config import EngineConfig, UpstreamConfig
 from ragspeed.engine.protocol import EngineError, GenerationRequest, SamplingParams, UpstreamError
 

@@ -1,4 +1,4 @@
-"""Prefill precision by the CPU's capability (engine.precision): the policy on an AMX Xeon and
+"""Prefill precision by the CPU's capability (engine.native.core.precision): the policy on an AMX Xeon and
 on this AVX2 AMD (both injected), the bf16 branch forced on any machine (emulated bf16 here:
 tiny model, few tokens), the start-up gate's fallback and the bad-input errors."""
 
@@ -9,17 +9,22 @@ import logging
 import pytest
 import torch
 
-from ragspeed.engine.dtypes import DTYPES, DtypeUnavailableError, dtype_choice, model_dtype
-from ragspeed.engine.loader import load_model
-from ragspeed.engine.models.linear import DENSE_PREFILL_PATHS, DenseLinear
-from ragspeed.engine.precision import calibration_windows, choose_prefill, gate_weights, plan_prefill
+from ragspeed.engine.native.compute.quant.probe import Measurement, PrefillProbe, ProbeGemm
+from ragspeed.engine.native.core.precision import (
+    calibration_windows,
+    choose_prefill,
+    gate_weights,
+    plan_prefill,
+)
+from ragspeed.engine.native.core.quality import QualityReport
+from ragspeed.engine.native.core.quality_gate import QualityGate, use_prefill_path
+from ragspeed.engine.native.loading.dtypes import DTYPES, DtypeUnavailableError, dtype_choice, model_dtype
+from ragspeed.engine.native.loading.loader import load_model
+from ragspeed.engine.native.models.linear import DENSE_PREFILL_PATHS, DenseLinear
 from ragspeed.engine.protocol import GenerationRequest, SamplingParams
-from ragspeed.engine.quant.gate import QualityGate, use_prefill_path
-from ragspeed.engine.quant.probe import Measurement, PrefillProbe, ProbeGemm
-from ragspeed.engine.quant.quality import QualityReport
 from tests.engine.conftest import AMX, AVX2, AVX512_BF16, make_engine
 
-# The prefill paths' product times, injected (engine.quant.probe; its own tests order by others)
+# The prefill paths' product times, injected (engine.native.compute.quant.probe; its own tests order by others)
 SECONDS = {
     "bf16": 1.0,
     "fp32": 4.0,
@@ -91,7 +96,7 @@ def test_bad_dtypes_are_refused_with_what_runs():
 
 def test_engine_start_up_refuses_bfloat16_without_bf16(tiny_checkpoints):
     from ragspeed.engine.config import EngineConfig
-    from ragspeed.engine.factory import build_llm_engine
+    from ragspeed.engine.native.core.factory import build_llm_engine
 
     config = EngineConfig(model=str(tiny_checkpoints["llama"]), dtype="bfloat16", max_model_len=64)
     with pytest.raises(DtypeUnavailableError, match=r"this CPU \(AMD EPYC\) has avx2: use --dtype auto"):
@@ -113,7 +118,7 @@ def _dense_dtypes(engine) -> set[torch.dtype]:
 
 
 def test_auto_on_avx2_is_fp32_and_nothing_in_bf16(tiny_checkpoints, caplog):
-    with caplog.at_level(logging.INFO, logger="ragspeed.engine.precision"):
+    with caplog.at_level(logging.INFO, logger="ragspeed.engine.native.core.precision"):
         engine = make_engine(tiny_checkpoints["llama"], dtype="auto", features=AVX2)
     assert engine.prefill_path == "fp32"
     assert _dense_dtypes(engine) == {torch.float32}
@@ -131,7 +136,7 @@ def _failing(path) -> QualityReport:
 
 
 def test_gate_falls_back_to_fp32_and_logs_why(tiny_checkpoints, caplog):
-    from ragspeed.engine.loader import load_model
+    from ragspeed.engine.native.loading.loader import load_model
 
     loaded = load_model(tiny_checkpoints["llama"], dtype="auto", max_model_len=64)
     plan = plan_prefill("auto", loaded.quantization, "cpu", AMX, PROBE)
@@ -202,8 +207,8 @@ def test_forced_bf16_branch_computes_on_this_cpu(tiny_checkpoints):
     # bf16 and the native engine only the prefill GEMMs; each first token (the prefill's) is.
     assert [g[0] for g in got] == [r[0] for r in reference]
     # Prefill logits against transformers' bf16 ones, by the gate's measures.
-    from ragspeed.engine.quant.quality import compare_logits
-    from ragspeed.engine.window_logits import window_logits
+    from ragspeed.engine.native.core.quality import compare_logits
+    from ragspeed.engine.native.core.window_logits import window_logits
 
     windows = calibration_windows(engine.tokenizer)
 
@@ -254,12 +259,12 @@ def _gate_by_top1(top1: dict[str, float]):
 
 def test_gguf_blocks_prefill_on_the_first_integer_path_the_gate_passes(tmp_path, tiny_checkpoints, caplog):
     """int8 activations fail the gate (SmolLM2-135M: top-1 96.85%), int16 pass: the model's Q4_1
-    layers move to the int16 product (engine.cpu_kernels.int8_prefill), its Q8_0 head keeps no
+    layers move to the int16 product (engine.native.compute.cpu_kernels.int8_prefill), its Q8_0 head keeps no
     dense copy; a prefill of many rows then computes each row exactly as the decode kernels do
     (the same int16 rounding, exact integer sums, the same fp32 steps in the same order)."""
-    from ragspeed.engine.cpu_kernels.int8_prefill import Int8BlocksGemm
-    from ragspeed.engine.gguf import converted_copy
-    from ragspeed.engine.models.linear import GgufLinear
+    from ragspeed.engine.native.compute.cpu_kernels.int8_prefill import Int8BlocksGemm
+    from ragspeed.engine.native.loading.gguf import converted_copy
+    from ragspeed.engine.native.models.linear import GgufLinear
     from tests.engine.tiny_gguf import write_tiny_gguf
 
     path = write_tiny_gguf(tiny_checkpoints["llama"], tmp_path / "tiny-Q4_1.gguf", "Q4_1")

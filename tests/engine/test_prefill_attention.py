@@ -1,4 +1,4 @@
-"""The prefill attention kernel (engine/cpu_kernels/prefill_attention.c) against causal attention
+"""The prefill attention kernel (engine/native/compute/cpu_kernels/prefill_attention.c) against causal attention
 in float64, on every build of the kernels this CPU runs."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from ragspeed.engine.cpu_kernels import load_library
-from ragspeed.engine.cpu_kernels.attention import paged_prefill_attention
+from ragspeed.engine.native.compute.cpu_kernels import load_library
+from ragspeed.engine.native.compute.cpu_kernels.attention import paged_prefill_attention
 
 pytestmark = pytest.mark.skipif(
     load_library() is None, reason="ragspeed's CPU kernels could not be built here"

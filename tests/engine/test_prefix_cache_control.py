@@ -8,7 +8,7 @@ import asyncio
 import torch
 
 from ragspeed.engine.backends.native import NativeEngine
-from ragspeed.engine.backends.openai_backend import OpenAIEngine
+from ragspeed.engine.backends.remote.openai_backend import OpenAIEngine
 from ragspeed.engine.backends.transformers_backend import TransformersEngine
 from ragspeed.engine.config import EngineConfig, UpstreamConfig
 from ragspeed.engine.protocol import GenerationRequest, PrefixCacheControl, SamplingParams

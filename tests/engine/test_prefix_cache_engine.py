@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ragspeed.engine.prefix_store import pin_prefix, unpin_prefix
+from ragspeed.engine.native.core.prefix_store import pin_prefix, unpin_prefix
 from ragspeed.engine.protocol import GenerationRequest, SamplingParams
 from tests.engine.conftest import hf_greedy, make_engine, speculate_every_step
 

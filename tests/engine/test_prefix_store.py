@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from ragspeed.engine.prefix_store import (
+from ragspeed.engine.native.core.prefix_store import (
     PinnedPrefix,
     PrefixStore,
     WeightHashes,
@@ -102,7 +102,7 @@ def test_a_kv_of_another_shape_is_refused_not_a_crash(tiny_checkpoints, tmp_path
     # Checksums and fingerprint intact, the tensor of another layout: refused at load...
     wrong = export_kv(engine, block_ids)[:, :, :, :4]
     store.save(PinnedPrefix("support", PREFIX, block_ids, "the text"), wrong)
-    with caplog.at_level(logging.WARNING, logger="ragspeed.engine.prefix_store"):
+    with caplog.at_level(logging.WARNING, logger="ragspeed.engine.native.core.prefix_store"):
         assert _records_only(store) == [(PromptRecord("support", "the text"), False)]
     assert "KV of shape [2, 2, 5, 4, 2, 16]" in caplog.text
     # ...and at restore, a ValueError that leaves the pool as it was.
@@ -120,7 +120,7 @@ def test_temporaries_are_removed_and_prefixes_without_a_record_adopted(tiny_chec
     store, _ = _save(engine, tmp_path, name="legacy", record=False)  # saved before records existed
     (tmp_path / ".legacy.safetensors.0a1b.tmp").write_bytes(b"half a tensor file")
     (tmp_path / ".other.prompt.json.2c3d.tmp").write_text("{")
-    with caplog.at_level(logging.INFO, logger="ragspeed.engine.prefix_store"):
+    with caplog.at_level(logging.INFO, logger="ragspeed.engine.native.core.prefix_store"):
         [saved] = store.load_all()
     assert saved.record == PromptRecord("legacy", "the text") and saved.kv is not None
     assert "removed 2 temporary file(s)" in caplog.text

@@ -1,4 +1,4 @@
-"""The prefill paths ordered by a measurement on the machine (engine.quant.probe), with the
+"""The prefill paths ordered by a measurement on the machine (engine.native.compute.quant.probe), with the
 measurement injected: the order follows the given times, the times are kept on disk and read
 back instead of measured, a corrupt file is measured again, and on either CPU branch only
 runnable paths are candidates with the exact one last. No test here depends on a timing."""
@@ -11,16 +11,16 @@ import logging
 import pytest
 import torch
 
-from ragspeed.engine.models.linear import DENSE_PREFILL_PATHS
-from ragspeed.engine.precision import plan_prefill
-from ragspeed.engine.quant.prefill import PREFILL_PATHS, prefill_candidates, runnable_paths
-from ragspeed.engine.quant.probe import (
+from ragspeed.engine.native.compute.quant.prefill import PREFILL_PATHS, prefill_candidates, runnable_paths
+from ragspeed.engine.native.compute.quant.probe import (
     Measurement,
     PrefillProbe,
     ProbeGemm,
     machine_probe,
     time_products,
 )
+from ragspeed.engine.native.core.precision import plan_prefill
+from ragspeed.engine.native.models.linear import DENSE_PREFILL_PATHS
 from tests.engine.conftest import AMX, AVX2, AVX512_BF16
 
 GEMM = ProbeGemm(in_features=64, num_threads=2, rows=8, out_features=32)  # 32,768 FLOPs
@@ -69,7 +69,7 @@ def _names(paths) -> list[str]:
 )  # fmt: skip
 def test_order_follows_the_measured_rates(seconds, order, caplog):
     probe, times = _probe(seconds)
-    with caplog.at_level(logging.INFO, logger="ragspeed.engine.quant.probe"):
+    with caplog.at_level(logging.INFO, logger="ragspeed.engine.native.compute.quant.probe"):
         assert _names(prefill_candidates(AMX, probe)) == order
     assert times.calls == ["fbgemm-u8", "bf16-dequantized", "fp32-dequantized"]  # each once
     assert len(caplog.messages) == 1  # the start-up line
@@ -77,7 +77,7 @@ def test_order_follows_the_measured_rates(seconds, order, caplog):
 
 def test_the_start_up_line_names_rates_and_order(caplog):
     probe, _ = _probe({"fbgemm-u8": 2e-6, "bf16-dequantized": 1e-6, "fp32-dequantized": 1.6384e-6})
-    with caplog.at_level(logging.INFO, logger="ragspeed.engine.quant.probe"):
+    with caplog.at_level(logging.INFO, logger="ragspeed.engine.native.compute.quant.probe"):
         prefill_candidates(AMX, probe)
     # 32,768 FLOPs in 1 us: 33 GFLOP/s
     assert caplog.messages == [
@@ -99,7 +99,7 @@ def test_times_are_kept_and_read_instead_of_measured(tmp_path, caplog):
     assert stored["key"]["paths"] == ["bf16", "fp32"] and stored["key"]["torch"] == torch.__version__
     # a later start-up: the file, no measurement (even one that would order otherwise)
     later, later_times = _probe({"bf16": 9e-6, "fp32": 4e-6}, tmp_path)
-    with caplog.at_level(logging.INFO, logger="ragspeed.engine.quant.probe"):
+    with caplog.at_level(logging.INFO, logger="ragspeed.engine.native.compute.quant.probe"):
         assert _names(runnable_paths(DENSE_PREFILL_PATHS, AMX, later)) == ["bf16", "fp32"]
     assert later_times.calls == []
     assert f"(read from {file})" in caplog.messages[0]
@@ -136,7 +136,7 @@ def test_a_corrupt_file_is_measured_again(tmp_path, caplog, content):
     elif content == "NEGATIVE":
         content = json.dumps({"key": key, "seconds": {"bf16": -1.0, "fp32": 4e-6}, "cpu_share": 1.0})
     file.write_text(content)
-    with caplog.at_level(logging.INFO, logger="ragspeed.engine.quant.probe"):
+    with caplog.at_level(logging.INFO, logger="ragspeed.engine.native.compute.quant.probe"):
         assert _names(runnable_paths(DENSE_PREFILL_PATHS, AMX, probe)) == ["bf16", "fp32"]
     assert times.calls == ["bf16", "fp32"]
     assert json.loads(file.read_text()) == {"key": key, "seconds": seconds, "cpu_share": 1.0}  # rewritten
@@ -146,7 +146,7 @@ def test_a_corrupt_file_is_measured_again(tmp_path, caplog, content):
 def test_an_unreadable_or_unwritable_folder_costs_a_measurement_not_a_start_up(tmp_path, caplog):
     (tmp_path / "file").write_text("")
     probe, times = _probe({"bf16": 1e-6, "fp32": 4e-6}, tmp_path / "file")  # a file, not a folder
-    with caplog.at_level(logging.WARNING, logger="ragspeed.engine.quant.probe"):
+    with caplog.at_level(logging.WARNING, logger="ragspeed.engine.native.compute.quant.probe"):
         assert _names(runnable_paths(DENSE_PREFILL_PATHS, AMX, probe)) == ["bf16", "fp32"]
         assert _names(runnable_paths(DENSE_PREFILL_PATHS, AMX, probe)) == ["bf16", "fp32"]
     assert times.calls == ["bf16", "fp32", "bf16", "fp32"]
@@ -165,7 +165,7 @@ def test_a_busy_machine_orders_this_start_up_drops_nothing_and_keeps_nothing(tmp
     no file is written, so the next start-up measures again."""
     seconds = {"fbgemm-u8": 1e-6, "bf16-dequantized": 8e-6, "fp32-dequantized": 4e-6}
     probe, times = _probe(seconds, tmp_path, cpu_share=0.3)
-    with caplog.at_level(logging.INFO, logger="ragspeed.engine.quant.probe"):
+    with caplog.at_level(logging.INFO, logger="ragspeed.engine.native.compute.quant.probe"):
         order = _names(prefill_candidates(AMX, probe))
         assert _names(prefill_candidates(AMX, probe)) == order
     assert order == ["fbgemm-u8", "bf16-dequantized", "fp32-dequantized"]
@@ -186,7 +186,7 @@ def test_a_path_slower_than_fp32_stays_where_the_dtype_asks_for_its_precision(ca
     """`--dtype bfloat16` keeps bf16 a candidate though it measured slower than fp32 (the gate
     may still refuse it); `auto` drops it."""
     probe, _ = _probe({"bf16": 8e-6, "fp32": 4e-6})
-    with caplog.at_level(logging.INFO, logger="ragspeed.engine.quant.probe"):
+    with caplog.at_level(logging.INFO, logger="ragspeed.engine.native.compute.quant.probe"):
         assert _names(plan_prefill("bfloat16", None, "cpu", AMX, probe).candidates) == ["bf16", "fp32"]
         assert _names(plan_prefill("auto", None, "cpu", AMX, probe).candidates) == ["fp32"]
     assert caplog.messages[0].endswith("order bf16 > fp32; not faster than fp32 but asked for: bf16")
@@ -247,7 +247,7 @@ def test_an_engine_measures_at_start_up_once_per_machine(tiny_checkpoints, tmp_p
     """The engine's default probe: the model's hidden size and the engine's threads, its times
     kept in the kernel cache (ragspeed.environment), read by the next engine on this machine."""
     from ragspeed import environment
-    from ragspeed.engine.quant import probe
+    from ragspeed.engine.native.compute.quant import probe
     from tests.engine.conftest import make_engine
 
     environment.configure(environment.Environment(kernel_cache=tmp_path))
@@ -258,7 +258,7 @@ def test_an_engine_measures_at_start_up_once_per_machine(tiny_checkpoints, tmp_p
         return Measurement({"bf16": 1e-6, "fp32": 4e-6}, 1.0)
 
     monkeypatch.setattr(probe, "time_products", measure)
-    with caplog.at_level(logging.INFO, logger="ragspeed.engine.quant.probe"):
+    with caplog.at_level(logging.INFO, logger="ragspeed.engine.native.compute.quant.probe"):
         for _ in range(2):
             make_engine(
                 tiny_checkpoints["llama"],
@@ -270,7 +270,7 @@ def test_an_engine_measures_at_start_up_once_per_machine(tiny_checkpoints, tmp_p
             )
     assert measured == [(["bf16", "fp32"], ProbeGemm(64, 1))]
     assert len(list(tmp_path.glob("prefill-paths-*.json"))) == 1
-    lines = [r.getMessage() for r in caplog.records if r.name == "ragspeed.engine.quant.probe"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "ragspeed.engine.native.compute.quant.probe"]
     assert lines[0].startswith("prefill paths on Intel Xeon, 256x64 -> 2048 on 1 thread (measured): ")
     assert lines[1].startswith("prefill paths on Intel Xeon, 256x64 -> 2048 on 1 thread (read from ")
     assert len(lines) == 2

@@ -1,4 +1,4 @@
-"""int8 weights (engine.quant): per-channel quantization, the linear kinds, errors, memory,
+"""int8 weights (engine.native.compute.quant): per-channel quantization, the linear kinds, errors, memory,
 quality against fp32 on the demo model, and the engine's batching and prefix caching in int8."""
 
 from __future__ import annotations
@@ -6,22 +6,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ragspeed.engine import cpu_features
 from ragspeed.engine.config import EngineConfig
-from ragspeed.engine.cpu_kernels import blocked_kernels_available
-from ragspeed.engine.loader import load_model
-from ragspeed.engine.models.linear import LINEAR_KINDS, DenseLinear, build_linear
-from ragspeed.engine.protocol import GenerationRequest, SamplingParams
-from ragspeed.engine.quant import (
+from ragspeed.engine.native.compute import cpu_features
+from ragspeed.engine.native.compute.cpu_kernels import blocked_kernels_available
+from ragspeed.engine.native.compute.quant import (
     Int8Linear,
     QuantizationUnavailableError,
     available_quantizations,
     check_quantization,
     quantize_per_channel,
 )
-from ragspeed.engine.quant.quality import compare_logits, text_windows
-from ragspeed.engine.quant.weight_only_int8 import WeightOnlyInt8Kernel
-from ragspeed.engine.window_logits import compare_quality, decode_window_logits, window_logits
+from ragspeed.engine.native.compute.quant.weight_only_int8 import WeightOnlyInt8Kernel
+from ragspeed.engine.native.core.quality import compare_logits, text_windows
+from ragspeed.engine.native.core.window_logits import compare_quality, decode_window_logits, window_logits
+from ragspeed.engine.native.loading.loader import load_model
+from ragspeed.engine.native.models.linear import LINEAR_KINDS, DenseLinear, build_linear
+from ragspeed.engine.protocol import GenerationRequest, SamplingParams
 from tests.engine.conftest import make_engine
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -29,7 +29,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 @pytest.fixture(scope="module")
 def demo_path():
-    from ragspeed.engine.model_zoo import resolve_model
+    from ragspeed.engine.native.loading.model_zoo import resolve_model
 
     return resolve_model("ragspeed-demo")
 
@@ -142,7 +142,7 @@ def test_int8_linear_on_cuda(dtype):
 
 
 def test_demo_engine_int8_memory_and_lm_head(demo_path, monkeypatch):
-    # The AVX2 branch (engine.quant.prefill) forced, whatever this CPU has.
+    # The AVX2 branch (engine.native.compute.quant.prefill) forced, whatever this CPU has.
     monkeypatch.setattr(
         cpu_features,
         "read_cpu_features",
@@ -155,7 +155,7 @@ def test_demo_engine_int8_memory_and_lm_head(demo_path, monkeypatch):
     assert model.embed_tokens.dtype == torch.float32  # the lookup stays fp32
     stats = engine.stats()
     # Every linear keeps its fp32-dequantized prefill layout and its int8 with group scales:
-    # the blocked copy decoding reads (engine.cpu_kernels), or the int8 weight where the kernels
+    # the blocked copy decoding reads (engine.native.compute.cpu_kernels), or the int8 weight where the kernels
     # are not built; the demo model has no biases, so both count alike.
     assert stats["weight_bytes"] == 40_043_520  # 32,523,264 fp32 + 7,077,888 int8 + 442,368 fp16 scales
     assert stats["weight_bytes_unquantized"] == 32_523_264

@@ -6,8 +6,8 @@ from collections import Counter
 
 import pytest
 
-from ragspeed.engine.backends.openai_backend import OpenAIEngine
-from ragspeed.engine.backends.routing import AffinityRouter
+from ragspeed.engine.backends.remote.openai_backend import OpenAIEngine
+from ragspeed.engine.backends.remote.routing import AffinityRouter
 from ragspeed.engine.config import EngineConfig, UpstreamConfig
 from ragspeed.engine.protocol import GenerationRequest
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from ragspeed.engine.native.core.sampler import Sampler
+from ragspeed.engine.native.core.sampling import SamplingState
 from ragspeed.engine.protocol import SamplingParams
-from ragspeed.engine.sampler import Sampler
-from ragspeed.engine.sampling import SamplingState
 
 LOGITS = torch.tensor([[1.0, 3.0, 2.0, 0.5], [0.0, 0.1, 4.0, 3.9]])
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from ragspeed.engine.native.core.request import Request, RequestStatus
+from ragspeed.engine.native.core.sampling import SamplingState
+from ragspeed.engine.native.core.scheduler import Scheduler
 from ragspeed.engine.protocol import GenerationRequest, SamplingParams
-from ragspeed.engine.request import Request, RequestStatus
-from ragspeed.engine.sampling import SamplingState
-from ragspeed.engine.scheduler import Scheduler
 from ragspeed.prompt_cache.manager import KVCacheManager
 
 

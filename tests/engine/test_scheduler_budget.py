@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from ragspeed.engine.native.core.request import Request, RequestStatus
+from ragspeed.engine.native.core.sampling import SamplingState
+from ragspeed.engine.native.core.scheduler import Scheduler, StepTimeModel
 from ragspeed.engine.protocol import PRIORITY_BATCH, PRIORITY_INTERACTIVE, GenerationRequest, SamplingParams
-from ragspeed.engine.request import Request, RequestStatus
-from ragspeed.engine.sampling import SamplingState
-from ragspeed.engine.scheduler import Scheduler, StepTimeModel
 from ragspeed.prompt_cache.manager import KVCacheManager
 
 # Binary fractions, so that every figure below is exact.

@@ -7,10 +7,15 @@ import torch
 
 from ragspeed.engine.backends import build_engine
 from ragspeed.engine.config import EngineConfig
+from ragspeed.engine.native.core.sampling import SamplingState
+from ragspeed.engine.native.core.spec_decode import (
+    AdaptiveController,
+    NgramProposer,
+    verify_greedy,
+    verify_sampled,
+)
+from ragspeed.engine.native.core.spec_decode.rejection import target_probs
 from ragspeed.engine.protocol import EngineError, GenerationRequest, SamplingParams
-from ragspeed.engine.sampling import SamplingState
-from ragspeed.engine.spec_decode import AdaptiveController, NgramProposer, verify_greedy, verify_sampled
-from ragspeed.engine.spec_decode.rejection import target_probs
 from tests.engine.conftest import assert_all_blocks_free, make_engine, speculate_every_step
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -133,7 +138,7 @@ def test_a_proposers_one_time_work_is_not_counted_as_the_steps_cost():
     `setup_seconds` and left out of the step cost the controller compares."""
     from types import SimpleNamespace
 
-    from ragspeed.engine.spec_decode.speculator import Speculator
+    from ragspeed.engine.native.core.spec_decode.speculator import Speculator
 
     class Proposer:
         name = "once"
@@ -357,8 +362,8 @@ def test_speculation_is_off_by_default(tiny_checkpoints):
 
 
 def test_a_zoo_model_speculates_with_its_zoo_draft_when_none_is_given():
-    from ragspeed.engine.model_zoo import DEMO_DRAFT_MODEL_NAME, DEMO_MODEL_NAME
-    from ragspeed.engine.spec_decode.draft import DraftProposer
+    from ragspeed.engine.native.core.spec_decode.draft import DraftProposer
+    from ragspeed.engine.native.loading.model_zoo import DEMO_DRAFT_MODEL_NAME, DEMO_MODEL_NAME
 
     engine = make_engine(DEMO_MODEL_NAME, speculative="draft")
     assert isinstance(engine.speculator.proposer, DraftProposer)

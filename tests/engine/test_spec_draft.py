@@ -13,9 +13,9 @@ from safetensors.torch import load_file, save_file
 
 from ragspeed.engine.backends import build_engine
 from ragspeed.engine.config import EngineConfig
-from ragspeed.engine.loader import load_model
+from ragspeed.engine.native.core.spec_decode import DraftProposer
+from ragspeed.engine.native.loading.loader import load_model
 from ragspeed.engine.protocol import EngineError, GenerationRequest, SamplingParams
-from ragspeed.engine.spec_decode import DraftProposer
 from tests.engine.conftest import assert_all_blocks_free, make_engine, speculate_every_step
 from tests.engine.tiny_models import build_tiny_checkpoint, build_tokenizer
 
@@ -112,8 +112,8 @@ def test_greedy_single_and_batched_identical_to_plain_decoding(
 
 
 def test_draft_quantization_auto_is_int8_on_a_cpu(tiny_checkpoints, drafts):
-    from ragspeed.engine.quant import Int8Linear
-    from ragspeed.engine.spec_decode.draft import draft_quantization
+    from ragspeed.engine.native.compute.quant import Int8Linear
+    from ragspeed.engine.native.core.spec_decode.draft import draft_quantization
 
     base = EngineConfig(speculative="draft", draft_model="d")
     assert draft_quantization(base) == "int8"
@@ -264,7 +264,7 @@ def tiny_demo_target(tmp_path_factory):
     """A 2-layer Llama with the demo tokenizer (4,096 tokens, chat template), random weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ragspeed.engine.model_zoo import resolve_model
+    from ragspeed.engine.native.loading.model_zoo import resolve_model
 
     demo = resolve_model("ragspeed-demo")
     path = tmp_path_factory.mktemp("tiny-demo")

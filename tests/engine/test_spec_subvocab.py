@@ -12,12 +12,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ragspeed import environment
-from ragspeed.engine.cpu_kernels.build import load_library
-from ragspeed.engine.loader import load_model
+from ragspeed.engine.native.compute.cpu_kernels.build import load_library
+from ragspeed.engine.native.core.sampling import SamplingState
+from ragspeed.engine.native.core.spec_decode import DraftProposer, verify_sampled
+from ragspeed.engine.native.core.spec_decode.rejection import target_probs, verify_sampled_q
+from ragspeed.engine.native.loading.loader import load_model
 from ragspeed.engine.protocol import EngineError, GenerationRequest, SamplingParams
-from ragspeed.engine.sampling import SamplingState
-from ragspeed.engine.spec_decode import DraftProposer, verify_sampled
-from ragspeed.engine.spec_decode.rejection import target_probs, verify_sampled_q
 from tests.engine.conftest import assert_all_blocks_free, make_engine
 from tests.engine.tiny_models import VOCAB_SIZE, build_sub_vocab_draft, build_tiny_checkpoint
 
@@ -119,7 +119,7 @@ def test_rejection_sampling_keeps_the_target_distribution_with_a_sub_vocabulary_
     """The target's two most likely tokens lie outside the draft's vocabulary, so the draft
     never proposes them (its proposal gives them zero probability): rejection sampling must
     still emit them at the target's rates. Drafts are greedy, a point-mass proposal (the only
-    kind the engine's sampler takes, engine.spec_decode.rejection)."""
+    kind the engine's sampler takes, engine.native.core.spec_decode.rejection)."""
     from scipy.stats import chisquare
     from transformers import AutoModelForCausalLM
 

@@ -1,4 +1,4 @@
-"""The model runner's step buffers (engine.step_buffers): what each step reads from them is that
+"""The model runner's step buffers (engine.native.compute.step_buffers): what each step reads from them is that
 step's batch, whatever was written before, as the batch grows, shrinks and changes hands."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ragspeed.engine.models.rotary import RotaryEmbedding
-from ragspeed.engine.step_buffers import RowBuffer, StepBuffers
+from ragspeed.engine.native.compute.step_buffers import RowBuffer, StepBuffers
+from ragspeed.engine.native.models.rotary import RotaryEmbedding
 
 BLOCK_SIZE = 4
 

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from ragspeed.engine.logits_process import LogitsProcessor
+from ragspeed.engine.native.core.logits_process import LogitsProcessor
+from ragspeed.engine.native.core.sampler import Sampler
+from ragspeed.engine.native.core.sampling import SamplingState
 from ragspeed.engine.protocol import EngineError, GenerationRequest, SamplingParams, StructuredOutput
-from ragspeed.engine.sampler import Sampler
-from ragspeed.engine.sampling import SamplingState
 from tests.engine.conftest import assert_all_blocks_free, make_engine, speculate_every_step
 
 SCHEMA = {

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from transformers import AutoTokenizer
 
-from ragspeed.engine.detokenizer import IncrementalDetokenizer, text_decoder
-from ragspeed.engine.model_zoo import resolve_model
-from ragspeed.engine.stop import StopStringMatcher
+from ragspeed.engine.native.core.detokenizer import IncrementalDetokenizer, text_decoder
+from ragspeed.engine.native.core.stop import StopStringMatcher
+from ragspeed.engine.native.loading.model_zoo import resolve_model
 
 
 def test_stop_string_split_across_deltas():

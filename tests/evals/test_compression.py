@@ -60,7 +60,7 @@ TEXT = "Wilhelm Conrad Röntgen received the first Nobel Prize in Physics in 190
 
 
 def test_tokens_are_counted_with_the_served_models_tokenizer(tmp_path):
-    from ragspeed.engine.model_zoo import resolve_model
+    from ragspeed.engine.native.loading.model_zoo import resolve_model
     from ragspeed.evals.cli import load_tokenizer
 
     tokenizer = load_tokenizer()  # the default model's: smollm2-135m-instruct

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from ragspeed.bench.launcher import ServerProcess
-from ragspeed.engine.model_zoo import resolve_model
+from ragspeed.engine.native.loading.model_zoo import resolve_model
 
 _TOKENIZER_FILES = (
     "tokenizer.json",

@@ -7,7 +7,7 @@ from __future__ import annotations
 import openai
 
 from ragspeed.bench.launcher import ServerProcess
-from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
+from ragspeed.engine.native.loading.model_zoo import DEFAULT_MODEL_NAME
 from tests.real_model import NOBEL_DOCUMENT, NOBEL_MESSAGES, default_model_cache
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from ragspeed.bench.launcher import ServerProcess
 from ragspeed.document import Document
-from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
+from ragspeed.engine.native.loading.model_zoo import DEFAULT_MODEL_NAME
 from ragspeed.gateway.prompt import Segments, assemble_prompt
 from tests.real_model import NOBEL_DOCUMENT, NOBEL_MESSAGES, default_model_cache
 

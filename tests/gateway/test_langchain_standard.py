@@ -16,7 +16,7 @@ from langchain_openai import ChatOpenAI
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 
 from ragspeed.bench.launcher import ServerProcess
-from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME
+from ragspeed.engine.native.loading.model_zoo import DEFAULT_MODEL_NAME
 from tests.real_model import default_model_cache
 
 # The suite's async tests run on one event loop for the module: ChatOpenAI keeps its async HTTP

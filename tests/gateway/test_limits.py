@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from ragspeed.bench.launcher import ServerProcess, free_port
-from ragspeed.engine.backends.openai_backend import CircuitBreaker, OpenAIEngine
+from ragspeed.engine.backends.remote.openai_backend import CircuitBreaker, OpenAIEngine
 from ragspeed.engine.config import EngineConfig, UpstreamConfig
 from ragspeed.engine.protocol import GenerationRequest, SamplingParams, UpstreamError
 from ragspeed.gateway.errors import APIError

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from ragspeed.bench.launcher import ServerProcess, free_port
-from ragspeed.engine.model_zoo import DEFAULT_MODEL_NAME, ZOO
+from ragspeed.engine.native.loading.model_zoo import DEFAULT_MODEL_NAME, ZOO
 from ragspeed.gateway.prompt import render_documents, split_segments
 from ragspeed.gateway.protocol import ChatCompletionRequest
 from ragspeed.gateway.upstream_chat import upstream_chat_body

@@ -342,7 +342,7 @@ def test_a_start_that_fails_exits_non_zero_with_the_error_on_one_line(tiny_model
 
 
 def test_the_tokenizer_takes_the_names_the_model_takes(tiny_model, tmp_path):
-    from ragspeed.engine.model_zoo import ModelUnavailableError, resolve_tokenizer
+    from ragspeed.engine.native.loading.model_zoo import ModelUnavailableError, resolve_tokenizer
 
     assert resolve_tokenizer(None, tiny_model) == str(tiny_model)
     assert resolve_tokenizer(str(tiny_model), "elsewhere") == str(tiny_model)

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ragspeed.engine.adapter import merge_adapter, merged_is_current, read_adapter
-from ragspeed.engine.document_kv import placed_spans
-from ragspeed.engine.model_zoo import DEMO_MODEL_NAME, ZOO, AdaptedModel
+from ragspeed.engine.native.core.document_kv import placed_spans
+from ragspeed.engine.native.loading.adapter import merge_adapter, merged_is_current, read_adapter
+from ragspeed.engine.native.loading.model_zoo import DEMO_MODEL_NAME, ZOO, AdaptedModel
 from ragspeed.engine.protocol import DocumentCacheOptions, GenerationRequest, SamplingParams
 from ragspeed.evals.rag import Passage, RagExample
 from ragspeed.shipped_data import DATA_DIR

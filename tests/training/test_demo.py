@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from ragspeed import environment
-from ragspeed.engine.model_zoo import resolve_model
+from ragspeed.engine.native.loading.model_zoo import resolve_model
 from ragspeed.training.cli import train_demo, train_draft
 from ragspeed.training.corpus import detokenize_wikitext, load_corpus, read_wikitext_articles
 from ragspeed.training.demo import ChatEncoder, chunk_documents, copied_share, encode_documents
@@ -367,7 +367,7 @@ def test_ragspeed_train_demo_without_out_fails_before_training(tmp_path):
 
 
 def test_train_draft_of_the_default_model_writes_its_zoo_draft_by_default(tmp_path, monkeypatch):
-    from ragspeed.engine import model_zoo
+    from ragspeed.engine.native.loading import model_zoo
     from ragspeed.training import cli
 
     (tmp_path / "wiki_passages.txt").write_text("A passage.\n")
