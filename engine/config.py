@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ragspeed.engine.native.loading.model_zoo import DEFAULT_MODEL_NAME
+# The model a server runs unless told otherwise: a model-zoo name (engine.native.loading.model_zoo
+# keys the model under it). Declared here, in the seam, so that the config imports nothing of an
+# engine.
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 
 
 @dataclass(frozen=True)
@@ -37,9 +40,8 @@ class EngineConfig:
     # from the measured prefill rate (None: the token budget alone).
     tpot_target_ms: float | None = 50.0
     enable_prefix_caching: bool = True
-    quantization: str | None = (
-        None  # None | "auto" | "int8" | "gguf" (engine.native.loading.loader.resolve_quantization)
-    )
+    # None | "auto" | "int8" | "gguf" (engine.native.loading.loader.resolve_quantization)
+    quantization: str | None = None
     speculative: str | None = None  # None | "ngram" | "draft"
     draft_model: str | None = None
     # The draft's weights: "auto" is int8 on a CPU where int8 runs, else `quantization`.

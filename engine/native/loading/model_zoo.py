@@ -38,10 +38,10 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+from ragspeed.engine.config import DEFAULT_MODEL_NAME
 from ragspeed.environment import current
 
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
-DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 DEMO_MODEL_NAME = "ragspeed-demo"
 DEMO_DRAFT_MODEL_NAME = "ragspeed-demo-draft"
 DEFAULT_DRAFT_MODEL_NAME = "smollm2-135m-instruct-draft"
