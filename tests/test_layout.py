@@ -231,6 +231,54 @@ def test_the_engine_modules_import_in_no_loop():
     assert sorted(name for name in graph if name in _reaches(graph, name)) == []
 
 
+# The native engine's layers, top to bottom (engine/native/<layer>/).
+NATIVE_LAYERS = ("core", "loading", "models", "compute")
+# What every layer may read: the engine's seam.
+SEAM = ("ragspeed.engine.protocol", "ragspeed.engine.config")
+
+
+def _layer(name: str) -> int | None:
+    """The rank of a module's layer (0: core, the top), None outside the native engine's layers."""
+    parts = name.split(".")
+    if parts[:3] != ["ragspeed", "engine", "native"] or len(parts) < 4:
+        return None
+    assert parts[3] in NATIVE_LAYERS, f"{name} is in no layer of {NATIVE_LAYERS}"
+    return NATIVE_LAYERS.index(parts[3])
+
+
+def test_each_layer_of_the_native_engine_imports_only_the_layers_below_it():
+    """engine.native is four layers: core (requests, the scheduler, the runner, the KV and
+    document caches, speculation, the precision stage), loading (weight formats, the zoo),
+    models, compute (the kernels, the quantized linears, attention). A module imports its own
+    layer, the layers below it and the seam (engine.protocol, engine.config), never a layer above
+    nor a backend; every import counts (at the top, in a function, under TYPE_CHECKING). The
+    seam imports nothing of the native engine."""
+    from pathlib import Path
+
+    native = Path(__file__).resolve().parents[1] / "engine" / "native"
+    assert sorted(p.name for p in native.iterdir() if (p / "__init__.py").is_file()) == sorted(NATIVE_LAYERS)
+    graph = _engine_imports()
+    layered = sorted(name for name in graph if _layer(name) is not None)
+    assert len(layered) > 60  # the scan found the modules
+    upward = [
+        f"{name} -> {target}"
+        for name in layered
+        for target in sorted(graph[name])
+        if _layer(target) is not None and _layer(target) < _layer(name)
+    ]
+    outside = [
+        f"{name} -> {target}"
+        for name in layered
+        for target in sorted(graph[name])
+        if _layer(target) is None and target not in SEAM
+    ]
+    assert upward == []
+    assert outside == []
+    assert {name: sorted(t for t in graph[name] if _layer(t) is not None) for name in SEAM} == {
+        name: [] for name in SEAM
+    }
+
+
 def test_the_quality_figures_and_the_scheduler_output_stand_below_the_runner():
     graph = _engine_imports()
     below_runner = (
