@@ -1,1 +1,2 @@
-"""ragspeed's engines: the native engine and the backends behind one `EngineClient` protocol."""
+"""ragspeed's engines: the seam (`protocol`: the `EngineClient` protocol; `config`: the frozen
+configs), the backends behind it (`backends`), and the native engine in layers (`native`)."""
