@@ -4,7 +4,8 @@
  * q [n, num_heads, head_dim] are the last n positions of a context of num_cached + n keys; the
  * keys and values are in caches [num_slots, num_kv_heads, head_dim] (fp32, or fp16 where `half`)
  * at the slots of `block_table`; out [n, num_heads, head_dim]. Query i sees keys 0 ..
- * num_cached + i. engine/native/compute/attention.py's chunk_attention (SDPA's flash kernel) is the reference.
+ * num_cached + i. chunk_attention (SDPA's flash kernel; engine/native/compute/attention.py) is
+ * the reference.
  *
  * First the context is packed per KV head, fp32, in tiles of KEY_TILE keys: the keys transposed
  * ([head_dim][KEY_TILE], so scores are outer products of a query element and a vector of keys)
