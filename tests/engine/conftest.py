@@ -9,6 +9,7 @@ import torch
 
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.native.compute.cpu_features import CpuFeatures
+from ragspeed.engine.native.compute.cpu_kernels import load_library
 from ragspeed.engine.native.compute.cpu_kernels.blocked import INT8_GROUP
 from ragspeed.engine.native.core.factory import build_llm_engine
 from ragspeed.engine.native.core.llm_engine import LLMEngine
@@ -24,6 +25,18 @@ AMX = CpuFeatures(
 AVX512_BF16 = CpuFeatures(
     "AMD EPYC Zen 4", frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16"}), "AVX512"
 )
+
+# The builds of the kernels a test runs on this CPU: its own, an AVX2-only CPU's, plain C's.
+KERNEL_ISAS = ("native", "avx2", "plain")
+
+
+def kernel_library(isa: str):
+    """The kernels built for `isa` (one of KERNEL_ISAS), or the test skipped where that build failed."""
+    library = load_library(isa)
+    if library is None:
+        pytest.skip(f"the {isa} build of the kernels failed here")
+    return library
+
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 SEEDS = {"llama": 1, "qwen2": 2, "qwen3": 3, "mistral": 4}

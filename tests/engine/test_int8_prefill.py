@@ -31,30 +31,22 @@ from ragspeed.engine.native.compute.cpu_kernels.int8_prefill import (
     quantize_rows,
 )
 from ragspeed.engine.native.compute.quant.gguf_blocks import GgufBlocks
-from tests.engine.conftest import int16_rows
+from tests.engine.conftest import KERNEL_ISAS, int16_rows, kernel_library
 
 pytestmark = pytest.mark.skipif(
     load_library() is None, reason="ragspeed's CPU kernels could not be built here"
 )
 
-ISAS = ("native", "avx2", "plain")
 U = 2.0**-24
-
-
-def _library(isa: str):
-    library = load_library(isa)
-    if library is None:
-        pytest.skip(f"the {isa} build of the kernels failed here")
-    return library
 
 
 def test_each_build_runs_its_branch():
     flags = read_cpu_features().flags
     native = "avx512-vnni" if "avx512_vnni" in flags else "avx2" if "avx2" in flags else "plain C"
-    assert isa_of(_library("native")) == native
+    assert isa_of(kernel_library("native")) == native
     if "avx2" in flags:
-        assert isa_of(_library("avx2")) == "avx2"
-    assert isa_of(_library("plain")) == "plain C"
+        assert isa_of(kernel_library("avx2")) == "avx2"
+    assert isa_of(kernel_library("plain")) == "plain C"
 
 
 def _numpy_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -70,13 +62,13 @@ def _numpy_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return q.reshape(m, k).astype(np.int8), step, xsum
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", KERNEL_ISAS)
 def test_rows_round_as_numpy_does(isa):
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(37, 192, generator=gen) * torch.rand(37, 1, generator=gen) * 10
     x[0, :32] = 0.0  # a group of zeros: step 0, values 0
     x[1, 32:64] = torch.arange(32) - 15.5  # evenly spaced values, the largest at both ends
-    rows = quantize_rows(x, 2, _library(isa))
+    rows = quantize_rows(x, 2, kernel_library(isa))
     xq, xs, xsum = _numpy_rows(x.numpy())
     assert np.array_equal(rows.xq.numpy(), xq)
     assert np.array_equal(rows.xs.numpy(), xs)
@@ -91,14 +83,14 @@ def _random_q4(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torc
     return values, torch.cat([d, m], dim=-1).half()
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", KERNEL_ISAS)
 @pytest.mark.parametrize("m, n, k", [(1, 16, 32), (5, 37, 96), (37, 64, 576), (300, 40, 64)])
 def test_integer_sums_are_exact(isa, m, n, k):
     """Steps 1, offsets 0, row steps 1 and row sums 0: y is the integer product itself."""
     gen = torch.Generator().manual_seed(m + n + k)
     values, _ = _random_q4(n, k, gen)
     scales = torch.stack([torch.ones(n, k // 32), torch.zeros(n, k // 32)], dim=-1)
-    gemm = Int8BlocksGemm(values, scales, library=_library(isa))
+    gemm = Int8BlocksGemm(values, scales, library=kernel_library(isa))
     xq = torch.randint(-127, 128, (m, k), generator=gen, dtype=torch.int8)
     rows = QuantizedRows(xq, torch.ones(m, k // 32), torch.zeros(m, k // 32))
     exact = xq.numpy().astype(np.int64) @ values.numpy().astype(np.int64).T
@@ -125,13 +117,13 @@ def _assert_within_fp32_bound(y: torch.Tensor, rows: QuantizedRows, values, scal
     assert excess.max() <= 0, f"{excess.max():.3g} beyond the fp32 bound"
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", KERNEL_ISAS)
 @pytest.mark.parametrize("m, n, k", [(1, 16, 32), (7, 37, 96), (37, 64, 576), (300, 40, 64)])
 def test_products_are_the_quantized_rows_times_the_weight(isa, m, n, k):
     gen = torch.Generator().manual_seed(m * n + k)
     values, scales = _random_q4(n, k, gen)
     bias = torch.randn(n, generator=gen) if m % 2 else None
-    gemm = Int8BlocksGemm(values, scales, bias, library=_library(isa))
+    gemm = Int8BlocksGemm(values, scales, bias, library=kernel_library(isa))
     x = torch.randn(m, k, generator=gen)
     rows = quantize_rows(x, 2, gemm.library)
     y = gemm.forward_quantized(rows, 2)
@@ -169,7 +161,7 @@ def test_the_probes_stand_in_is_q4_1():
     assert (dequantized.view(32, 64) - weight).abs().max() <= d.max() * 0.51 + 1e-3
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", KERNEL_ISAS)
 @pytest.mark.parametrize("m, n, k", [(1, 16, 32), (7, 37, 96), (37, 64, 576), (300, 40, 64)])
 def test_int16_activations_are_the_decode_kernels_rounding(isa, m, n, k):
     """activation_bits 16: the rows rounded as the decode kernels round them (conftest's
@@ -179,7 +171,7 @@ def test_int16_activations_are_the_decode_kernels_rounding(isa, m, n, k):
     gen = torch.Generator().manual_seed(m * n + k + 1)
     values, scales = _random_q4(n, k, gen)
     bias = torch.randn(n, generator=gen) if m % 2 else None
-    gemm = Int8BlocksGemm(values, scales, bias, library=_library(isa), activation_bits=16)
+    gemm = Int8BlocksGemm(values, scales, bias, library=kernel_library(isa), activation_bits=16)
     x = torch.randn(m, k, generator=gen)
     rounded = int16_rows(x)  # [m, k]: the int16 values times their steps, fp32
     groups = rounded.view(m, k // 32, 32)
@@ -193,5 +185,5 @@ def test_int16_activations_are_the_decode_kernels_rounding(isa, m, n, k):
     integers.view(m, k // 32, 32)[:, :, 0] = 32767  # each group's step: exactly 1
     exact = integers.numpy().astype(np.int64) @ values.numpy().astype(np.int64).T
     assert np.abs(exact).max() < 2**24  # every partial sum exact in fp32
-    unit = Int8BlocksGemm(values, ones, library=_library(isa), activation_bits=16)
+    unit = Int8BlocksGemm(values, ones, library=kernel_library(isa), activation_bits=16)
     assert np.array_equal(unit.forward(integers.float()).numpy(), exact.astype(np.float32))

@@ -10,20 +10,13 @@ import torch
 
 from ragspeed.engine.native.compute.cpu_kernels import load_library
 from ragspeed.engine.native.compute.cpu_kernels.attention import paged_prefill_attention
+from tests.engine.conftest import KERNEL_ISAS, kernel_library
 
 pytestmark = pytest.mark.skipif(
     load_library() is None, reason="ragspeed's CPU kernels could not be built here"
 )
 
-ISAS = ("native", "avx2", "plain")
 U = 2.0**-24  # fp32's unit roundoff
-
-
-def _library(isa: str):
-    library = load_library(isa)
-    if library is None:
-        pytest.skip(f"the {isa} build of the kernels failed here")
-    return library
 
 
 def _gamma(n: int) -> float:
@@ -83,13 +76,13 @@ LAYOUTS = [(9, 3, 64, 16), (4, 2, 16, 5), (8, 1, 32, 7), (32, 2, 64, 16), (2, 2,
 CHUNKS = [(1, 0), (1, 130), (50, 0), (130, 3), (70, 200)]
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", KERNEL_ISAS)
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size", LAYOUTS)
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 def test_a_chunk_attends_causally_to_its_context(
     isa, num_heads, num_kv_heads, head_dim, block_size, kv_dtype
 ):
-    library = _library(isa)
+    library = kernel_library(isa)
     gen = torch.Generator().manual_seed(num_heads + head_dim + block_size)
     for n, num_cached in CHUNKS:
         context = num_cached + n
@@ -113,11 +106,11 @@ def test_scores_far_apart_weigh_only_the_largest():
     _check(out, q, keys, values, 0, 0.125)
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", KERNEL_ISAS)
 def test_a_row_has_the_same_bits_in_any_chunking_and_on_any_threads(isa):
     """Each row adds its terms in an order fixed by its position alone: a prompt prefilled in one
     chunk or in three, on one thread or two, gives the same bits."""
-    library = _library(isa)
+    library = kernel_library(isa)
     gen = torch.Generator().manual_seed(9)
     k_cache, v_cache, table = _pool(gen, 333, 3, 64, 16, torch.float16)
     q = torch.randn(333, 9, 64, generator=gen)

@@ -248,8 +248,7 @@ static void attention_chunk(const float *q, const void *k_cache, const void *v_c
             veci larger = x > tops;
             tops = (vecf)(((veci)x & larger) | ((veci)tops & ~larger));
         }
-        float top = -__builtin_inff();
-        for (int i = 0; i < LANES; i++) top = tops[i] > top ? tops[i] : top;
+        float top = reduce_max(tops);
         vecf sum = {0};
         for (int t = 0; t < padded; t += LANES) {
             vecf e = exp_nonpositive(loadv_f32(s + t) - top);
