@@ -21,6 +21,7 @@ from ragspeed.engine.config import EngineConfig, UpstreamConfig
 from ragspeed.engine.protocol import EngineClient
 from ragspeed.gateway.admission import TTFTAdmission
 from ragspeed.gateway.compress import CompressionStage
+from ragspeed.gateway.cpu_jobs import CpuJobs
 from ragspeed.gateway.document_precompute import DocumentPrecompute
 from ragspeed.gateway.errors import install_error_handlers
 from ragspeed.gateway.experiments import ArmError, ArmHintsMiddleware, build_live_experiment
@@ -118,8 +119,9 @@ def create_app(
                     settings_default, settings.engine, engine
                 )
                 state.compression = CompressionStage(settings.compression, engine.tokenizer)
-                await asyncio.to_thread(state.compression.warm)
-                await asyncio.to_thread(state.retrieval.warm)
+                jobs = CpuJobs(engine)  # one CPU thread each, as their requests' jobs run
+                await jobs.run(state.compression.warm)
+                await jobs.run(state.retrieval.warm)
             except Exception as exc:
                 state.engine_error = f"{type(exc).__name__}: {exc}"
                 logger.error("engine %s failed to start: %s", settings.engine.backend, state.engine_error)

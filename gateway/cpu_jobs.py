@@ -1,8 +1,10 @@
 """The gateway's CPU jobs (compression, retrieval's embedding), off the event loop.
 
 Beside a native engine a job runs on a CPU thread that the engine gives up while it runs
-(engine.backends.native.CpuBudget), so that the process keeps to `num_threads` busy threads;
-beside any other engine, in a plain worker thread.
+(engine.backends.native.CpuBudget), so that the process keeps to `num_threads` busy threads,
+and on one torch thread, so that it starts no OpenMP team beside the engine thread's (a second
+team slows every step: engine.backends.native.NativeEngine._build_and_run). Beside any other
+engine, in a plain worker thread.
 """
 
 from __future__ import annotations

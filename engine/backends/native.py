@@ -171,6 +171,7 @@ class NativeEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._warm_ids = itertools.count()
         self.cpu_budget: CpuBudget | None = None  # built with the engine (its thread count)
+        self._started = threading.Event()  # set by start() once the engine thread may step
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -193,18 +194,47 @@ class NativeEngine:
         if self._thread is not None:
             return
         self._loop = asyncio.get_running_loop()
-        self._engine = await asyncio.to_thread(build_llm_engine, self.config)
-        # The grammar library's table of the tokenizer (about half a second), off the event
-        # loop, which validates requests (and compiles their constraints) as they come.
-        await asyncio.to_thread(self._engine.grammars.warm)
+        built: asyncio.Future = self._loop.create_future()
+        self._engine = None
+        self._started.clear()
+        thread = threading.Thread(
+            target=self._build_and_run, args=(built,), name="ragspeed-engine", daemon=True
+        )
+        thread.start()
+        try:
+            self._engine = await built
+        except BaseException:  # the build failed, or start was cancelled: the thread ends once built
+            self._started.set()
+            raise
+        self._thread = thread
         self.cpu_budget = CpuBudget(self._engine.num_threads)
         # The Rust tokenizers' batch encoding (the compressors' and embedders' tokenizers) runs
         # on a pool of one thread per core of its own, outside the budget; an operator's
         # explicit setting wins.
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self.max_model_len = self._engine.max_model_len
-        self._thread = threading.Thread(target=self._run, name="ragspeed-engine", daemon=True)
-        self._thread.start()
+        self._started.set()
+
+    def _build_and_run(self, built: asyncio.Future) -> None:
+        """The engine thread: build the engine (its weights, start-up gate and the grammar
+        library's table of the tokenizer, about half a second), hand it to `start`, then run.
+
+        The engine thread builds it so that its OpenMP team is the process's only one. libgomp
+        spins at a barrier only while the process's OpenMP threads do not outnumber the cores;
+        a team left parked by another thread that ran torch on several threads (an executor's
+        thread that built the engine) turns every barrier of a step into a sleep and a wake-up,
+        which made the default model's decode steps about 1.6x slower on 2 cores."""
+        assert self._loop is not None  # set by start(), before this thread
+        try:
+            engine = build_llm_engine(self.config)
+            engine.grammars.warm()
+        except BaseException as exc:
+            self._loop.call_soon_threadsafe(_settle, built, None, exc)
+            return
+        self._loop.call_soon_threadsafe(_settle, built, engine, None)
+        self._started.wait()  # `start` sets the CPU budget the steps ask
+        if self._engine is not None:
+            self._run()
 
     async def shutdown(self) -> None:
         if self._thread is None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from typing import Any, Literal
 
@@ -10,6 +9,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from ragspeed.document import Document
+from ragspeed.gateway.cpu_jobs import CpuJobs
 from ragspeed.gateway.dependencies import app_state, ready_state, retrieval_service
 from ragspeed.gateway.protocol import DocumentIn
 from ragspeed.gateway.security import TenantSalt
@@ -60,8 +60,10 @@ class Query(_Body):
 
 
 async def _run(request: Request, name: str, *args: Any, **kwargs: Any) -> Any:
+    """A store method off the event loop, as a CPU job (its embedding within the engine's threads)."""
     service = retrieval_service(request)
-    return await asyncio.to_thread(lambda: service.call(getattr(service.store, name), *args, **kwargs))
+    jobs = CpuJobs(app_state(request).engine)
+    return await jobs.run(lambda: service.call(getattr(service.store, name), *args, **kwargs))
 
 
 def _stats(request: Request, stats: Any) -> dict[str, Any]:

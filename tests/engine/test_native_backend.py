@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -169,3 +170,40 @@ def test_a_request_is_validated_once(tiny_checkpoints):
 
     tokens, calls = run(main())
     assert len(tokens) == 12 and calls == ["a"]
+
+
+def test_the_engine_thread_builds_the_engine_and_a_failed_build_raises_from_start(
+    tiny_checkpoints, monkeypatch
+):
+    """Its OpenMP team must be the process's only one: built in another thread that stays
+    parked (an executor's), torch's team there would make every step's barriers sleep."""
+    import ragspeed.engine.backends.native as native
+
+    built_on = []
+    build = native.build_llm_engine
+
+    def recording(config):
+        built_on.append(threading.current_thread())
+        return build(config)
+
+    monkeypatch.setattr(native, "build_llm_engine", recording)
+
+    async def main():
+        engine = await started(tiny_checkpoints["llama"])
+        try:
+            deltas = [d async for d in engine.generate(GenerationRequest("a", PROMPT, GREEDY))]
+            return engine._thread, len(deltas)
+        finally:
+            await engine.shutdown()
+
+    thread, num_deltas = run(main())
+    assert built_on == [thread] and thread.name == "ragspeed-engine" and num_deltas == 12
+
+    async def missing():
+        await started(tiny_checkpoints["llama"].parent / "no-such-model")
+
+    with pytest.raises(Exception, match="no-such-model"):
+        run(missing())
+    assert len(built_on) == 2
+    built_on[1].join(timeout=10)  # it ends once it has handed the error over
+    assert not built_on[1].is_alive()
