@@ -7,7 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ragspeed.engine.native.compute.attention_metadata import SMALL_CHUNK_QUERIES, build_metadata, slots
+from ragspeed.engine.native.compute.attention_metadata import (
+    SMALL_CHUNK_QUERIES,
+    SPAN_MIN_QUERIES,
+    build_metadata,
+    row_spans,
+    slots,
+)
 from ragspeed.engine.native.compute.cpu_kernels import blocked_kernels_available, decode_step
 from ragspeed.engine.native.core.kv_cache import KVCachePool
 from ragspeed.engine.native.loading.gguf import converted_copy
@@ -71,6 +77,13 @@ def _step(loaded, chunks: list[tuple[list[int], int]], fused: bool, kv_dtype=tor
 STEPS = {
     "decodes": [([0, 1], 12, 1), ([2], 5, 1), ([3, 4, 5], 17, 1)],
     "decodes and a verification": [([0, 1], 12, 1), ([3, 4], 14, 5), ([6], 3, 1)],
+    # the last chunk's rows attend in the prefill kernel (row_spans), where head_dim allows
+    "decodes, a verification and a prefill chunk": [
+        ([0, 1], 12, 1),
+        ([3, 4], 14, 5),
+        ([6], 3, 1),
+        ([9, 10, 11, 12], 30, 20),
+    ],
 }
 
 
@@ -133,7 +146,33 @@ def test_a_row_gets_the_same_bits_in_any_batch(tiny_checkpoints):
     loaded = load_model(tiny_checkpoints["qwen3"], max_model_len=256)
     alone, _ = _step(loaded, [([0, 1], 12, 1)], fused=True)
     batched, _ = _step(loaded, STEPS["decodes and a verification"], fused=True)
+    beside_a_chunk, _ = _step(loaded, STEPS["decodes, a verification and a prefill chunk"], fused=True)
+    assert loaded.arch.head_dim % 16 == 0  # so the chunk's rows attend in the prefill kernel
     assert torch.equal(alone[0], batched[0])
+    assert torch.equal(batched, beside_a_chunk[: len(batched)])  # the decodes' and verification's rows
+
+
+def test_only_the_last_plain_chunks_of_enough_queries_attend_in_the_prefill_kernel():
+    plain = [None, None, None]
+    assert row_spans([5, 20, 30], plain, [4, 0, 0]) == (20, 30)
+    assert row_spans([20, 5], [None, None], [0, 4]) == ()  # a verification last
+    assert row_spans([20, 30], [None, None], []) == (20, 30)  # no drafts given: none
+    assert row_spans([30, 20], [None, (1, 4, 9)], [0, 0]) == ()  # scattered
+    assert row_spans([30, SPAN_MIN_QUERIES - 1], [None, None], [0, 0]) == ()
+    assert row_spans([SPAN_MIN_QUERIES], [None], [0]) == (SPAN_MIN_QUERIES,)
+    meta = build_metadata([[0]], [3], [[1, 2]], [30], [20], list(range(21)), BLOCK_SIZE, "cpu")
+    assert meta.row_spans == (20,)
+    reference = build_metadata(
+        [[0]], [3], [[1, 2]], [30], [20], list(range(21)), BLOCK_SIZE, "cpu", prefill_kernel=False
+    )
+    assert reference.row_spans == ()  # SDPA's reference: every row a row of the decode kernel
+    large = SMALL_CHUNK_QUERIES + 1
+    assert (
+        build_metadata(
+            [], [], [[1, 2, 3, 4, 5, 6, 7, 8, 9]], [large], [large], list(range(large)), BLOCK_SIZE, "cpu"
+        ).row_spans
+        == ()
+    )
 
 
 def test_prefill_steps_and_unsupported_models_take_the_layer_by_layer_path(tiny_checkpoints):

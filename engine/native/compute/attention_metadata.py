@@ -74,6 +74,9 @@ class AttentionMetadata:
     # Prefill chunks through the prefill kernel where it applies (fp32 queries on CPU); False:
     # SDPA's flash kernel, its reference.
     prefill_kernel: bool = True
+    # Among rows, the queries of the step's last prefill chunks (`row_spans`) that attend in the
+    # prefill kernel, inside the fused decoder; the rows before them attend a row at a time.
+    row_spans: tuple[int, ...] = ()
 
     @functools.cached_property
     def decode_mask(self) -> torch.Tensor | None:
@@ -108,6 +111,9 @@ class AttentionMetadata:
 # SmolLM2's Q4_1 blocks (AVX-512), a 64-token prompt costs 0.76 ms a token there against 0.99 ms
 # layer by layer, where oneDNN's packed products and SDPA win only on chunks of hundreds.
 SMALL_CHUNK_QUERIES = 64
+# A chunk of rows attends in the prefill kernel (its tiles of keys serve all of its rows) when it
+# has at least this many queries, no drafts, and only such chunks follow it in the step.
+SPAN_MIN_QUERIES = 16
 
 
 def padded_tables(tables: list[list[int]], num_blocks: int, device="cpu") -> torch.Tensor:
@@ -189,13 +195,15 @@ def build_metadata(
     prefill_query_positions: list[tuple[int, ...] | None] | None = None,
     kernel_rows: KernelRows | None = None,
     prefill_kernel: bool = True,
+    prefill_num_drafts: Sequence[int] = (),
 ) -> AttentionMetadata:
     """A step's metadata. `prefill_query_positions`: per prefill chunk, its query positions
     (ascending) when it is *scattered* (query i sees the keys of positions 0 .. positions[i],
     as in a document assembly), else None (its queries are the last of its context).
     `kernel_rows` writes the decode kernel's rows into tensors, by default fresh ones; the model
     runner's writes them, like its `slot_mapping` tensor, into its step buffers
-    (engine.native.compute.step_buffers), so that a step makes no tensors of its own."""
+    (engine.native.compute.step_buffers), so that a step makes no tensors of its own.
+    `prefill_num_drafts`: per prefill chunk, its draft tokens (a verification's; default none)."""
     num_decodes = len(decode_tables)
     scattered = prefill_query_positions or [None] * len(prefill_tables)
     rows = decode_kernel_rows(
@@ -233,7 +241,24 @@ def build_metadata(
         row_context_lens=row_lens,
         num_threads=num_threads,
         prefill_kernel=prefill_kernel,
+        row_spans=row_spans(prefill_num_queries, scattered, prefill_num_drafts) if rows and prefill_kernel else (),
     )
+
+
+def row_spans(
+    num_queries: Sequence[int], positions: Sequence[tuple[int, ...] | None], num_drafts: Sequence[int]
+) -> tuple[int, ...]:
+    """The queries of the last prefill chunks that attend in the prefill kernel among rows
+    (AttentionMetadata.row_spans): plain chunks of at least SPAN_MIN_QUERIES queries, from the
+    step's last chunk back to the first that is not one (a verification, whose rows must be
+    computed as a plain decode's, a scattered chunk or a short one)."""
+    drafts = list(num_drafts) or [0] * len(num_queries)
+    spans: list[int] = []
+    for n, scattered, d in zip(reversed(num_queries), reversed(positions), reversed(drafts)):
+        if scattered is not None or d or n < SPAN_MIN_QUERIES:
+            break
+        spans.append(n)
+    return tuple(reversed(spans))
 
 
 def _fresh_kernel_rows(

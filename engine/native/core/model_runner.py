@@ -262,6 +262,7 @@ class ModelRunner:
             prefill_query_positions=[c.positions or None for c in prefills],
             kernel_rows=self._kernel_rows,
             prefill_kernel=self.prefill_kernel,
+            prefill_num_drafts=[len(c.draft_token_ids) for c in prefills],
         )
 
     def _kernel_rows(

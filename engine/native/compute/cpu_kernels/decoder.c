@@ -6,7 +6,8 @@
  * norm, rotation, the K/V write into the paged pool, attention, SiLU-gated MLP, over the model
  * kernels.h's `Model` describes. The products, norms and attention are the layer-by-layer path's
  * own kernels (gemv.c, gemv_gguf.c, attention.c, rowwise.c); the rotation, Q/K norm and SiLU
- * agree with torch's to float rounding. Each row is computed alike whatever the number of rows.
+ * agree with torch's to float rounding. Each row is computed alike whatever the number of rows,
+ * except that a prefill chunk's rows (spans, below) attend in the prefill kernel.
  */
 #include <omp.h>
 #include <stdlib.h>
@@ -141,12 +142,17 @@ static float *scratch(size_t floats) {
  * logits [m, lm_head.n], unless NULL: the LM head's product of it. rotations [m, head_dim/2] (cos, sin) pairs; slots [m] where
  * each row's K/V goes; block_tables [m, max_blocks] and context_lens [m]: each row's context.
  * k_caches / v_caches: one [num_slots, num_kv_heads, head_dim] pool per layer, fp32 or (kv_half)
- * fp16. */
+ * fp16. The last rows may be num_spans prefill chunks of span_rows[i] rows each (positions in
+ * order after their context's cached keys, all with its block table): their attention runs in
+ * the prefill kernel (prefill_attention.c), whose tiles of keys serve all of a chunk's rows, and
+ * the rows before them in the decode kernel, a row at a time (decodes and verifications, whose
+ * rows must be computed as a plain decode computes them). */
 void ragspeed_decode_forward(const Model *model, void *const *k_caches, void *const *v_caches,
                              const int64_t *ids, float *x, float *out, float *logits,
                              const float *rotations, const int64_t *slots,
                              const int64_t *block_tables, const int64_t *context_lens,
-                             int max_blocks, int block_size, int m, int kv_half, int num_threads) {
+                             int max_blocks, int block_size, int m, int num_spans, const int32_t *span_rows,
+                             int kv_half, int num_threads) {
     int hidden = model->hidden, num_heads = model->num_heads, num_kv_heads = model->num_kv_heads;
     int head_dim = model->head_dim, inter = model->inter, half = head_dim / 2;
     int q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
@@ -157,6 +163,14 @@ void ragspeed_decode_forward(const Model *model, void *const *k_caches, void *co
     float *mid = scratch((size_t)m * (q_size > inter ? q_size : inter)), *key = scratch(kv_size);
     int64_t longest = longest_context(context_lens, m);
     float *partials = scratch(attention_partials(m, num_heads, head_dim, longest));
+    int row_rows = m; /* the rows before the spans: the decode kernel's */
+    size_t packed_floats = 0;
+    for (int i = num_spans - 1, end = m; i >= 0; end -= span_rows[i--]) {
+        row_rows = end - span_rows[i];
+        size_t floats = prefill_attention_floats(context_lens[end - 1], num_kv_heads, head_dim);
+        packed_floats = floats > packed_floats ? floats : packed_floats;
+    }
+    float *packed = packed_floats ? scratch(packed_floats) : NULL;
     if (ids)
         for (int r = 0; r < m; r++) embed_row(model, ids[r], x + (size_t)r * hidden);
     /* One parallel region for the whole stack and the head: the products and attention split
@@ -166,7 +180,7 @@ void ragspeed_decode_forward(const Model *model, void *const *k_caches, void *co
      * EACH_THREAD_ROWS rows every thread runs them itself on its own copy of the residual stream
      * and of their outputs, the same bits, which saves four barriers a layer: a barrier costs its
      * wait for the slower thread, a share of a small step's time. */
-    int each_thread = m <= EACH_THREAD_ROWS;
+    int each_thread = m <= EACH_THREAD_ROWS && !num_spans; /* a span's tasks split across the team */
     _Pragma("omp parallel num_threads(num_threads)")
     {
     float *xs = x, *ns = normed, *ms = mid; /* the residual stream, normed rows, SiLU / attention */
@@ -196,9 +210,15 @@ void ragspeed_decode_forward(const Model *model, void *const *k_caches, void *co
             put_kv(v_caches[l], slot * kv_size, row + q_size + kv_size, kv_size, kv_half);
         }
         if (m <= PREFETCH_ROWS) prefetch_share(&layer->o);
-        paged_decode_attention_team(q, k_caches[l], v_caches[l], block_tables, context_lens, ms, m,
-                                    num_heads, num_kv_heads, head_dim, max_blocks, block_size, model->scale,
-                                    longest, partials, kv_half, each_thread);
+        if (row_rows)
+            paged_decode_attention_team(q, k_caches[l], v_caches[l], block_tables, context_lens, ms, row_rows,
+                                        num_heads, num_kv_heads, head_dim, max_blocks, block_size, model->scale,
+                                        longest, partials, kv_half, each_thread);
+        for (int i = 0, first = row_rows; i < num_spans; first += span_rows[i++])
+            prefill_attention_team(q + (size_t)first * q_size, k_caches[l], v_caches[l],
+                                   block_tables + (size_t)first * max_blocks, ms + (size_t)first * q_size, span_rows[i],
+                                   context_lens[first] - 1, num_heads, num_kv_heads, head_dim, block_size,
+                                   model->scale, kv_half, packed);
         linear_team(&layer->o, ms, h, m);
         BETWEEN_PRODUCTS(each_thread, for (int r = 0; r < m; r++)
                          add_rms_norm_row(xs, h, layer->post_norm, ns, r, hidden, eps));
@@ -217,7 +237,7 @@ void ragspeed_decode_forward(const Model *model, void *const *k_caches, void *co
         free(xs); free(ns); free(ms);
     }
     }
-    free(normed); free(wide); free(q); free(mid); free(h); free(partials); free(key);
+    free(normed); free(wide); free(q); free(mid); free(h); free(partials); free(key); free(packed);
 }
 
 /* Greedy decoding of m sequences in one call: a draft model's drafts. Sequence i first feeds
@@ -277,7 +297,7 @@ void ragspeed_greedy_steps(const Model *model, const float *rotation_table, int 
         }
         if (!n) break;
         ragspeed_decode_forward(model, k_caches, v_caches, NULL, x, out, NULL, rotations, slots, tables, lens,
-                                max_blocks, block_size, a, kv_half, num_threads);
+                                max_blocks, block_size, a, 0, NULL, kv_half, num_threads);
         for (int r = 0; r < n; r++)
             memcpy(last + (size_t)r * hidden, out + (size_t)last_row[r] * hidden, sizeof(float) * hidden);
         linear(&model->lm_head, last, logits, n, num_threads);

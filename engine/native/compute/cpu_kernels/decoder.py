@@ -124,6 +124,9 @@ class FusedDecoder:
         self.embeds = fp32_embed or q8_embed
         self.head = lm_head
         self.greedy = lm_head is not None and self.embeds
+        # Whether a prefill chunk's rows may attend in the prefill kernel (meta.row_spans): its
+        # condition beyond the decode kernel's (`supports`), head_dim in whole vectors of 16.
+        self.spans = arch.head_dim % 16 == 0
         self.model = _filled(
             _Model,
             layers=self.layers,
@@ -276,6 +279,8 @@ class FusedDecoder:
             tables.row_shape[0],
             block_size,
             num_tokens,
+            0,
+            None,
             self._kv_half,
             num_threads,
         )
@@ -283,6 +288,7 @@ class FusedDecoder:
 
     def _run(self, ids, hidden, freqs_cis, k_caches, v_caches, meta, rows, scores, out=None) -> torch.Tensor:
         tables, context_lens = rows
+        spans = torch.tensor(meta.row_spans if self.spans else (), dtype=torch.int32)
         rotations = freqs_cis.contiguous()
         if out is None:
             out = torch.empty_like(hidden)
@@ -302,6 +308,8 @@ class FusedDecoder:
             tables.shape[1],
             meta.block_size,
             hidden.shape[0],
+            len(spans),
+            _pointer(spans),
             _half(k_caches),
             meta.num_threads,
         )

@@ -40,6 +40,15 @@ INTERNAL void paged_decode_attention_team(const float *q, const void *k_cache, c
                                           int head_dim, int max_blocks, int block_size, float scale,
                                           int64_t longest, float *partials, int half, int each_thread);
 
+/* prefill_attention.c: ragspeed_prefill_attention's packing and tasks split across the threads
+ * of the enclosing parallel region, with `packed` of prefill_attention_floats(num_cached + n,
+ * ...) floats shared by the team. */
+INTERNAL size_t prefill_attention_floats(int64_t keys, int num_kv_heads, int head_dim);
+INTERNAL void prefill_attention_team(const float *q, const void *k_cache, const void *v_cache,
+                                     const int64_t *block_table, float *out, int n, int64_t num_cached,
+                                     int num_heads, int num_kv_heads, int head_dim, int block_size,
+                                     float scale, int half, float *packed);
+
 /* rowwise.c: row r of ragspeed_add_rms_norm; ragspeed_argmax of one row. */
 INTERNAL void add_rms_norm_row(float *x, const float *residual, const float *weight, float *out,
                                int r, int dim, float eps);

@@ -82,7 +82,8 @@ void ragspeed_decode_forward(const Model *model, void *const *k_caches, void *co
                              const int64_t *ids, float *x, float *out, float *logits,
                              const float *rotations, const int64_t *slots,
                              const int64_t *block_tables, const int64_t *context_lens,
-                             int max_blocks, int block_size, int m, int kv_half, int num_threads);
+                             int max_blocks, int block_size, int m, int num_spans, const int32_t *span_rows,
+                             int kv_half, int num_threads);
 void ragspeed_greedy_steps(const Model *model, const float *rotation_table, int vocab,
                            const int64_t *d2t, void *const *k_caches, void *const *v_caches,
                            const int64_t *block_tables, int max_blocks, int block_size, int kv_half, int m,

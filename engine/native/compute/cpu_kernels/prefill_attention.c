@@ -191,28 +191,42 @@ static void attend_rows(const float *q, float *out, const float *packed, int fir
     }
 }
 
+/* Floats of the packed context of `keys` keys (every KV head's tiles). */
+size_t prefill_attention_floats(int64_t keys, int num_kv_heads, int head_dim) {
+    return (size_t)num_kv_heads * ((keys + KEY_TILE - 1) / KEY_TILE) * 2 * KEY_TILE * head_dim;
+}
+
+/* The packing and the tasks split across the threads of the enclosing parallel region, each
+ * ending in its barrier; packed: prefill_attention_floats(num_cached + n, ...) floats, 64-byte
+ * aligned, shared by the team. */
+void prefill_attention_team(const float *q, const void *k_cache, const void *v_cache, const int64_t *block_table,
+                            float *out, int n, int64_t num_cached, int num_heads, int num_kv_heads, int head_dim,
+                            int block_size, float scale, int half, float *packed) {
+    int64_t keys = num_cached + n;
+    int tiles = (int)((keys + KEY_TILE - 1) / KEY_TILE), group = num_heads / num_kv_heads;
+    int positions = ROW_TILE / group < 1 ? 1 : ROW_TILE / group;
+    int per_head = (n + positions - 1) / positions, tasks = num_kv_heads * per_head;
+    _Pragma("omp for schedule(static)") for (int i = 0; i < num_kv_heads * tiles; i++) {
+        float *tile = packed + (size_t)i * 2 * KEY_TILE * head_dim;
+        pack_tile(k_cache, v_cache, block_table, block_size, keys, i % tiles, i / tiles, num_kv_heads, head_dim,
+                  half, tile, tile + KEY_TILE * head_dim);
+    }
+    /* The longest tasks (the last positions) first, so the threads end together. */
+    _Pragma("omp for schedule(dynamic, 1)") for (int i = 0; i < tasks; i++) {
+        int h = i % num_kv_heads, first = (per_head - 1 - i / num_kv_heads) * positions;
+        int count = n - first < positions ? n - first : positions;
+        attend_rows(q, out, packed, first, count, num_cached, h, group, num_heads, head_dim, scale, tiles);
+    }
+}
+
 void ragspeed_prefill_attention(const float *q, const void *k_cache, const void *v_cache,
                                 const int64_t *block_table, float *out, int n, int64_t num_cached,
                                 int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
                                 int half, int num_threads) {
-    int64_t keys = num_cached + n;
-    int tiles = (int)((keys + KEY_TILE - 1) / KEY_TILE), group = num_heads / num_kv_heads;
-    float *packed = aligned_alloc(64, (size_t)num_kv_heads * tiles * 2 * KEY_TILE * head_dim * sizeof(float));
+    float *packed = aligned_alloc(64, sizeof(float) * prefill_attention_floats(num_cached + n, num_kv_heads, head_dim));
     if (!packed) abort(); /* out of memory */
-    int positions = ROW_TILE / group < 1 ? 1 : ROW_TILE / group;
-    int per_head = (n + positions - 1) / positions, tasks = num_kv_heads * per_head;
-    _Pragma("omp parallel num_threads(num_threads)") {
-        _Pragma("omp for schedule(static)") for (int i = 0; i < num_kv_heads * tiles; i++) {
-            float *tile = packed + (size_t)i * 2 * KEY_TILE * head_dim;
-            pack_tile(k_cache, v_cache, block_table, block_size, keys, i % tiles, i / tiles, num_kv_heads,
-                      head_dim, half, tile, tile + KEY_TILE * head_dim);
-        }
-        /* The longest tasks (the last positions) first, so the threads end together. */
-        _Pragma("omp for schedule(dynamic, 1)") for (int i = 0; i < tasks; i++) {
-            int h = i % num_kv_heads, first = (per_head - 1 - i / num_kv_heads) * positions;
-            int count = n - first < positions ? n - first : positions;
-            attend_rows(q, out, packed, first, count, num_cached, h, group, num_heads, head_dim, scale, tiles);
-        }
-    }
+    _Pragma("omp parallel num_threads(num_threads)")
+    prefill_attention_team(q, k_cache, v_cache, block_table, out, n, num_cached, num_heads, num_kv_heads, head_dim,
+                           block_size, scale, half, packed);
     free(packed);
 }
