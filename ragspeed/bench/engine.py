@@ -28,6 +28,13 @@ Figures (all from one run, after a warm-up, medians of `repeats` runs; JSON keys
   prefill under torch's profiler, the time inside the engine's prefill-attention event over
   the prefill's time [attention_share_2048, attention_share_8191 on SmolLM2's 8,192 positions;
   the prefill's time under the profiler in attention_ttft_{N}_ms].
+- the native engine's step shapes (bench.steps): a verification of 1 + 4 rows in plain steps
+  after `prompt_len` and `ttft_prompt_len` tokens [verification_steps_{N}], and a
+  `ttft_prompt_len`-token prompt prefilled in chunks of 64 beside a decode, per token, against
+  the same prompt in chunks of 512 alone [chunk_beside_decode_ratio] (`--no-steps`: skipped).
+- the served stream: `ragspeed serve` on the same model and settings in a child process, TPOT
+  at batch 1 from a streaming client in this process, the `prompt_len`/`output_len` requests
+  of the TPOT figure [served_tpot_ms, served_tpot_over_tpot] (`--no-served`: skipped).
 - llama.cpp beside them, where llama-cpp-python is installed (bench.llamacpp: the same figures
   per GGUF type [llamacpp_<type>_*], the fastest type's [llamacpp_*, llamacpp_*_type] and the
   ratios to native [llamacpp_throughput_ratio, llamacpp_tpot_ratio, llamacpp_ttft_speedup,
@@ -62,6 +69,7 @@ from ragspeed.bench.common import (
     transformers_option,
     write_json,
 )
+from ragspeed.bench.steps import served_tpot, step_costs
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.native.compute.attention import PREFILL_ATTENTION_EVENT
 from ragspeed.engine.native.compute.cpu_features import read_cpu_features
@@ -260,6 +268,8 @@ class EngineBenchOptions:
     kv_cache_dtype: str = "auto"
     tpot_target_ms: float | None = 50.0
     seed: int = 0
+    with_steps: bool = True
+    with_served: bool = True
 
     def check(self) -> None:
         """Raise ValueError naming the first size out of range."""
@@ -304,11 +314,30 @@ def bench_engine(
     gemm_rate = measure_gemm_rate()
     results = _settings_figures(model, engine, options, gemm_rate)
     results.update(_measure(contenders, requests, options, attention_lens, engine.arch.vocab_size))
+    if options.with_steps:
+        lengths = (options.prompt_len, options.ttft_prompt_len)
+        results.update(
+            step_costs(engine.loaded, lengths, prompt_len=options.ttft_prompt_len, repeats=options.repeats)
+        )
+    if options.with_served:
+        results.update(_served(model, engine, options))
     results.update(probe.finish())
     _summarize(results, engine, options, probe.bandwidth, gemm_rate, llama)
     _report(results, options.ttft_prompt_len, attention_lens, llama)
     write_json(json_path, results)
     return results
+
+
+def _served(model: str, engine: Any, options: EngineBenchOptions) -> dict[str, Any]:
+    """The served stream's TPOT, the server on the native engine's settings."""
+    o = options
+    if o.tpot_target_ms is None:  # serve's --tpot-target-ms takes milliseconds only
+        return {"served_skipped": "serve runs with a step budget; --tpot-target-ms none has no served figure"}
+    args = ["--quantization", o.quantization or "none", "--kv-cache-dtype", o.kv_cache_dtype]
+    args += ["--tpot-target-ms", f"{o.tpot_target_ms:g}"]
+    return served_tpot(
+        model, o.prompt_len, o.output_len, o.repeats, o.threads, engine.arch.vocab_size, o.seed, args
+    )
 
 
 def _max_model_len(options: EngineBenchOptions, attention_lens: tuple[int, ...]) -> int:
@@ -460,6 +489,8 @@ def _summarize(
     results[f"ttft_{ttft_len}_ms"] = results.pop(f"native_ttft_{ttft_len}_ms")
     results[f"ttft_{ttft_len}_bound_ms"] = prefill_flops(engine, ttft_len) / gemm_rate * 1e3
     results["ttft_over_bound"] = results[f"ttft_{ttft_len}_ms"] / results[f"ttft_{ttft_len}_bound_ms"]
+    if "served_tpot_ms" in results:
+        results["served_tpot_over_tpot"] = results["served_tpot_ms"] / results["tpot_ms"]
     if options.with_transformers:
         results["throughput_ratio"] = results["native_tokens_per_s"] / results["transformers_tokens_per_s"]
         results["transformers_tpot_over_bound"] = results["transformers_tpot_ms"] / results["tpot_bound_ms"]
@@ -530,6 +561,31 @@ def print_table(r: dict[str, Any], ttft_len: int, attention_lens: tuple[int, ...
     print("ratio: native/transformers for throughput; native/bound for times")
     if attention_lens:
         print(attention_line(r, attention_lens))
+    for line in steps_lines(r, ttft_len):
+        print(line)
+
+
+def steps_lines(r: dict[str, Any], ttft_len: int) -> list[str]:
+    """The step shapes' and the served stream's figures, where measured."""
+    lines = []
+    contexts = sorted(int(k.rsplit("_", 1)[1]) for k in r if k.startswith("verification_steps_"))
+    if contexts:
+        costs = ", ".join(
+            f"after {n:,} tokens {r[f'verification_{n}_ms']:.1f} ms, {r[f'verification_steps_{n}']:.2f} plain steps"
+            for n in contexts
+        )
+        lines.append(f"verification of 1 + 4 rows: {costs}")
+        lines.append(
+            f"{ttft_len:,}-token prompt beside a decode in chunks of 64: "
+            f"{r['chunk_beside_decode_ms_per_token']:.3f} ms a token, alone in chunks of 512: "
+            f"{r['large_chunks_ms_per_token']:.3f} ({r['chunk_beside_decode_ratio']:.2f}x)"
+        )
+    if "served_tpot_ms" in r:
+        lines.append(
+            f"served TPOT at batch 1, from a streaming client: {r['served_tpot_ms']:.2f} ms "
+            f"({r['served_tpot_over_tpot']:.2f}x the engine's {r['tpot_ms']:.2f})"
+        )
+    return lines
 
 
 def attention_line(r: dict[str, Any], attention_lens: tuple[int, ...]) -> str:
@@ -596,6 +652,13 @@ def _parse_budget(value: str) -> float | None:
     show_default=True,
     help="the time budget of a native step that carries decodes, as serve's --tpot-target-ms ('none': off)",
 )
+@click.option("--steps/--no-steps", "with_steps", default=True, help="the native engine's step shapes")
+@click.option(
+    "--served/--no-served",
+    "with_served",
+    default=True,
+    help="the served stream's TPOT (starts ragspeed serve)",
+)
 def bench_engine_command(
     model: str,
     json_path: str | None,
@@ -610,6 +673,8 @@ def bench_engine_command(
     quantization: str,
     kv_cache_dtype: str,
     tpot_target_ms: str,
+    with_steps: bool,
+    with_served: bool,
 ) -> None:
     """Native engine vs transformers (and llama.cpp): throughput, TPOT and TTFT against the hardware bounds."""
     try:
@@ -625,6 +690,8 @@ def bench_engine_command(
             quantization=quantization,  # "none": EngineConfig reads it as off
             kv_cache_dtype=kv_cache_dtype,
             tpot_target_ms=_parse_budget(tpot_target_ms),
+            with_steps=with_steps,
+            with_served=with_served,
         )
         bench_engine(model, json_path, options)
     except ValueError as error:
