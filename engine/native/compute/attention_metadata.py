@@ -228,6 +228,7 @@ def build_metadata(
             decode_lens_t = lens_t if rows is None else lens_t[:num_decodes]
     if not isinstance(slot_mapping, torch.Tensor):
         slot_mapping = torch.tensor(slot_mapping, dtype=torch.long, device=device)
+    spans = row_spans(prefill_num_queries, scattered, prefill_num_drafts) if rows and prefill_kernel else ()
     return AttentionMetadata(
         slot_mapping=slot_mapping,
         num_decodes=num_decodes,
@@ -241,7 +242,7 @@ def build_metadata(
         row_context_lens=row_lens,
         num_threads=num_threads,
         prefill_kernel=prefill_kernel,
-        row_spans=row_spans(prefill_num_queries, scattered, prefill_num_drafts) if rows and prefill_kernel else (),
+        row_spans=spans,
     )
 
 
