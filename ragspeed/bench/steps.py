@@ -19,6 +19,7 @@ the last token) [served_tpot_ms].
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
@@ -53,10 +54,8 @@ class _Sequences:
             first += count
 
     def chunk(self, index: int, start: int, num_tokens: int, drafts: tuple[int, ...] = ()) -> ScheduledChunk:
-        sequence, table = self.sequences[index], self.tables[index]
-        if drafts:
-            return ScheduledChunk(sequence, start, num_tokens, table, draft_token_ids=drafts)  # type: ignore[arg-type]
-        return sequence.chunk(start, num_tokens, table)
+        chunk = self.sequences[index].chunk(start, num_tokens, self.tables[index])
+        return dataclasses.replace(chunk, draft_token_ids=drafts) if drafts else chunk
 
     def step(self, decodes: tuple[ScheduledChunk, ...], prefills: tuple[ScheduledChunk, ...] = ()) -> float:
         start = time.perf_counter()
@@ -87,11 +86,14 @@ def _verification(loaded: Any, context: int, num_drafts: int, repeats: int, seed
     """A decode (sequence 0: its last token samples) and a verification (sequence 1: the last
     token and the drafts, every row samples), both after `context` tokens, alternated."""
     seqs = _Sequences(loaded, [context + 1, context + 1 + num_drafts], seed)
+    tokens = seqs.sequences[1].all_token_ids  # its blocks have room for the drafts
+    seqs.sequences[1] = TokenSequence(tokens[: context + 1])  # the drafts are not its tokens yet
+    drafts = tuple(tokens[context + 1 :])
     for index in (0, 1):
         seqs.step((), (seqs.chunk(index, 0, context),))
-    drafts = tuple(seqs.sequences[1].all_token_ids[context + 1 :])
     plain = (seqs.chunk(0, context, 1),)
     verify = (seqs.chunk(1, context, 1 + num_drafts, drafts),)
+    assert plain[0].samples and verify[0].samples  # the logits of every row, as in the engine
     plain_times, verify_times = [], []
     for round_ in range(repeats + 1):  # the first round warms up
         p = statistics.median(seqs.step(plain) for _ in range(20))

@@ -19,7 +19,7 @@ FLAGS = {
     bench_engine_command: [
         "--model", "--json", "--repeats", "--threads", "--transformers-requests", "--attention-lens",
         "--transformers", "--llamacpp", "--llamacpp-gguf", "--llamacpp-requests", "--quantization",
-        "--kv-cache-dtype", "--tpot-target-ms",
+        "--kv-cache-dtype", "--tpot-target-ms", "--steps", "--served",
     ],
     bench_quant: ["--model", "--json", "--repeats", "--threads", "--output-len", "--transformers", "--text"],
 }  # fmt: skip
