@@ -44,8 +44,9 @@ Every option of `ragspeed serve` can be given three ways; the first that sets it
 Options left unset take the defaults below. List options repeat their flag
 (`--upstream URL --upstream URL`), take a YAML or TOML list in the file and a JSON list in the
 environment (`RAGSPEED_UPSTREAMS='["http://a:8000/v1", "http://b:8000/v1"]'`). Boolean options
-have a `--no-` flag as well. An unknown key, a value of the wrong type or out of its range stops
-the server at start-up with a message naming the option.
+have a `--no-` flag as well. A number option whose type admits None takes `none` for it in every
+layer (`--tpot-target-ms none`, `RAGSPEED_TPOT_TARGET_MS=none`). An unknown key, a value of the
+wrong type or out of its range stops the server at start-up with a message naming the option.
 
 The options are grouped below by the part of the server that reads them (one section of
 `Settings` each); the names are flat all the same: a section is no part of a flag, a variable or

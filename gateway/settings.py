@@ -26,7 +26,15 @@ from types import MappingProxyType
 from typing import Any, Literal, cast, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -57,6 +65,21 @@ class ConfigError(ValueError):
 class Section(BaseModel):
     # Built from option names (aliases) by Settings, from field names by code and tests.
     model_config = ConfigDict(extra="forbid", frozen=True, validate_by_name=True, validate_by_alias=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _none_as_text(cls, value: Any, info: ValidationInfo) -> Any:
+        """`none` where a number option takes None, as a flag or a variable writes it."""
+        if isinstance(value, str) and value.strip().lower() == "none" and info.field_name is not None:
+            if takes_none_number(cls.model_fields[info.field_name].annotation):
+                return None
+        return value
+
+
+def takes_none_number(annotation: Any) -> bool:
+    """Whether an option is a number or None (`int | None`, `float | None`)."""
+    args = get_args(annotation)
+    return type(None) in args and any(arg in (int, float) for arg in args)
 
 
 class ServerSettings(Section):

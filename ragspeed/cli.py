@@ -19,7 +19,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 import click
 
 from ragspeed import environment
-from ragspeed.gateway.settings import OPTIONS, ConfigError, Settings, load_settings
+from ragspeed.gateway.settings import OPTIONS, ConfigError, Settings, load_settings, takes_none_number
 
 _FLAG_NAMES = {"upstreams": "upstream"}  # list options read better in the singular
 
@@ -36,6 +36,20 @@ def _base_type(annotation: Any) -> Any:
         args = [a for a in get_args(annotation) if a is not type(None)]
         return _base_type(args[0])
     return annotation
+
+
+class NumberOrNone(click.ParamType):
+    """A number option that takes None: its number, or `none` (passed on as the text, which the
+    settings read as None, so that it overrides the lower layers as a value does)."""
+
+    def __init__(self, base: type) -> None:
+        self.base = click.INT if base is int else click.FLOAT
+        self.name = f"{self.base.name}|none"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and value.strip().lower() == "none":
+            return "none"
+        return self.base.convert(value, param, ctx)
 
 
 def settings_options(command):
@@ -57,6 +71,8 @@ def settings_options(command):
             option = click.Option(
                 [f"--{flag}", name], multiple=True, default=None, help=help_text + " (repeatable)"
             )
+        elif takes_none_number(info.annotation):
+            option = click.Option([f"--{flag}", name], type=NumberOrNone(base), default=None, help=help_text)
         else:
             option = click.Option([f"--{flag}", name], type=base, default=None, help=help_text)
         command.params.append(option)

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 from pydantic import TypeAdapter
 
-from ragspeed.cli import cli, keep_startup_heap, serve, serve_settings
+from ragspeed.cli import NumberOrNone, cli, keep_startup_heap, serve, serve_settings
 from ragspeed.gateway.settings import OPTIONS, ConfigError, load_settings
 
 SETTINGS_OPTIONS = [p for p in serve.params if p.name in OPTIONS]
@@ -118,9 +118,10 @@ def _valid_value(option: click.Option, default: Any) -> Any:
         return next(choice for choice in option.type.choices if choice != default)
     if option.is_flag:
         return not default
-    if option.type is click.INT:
+    number = option.type.base if isinstance(option.type, NumberOrNone) else option.type
+    if number is click.INT:
         return 64 if default is None else default + 1
-    if option.type is click.FLOAT:
+    if number is click.FLOAT:
         return default / 2 if default else 0.5
     if option.multiple:
         return [f"{option.name}-value"]
@@ -141,6 +142,21 @@ def test_every_serve_flag_parses_and_reaches_the_settings(option):
     settings = serve_settings(params.pop("config_file"), params)
     expected = TypeAdapter(info.annotation).validate_python(value)
     assert expected != default and settings.options()[option.name] == expected
+
+
+def test_a_number_option_that_takes_none_takes_it_from_a_flag_and_the_environment(monkeypatch):
+    takes_none = [o for o in SETTINGS_OPTIONS if isinstance(o.type, NumberOrNone)]
+    assert {"tpot_target_ms", "ttft_deadline_ms", "num_threads"} <= {o.name for o in takes_none}
+    params = serve.make_context("serve", ["--tpot-target-ms", "none", "--ttft-deadline-ms", "None"]).params
+    settings = serve_settings(params.pop("config_file"), params)
+    assert (settings.engine.tpot_target_ms, settings.limits.ttft_deadline_ms) == (None, None)
+    monkeypatch.setenv("RAGSPEED_TPOT_TARGET_MS", "none")
+    assert load_settings(None).engine.tpot_target_ms is None
+    assert load_settings(None, tpot_target_ms="25").engine.tpot_target_ms == 25.0  # a flag over it
+    assert load_settings(None, compression_method="none").compression.method == "none"  # text stays
+    assert "--tpot-target-ms FLOAT|NONE" in CliRunner().invoke(serve, ["--help"]).output
+    result = CliRunner().invoke(serve, ["--tpot-target-ms", "fast"])
+    assert result.exit_code == 2 and "'fast' is not a valid float" in result.output
 
 
 def test_a_choice_flag_lists_its_values_and_names_them_when_refused():
