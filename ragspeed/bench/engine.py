@@ -331,13 +331,15 @@ def bench_engine(
 def _served(model: str, engine: Any, options: EngineBenchOptions) -> dict[str, Any]:
     """The served stream's TPOT, the server on the native engine's settings."""
     o = options
-    if o.tpot_target_ms is None:  # serve's --tpot-target-ms takes milliseconds only
-        return {"served_skipped": "serve runs with a step budget; --tpot-target-ms none has no served figure"}
     args = ["--quantization", o.quantization or "none", "--kv-cache-dtype", o.kv_cache_dtype]
-    args += ["--tpot-target-ms", f"{o.tpot_target_ms:g}"]
+    args += ["--tpot-target-ms", _budget_flag(o.tpot_target_ms)]
     return served_tpot(
         model, o.prompt_len, o.output_len, o.repeats, o.threads, engine.arch.vocab_size, o.seed, args
     )
+
+
+def _budget_flag(tpot_target_ms: float | None) -> str:
+    return "none" if tpot_target_ms is None else f"{tpot_target_ms:g}"
 
 
 def _max_model_len(options: EngineBenchOptions, attention_lens: tuple[int, ...]) -> int:

@@ -62,7 +62,7 @@ def test_the_native_engine_runs_on_the_weights_asked_for(tmp_path, capsys):
     assert int8["verification_steps_16"] > 0 and int8["verification_steps_32"] > 0
     assert int8["chunk_beside_decode_ratio"] > 0 and int8["served_tpot_ms"] > 0
     assert int8["served_tpot_over_tpot"] == int8["served_tpot_ms"] / int8["tpot_ms"]
-    assert "served_tpot_ms" not in fp32 and "step budget" in fp32["served_skipped"]
+    assert fp32["served_tpot_ms"] > 0  # its server without a step budget: --tpot-target-ms none
     out = capsys.readouterr().out
     assert "native weights int8" in out and "step budget 50 ms" in out and "step budget off" in out
     assert "verification of 1 + 4 rows: after 16 tokens" in out and "served TPOT at batch 1" in out
