@@ -80,12 +80,12 @@ class DecodeThreads:
 
     Why measure: a decode step is a few hundred barriers of its threads, and every token also
     wakes the server's event loop (and its client). On two cores, the thread that wakes then
-    deschedules one of the step's threads and the others wait at the next barrier: measured
-    in the server, a batch-1 stream gets a token every 9.3 ms on two threads and every 4.9 ms
-    on one, while sixteen streams get theirs faster on two. Which wins depends on the batch,
-    the machine and what else runs on it, so it is timed: each count is tried `WARMUP` times
-    per bucket, then the faster is used, and the slower is timed again once every
-    `explore_s` seconds in its bucket, so that a change of load is followed."""
+    deschedules one of the step's threads and the others wait at the next barrier. Which wins
+    depends on the batch, the machine and what else runs on it (another process, or a second
+    OpenMP team in this one: engine.backends.native.NativeEngine._build_and_run), so it is
+    timed: each count is tried `WARMUP` times per bucket, then the faster is used, and the
+    slower is timed again once every `explore_s` seconds in its bucket, so that a change of
+    load is followed."""
 
     WARMUP = 4
     _WEIGHT = 0.3  # of each new time in a count's running mean
