@@ -70,6 +70,7 @@ from ragspeed.bench.common import (
     write_json,
 )
 from ragspeed.bench.steps import served_tpot, step_costs
+from ragspeed.bench.tokens import random_prompt
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.native.compute.attention import PREFILL_ATTENTION_EVENT
 from ragspeed.engine.native.compute.cpu_features import read_cpu_features
@@ -137,11 +138,6 @@ def prefill_flops(engine, num_tokens: int) -> float:
     projection_params = sum(m.num_params for m in model.layers.modules() if hasattr(m, "num_params"))
     attention = 2 * 2 * arch.num_layers * arch.num_heads * arch.head_dim * num_tokens**2 / 2
     return 2 * projection_params * num_tokens + attention + 2 * arch.vocab_size * arch.hidden_size
-
-
-def _random_prompt(generator: torch.Generator, length: int, vocab_size: int) -> tuple[int, ...]:
-    # Ids from 2 on: 0/1 are special tokens in the bench models' tokenizers.
-    return tuple(torch.randint(2, vocab_size, (length,), generator=generator).tolist())
 
 
 def _greedy(max_tokens: int) -> SamplingParams:
@@ -333,9 +329,9 @@ def _served(model: str, engine: Any, options: EngineBenchOptions) -> dict[str, A
     o = options
     args = ["--quantization", o.quantization or "none", "--kv-cache-dtype", o.kv_cache_dtype]
     args += ["--tpot-target-ms", _budget_flag(o.tpot_target_ms)]
-    return served_tpot(
-        model, o.prompt_len, o.output_len, o.repeats, o.threads, engine.arch.vocab_size, o.seed, args
-    )
+    # The prompts' ids must be the tokenizer's: a model's vocabulary may be padded past it.
+    vocab = len(engine.tokenizer)
+    return served_tpot(model, o.prompt_len, o.output_len, o.repeats, o.threads, vocab, o.seed, args)
 
 
 def _budget_flag(tpot_target_ms: float | None) -> str:
@@ -418,7 +414,7 @@ def _measure(
     gen = torch.Generator().manual_seed(options.seed)
 
     def prompts(n: int, length: int) -> list[tuple[int, ...]]:
-        return [_random_prompt(gen, length, vocab_size) for _ in range(n)]
+        return [random_prompt(gen, length, vocab_size) for _ in range(n)]
 
     figures: dict[str, Any] = {}
     with torch.inference_mode():

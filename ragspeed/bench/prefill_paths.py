@@ -48,6 +48,7 @@ from ragspeed.bench.common import (
     threads_option,
     write_json,
 )
+from ragspeed.bench.tokens import random_prompt
 from ragspeed.engine.native.loading.model_zoo import DEFAULT_MODEL_NAME
 from ragspeed.shipped_data import NQ_QUESTIONS
 
@@ -151,11 +152,9 @@ def _layer_flop(model: Any, rows: int) -> float:
 
 def _prompts(vocab_size: int, prompt_len: int) -> Iterator[tuple[int, ...]]:
     """Fresh random prompts, seeded: no run hits the prefix cache of another."""
-    from ragspeed.bench.engine import _random_prompt
-
     generator = torch.Generator().manual_seed(0)
     while True:
-        yield _random_prompt(generator, prompt_len, vocab_size)
+        yield random_prompt(generator, prompt_len, vocab_size)
 
 
 @dataclass(frozen=True)

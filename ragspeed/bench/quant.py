@@ -54,9 +54,9 @@ from ragspeed.bench.common import (
 from ragspeed.bench.engine import (
     BandwidthProbe,
     _NativeContender,
-    _random_prompt,
     _TransformersContender,
 )
+from ragspeed.bench.tokens import random_prompt
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.native.loading.model_zoo import DEFAULT_MODEL_NAME
 from ragspeed.shipped_data import WIKITEXT
@@ -244,18 +244,18 @@ def _measure_times(
     gen = torch.Generator().manual_seed(seed)
     with torch.inference_mode():
         for contender in contenders.values():  # warm-up: prefill and decode paths once
-            contender.tpot(_random_prompt(gen, 32, vocab), 4)
+            contender.tpot(random_prompt(gen, 32, vocab), 4)
         # Contenders alternate within each repeat, so a change of the machine's speed during
         # the run (this VM's read bandwidth switches between ~33 and ~55 GB/s) reaches all of
         # them alike instead of tilting the ratios; medians over the repeats.
         tpots: dict[str, list[float]] = {name: [] for name in contenders}
         ttfts: dict[str, list[float]] = {name: [] for name in engine_names}
         for _ in range(repeats):
-            prompt = _random_prompt(gen, prompt_len, vocab)
+            prompt = random_prompt(gen, prompt_len, vocab)
             for name, contender in contenders.items():
                 tpots[name].append(contender.tpot(prompt, output_len))
         for _ in range(repeats):
-            prompt = _random_prompt(gen, ttft_prompt_len, vocab)
+            prompt = random_prompt(gen, ttft_prompt_len, vocab)
             for name in engine_names:
                 ttfts[name].append(contenders[name].ttft(prompt))
     return {

@@ -30,6 +30,7 @@ import httpx
 import torch
 
 from ragspeed.bench.launcher import ServerProcess
+from ragspeed.bench.tokens import random_prompt
 from ragspeed.engine.native.core.kv_cache import KVCachePool
 from ragspeed.engine.native.core.model_runner import ModelRunner
 from ragspeed.engine.native.core.scheduler_output import ScheduledChunk, SchedulerOutput, TokenSequence
@@ -48,8 +49,7 @@ class _Sequences:
         self.runner = ModelRunner(loaded.model, loaded.rotary, self.pool, "cpu")
         self.sequences, self.tables, first = [], [], 0
         for n, count in zip(lengths, blocks):
-            ids = torch.randint(vocab // 10, vocab - vocab // 10, (n,), generator=generator)
-            self.sequences.append(TokenSequence(ids.tolist()))
+            self.sequences.append(TokenSequence(list(random_prompt(generator, n, vocab))))
             self.tables.append(tuple(range(first, first + count)))
             first += count
 
@@ -156,9 +156,7 @@ def served_tpot(
     generator = torch.Generator().manual_seed(seed)
 
     def prompt() -> list[int]:
-        return torch.randint(
-            vocab_size // 10, vocab_size - vocab_size // 10, (prompt_len,), generator=generator
-        ).tolist()
+        return list(random_prompt(generator, prompt_len, vocab_size))
 
     args = ["--model", model, "--num-threads", str(threads), *(serve_args or [])]
     with ServerProcess(args) as server, httpx.Client(base_url=server.url, timeout=120) as client:

@@ -288,7 +288,7 @@ class FusedDecoder:
 
     def _run(self, ids, hidden, freqs_cis, k_caches, v_caches, meta, rows, scores, out=None) -> torch.Tensor:
         tables, context_lens = rows
-        spans = torch.tensor(meta.row_spans if self.spans else (), dtype=torch.int32)
+        spans = meta.row_spans if self.spans else ()
         rotations = freqs_cis.contiguous()
         if out is None:
             out = torch.empty_like(hidden)
@@ -309,7 +309,7 @@ class FusedDecoder:
             meta.block_size,
             hidden.shape[0],
             len(spans),
-            _pointer(spans),
+            (ctypes.c_int32 * len(spans))(*spans) if spans else None,
             _half(k_caches),
             meta.num_threads,
         )
