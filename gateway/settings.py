@@ -136,7 +136,7 @@ class EngineSettings(Section):
     device: str = Field(_SERVED.device, description="Device for embedded engines: cpu or cuda.")
     dtype: Dtype = Field(
         cast(Dtype, _SERVED.dtype),
-        description="Precision of embedded engines: auto, float32, bfloat16 or float16. On CPU the native engine keeps fp32 weights, activations and KV cache and chooses only its prefill products' precision: auto takes bf16 where the CPU has AMX-BF16 or AVX512-BF16, a start-up measurement finds it faster than fp32 (kept per machine beside the CPU kernels) and the start-up quality gate passes it, fp32 elsewhere; bfloat16 fails to start on a CPU without them. Elsewhere the compute dtype (auto: bf16 where supported).",
+        description="Precision of embedded engines: auto, float32, bfloat16 or float16. On CPU the native engine keeps fp32 weights, activations and KV cache and chooses only its prefill products' precision: auto takes bf16 where the CPU has AMX-BF16 or AVX512-BF16, a start-up measurement finds it faster than fp32 (kept per machine beside the CPU kernels) and the start-up quality gate passes it, fp32 elsewhere, and on a CPU with AVX2 computes the prefill attention's scores and weighted sums on int16 where that gate passes them too (float32 keeps them fp32); bfloat16 fails to start on a CPU without them. Elsewhere the compute dtype (auto: bf16 where supported).",
     )
     num_threads: int | None = Field(
         _SERVED.num_threads,

@@ -5,7 +5,8 @@ One engine (serve's defaults: `--quantization auto`, the file's blocks) is moved
 setup between runs: a prefill path (engine.native.core.quality_gate.use_prefill_path) and its attention, the
 CPU kernel or SDPA's flash kernel (ModelRunner.prefill_kernel). The reference is fp32 with
 SDPA's attention (`fp32+sdpa`, the engine's prefill before its attention kernel); every path
-then runs with the kernel. So every setup sees the same model, threads and machine; each run is
+then runs with the kernel, and the served path once more with the kernel's products on int16
+(`+int16-attention`, where the CPU has AVX2). So every setup sees the same model, threads and machine; each run is
 a fresh random prompt (no prefix cache hit), the setups taking turns in each round so that other
 work on a shared machine slows them alike; the median of the rounds is reported, with the ratio
 to the reference (of the medians, and the median of each round's ratio to the reference's run
@@ -159,20 +160,27 @@ def _prompts(vocab_size: int, prompt_len: int) -> Iterator[tuple[int, ...]]:
 
 @dataclass(frozen=True)
 class Setup:
-    """A prefill path and the attention beside it: the CPU kernel, or SDPA's (`kernel` False)."""
+    """A prefill path and the attention beside it: the CPU kernel (its products on int16 where
+    `int16_attention`), or SDPA's (`kernel` False)."""
 
     path: Any  # engine.native.models.linear's PrefillPath
     kernel: bool = True
+    int16_attention: bool = False
 
     @property
     def name(self) -> str:
-        return self.path.name if self.kernel else f"{self.path.name}+sdpa"
+        from ragspeed.engine.native.core.precision import INT16_ATTENTION
+
+        if not self.kernel:
+            return f"{self.path.name}+sdpa"
+        return self.path.name + (f"+{INT16_ATTENTION}" if self.int16_attention else "")
 
     def use(self, engine: Any) -> None:
         from ragspeed.engine.native.core.quality_gate import use_prefill_path
 
         use_prefill_path(engine.loaded.model, self.path)
         engine.runner.prefill_kernel = self.kernel
+        engine.runner.int16_attention = self.int16_attention
 
 
 def _alternated_ttfts(
@@ -253,7 +261,11 @@ def run_prefill_paths(
     features = read_cpu_features()
     fp32 = DENSE_PREFILL_PATHS[-1]
     paths = [fp32, *(p for p in BLOCKS_PATHS if p.missing(features) is None)]
+    choice = engine.prefill_choice
+    chosen = choice.path if choice is not None else fp32
     setups = [Setup(fp32, kernel=False), *map(Setup, paths)]
+    if choice is not None and choice.plan.int16_attention:  # the served path with integer attention
+        setups.append(Setup(chosen, int16_attention=True))
     answered = [*setups, *(Setup(p) for p in DENSE_PREFILL_PATHS[:-1] if p.missing(features) is None)]
     identical = (
         identical_answers(engine, answered, rag_prompts(engine.tokenizer, data, answers)) if answers else {}
@@ -266,8 +278,7 @@ def run_prefill_paths(
         setup.use(engine)
         shares[setup.name] = _where_time_goes(contender, engine.loaded.model, next(prompts))
     quality = _per_projection_quality(engine) if per_projection else {}
-    chosen = engine.prefill_choice.path if engine.prefill_choice is not None else fp32
-    Setup(chosen).use(engine)
+    Setup(chosen, int16_attention=choice is not None and choice.int16_attention).use(engine)
     products_flop = len(engine.loaded.model.layers) * _layer_flop(engine.loaded.model, prompt_len)
     medians = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     reference = setups[0].name
@@ -286,7 +297,7 @@ def run_prefill_paths(
         "threads": threads,
         "prompt_len": prompt_len,
         "repeats": repeats,
-        "chosen_prefill_path": chosen.name,
+        "chosen_prefill_path": fp32.name if choice is None else choice.name,
         "reference": reference,
         **{f"ttft_ms_{name}": value for name, value in medians.items()},
         **{f"ttft_runs_ms_{name}": [t * 1e3 for t in runs] for name, runs in times.items()},
@@ -330,7 +341,13 @@ def _print(result: dict[str, Any], setups: list[Setup], reports: dict) -> None:
             f"; products {result[f'products_gflops_{name}']:.0f} GFLOP/s, "
             f"{result[f'products_share_{name}']:.0%} of TTFT; attention {result[f'attention_share_{name}']:.0%}"
         )
-        gate = reports.get(setup.path.name) if setup.kernel else None
+        from ragspeed.engine.native.core.precision import INT16_ATTENTION
+
+        gate = (
+            reports.get(INT16_ATTENTION if setup.int16_attention else setup.path.name)
+            if setup.kernel
+            else None
+        )
         if gate:
             line += f"; gate: top-1 {gate.top1_agreement:.2%}, ppl {gate.ppl_increase:+.3%}"
         print(line)
@@ -376,8 +393,8 @@ def bench_prefill(
     data: Path,
 ) -> None:
     """TTFT of one long prompt on each prefill path of a GGUF model (fp32, int8-blocks,
-    int16-blocks) with the CPU attention kernel, and on fp32 with SDPA's attention (the
-    reference), alternated in one process, with the start-up gate's figures, the products' rate
+    int16-blocks) with the CPU attention kernel, the served one also with that kernel's products
+    on int16, and on fp32 with SDPA's attention (the reference), alternated in one process, with the start-up gate's figures, the products' rate
     and share of the time, and attention's share."""
     start = time.perf_counter()
     result = run_prefill_paths(model, prompt_len, repeats, threads, per_projection, answers, data)

@@ -79,9 +79,9 @@ def test_long_chunks_after_earlier_chunks_match_transformers(
     num_cached = []
     kernel, sdpa = attention_module.paged_prefill_attention, attention_module.chunk_attention
 
-    def kernel_spy(q, k_cache, v_cache, table, cached, *args):
+    def kernel_spy(q, k_cache, v_cache, table, cached, *args, **kwargs):
         num_cached.append(cached)
-        return kernel(q, k_cache, v_cache, table, cached, *args)
+        return kernel(q, k_cache, v_cache, table, cached, *args, **kwargs)
 
     def sdpa_spy(q, k, v, span, scale):
         num_cached.append(span.num_cached)

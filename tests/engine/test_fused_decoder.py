@@ -42,7 +42,14 @@ def odd_llama(tmp_path_factory):
     )
 
 
-def _step(loaded, chunks: list[tuple[list[int], int]], fused: bool, kv_dtype=torch.float32, logits=False):
+def _step(
+    loaded,
+    chunks: list[tuple[list[int], int]],
+    fused: bool,
+    kv_dtype=torch.float32,
+    logits=False,
+    int16_attention=False,
+):
     """One decode-type forward over `chunks` ((block table, context length after the step),
     one query for a decode, several for a verification chunk), on a pool filled with seeded
     values; returns the final hidden states (with `logits`, every token's logits) and the pool."""
@@ -65,6 +72,7 @@ def _step(loaded, chunks: list[tuple[list[int], int]], fused: bool, kv_dtype=tor
         slot_mapping=slot_mapping,
         block_size=BLOCK_SIZE,
         device="cpu",
+        int16_attention=int16_attention,
     )
     ids = torch.randint(2, arch.vocab_size, (len(positions),), generator=generator)
     loaded.model.fused_decode = fused
@@ -150,6 +158,23 @@ def test_a_row_gets_the_same_bits_in_any_batch(tiny_checkpoints):
     assert loaded.arch.head_dim % 16 == 0  # so the chunk's rows attend in the prefill kernel
     assert torch.equal(alone[0], batched[0])
     assert torch.equal(batched, beside_a_chunk[: len(batched)])  # the decodes' and verification's rows
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_chunk_beside_decodes_attends_on_int16_in_the_fused_call_too(tiny_checkpoints, family):
+    """With the prefill kernel's products on int16, a prefill chunk's rows in the fused call
+    attend on int16 (apart from fp32's, within int16's rounding: the layer-by-layer path runs a
+    step of small chunks a row at a time in the decode kernel, fp32), and the decodes' and the
+    verification's rows keep a plain decode's bits."""
+    loaded = load_model(tiny_checkpoints[family], max_model_len=256)
+    step = STEPS["decodes, a verification and a prefill chunk"]
+    int16, _ = _step(loaded, step, fused=True, int16_attention=True)
+    fp32, _ = _step(loaded, step, fused=True)
+    layered, _ = _step(loaded, step, fused=False, int16_attention=True)
+    rows = sum(q for _, _, q in step[:-1])  # the decodes and the verification
+    assert torch.equal(int16[:rows], fp32[:rows])
+    moved = (int16[rows:] - layered[rows:]).abs().max()
+    assert 1e-4 < moved < 2e-2, float(moved)  # fp32's own fused-to-layered difference is under 1e-4
 
 
 def test_only_the_last_plain_chunks_of_enough_queries_attend_in_the_prefill_kernel():

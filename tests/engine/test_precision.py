@@ -9,6 +9,7 @@ import logging
 import pytest
 import torch
 
+from ragspeed.engine.native.compute.cpu_features import CpuFeatures
 from ragspeed.engine.native.compute.quant.probe import Measurement, PrefillProbe, ProbeGemm
 from ragspeed.engine.native.core.precision import (
     calibration_windows,
@@ -68,6 +69,20 @@ def test_policy_by_cpu(dtype, quantization, features, names):
     assert _names(plan_prefill(dtype, quantization, "cpu", features, PROBE)) == names
 
 
+@pytest.mark.parametrize(
+    "dtype, features, offered",
+    [("auto", AVX2, True), ("float32", AMX, False), ("float16", AVX2, False), ("bfloat16", AMX, False)],
+)
+def test_the_attentions_integer_products_are_gated_under_auto_alone(dtype, features, offered):
+    plan = plan_prefill(dtype, None, "cpu", features, PROBE)
+    assert plan.int16_attention == offered and "int16-attention" not in plan.unavailable
+
+
+def test_the_attentions_integer_products_need_avx2():
+    plan = plan_prefill("auto", None, "cpu", CpuFeatures("old", frozenset(), "DEFAULT"), PROBE)
+    assert not plan.int16_attention and plan.unavailable["int16-attention"] == "needs AVX2"
+
+
 def test_policy_off_cpu_and_the_transformers_dtype():
     assert plan_prefill("auto", None, "cuda", AVX2, PROBE) is None
     assert model_dtype("auto", "cpu", AVX2) == torch.float32
@@ -122,16 +137,18 @@ def test_auto_on_avx2_is_fp32_and_nothing_in_bf16(tiny_checkpoints, caplog):
         engine = make_engine(tiny_checkpoints["llama"], dtype="auto", features=AVX2)
     assert engine.prefill_path == "fp32"
     assert _dense_dtypes(engine) == {torch.float32}
-    assert engine.prefill_choice.reports == {}  # nothing to gate: no calibration pass
+    # the one path to gate: the attention's integer products, which pass on the tiny model
+    assert list(engine.prefill_choice.reports) == ["int16-attention"] and engine.runner.int16_attention
     assert caplog.messages == [
-        "prefill fp32 (activations kept in fp32), decode blocked fp32, dtype auto on AMD EPYC (torch AVX2): "
+        "prefill fp32 (activations kept in fp32, attention int16 scores and sums), decode blocked fp32, "
+        "dtype auto on AMD EPYC (torch AVX2): "
         "avx2; no avx512f, avx512_vnni, avx_vnni, avx512_bf16, amx_bf16, amx_int8; not here: bf16: no "
         "AMX-BF16 or AVX512-BF16 (amx_bf16 / avx512_bf16): bf16 products run ~30x slower than fp32"
     ]
 
 
-def _failing(path) -> QualityReport:
-    passing = path.name == "fp32"
+def _failing(path, int16_attention: bool) -> QualityReport:
+    passing = path.name == "fp32" and not int16_attention
     return QualityReport(4, 508, 50.0, 50.0 if passing else 51.0, 0.0 if passing else 0.02, 1.0, 0.1)
 
 
@@ -142,13 +159,16 @@ def test_gate_falls_back_to_fp32_and_logs_why(tiny_checkpoints, caplog):
     plan = plan_prefill("auto", loaded.quantization, "cpu", AMX, PROBE)
     with caplog.at_level(logging.INFO):
         choice = choose_prefill(loaded, plan, lambda: pytest.fail("measure is injected"), measure=_failing)
-    assert choice.path.name == "fp32" and choice.rejected == {"bf16": "perplexity +2.00% > +0.1%"}
+    missed = "perplexity +2.00% > +0.1%"
+    assert choice.path.name == "fp32" and choice.rejected == {"bf16": missed, "int16-attention": missed}
+    assert not choice.int16_attention and choice.name == "fp32"
     assert {m.path.name for m in loaded.model.modules() if isinstance(m, DenseLinear)} == {"fp32"}
     assert caplog.messages == [
-        "prefill path bf16 fails the quality gate (perplexity +2.00% > +0.1%): falling back to fp32",
-        "prefill fp32 (activations kept in fp32), decode blocked fp32, dtype auto on Intel Xeon (torch "
-        "AVX512): avx2, avx512f, avx512_vnni, avx512_bf16, amx_bf16, amx_int8; no avx_vnni; failed the "
-        "quality gate: bf16 (perplexity +2.00% > +0.1%)",
+        f"prefill path bf16 fails the quality gate ({missed}): falling back to fp32",
+        f"int16-attention fails the quality gate ({missed}): attention in fp32",
+        "prefill fp32 (activations kept in fp32, attention fp32), decode blocked fp32, dtype auto on Intel "
+        "Xeon (torch AVX512): avx2, avx512f, avx512_vnni, avx512_bf16, amx_bf16, amx_int8; no avx_vnni; "
+        f"failed the quality gate: bf16 ({missed}); int16-attention ({missed})",
     ]
 
 
@@ -174,8 +194,8 @@ def test_a_short_context_gates_on_windows_that_fit_it(tiny_checkpoints, features
         max_model_len=40,
         num_kv_cache_tokens=40,
     )
-    reports = engine.prefill_choice.reports
-    assert (reports["fbgemm-u8"].num_predictions if reports else None) == gated
+    report = engine.prefill_choice.reports.get("fbgemm-u8")
+    assert (report.num_predictions if report else None) == gated
 
 
 def test_forced_bf16_branch_computes_on_this_cpu(tiny_checkpoints):
@@ -251,8 +271,11 @@ def test_an_engine_on_auto_runs_the_weights_gate(tiny_checkpoints, caplog):
 
 
 def _gate_by_top1(top1: dict[str, float]):
-    def measure(path) -> QualityReport:
-        return QualityReport(4, 508, 50.0, 50.0, 0.0, top1.get(path.name, 1.0), 0.1)
+    """A measure: each path's top-1 agreement by its name (+int16-attention with those), else 1."""
+
+    def measure(path, int16_attention: bool) -> QualityReport:
+        name = path.name + ("+int16-attention" if int16_attention else "")
+        return QualityReport(4, 508, 50.0, 50.0, 0.0, top1.get(name, 1.0), 0.1)
 
     return measure
 
@@ -284,8 +307,10 @@ def test_gguf_blocks_prefill_on_the_first_integer_path_the_gate_passes(tmp_path,
         f"prefill path int8-blocks fails the quality gate ({missed}): falling back to int16-blocks"
     )
     assert caplog.messages[1].startswith(
-        "prefill int16-blocks (activations rounded to int16 per block of 32), decode the file's blocks"
+        "prefill int16-blocks (activations rounded to int16 per block of 32, attention int16 scores and "
+        "sums), decode the file's blocks"
     )
+    assert choice.int16_attention and choice.name == "int16-blocks+int16-attention"
     layers = [m for m in loaded.model.modules() if isinstance(m, GgufLinear) and m.prefill is not None]
     assert layers and all(
         isinstance(m.prefill, Int8BlocksGemm) and m.prefill.activation_bits == 16 for m in layers

@@ -149,6 +149,7 @@ def paged_attention(
                     block_size,
                     scale,
                     meta.num_threads,
+                    int16_attention=meta.int16_attention,
                 )
                 continue
             attend = chunk_attention if cpu and span.query_positions is None else masked_chunk_attention

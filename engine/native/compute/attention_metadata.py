@@ -74,6 +74,9 @@ class AttentionMetadata:
     # Prefill chunks through the prefill kernel where it applies (fp32 queries on CPU); False:
     # SDPA's flash kernel, its reference.
     prefill_kernel: bool = True
+    # The prefill kernel's products (scores, weighted sums) on int16: where the quality gate
+    # passed them (engine.native.core.precision).
+    int16_attention: bool = False
     # Among rows, the queries of the step's last prefill chunks (`row_spans`) that attend in the
     # prefill kernel, inside the fused decoder; the rows before them attend a row at a time.
     row_spans: tuple[int, ...] = ()
@@ -196,6 +199,7 @@ def build_metadata(
     kernel_rows: KernelRows | None = None,
     prefill_kernel: bool = True,
     prefill_num_drafts: Sequence[int] = (),
+    int16_attention: bool = False,
 ) -> AttentionMetadata:
     """A step's metadata. `prefill_query_positions`: per prefill chunk, its query positions
     (ascending) when it is *scattered* (query i sees the keys of positions 0 .. positions[i],
@@ -242,6 +246,7 @@ def build_metadata(
         row_context_lens=row_lens,
         num_threads=num_threads,
         prefill_kernel=prefill_kernel,
+        int16_attention=int16_attention,
         row_spans=spans,
     )
 

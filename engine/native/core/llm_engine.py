@@ -78,6 +78,7 @@ class LLMEngine:
         self.max_model_len = loaded.rotary.freqs_cis.shape[0]
         self.eos_token_ids = loaded.eos_token_ids
         self.runner = runner
+        runner.int16_attention = prefill_choice is not None and prefill_choice.int16_attention
         self.kv_pool = runner.kv_pool
         self.manager = manager
         self.scheduler = Scheduler(
@@ -103,7 +104,7 @@ class LLMEngine:
         self.weights: dict[str, str | int | None] = {
             "quantization": loaded.quantization or "none",
             "decode": decode_weights(loaded.model),
-            "prefill": None if self.prefill_choice is None else self.prefill_choice.path.name,
+            "prefill": None if self.prefill_choice is None else self.prefill_choice.name,
             "resident_bytes": resident_bytes,
         }
         logger.info(

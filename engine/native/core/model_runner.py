@@ -69,6 +69,9 @@ class ModelRunner:
         # Prefill chunks' attention in the CPU kernel (engine.native.compute.attention); False: SDPA's, its
         # reference (`ragspeed bench prefill` times both).
         self.prefill_kernel = True
+        # Its products on int16 (AttentionMetadata.int16_attention): the precision stage sets it
+        # where the model passes the quality gate with them (engine.native.core.precision).
+        self.int16_attention = False
 
     def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """A buffer's view (CPU) where the model runs."""
@@ -263,6 +266,7 @@ class ModelRunner:
             kernel_rows=self._kernel_rows,
             prefill_kernel=self.prefill_kernel,
             prefill_num_drafts=[len(c.draft_token_ids) for c in prefills],
+            int16_attention=self.int16_attention,
         )
 
     def _kernel_rows(

@@ -15,7 +15,9 @@ elsewhere (without those flags bf16 is emulated and ~30x slower). The model load
 `choose_prefill` then measures the faster ones against it on a few calibration windows of a
 text shipped with the package (engine.native.core.quality_gate: top-1 agreement and perplexity), keeps the
 first that passes, logs why each one before it fell back, and logs the chosen path beside the
-CPU's capabilities.
+CPU's capabilities. Under `auto`, on a CPU with AVX2, the prefill attention kernel's integer
+products (`INT16_ATTENTION`: scores and weighted sums on int16, prefill_attention.c) are gated
+the same way, on the chosen path.
 
 `choose_precision` is the engine's precision stage, run on a model the loader has loaded
 (engine.native.core.factory): under `--quantization auto` the int8 weights first pass their own gate
@@ -49,6 +51,7 @@ logger = logging.getLogger(__name__)
 
 CALIBRATION_WINDOW = 128  # tokens per window; each window is one prefill per path measured
 CALIBRATION_WINDOWS = 4
+INT16_ATTENTION = "int16-attention"  # the gate's name for the prefill attention's integer products
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,7 @@ class PrefillPlan:
     features: CpuFeatures
     candidates: tuple[PrefillPath, ...]
     unavailable: dict[str, str] = field(default_factory=dict)  # admitted path -> why not here
+    int16_attention: bool = False  # whether to gate the prefill attention's integer products
 
     @property
     def exact(self) -> PrefillPath:
@@ -100,7 +104,10 @@ def plan_prefill(
             f"({features.model_name}) has {have}: use --dtype auto or float32"
         )
     candidates = runnable_paths(admitted, features, probe, choice.requires)
-    return PrefillPlan(dtype, kind, features, tuple(candidates), unavailable)
+    int16_attention = choice.int16_attention and "avx2" in features.flags
+    if choice.int16_attention and not int16_attention:
+        unavailable[INT16_ATTENTION] = "needs AVX2"
+    return PrefillPlan(dtype, kind, features, tuple(candidates), unavailable, int16_attention)
 
 
 @dataclass(frozen=True)
@@ -111,14 +118,21 @@ class PrefillChoice:
     path: PrefillPath
     reports: dict[str, QualityReport] = field(default_factory=dict)  # path -> vs the exact path
     rejected: dict[str, str] = field(default_factory=dict)  # path -> why the gate refused it
+    int16_attention: bool = False  # the prefill attention's products on int16 (ModelRunner.int16_attention)
+
+    @property
+    def name(self) -> str:
+        """The prefill's arithmetic in a word: its path, and the attention's if not fp32."""
+        return self.path.name + (f"+{INT16_ATTENTION}" if self.int16_attention else "")
 
     def describe(self) -> str:
         """The start-up line: path, activations, decode kernel, what else ran or could not."""
         plan = self.plan
         decode = {"int8": "blocked int8", "gguf": "the file's blocks"}.get(plan.kind, "blocked fp32")
+        attention = "int16 scores and sums" if self.int16_attention else "fp32"
         line = (
-            f"prefill {self.path.name} (activations {self.path.activations}), decode {decode}, "
-            f"dtype {plan.dtype} on {plan.features.describe()}"
+            f"prefill {self.path.name} (activations {self.path.activations}, attention {attention}), "
+            f"decode {decode}, dtype {plan.dtype} on {plan.features.describe()}"
         )
         if self.rejected:
             line += "; failed the quality gate: " + "; ".join(f"{n} ({w})" for n, w in self.rejected.items())
@@ -185,33 +199,50 @@ def choose_prefill(
     windows: Callable[[], list[list[int]]],
     *,
     gate: QualityGate = PREFILL_GATE,
-    measure: Callable[[PrefillPath], QualityReport] | None = None,
+    measure: Callable[[PrefillPath, bool], QualityReport] | None = None,
 ) -> PrefillChoice:
     """Gate `plan`'s faster paths against its exact one (on `windows()`, computed only where
-    there is something to gate, or by `measure`, tests); move the model to the first that
-    passes; log the choice."""
+    there is something to gate, or by `measure(path, int16_attention)`, tests); move the model to
+    the first that passes; then, where the plan offers it, gate the attention's integer products
+    on that path; log the choice."""
     exact = plan.exact
     use_prefill_path(loaded.model, exact)
-    choice = PrefillChoice(plan, exact)
+    if len(plan.candidates) == 1 and not plan.int16_attention:
+        choice = PrefillChoice(plan, exact)
+        logger.info(choice.describe())
+        return choice
+    if measure is None:
+        ids = windows()
+        reference = {tuple(w): window_logits(loaded, w) for w in ids}
+
+        def measure(path: PrefillPath, int16_attention: bool) -> QualityReport:
+            use_prefill_path(loaded.model, path)
+            if path is exact and not int16_attention:
+                return compare_logits(lambda w: reference[tuple(w)], lambda w: reference[tuple(w)], ids)
+            return compare_logits(
+                lambda w: reference[tuple(w)],
+                lambda w: window_logits(loaded, w, int16_attention=int16_attention),
+                ids,
+            )
+
+    chosen, reports, rejected = exact, {}, {}
     if len(plan.candidates) > 1:
-        if measure is None:
-            ids = windows()
-            reference = {tuple(w): window_logits(loaded, w) for w in ids}
-
-            def measure(path: PrefillPath) -> QualityReport:
-                use_prefill_path(loaded.model, path)
-                return compare_logits(
-                    lambda w: reference[tuple(w)],
-                    (lambda w: reference[tuple(w)])
-                    if path is exact
-                    else (lambda w: window_logits(loaded, w)),
-                    ids,
-                )
-
-        outcome = gate_prefill(list(plan.candidates), measure, gate)
-        chosen = outcome.path or exact
-        use_prefill_path(loaded.model, chosen)
-        choice = PrefillChoice(plan, chosen, outcome.reports, outcome.rejected)
+        outcome = gate_prefill(list(plan.candidates), lambda path: measure(path, False), gate)
+        chosen, reports, rejected = outcome.path or exact, dict(outcome.reports), dict(outcome.rejected)
+    int16_attention = False
+    if plan.int16_attention:
+        report = reports[INT16_ATTENTION] = measure(chosen, True)
+        missed = gate.failures(report)
+        if missed:
+            rejected[INT16_ATTENTION] = "; ".join(missed)
+            logger.warning(
+                "%s fails the quality gate (%s): attention in fp32",
+                INT16_ATTENTION,
+                rejected[INT16_ATTENTION],
+            )
+        int16_attention = not missed
+    use_prefill_path(loaded.model, chosen)
+    choice = PrefillChoice(plan, chosen, reports, rejected, int16_attention)
     logger.info(choice.describe())
     return choice
 

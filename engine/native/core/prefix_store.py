@@ -182,7 +182,7 @@ def engine_fingerprint(engine: Any, hashes: WeightHashes | None = None) -> dict[
         "kv_dtype": str(engine.kv_pool.kv.dtype),
         "quantization": engine.loaded.quantization,
         # The precision KV is computed at: the prefill's products and the model's own dtype.
-        "prefill": None if choice is None else choice.path.name,
+        "prefill": None if choice is None else choice.name,
         "model_dtype": str(engine.runner.model.dtype),
     }
 

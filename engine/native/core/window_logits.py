@@ -23,15 +23,18 @@ def window_logits(
     kv_dtype: torch.dtype | None = None,
     *,
     decode_kernels: bool = False,
+    int16_attention: bool = False,
 ) -> torch.Tensor:
     """fp32 logits [len(token_ids), vocab] of one sequence: one prefill through paged attention,
     its KV pool in `kv_dtype` (default the model's dtype), every product on the prefill's
-    kernels (or, with `decode_kernels`, on the decode kernels)."""
+    kernels (or, with `decode_kernels`, on the decode kernels), the attention's products on
+    int16 where `int16_attention` (ModelRunner.int16_attention)."""
     n = len(token_ids)
     num_blocks = -(-n // block_size)
     device, dtype = loaded.model.device, loaded.model.dtype
     pool = KVCachePool(loaded.arch, num_blocks, block_size, kv_dtype or dtype, device)
     runner = ModelRunner(loaded.model, loaded.rotary, pool, device)
+    runner.int16_attention = int16_attention
     chunk = TokenSequence(list(token_ids)).chunk(0, n, tuple(range(num_blocks)))
     return runner.chunk_logits(chunk, decode_kernels=decode_kernels)  # [n, vocab]
 

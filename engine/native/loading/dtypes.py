@@ -21,12 +21,15 @@ class DtypeChoice:
     admits: frozenset[str]  # the prefill path precisions it allows on CPU
     requires: str | None = None  # a precision the CPU must run, else a start-up error
     gpu_dtype: torch.dtype | None = None  # the compute dtype elsewhere; None: auto
+    # whether the prefill attention's products may run on int16 where the quality gate passes
+    # them (engine.native.core.precision): auto's "fastest that keeps the answers" alone
+    int16_attention: bool = False
 
 
 DTYPES: dict[str, DtypeChoice] = {
     choice.name: choice
     for choice in (
-        DtypeChoice("auto", frozenset({"bf16", "int8", "fp32"})),
+        DtypeChoice("auto", frozenset({"bf16", "int8", "fp32"}), int16_attention=True),
         DtypeChoice("float32", frozenset({"int8", "fp32"}), gpu_dtype=torch.float32),
         DtypeChoice("bfloat16", frozenset({"bf16", "fp32"}), requires="bf16", gpu_dtype=torch.bfloat16),
         # fp16 has no fast CPU products: on CPU it computes as float32.

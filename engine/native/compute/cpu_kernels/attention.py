@@ -48,9 +48,13 @@ def paged_prefill_attention(
     scale: float,
     num_threads: int = 1,
     library: ctypes.CDLL | None = None,
+    int16_attention: bool = False,
 ) -> torch.Tensor:
     """Causal softmax(q K^T * scale) V of a chunk after `num_cached` keys -> [n, num_heads, head_dim].
-    `library`: the kernels' build to run (tests: a narrower CPU's), by default this CPU's."""
+    `library`: the kernels' build to run (tests: a narrower CPU's), by default this CPU's.
+    `int16_attention`: the scores and the weighted sums as dot products of int16s (q, K, the
+    softmax weights and V rounded per vector or tile: prefill_attention.c), an approximation the
+    quality gate clears per model."""
     library = library or load_library()
     assert library is not None, "prefill_kernel_applies checks for the kernels"
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and block_table.is_contiguous()
@@ -73,6 +77,7 @@ def paged_prefill_attention(
         block_size,
         scale,
         k_cache.dtype == torch.float16,
+        int16_attention,
         num_threads,
     )
     return out

@@ -144,15 +144,15 @@ static float *scratch(size_t floats) {
  * k_caches / v_caches: one [num_slots, num_kv_heads, head_dim] pool per layer, fp32 or (kv_half)
  * fp16. The last rows may be num_spans prefill chunks of span_rows[i] rows each (positions in
  * order after their context's cached keys, all with its block table): their attention runs in
- * the prefill kernel (prefill_attention.c), whose tiles of keys serve all of a chunk's rows, and
- * the rows before them in the decode kernel, a row at a time (decodes and verifications, whose
- * rows must be computed as a plain decode computes them). */
+ * the prefill kernel (prefill_attention.c, its scores in integers where int16), whose tiles
+ * of keys serve all of a chunk's rows, and the rows before them in the decode kernel, a row at a
+ * time (decodes and verifications, whose rows must be computed as a plain decode computes them). */
 void ragspeed_decode_forward(const Model *model, void *const *k_caches, void *const *v_caches,
                              const int64_t *ids, float *x, float *out, float *logits,
                              const float *rotations, const int64_t *slots,
                              const int64_t *block_tables, const int64_t *context_lens,
                              int max_blocks, int block_size, int m, int num_spans, const int32_t *span_rows,
-                             int kv_half, int num_threads) {
+                             int int16, int kv_half, int num_threads) {
     int hidden = model->hidden, num_heads = model->num_heads, num_kv_heads = model->num_kv_heads;
     int head_dim = model->head_dim, inter = model->inter, half = head_dim / 2;
     int q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
@@ -218,7 +218,7 @@ void ragspeed_decode_forward(const Model *model, void *const *k_caches, void *co
             prefill_attention_team(q + (size_t)first * q_size, k_caches[l], v_caches[l],
                                    block_tables + (size_t)first * max_blocks, ms + (size_t)first * q_size, span_rows[i],
                                    context_lens[first] - 1, num_heads, num_kv_heads, head_dim, block_size,
-                                   model->scale, kv_half, packed);
+                                   model->scale, kv_half, int16, packed);
         linear_team(&layer->o, ms, h, m);
         BETWEEN_PRODUCTS(each_thread, for (int r = 0; r < m; r++)
                          add_rms_norm_row(xs, h, layer->post_norm, ns, r, hidden, eps));
@@ -297,7 +297,7 @@ void ragspeed_greedy_steps(const Model *model, const float *rotation_table, int 
         }
         if (!n) break;
         ragspeed_decode_forward(model, k_caches, v_caches, NULL, x, out, NULL, rotations, slots, tables, lens,
-                                max_blocks, block_size, a, 0, NULL, kv_half, num_threads);
+                                max_blocks, block_size, a, 0, NULL, 0, kv_half, num_threads);
         for (int r = 0; r < n; r++)
             memcpy(last + (size_t)r * hidden, out + (size_t)last_row[r] * hidden, sizeof(float) * hidden);
         linear(&model->lm_head, last, logits, n, num_threads);

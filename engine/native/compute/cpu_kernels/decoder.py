@@ -281,6 +281,7 @@ class FusedDecoder:
             num_tokens,
             0,
             None,
+            0,
             self._kv_half,
             num_threads,
         )
@@ -310,6 +311,7 @@ class FusedDecoder:
             hidden.shape[0],
             len(spans),
             (ctypes.c_int32 * len(spans))(*spans) if spans else None,
+            meta.int16_attention,
             _half(k_caches),
             meta.num_threads,
         )

@@ -47,7 +47,7 @@ INTERNAL size_t prefill_attention_floats(int64_t keys, int num_kv_heads, int hea
 INTERNAL void prefill_attention_team(const float *q, const void *k_cache, const void *v_cache,
                                      const int64_t *block_table, float *out, int n, int64_t num_cached,
                                      int num_heads, int num_kv_heads, int head_dim, int block_size,
-                                     float scale, int half, float *packed);
+                                     float scale, int half, int int16, float *packed);
 
 /* rowwise.c: row r of ragspeed_add_rms_norm; ragspeed_argmax of one row. */
 INTERNAL void add_rms_norm_row(float *x, const float *residual, const float *weight, float *out,

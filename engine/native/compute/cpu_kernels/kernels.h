@@ -69,7 +69,7 @@ void ragspeed_paged_decode_attention(const float *q, const void *k_cache, const 
 void ragspeed_prefill_attention(const float *q, const void *k_cache, const void *v_cache,
                                 const int64_t *block_table, float *out, int n, int64_t num_cached,
                                 int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-                                int half, int num_threads);
+                                int half, int int16, int num_threads);
 void ragspeed_add_rms_norm(float *x, const float *residual, const float *weight, float *out,
                            int rows, int dim, float eps, int num_threads);
 void ragspeed_argmax(const float *x, int m, int n, int stride, int64_t *out);
@@ -83,7 +83,7 @@ void ragspeed_decode_forward(const Model *model, void *const *k_caches, void *co
                              const float *rotations, const int64_t *slots,
                              const int64_t *block_tables, const int64_t *context_lens,
                              int max_blocks, int block_size, int m, int num_spans, const int32_t *span_rows,
-                             int kv_half, int num_threads);
+                             int int16, int kv_half, int num_threads);
 void ragspeed_greedy_steps(const Model *model, const float *rotation_table, int vocab,
                            const int64_t *d2t, void *const *k_caches, void *const *v_caches,
                            const int64_t *block_tables, int max_blocks, int block_size, int kv_half, int m,

@@ -1,6 +1,6 @@
 /* The kernels' vectors and what every source does with them: fp32 and fp16 loads and stores
  * (the int8 weights' scales, the KV pool's rows), a KV row's write, the sum of a vector's lanes,
- * e^x and a broadcast. All `static inline`, so each source compiles them into its own loops:
+ * e^x, the larger of two vectors, rounding to integers and a broadcast. All `static inline`, so each source compiles them into its own loops:
  * nothing here is exported (build.py binds kernels.h's functions).
  *
  * GCC vector extensions, with intrinsics where the generic code is slow: -march=native picks
@@ -176,6 +176,26 @@ static inline vecf exp2_nonpositive(vecf x) {
 #else
     veci two_n = (__builtin_convertvector(n, veci) + 127) << 23;
     return (vecf)((veci)(p * (vecf)two_n) & ~underflow);
+#endif
+}
+
+/* Each lane's larger of a and b (a where b is NaN), and |x|. */
+static inline vecf larger(vecf a, vecf b) {
+    veci b_larger = b > a;
+    return (vecf)(((veci)b & b_larger) | ((veci)a & ~b_larger));
+}
+static inline vecf magnitude(vecf x) { return (vecf)((veci)x & 0x7fffffff); }
+
+/* x rounded to the nearest integer (ties to even: the default rounding mode), in int32 lanes. */
+static inline veci round_to_int(vecf x) {
+#if defined(__AVX512F__)
+    return (veci)_mm512_cvtps_epi32((__m512)x);
+#elif defined(__AVX__)
+    return (veci)_mm256_cvtps_epi32((__m256)x);
+#else
+    veci r;
+    for (int i = 0; i < LANES; i++) r[i] = (int32_t)__builtin_rintf(x[i]);
+    return r;
 #endif
 }
 
