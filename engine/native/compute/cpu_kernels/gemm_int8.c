@@ -263,41 +263,56 @@ void ragspeed_gemm_u4f32(const uint8_t *w, const float *scale, const float *bias
  * and offsets as above. |sum xq q| <= 32 x 15 x 32767 < 2^31. */
 #define PAIRS16 (GROUP / 2)
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define U4Q16_ROWS(NAME, R)                                                                      \
+/* AVX-512: rows times C blocks at once (C = 2 but for an odd last block), so that a pair of
+ * inputs broadcast once serves C blocks: 2 weight loads and R broadcasts a 2R multiply-adds,
+ * where one block took R + 1 loads a R (1.10x). GCC 12 copies the accumulator of
+ * _mm512_dpwssd_epi32 in and out of its register around every call; asm keeps it there. */
+#define U4Q16_COLUMNS 2
+#define DOT_PAIRS16(acc, w, x) __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x))
+#define U4Q16_ROWS(NAME, R, C)                                                                   \
     static inline void NAME(const uint8_t *block, const int16_t *xq, const float *xs,            \
                             const float *xsum, const float *scales, float *y, const float *bias, \
                             int first, int n, int k) {                                          \
         int groups = k / GROUP;                                                                 \
-        __m512 total[R];                                                                        \
-        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) total[r] = _mm512_setzero_ps();     \
+        size_t block_bytes = (size_t)k * BLOCK, block_scales = (size_t)groups * 2 * BLOCK;      \
+        __m512 total[R][C];                                                                     \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                     \
+            _Pragma("GCC unroll 2") for (int c = 0; c < C; c++) total[r][c] = _mm512_setzero_ps(); \
         for (int g = 0; g < groups; g++) {                                                      \
-            __m512i acc[R];                                                                     \
-            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512(); \
-            _Pragma("GCC unroll 4") for (int t = 0; t < PAIRS16; t++) {                         \
-                __m512i w = _mm512_cvtepu8_epi16(                                               \
-                    _mm256_loadu_si256((const __m256i *)(block + ((size_t)g * PAIRS16 + t) * 2 * BLOCK))); \
+            __m512i acc[R][C];                                                                  \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                 \
+                _Pragma("GCC unroll 2") for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_si512(); \
+            _Pragma("GCC unroll 2") for (int t = 0; t < PAIRS16; t++) {                         \
+                __m512i w[C];                                                                   \
+                _Pragma("GCC unroll 2") for (int c = 0; c < C; c++) w[c] = _mm512_cvtepu8_epi16( \
+                    _mm256_loadu_si256((const __m256i *)(block + c * block_bytes + ((size_t)g * PAIRS16 + t) * 2 * BLOCK))); \
                 _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                           \
                     int32_t pair;                                                               \
                     memcpy(&pair, xq + (size_t)r * k + g * GROUP + 2 * t, sizeof pair);         \
-                    acc[r] = _mm512_dpwssd_epi32(acc[r], w, _mm512_set1_epi32(pair));           \
+                    __m512i x = _mm512_set1_epi32(pair);                                        \
+                    _Pragma("GCC unroll 2") for (int c = 0; c < C; c++) DOT_PAIRS16(acc[r][c], w[c], x); \
                 }                                                                               \
             }                                                                                   \
-            __m512 d = _mm512_loadu_ps(scales + (size_t)g * 2 * BLOCK);                         \
-            __m512 m = _mm512_loadu_ps(scales + (size_t)g * 2 * BLOCK + BLOCK);                 \
-            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                               \
-                total[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[(size_t)r * groups + g]), total[r]); \
-                total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]),                           \
-                                           _mm512_mul_ps(d, _mm512_set1_ps(xs[(size_t)r * groups + g])), total[r]); \
+            _Pragma("GCC unroll 2") for (int c = 0; c < C; c++) {                               \
+                __m512 d = _mm512_loadu_ps(scales + c * block_scales + (size_t)g * 2 * BLOCK);  \
+                __m512 m = _mm512_loadu_ps(scales + c * block_scales + (size_t)g * 2 * BLOCK + BLOCK); \
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                           \
+                    total[r][c] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[(size_t)r * groups + g]), total[r][c]); \
+                    total[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]),                 \
+                                                  _mm512_mul_ps(d, _mm512_set1_ps(xs[(size_t)r * groups + g])), total[r][c]); \
+                }                                                                               \
             }                                                                                   \
         }                                                                                       \
-        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                   \
-            float sums[BLOCK];                                                                  \
-            _mm512_storeu_ps(sums, total[r]);                                                   \
-            store_sums(y + (size_t)r * n, sums, bias, first, n);                                \
-        }                                                                                       \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                     \
+            _Pragma("GCC unroll 2") for (int c = 0; c < C; c++) {                               \
+                float sums[BLOCK];                                                              \
+                _mm512_storeu_ps(sums, total[r][c]);                                            \
+                store_sums(y + (size_t)r * n, sums, bias, first + c * BLOCK, n);                \
+            }                                                                                   \
     }
 #elif defined(__AVX2__) && defined(__FMA__)
-#define U4Q16_ROWS(NAME, R)                                                                      \
+#define U4Q16_COLUMNS 1
+#define U4Q16_ROWS(NAME, R, C) /* C: 1 */                                                        \
     static inline void NAME(const uint8_t *block, const int16_t *xq, const float *xs,            \
                             const float *xsum, const float *scales, float *y, const float *bias, \
                             int first, int n, int k) {                                          \
@@ -341,7 +356,8 @@ void ragspeed_gemm_u4f32(const uint8_t *w, const float *scale, const float *bias
         }                                                                                       \
     }
 #else /* the same sums in plain C */
-#define U4Q16_ROWS(NAME, R)                                                                      \
+#define U4Q16_COLUMNS 1
+#define U4Q16_ROWS(NAME, R, C) /* C: 1 */                                                        \
     static inline void NAME(const uint8_t *block, const int16_t *xq, const float *xs,            \
                             const float *xsum, const float *scales, float *y, const float *bias, \
                             int first, int n, int k) {                                          \
@@ -366,36 +382,51 @@ void ragspeed_gemm_u4f32(const uint8_t *w, const float *scale, const float *bias
         for (int r = 0; r < R; r++) store_sums(y + (size_t)r * n, total[r], bias, first, n);   \
     }
 #endif
-U4Q16_ROWS(u4q16_1, 1) U4Q16_ROWS(u4q16_2, 2) U4Q16_ROWS(u4q16_3, 3) U4Q16_ROWS(u4q16_4, 4)
-#if Q8_ROWS > 4
-U4Q16_ROWS(u4q16_5, 5) U4Q16_ROWS(u4q16_6, 6) U4Q16_ROWS(u4q16_7, 7) U4Q16_ROWS(u4q16_8, 8)
+/* Rows of a pass times C blocks: u4q16_<R>x<C>. */
+#define U4Q16_ALL(C)                                                                             \
+    U4Q16_ROWS(u4q16_1x##C, 1, C) U4Q16_ROWS(u4q16_2x##C, 2, C) U4Q16_ROWS(u4q16_3x##C, 3, C)    \
+    U4Q16_ROWS(u4q16_4x##C, 4, C) U4Q16_ROWS(u4q16_5x##C, 5, C) U4Q16_ROWS(u4q16_6x##C, 6, C)    \
+    U4Q16_ROWS(u4q16_7x##C, 7, C) U4Q16_ROWS(u4q16_8x##C, 8, C)
+U4Q16_ALL(1)
+#if U4Q16_COLUMNS == 2
+U4Q16_ALL(2)
 #endif
+#define U4Q16_PASS(C, rows, ...)                                                                 \
+    switch (rows) {                                                                             \
+    case 1: u4q16_1x##C(__VA_ARGS__); break;                                                    \
+    case 2: u4q16_2x##C(__VA_ARGS__); break;                                                    \
+    case 3: u4q16_3x##C(__VA_ARGS__); break;                                                    \
+    case 4: u4q16_4x##C(__VA_ARGS__); break;                                                    \
+    case 5: u4q16_5x##C(__VA_ARGS__); break;                                                    \
+    case 6: u4q16_6x##C(__VA_ARGS__); break;                                                    \
+    case 7: u4q16_7x##C(__VA_ARGS__); break;                                                    \
+    default: u4q16_8x##C(__VA_ARGS__); break;                                                   \
+    }
 
+/* The chunk's tiles of U4Q16_COLUMNS blocks (the last may have fewer) split across the threads,
+ * each read once for every pass of Q8_ROWS rows. */
 static void u4q16_chunk(const uint8_t *w, const float *scale, const float *bias, const int16_t *xq,
                         const float *xs, const float *xsum, float *y, int rows, int n, int k) {
     int num_blocks = (n + BLOCK - 1) / BLOCK, groups = k / GROUP;
+    int tiles = (num_blocks + U4Q16_COLUMNS - 1) / U4Q16_COLUMNS;
     _Pragma("omp for schedule(static) nowait")
-    for (int b = 0; b < num_blocks; b++) {
+    for (int i = 0; i < tiles; i++) {
+        int b = i * U4Q16_COLUMNS, whole = num_blocks - b >= U4Q16_COLUMNS;
         const uint8_t *block = w + (size_t)b * k * BLOCK;
         const float *sc = scale + (size_t)b * groups * 2 * BLOCK;
         for (int r = 0; r < rows; r += Q8_ROWS) {
             const int16_t *xr = xq + (size_t)r * k;
             const float *sr = xs + (size_t)r * groups, *mr = xsum + (size_t)r * groups;
             float *yr = y + (size_t)r * n;
-            switch (rows - r < Q8_ROWS ? rows - r : Q8_ROWS) {
-            case 1: u4q16_1(block, xr, sr, mr, sc, yr, bias, b * BLOCK, n, k); break;
-            case 2: u4q16_2(block, xr, sr, mr, sc, yr, bias, b * BLOCK, n, k); break;
-            case 3: u4q16_3(block, xr, sr, mr, sc, yr, bias, b * BLOCK, n, k); break;
-#if Q8_ROWS > 4
-            case 4: u4q16_4(block, xr, sr, mr, sc, yr, bias, b * BLOCK, n, k); break;
-            case 5: u4q16_5(block, xr, sr, mr, sc, yr, bias, b * BLOCK, n, k); break;
-            case 6: u4q16_6(block, xr, sr, mr, sc, yr, bias, b * BLOCK, n, k); break;
-            case 7: u4q16_7(block, xr, sr, mr, sc, yr, bias, b * BLOCK, n, k); break;
-            default: u4q16_8(block, xr, sr, mr, sc, yr, bias, b * BLOCK, n, k); break;
-#else
-            default: u4q16_4(block, xr, sr, mr, sc, yr, bias, b * BLOCK, n, k); break;
-#endif
+            int pass = rows - r < Q8_ROWS ? rows - r : Q8_ROWS;
+#if U4Q16_COLUMNS == 2
+            if (whole) {
+                U4Q16_PASS(2, pass, block, xr, sr, mr, sc, yr, bias, b * BLOCK, n, k)
+                continue;
             }
+#endif
+            (void)whole;
+            U4Q16_PASS(1, pass, block, xr, sr, mr, sc, yr, bias, b * BLOCK, n, k)
         }
     }
 }
