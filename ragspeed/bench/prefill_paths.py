@@ -329,9 +329,10 @@ def _print(result: dict[str, Any], setups: list[Setup], reports: dict) -> None:
         f"TTFT of {result['prompt_len']} tokens, median of {result['repeats']} alternated rounds; "
         f"chosen: {result['chosen_prefill_path']}; attention in the CPU kernel, {reference} with SDPA's"
     )
+    width = max(len(setup.name) for setup in setups)
     for setup in setups:
         name = setup.name
-        line = f"  {name:14s} {result[f'ttft_ms_{name}']:9.1f} ms"
+        line = f"  {name:{width}s} {result[f'ttft_ms_{name}']:9.1f} ms"
         if name != reference:
             line += (
                 f"  {result[f'over_reference_{name}']:.2f}x {reference} "

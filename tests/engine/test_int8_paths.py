@@ -277,8 +277,8 @@ def test_start_up_logs_the_choice(monkeypatch, caplog, features, line):
 def test_start_up_gate_on_a_tiny_model(caplog, tiny_checkpoints):
     """The start-up gate against the model's own exact-activation path, VNNI forced (int8 on
     dtype float32: bf16 not admitted): a strict gate rejects fbgemm-u8 (its activations are
-    rounded) and the model falls back, logged; a lenient one keeps it; without VNNI there is
-    nothing to gate."""
+    rounded) and the model falls back, logged; a lenient one keeps it; without VNNI only the
+    attention's int16 products (under auto) are gated."""
     from ragspeed.engine.native.core.precision import choose_prefill, plan_prefill
     from ragspeed.engine.native.loading.loader import load_model
 
@@ -296,7 +296,7 @@ def test_start_up_gate_on_a_tiny_model(caplog, tiny_checkpoints):
     assert lenient.path.name == "fbgemm-u8"
     assert _paths(loaded) == {"fbgemm-u8"}
     exact = choose_prefill(loaded, plan_prefill("auto", "int8", "cpu", AVX2, PROBE), lambda: windows)
-    assert exact.path.name == "fp32-dequantized" and exact.reports == {}
+    assert exact.path.name == "fp32-dequantized" and list(exact.reports) == ["int16-attention"]
     assert _paths(loaded) == {"fp32-dequantized"}
 
 
