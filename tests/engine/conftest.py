@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import shutil
 import weakref
 
 import pytest
@@ -31,11 +34,33 @@ KERNEL_ISAS = ("native", "avx2", "plain")
 
 
 def kernel_library(isa: str):
-    """The kernels built for `isa` (one of KERNEL_ISAS), or the test skipped where that build failed."""
-    library = load_library(isa)
+    """The kernels built for `isa` (one of KERNEL_ISAS, or AVX_VNNI), or the test skipped where
+    that build failed or this CPU cannot run it."""
+    library = _avx_vnni_library() if isa == AVX_VNNI else load_library(isa)
     if library is None:
-        pytest.skip(f"the {isa} build of the kernels failed here")
+        pytest.skip(f"the {isa} build of the kernels failed here, or this CPU has no {isa}")
     return library
+
+
+# An AVX2 CPU with VEX-encoded VNNI and no AVX-512 (Intel's Alder Lake and later): the kernels'
+# branches for it, which only some kernels have (prefill attention's int16 products), run where
+# this CPU has AVX-VNNI and the session runs its own ISA.
+AVX_VNNI = "avx-vnni"
+
+
+@functools.cache
+def _avx_vnni_library() -> ctypes.CDLL | None:
+    from ragspeed.engine.native.compute.cpu_kernels import build
+    from ragspeed.environment import current
+
+    # /proc/cpuinfo itself: the tests' read_cpu_features reports a fixed set
+    with open("/proc/cpuinfo") as cpuinfo:
+        has_avx_vnni = "avx_vnni" in cpuinfo.read().split()
+    if load_library() is None or current().cpu_isa != "native" or not has_avx_vnni:
+        return None
+    target = build.cache_dir() / "kernels-avx-vnni-test.so"
+    build._compile(shutil.which(current().compiler) or "gcc", target, (*build.FLAGS, "-mno-avx512f"))
+    return build._bind(ctypes.CDLL(str(target)))
 
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")

@@ -11,7 +11,7 @@ import torch
 
 from ragspeed.engine.native.compute.cpu_kernels import load_library
 from ragspeed.engine.native.compute.cpu_kernels.attention import paged_prefill_attention
-from tests.engine.conftest import KERNEL_ISAS, kernel_library
+from tests.engine.conftest import AVX_VNNI, KERNEL_ISAS, kernel_library
 
 pytestmark = pytest.mark.skipif(
     load_library() is None, reason="ragspeed's CPU kernels could not be built here"
@@ -113,7 +113,7 @@ LAYOUTS = [(9, 3, 64, 16), (4, 2, 16, 5), (8, 1, 32, 7), (32, 2, 64, 16), (2, 2,
 CHUNKS = [(1, 0), (1, 130), (50, 0), (130, 3), (70, 200)]
 
 
-@pytest.mark.parametrize("isa", KERNEL_ISAS)
+@pytest.mark.parametrize("isa", [*KERNEL_ISAS, AVX_VNNI])
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size", LAYOUTS)
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("int16", [False, True], ids=["fp32", "int16"])
@@ -146,7 +146,7 @@ def test_scores_far_apart_weigh_only_the_largest():
     _check(out, q, keys, values, 0, 0.125)
 
 
-@pytest.mark.parametrize("isa", KERNEL_ISAS)
+@pytest.mark.parametrize("isa", [*KERNEL_ISAS, AVX_VNNI])
 @pytest.mark.parametrize("int16", [False, True], ids=["fp32", "int16"])
 def test_a_row_has_the_same_bits_in_any_chunking_and_on_any_threads(isa, int16):
     """Each row adds its terms in an order fixed by its position alone: a prompt prefilled in one
@@ -167,7 +167,7 @@ def test_a_row_has_the_same_bits_in_any_chunking_and_on_any_threads(isa, int16):
     assert torch.equal(torch.cat(chunked), whole)
 
 
-@pytest.mark.parametrize("isa", KERNEL_ISAS)
+@pytest.mark.parametrize("isa", [*KERNEL_ISAS, AVX_VNNI])
 @pytest.mark.parametrize("head_dim", [16, 64, 80])
 def test_equal_scores_weigh_the_visible_values_alike_on_int16(isa, head_dim):
     """Zero queries give every visible key the same weight; values that are whole multiples of

@@ -18,13 +18,13 @@
  * with them (its values are zeros, never garbage times zero).
  *
  * With `int16` (an approximation: the engine's quality gate clears it per model) both products
- * are integer dot products at twice fp32's rate (VNNI's vpdpwssd, AVX2's vpmaddwd): each key and
- * each query (scaled) rounded to int16 per vector, the values per channel of a tile, and each
- * row's softmax weights over a tile at the largest of them; pairs of int16s are multiplied and
- * added into int32 lanes, then scaled back by the two steps. No int16 exceeds qk_limit of its
- * dot product's length, so the sums never leave int32 and are exact: about 12.5 bits at head_dim
- * 64 and KEY_TILE 64, against the fp16 KV pool's 11-bit significands. A row's softmax sum adds
- * its rounded weights, so its output stays a weighted mean of its values.
+ * are integer dot products at twice fp32's rate (VNNI's vpdpwssd, AVX2's vpmaddwd): each key,
+ * each query (scaled) and each value rounded to int16 per vector, and each row's softmax weights
+ * times its values' steps rounded per tile at the largest of them; pairs of int16s are
+ * multiplied and added into int32 lanes, then scaled back by the steps. No int16 exceeds
+ * qk_limit of its dot product's length, so the sums never leave int32 and are exact: about 12.5
+ * bits at head_dim 64 and KEY_TILE 64, against the fp16 KV pool's 11-bit significands. The
+ * softmax's sums stay fp32. Every step is that of a key, a query or a row's visible weights.
  *
  * A task's result depends only on its rows' context, not on the thread that runs it, nor on the
  * chunking into tasks: each score and output element adds its terms in one fixed order.
