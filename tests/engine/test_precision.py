@@ -78,9 +78,12 @@ def test_the_attentions_integer_products_are_gated_under_auto_alone(dtype, featu
     assert plan.int16_attention == offered and "int16-attention" not in plan.unavailable
 
 
-def test_the_attentions_integer_products_need_avx2():
+def test_the_attentions_integer_products_need_avx2_and_the_kernel():
     plan = plan_prefill("auto", None, "cpu", CpuFeatures("old", frozenset(), "DEFAULT"), PROBE)
     assert not plan.int16_attention and plan.unavailable["int16-attention"] == "needs AVX2"
+    plan = plan_prefill("auto", None, "cpu", AVX2, PROBE, attention_kernel=False)  # head_dim 12, say
+    assert not plan.int16_attention
+    assert plan.unavailable["int16-attention"] == "the prefill attention kernel does not run this model"
 
 
 def test_policy_off_cpu_and_the_transformers_dtype():

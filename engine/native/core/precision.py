@@ -37,6 +37,7 @@ import torch
 from ragspeed.engine.config import EngineConfig
 from ragspeed.engine.native.compute import cpu_features
 from ragspeed.engine.native.compute.cpu_features import CpuFeatures
+from ragspeed.engine.native.compute.cpu_kernels.attention import prefill_kernel_fits
 from ragspeed.engine.native.compute.quant.prefill import PREFILL_PATHS, PrefillPath, runnable_paths
 from ragspeed.engine.native.compute.quant.probe import PrefillProbe, machine_probe
 from ragspeed.engine.native.compute.threads import cpu_threads
@@ -84,6 +85,7 @@ def plan_prefill(
     device: str | torch.device,
     features: CpuFeatures | None,  # None only off CPU
     probe: PrefillProbe,
+    attention_kernel: bool = True,  # whether the prefill attention kernel runs the model here
 ) -> PrefillPlan | None:
     """The plan for a model on `device` (None off CPU: one dtype serves everything there), its
     paths ordered by the rates `probe` measures; raises DtypeUnavailableError for an unknown
@@ -104,9 +106,11 @@ def plan_prefill(
             f"({features.model_name}) has {have}: use --dtype auto or float32"
         )
     candidates = runnable_paths(admitted, features, probe, choice.requires)
-    int16_attention = choice.int16_attention and "avx2" in features.flags
+    int16_attention = choice.int16_attention and "avx2" in features.flags and attention_kernel
     if choice.int16_attention and not int16_attention:
-        unavailable[INT16_ATTENTION] = "needs AVX2"
+        unavailable[INT16_ATTENTION] = (
+            "needs AVX2" if attention_kernel else "the prefill attention kernel does not run this model"
+        )
     return PrefillPlan(dtype, kind, features, tuple(candidates), unavailable, int16_attention)
 
 
@@ -283,7 +287,11 @@ def choose_precision(
         features = cpu_features.read_cpu_features()  # through the module: tests replace it
     if prefill_probe is None:
         prefill_probe = machine_probe(loaded.arch.hidden_size, num_threads)
-    plan = plan_prefill(config.dtype, loaded.quantization, config.device, features, prefill_probe)
+    arch = loaded.arch
+    attention_kernel = prefill_kernel_fits(arch.num_heads, arch.num_kv_heads, arch.head_dim)
+    plan = plan_prefill(
+        config.dtype, loaded.quantization, config.device, features, prefill_probe, attention_kernel
+    )
     prefill = None
     if plan is not None:
         with cpu_threads(num_threads):

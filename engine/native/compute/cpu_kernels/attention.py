@@ -32,10 +32,25 @@ def decode_kernel_applies(q: torch.Tensor, num_kv_heads: int) -> bool:
     )
 
 
+def prefill_kernel_fits(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether the prefill kernel runs a model of these heads here (its fp32 queries on CPU):
+    the decode kernel's limits, and head_dim in whole vectors of 16 floats (the kernel's output
+    is written a vector at a time)."""
+    return (
+        head_dim % 16 == 0
+        and num_heads // num_kv_heads <= MAX_GROUP
+        and head_dim <= MAX_HEAD_DIM
+        and load_library() is not None
+    )
+
+
 def prefill_kernel_applies(q: torch.Tensor, num_kv_heads: int) -> bool:
-    """As decode_kernel_applies, and head_dim in whole vectors of 16 floats (the kernel's
-    output is written a vector at a time)."""
-    return q.shape[2] % 16 == 0 and decode_kernel_applies(q, num_kv_heads)
+    """q [num_tokens, num_heads, head_dim] fp32 on CPU, of a model prefill_kernel_fits."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.float32
+        and prefill_kernel_fits(q.shape[1], num_kv_heads, q.shape[2])
+    )
 
 
 def paged_prefill_attention(
