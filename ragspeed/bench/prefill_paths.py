@@ -2,23 +2,23 @@
 alternated in one process, with where the time goes.
 
 One engine (serve's defaults: `--quantization auto`, the file's blocks) is moved from setup to
-setup between runs: a prefill path (engine.native.core.quality_gate.use_prefill_path) and its attention, the
-CPU kernel or SDPA's flash kernel (ModelRunner.prefill_kernel). The reference is fp32 with
-SDPA's attention (`fp32+sdpa`, the engine's prefill before its attention kernel); every path
-then runs with the kernel, and the served path once more with the kernel's products on int16
-(`+int16-attention`, where the CPU has AVX2). So every setup sees the same model, threads and machine; each run is
-a fresh random prompt (no prefix cache hit), the setups taking turns in each round so that other
-work on a shared machine slows them alike; the median of the rounds is reported, with the ratio
-to the reference (of the medians, and the median of each round's ratio to the reference's run
-beside it) and each path's start-up gate figures (against fp32 prefill of the same weights:
-engine.native.core.precision).
+setup between runs: a prefill path (engine.native.core.quality_gate.use_prefill_path) and its
+attention, the CPU kernel or SDPA's flash kernel (ModelRunner.prefill_kernel). The reference is
+fp32 with SDPA's attention (`fp32+sdpa`, the engine's prefill before its attention kernel); every
+path then runs with the kernel, and the served path once more with the kernel's products on
+int16 (`+int16-attention`, where the start-up gate may offer it). So every setup sees the same
+model, threads and machine; each run is a fresh random prompt (no prefix cache hit), the setups
+taking turns in each round so that other work on a shared machine slows them alike; the median
+of the rounds is reported, with the ratio to the reference (of the medians, and the median of
+each round's ratio to the reference's run beside it) and each path's start-up gate figures
+(against fp32 prefill of the same weights: engine.native.core.precision).
 
 Where the time goes, per path, in one more prefill under torch's profiler: attention's share of
 its time (as `bench engine` measures it) and the projections' (QKV, output, gate-up, down of
 every layer), with their rate (GFLOP/s): against fp32's, the kernels' own speed-up. The rest of
 a prefill (attention, norms, rotary, the KV writes) does not change with the path, so TTFT's
-ratio to fp32 with the same attention cannot fall below that rest's share. Prints the CPU and its capabilities, a table
-and one line of JSON.
+ratio to fp32 with the same attention cannot fall below that rest's share. Prints the CPU and
+its capabilities, a table and one line of JSON.
 
 `--per-projection` adds which products int8 activations can take: the model with int8 rows in
 one kind of projection only (every layer's QKV, output, gate-up or down; the others on
