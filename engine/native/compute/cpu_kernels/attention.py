@@ -20,15 +20,17 @@ MAX_HEAD_DIM = 256
 KV_DTYPES = (torch.float32, torch.float16)  # the pools the kernels read and write
 
 
+def _kernels_fit(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Heads within the kernels' limits, and the kernels built here."""
+    return num_heads // num_kv_heads <= MAX_GROUP and head_dim <= MAX_HEAD_DIM and load_library() is not None
+
+
 def decode_kernel_applies(q: torch.Tensor, num_kv_heads: int) -> bool:
     """q [num_tokens, num_heads, head_dim]: fp32 on CPU, within the kernel's limits."""
-    num_heads, head_dim = q.shape[1:]
     return (
         q.device.type == "cpu"
         and q.dtype == torch.float32
-        and num_heads // num_kv_heads <= MAX_GROUP
-        and head_dim <= MAX_HEAD_DIM
-        and load_library() is not None
+        and _kernels_fit(q.shape[1], num_kv_heads, q.shape[2])
     )
 
 
@@ -36,12 +38,7 @@ def prefill_kernel_fits(num_heads: int, num_kv_heads: int, head_dim: int) -> boo
     """Whether the prefill kernel runs a model of these heads here (its fp32 queries on CPU):
     the decode kernel's limits, and head_dim in whole vectors of 16 floats (the kernel's output
     is written a vector at a time)."""
-    return (
-        head_dim % 16 == 0
-        and num_heads // num_kv_heads <= MAX_GROUP
-        and head_dim <= MAX_HEAD_DIM
-        and load_library() is not None
-    )
+    return head_dim % 16 == 0 and _kernels_fit(num_heads, num_kv_heads, head_dim)
 
 
 def prefill_kernel_applies(q: torch.Tensor, num_kv_heads: int) -> bool:

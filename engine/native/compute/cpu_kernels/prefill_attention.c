@@ -137,10 +137,9 @@ static inline __attribute__((always_inline)) void tile_scores(const float *q, in
 }
 
 /* acc += the pairwise products of q's and k's int16 pairs, added a pair at a time into each
- * int32 lane (exact: qk_limit). GCC 12 copies the accumulator of _mm512_dpwssd_epi32 in and out
- * of its register around every call (0.72x); inline asm keeps it there. */
+ * int32 lane (exact: qk_limit); asm where GCC would copy the accumulator (kernels_common.h). */
 #if defined(__AVX512VNNI__) && H == 1
-#define DOT_PAIRS(acc, q, k) __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(q), "v"(k))
+#define DOT_PAIRS(acc, q, k) DPWSSD_512(acc, q, k)
 #elif defined(__AVX512BW__) && H == 1
 #define DOT_PAIRS(acc, q, k) acc += (veci)_mm512_madd_epi16((__m512i)(q), (__m512i)(k))
 #elif defined(__AVXVNNI__) && H == 2
