@@ -58,6 +58,9 @@ def test_parse_cpuinfo_and_describe():
     assert features.describe() == (
         "AMD EPYC 7B13 (torch AVX2): avx2; no avx512f, avx512_vnni, avx_vnni, avx512_bf16, amx_bf16, amx_int8"
     )
+    # the family and model numbers name the generation where the model name does not (a VM's)
+    numbered = "processor\t: 0\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\nflags\t\t: avx2\n"
+    assert parse_cpuinfo(numbered, "AVX2").model_name == "AMD EPYC, family 25 model 17"
     assert VNNI.has_vnni and VNNI.has_bf16
     assert parse_cpuinfo("", "DEFAULT").describe() == (
         "unknown CPU (torch DEFAULT): none of the tracked flags; no avx2, avx512f, "

@@ -63,17 +63,22 @@ class CpuFeatures:
 
 
 def parse_cpuinfo(text: str, torch_capability: str) -> CpuFeatures:
-    """The first processor's model name and flags in a /proc/cpuinfo text."""
-    model_name = "unknown CPU"
+    """The first processor's model name and flags in a /proc/cpuinfo text. Its family and model
+    numbers join the name ("AMD EPYC, family 25 model 17"): a virtual machine's name often hides
+    the generation (AMD's Zen 4 and Zen 5 both read "AMD EPYC"), and the rate of the same
+    instructions differs between them (Zen 4 runs a 512-bit one in two halves)."""
+    fields: dict[str, str] = {}
     flags: frozenset[str] = frozenset()
     for line in text.splitlines():
         key, _, value = line.partition(":")
         key = key.strip()
-        if key == "model name" and model_name == "unknown CPU":
-            model_name = value.strip()
-        elif key == "flags":
+        if key == "flags":
             flags = frozenset(value.split()) & set(KNOWN_FLAGS)
             break
+        fields.setdefault(key, value.strip())
+    model_name = fields.get("model name", "unknown CPU")
+    if "cpu family" in fields and "model" in fields:
+        model_name += f", family {fields['cpu family']} model {fields['model']}"
     return CpuFeatures(model_name, flags, torch_capability)
 
 
