@@ -340,10 +340,14 @@ def _llama_cpp_python() -> str | None:
     named = os.environ.get("RAGSPEED_TEST_LLAMA_CPP_PYTHON")
     if named:
         return named
-    try:
-        return sys.executable if importlib.util.find_spec("llama_cpp.server") is not None else None
+    try:  # the [server] extra's own modules too: llama_cpp.server is found without them
+        found = all(
+            importlib.util.find_spec(name)
+            for name in ("llama_cpp.server", "sse_starlette", "starlette_context")
+        )
     except ImportError:
         return None
+    return sys.executable if found else None
 
 
 @pytest.fixture(scope="module")
