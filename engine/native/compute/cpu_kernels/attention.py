@@ -25,13 +25,13 @@ def _kernels_fit(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     return num_heads // num_kv_heads <= MAX_GROUP and head_dim <= MAX_HEAD_DIM and load_library() is not None
 
 
+def _fp32_on_cpu(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu" and q.dtype == torch.float32
+
+
 def decode_kernel_applies(q: torch.Tensor, num_kv_heads: int) -> bool:
     """q [num_tokens, num_heads, head_dim]: fp32 on CPU, within the kernel's limits."""
-    return (
-        q.device.type == "cpu"
-        and q.dtype == torch.float32
-        and _kernels_fit(q.shape[1], num_kv_heads, q.shape[2])
-    )
+    return _fp32_on_cpu(q) and _kernels_fit(q.shape[1], num_kv_heads, q.shape[2])
 
 
 def prefill_kernel_fits(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
@@ -43,11 +43,7 @@ def prefill_kernel_fits(num_heads: int, num_kv_heads: int, head_dim: int) -> boo
 
 def prefill_kernel_applies(q: torch.Tensor, num_kv_heads: int) -> bool:
     """q [num_tokens, num_heads, head_dim] fp32 on CPU, of a model prefill_kernel_fits."""
-    return (
-        q.device.type == "cpu"
-        and q.dtype == torch.float32
-        and prefill_kernel_fits(q.shape[1], num_kv_heads, q.shape[2])
-    )
+    return _fp32_on_cpu(q) and prefill_kernel_fits(q.shape[1], num_kv_heads, q.shape[2])
 
 
 def paged_prefill_attention(

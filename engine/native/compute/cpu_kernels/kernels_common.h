@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #define BLOCK 16 /* output columns of a weight block */
+#define GROUP 32 /* inputs that share one step (weights' and rows' rounding) */
 
 #if defined(__AVX512VNNI__)
 /* acc += vpdpwssd(a, b): the pairwise products of a's and b's int16 pairs added into acc's int32
@@ -20,7 +21,6 @@
  * every call once the accumulators fill the registers (0.72x); asm keeps it there. */
 #define DPWSSD_512(acc, a, b) __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b))
 #endif
-#define GROUP 32 /* inputs that share one step (weights' and rows' rounding) */
 
 /* y[first:first+16] = sums + bias (bias padded to whole blocks), the last block only up to n. */
 static inline void store_sums(float *y, const float *sums, const float *bias, int first, int n) {
